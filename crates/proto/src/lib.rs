@@ -1,1 +1,383 @@
+//! Camelot's wire format. Pure data in, pure data out: no sockets, no clocks.
+//!
+//! A connection carries length-prefixed frames: a little-endian `u32` body length, then the
+//! body, whose first byte is the frame kind. The client opens with [`Hello`]; the server
+//! answers [`HelloOk`] or a [`Frame::Fatal`] and closes. After that the client sends
+//! [`Frame::Requests`] and the server answers each with one [`Frame::Responses`] holding one
+//! response per request, in request order.
+//!
+//! Decoding is defensive: every count and length is checked against [`limits`] and against
+//! the bytes actually present before anything is allocated.
 
+pub mod limits;
+mod wire;
+
+pub use wire::{
+    FrameDecoder, RequestBatchEncoder, ResponseBatchEncoder, ERROR_RESPONSE_BYTES_MAX,
+    REQUESTS_HEADER_BYTES, RESPONSES_HEADER_BYTES, RESPONSE_OK_BUDGET_BYTES,
+};
+
+use bytes::Bytes;
+use std::fmt;
+
+/// The version this build speaks. A server refuses any other at handshake.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// First bytes of a HELLO, so a stray client (HTTP, Redis) is told apart at once.
+pub const HELLO_MAGIC: [u8; 4] = *b"CMLT";
+
+pub type RegionId = u64;
+
+/// One frame, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    Hello(Hello),
+    HelloOk(HelloOk),
+    Requests(RequestBatch),
+    Responses(ResponseBatch),
+    /// A connection-level error; the sender closes the connection after it.
+    Fatal(ErrorReply),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub version: u16,
+    /// Empty when the client has no token.
+    pub token: Bytes,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HelloOk {
+    pub version: u16,
+    /// The cluster-map epoch the server believes in.
+    pub epoch: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestBatch {
+    /// Cluster-map epoch the client routed with; 0 means "not checked".
+    pub epoch: u64,
+    pub requests: Vec<Request>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub id: u64,
+    pub op: Op,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    Ping,
+    Stats,
+    List,
+    Alloc {
+        size: u64,
+        name: Option<String>,
+    },
+    Lookup {
+        name: String,
+    },
+    Free {
+        region: RegionId,
+    },
+    Read {
+        region: RegionId,
+        offset: u64,
+        len: u32,
+    },
+    Write {
+        region: RegionId,
+        offset: u64,
+        data: Bytes,
+    },
+    Cas {
+        region: RegionId,
+        offset: u64,
+        expected: u64,
+        new: u64,
+    },
+    FetchAdd {
+        region: RegionId,
+        offset: u64,
+        delta: u64,
+    },
+}
+
+/// Operation kinds, as counted in STATS and carried on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum OpKind {
+    Ping = 1,
+    Stats = 2,
+    List = 3,
+    Alloc = 4,
+    Lookup = 5,
+    Free = 6,
+    Read = 7,
+    Write = 8,
+    Cas = 9,
+    FetchAdd = 10,
+}
+
+impl OpKind {
+    pub const ALL: [OpKind; 10] = [
+        OpKind::Ping,
+        OpKind::Stats,
+        OpKind::List,
+        OpKind::Alloc,
+        OpKind::Lookup,
+        OpKind::Free,
+        OpKind::Read,
+        OpKind::Write,
+        OpKind::Cas,
+        OpKind::FetchAdd,
+    ];
+
+    pub fn from_u8(v: u8) -> Option<OpKind> {
+        OpKind::ALL.iter().copied().find(|k| *k as u8 == v)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::Ping => "ping",
+            OpKind::Stats => "stats",
+            OpKind::List => "list",
+            OpKind::Alloc => "alloc",
+            OpKind::Lookup => "lookup",
+            OpKind::Free => "free",
+            OpKind::Read => "read",
+            OpKind::Write => "write",
+            OpKind::Cas => "cas",
+            OpKind::FetchAdd => "fetch_add",
+        }
+    }
+}
+
+impl Op {
+    pub fn kind(&self) -> OpKind {
+        match self {
+            Op::Ping => OpKind::Ping,
+            Op::Stats => OpKind::Stats,
+            Op::List => OpKind::List,
+            Op::Alloc { .. } => OpKind::Alloc,
+            Op::Lookup { .. } => OpKind::Lookup,
+            Op::Free { .. } => OpKind::Free,
+            Op::Read { .. } => OpKind::Read,
+            Op::Write { .. } => OpKind::Write,
+            Op::Cas { .. } => OpKind::Cas,
+            Op::FetchAdd { .. } => OpKind::FetchAdd,
+        }
+    }
+
+    /// Bytes this request occupies on the wire (used by batchers to respect
+    /// [`limits::FRAME_BYTES_MAX`] before encoding).
+    pub fn encoded_len(&self) -> usize {
+        wire::request_encoded_len(self)
+    }
+
+    /// Upper bound on the bytes the reply to this request occupies on the wire.
+    pub fn reply_len_max(&self) -> usize {
+        wire::reply_len_max(self)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseBatch {
+    pub responses: Vec<Response>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    pub id: u64,
+    pub result: Result<Reply, ErrorReply>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    Pong,
+    Stats(Vec<(String, u64)>),
+    List(Vec<RegionInfo>),
+    /// ALLOC and LOOKUP.
+    Region(RegionInfo),
+    /// FREE and WRITE.
+    Done,
+    /// READ.
+    Data(Bytes),
+    /// CAS and FETCH_ADD: the word's value before the operation. A CAS succeeded
+    /// exactly when this equals the expected value.
+    Word(u64),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionInfo {
+    pub id: RegionId,
+    pub size: u64,
+    pub name: Option<String>,
+}
+
+/// A typed error the server reports for one request (or, as [`Frame::Fatal`], for the
+/// whole connection).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorReply {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ErrorReply {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        let mut message = message.into();
+        if message.len() > limits::MESSAGE_BYTES_MAX {
+            let mut cut = limits::MESSAGE_BYTES_MAX;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+        }
+        ErrorReply { code, message }
+    }
+}
+
+impl fmt::Display for ErrorReply {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.code, self.message)
+    }
+}
+
+/// Error codes. Unknown codes from a newer peer decode as [`ErrorCode::Unknown`] rather
+/// than failing the whole frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    /// The request was malformed or named an impossible argument.
+    BadRequest,
+    /// The server's memory cap would be exceeded.
+    OutOfMemory,
+    /// The access falls outside the region.
+    OutOfBounds,
+    /// No region with that id (or it was freed).
+    NoSuchRegion,
+    /// No region with that name.
+    NameNotFound,
+    /// A region with that name already exists.
+    NameExists,
+    /// CAS/FETCH_ADD offset not 8-byte aligned.
+    Unaligned,
+    /// A size or count limit was exceeded.
+    TooLarge,
+    /// The batch was routed with an old cluster-map epoch: refresh and retry.
+    StaleEpoch,
+    /// Missing or wrong cluster token.
+    AuthFailed,
+    /// Protocol version not spoken by this server.
+    VersionMismatch,
+    /// The server is shutting down and takes no new work.
+    ShuttingDown,
+    Internal,
+    Unknown(u16),
+}
+
+impl ErrorCode {
+    pub fn to_u16(self) -> u16 {
+        match self {
+            ErrorCode::BadRequest => 1,
+            ErrorCode::OutOfMemory => 2,
+            ErrorCode::OutOfBounds => 3,
+            ErrorCode::NoSuchRegion => 4,
+            ErrorCode::NameNotFound => 5,
+            ErrorCode::NameExists => 6,
+            ErrorCode::Unaligned => 7,
+            ErrorCode::TooLarge => 8,
+            ErrorCode::StaleEpoch => 9,
+            ErrorCode::AuthFailed => 10,
+            ErrorCode::VersionMismatch => 11,
+            ErrorCode::ShuttingDown => 12,
+            ErrorCode::Internal => 13,
+            ErrorCode::Unknown(c) => c,
+        }
+    }
+
+    pub fn from_u16(v: u16) -> ErrorCode {
+        match v {
+            1 => ErrorCode::BadRequest,
+            2 => ErrorCode::OutOfMemory,
+            3 => ErrorCode::OutOfBounds,
+            4 => ErrorCode::NoSuchRegion,
+            5 => ErrorCode::NameNotFound,
+            6 => ErrorCode::NameExists,
+            7 => ErrorCode::Unaligned,
+            8 => ErrorCode::TooLarge,
+            9 => ErrorCode::StaleEpoch,
+            10 => ErrorCode::AuthFailed,
+            11 => ErrorCode::VersionMismatch,
+            12 => ErrorCode::ShuttingDown,
+            13 => ErrorCode::Internal,
+            c => ErrorCode::Unknown(c),
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            ErrorCode::BadRequest => "BAD_REQUEST",
+            ErrorCode::OutOfMemory => "OUT_OF_MEMORY",
+            ErrorCode::OutOfBounds => "OUT_OF_BOUNDS",
+            ErrorCode::NoSuchRegion => "NO_SUCH_REGION",
+            ErrorCode::NameNotFound => "NAME_NOT_FOUND",
+            ErrorCode::NameExists => "NAME_EXISTS",
+            ErrorCode::Unaligned => "UNALIGNED",
+            ErrorCode::TooLarge => "TOO_LARGE",
+            ErrorCode::StaleEpoch => "STALE_EPOCH",
+            ErrorCode::AuthFailed => "AUTH_FAILED",
+            ErrorCode::VersionMismatch => "VERSION_MISMATCH",
+            ErrorCode::ShuttingDown => "SHUTTING_DOWN",
+            ErrorCode::Internal => "INTERNAL",
+            ErrorCode::Unknown(c) => return write!(f, "UNKNOWN_ERROR_{c}"),
+        };
+        f.write_str(s)
+    }
+}
+
+/// Why a byte sequence is not a valid frame. Any of these means the stream can no longer
+/// be trusted; the receiver closes the connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("frame truncated: needed {needed} more bytes")]
+    Truncated { needed: usize },
+    #[error("frame of {len} bytes exceeds the limit of {max}")]
+    FrameTooLarge { len: usize, max: usize },
+    #[error("empty frame")]
+    EmptyFrame,
+    #[error("unknown frame kind {0}")]
+    UnknownFrameKind(u8),
+    #[error("unknown operation code {0}")]
+    UnknownOp(u8),
+    #[error("unknown reply tag {0}")]
+    UnknownReply(u8),
+    #[error("bad handshake magic")]
+    BadMagic,
+    #[error("{what} of {value} exceeds the limit of {max}")]
+    LimitExceeded {
+        what: &'static str,
+        value: u64,
+        max: u64,
+    },
+    #[error("{0} is not valid UTF-8")]
+    BadUtf8(&'static str),
+    #[error("{0} trailing bytes after the frame's content")]
+    TrailingBytes(usize),
+    #[error("invalid field: {0}")]
+    Invalid(&'static str),
+}
+
+/// Why a value cannot be encoded (it would break a limit the peer enforces).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    #[error("{what} of {value} exceeds the limit of {max}")]
+    LimitExceeded {
+        what: &'static str,
+        value: u64,
+        max: u64,
+    },
+}
+
+pub use wire::{decode_frame, encode_frame};

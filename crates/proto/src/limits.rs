@@ -1,0 +1,25 @@
+//! Every size and count the wire format accepts. A decoder rejects anything past these
+//! before allocating for it, so a hostile peer can cost us at most one frame of memory.
+
+/// Largest frame body (after the 4-byte length prefix). Sized so a 16 MiB value plus
+/// headroom fits, while one connection can never pin more than this much buffer.
+pub const FRAME_BYTES_MAX: usize = 64 << 20;
+/// Largest number of requests (or responses) in one frame.
+pub const BATCH_OPS_MAX: usize = 4096;
+/// Largest single READ or WRITE payload.
+pub const IO_BYTES_MAX: usize = 32 << 20;
+/// Largest region a single ALLOC may ask for.
+pub const REGION_BYTES_MAX: u64 = 64 << 30;
+/// Region sizes are rounded up to this granule (the memory server's "page").
+pub const REGION_PAGE_BYTES: u64 = 4096;
+/// Longest region name (a tag a restarted client uses to find its region again).
+pub const NAME_BYTES_MAX: usize = 255;
+/// Longest cluster token.
+pub const TOKEN_BYTES_MAX: usize = 255;
+/// Longest human-readable error message carried on the wire.
+pub const MESSAGE_BYTES_MAX: usize = 1024;
+/// Most regions one LIST reply carries.
+pub const LIST_ENTRIES_MAX: usize = 65_536;
+/// Most counters one STATS reply carries, and the longest counter name.
+pub const STATS_ENTRIES_MAX: usize = 256;
+pub const STAT_NAME_BYTES_MAX: usize = 64;

@@ -1,0 +1,714 @@
+//! Byte layout. All integers little-endian.
+//!
+//! ```text
+//! frame     := len:u32 body                       (len = body bytes, 1..=FRAME_BYTES_MAX)
+//! body      := kind:u8 payload
+//! HELLO     := kind=1 magic:[4] version:u16 token_len:u8 token
+//! HELLO_OK  := kind=2 version:u16 epoch:u64
+//! REQUESTS  := kind=3 epoch:u64 count:u16 request*
+//! RESPONSES := kind=4 count:u16 response*
+//! FATAL     := kind=5 code:u16 msg_len:u16 msg
+//! request   := id:u64 op:u8 fields            (fields per op, see `encode_op`)
+//! response  := id:u64 status:u16 (status=0: tag:u8 reply | status>0: msg_len:u16 msg)
+//! ```
+
+use crate::limits::*;
+use crate::*;
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+const KIND_HELLO: u8 = 1;
+const KIND_HELLO_OK: u8 = 2;
+const KIND_REQUESTS: u8 = 3;
+const KIND_RESPONSES: u8 = 4;
+const KIND_FATAL: u8 = 5;
+
+const TAG_PONG: u8 = 1;
+const TAG_STATS: u8 = 2;
+const TAG_LIST: u8 = 3;
+const TAG_REGION: u8 = 4;
+const TAG_DONE: u8 = 5;
+const TAG_DATA: u8 = 6;
+const TAG_WORD: u8 = 7;
+
+/// Bytes before the first request in a REQUESTS frame, including the length prefix.
+pub const REQUESTS_HEADER_BYTES: usize = 4 + 1 + 8 + 2;
+/// Bytes before the first response in a RESPONSES frame, including the length prefix.
+pub const RESPONSES_HEADER_BYTES: usize = 4 + 1 + 2;
+/// Largest encoded error response.
+pub const ERROR_RESPONSE_BYTES_MAX: usize = 8 + 2 + 2 + MESSAGE_BYTES_MAX;
+/// Bytes of a response frame a server may fill with successful replies while still being
+/// able to answer every remaining request of a full batch with an error.
+pub const RESPONSE_OK_BUDGET_BYTES: usize =
+    FRAME_BYTES_MAX - BATCH_OPS_MAX * ERROR_RESPONSE_BYTES_MAX;
+
+const REGION_INFO_BYTES_MAX: usize = 8 + 8 + 1 + NAME_BYTES_MAX;
+const STATS_REPLY_BYTES_MAX: usize = 2 + STATS_ENTRIES_MAX * (1 + STAT_NAME_BYTES_MAX + 8);
+const LIST_REPLY_BYTES_MAX: usize = 4 + LIST_ENTRIES_MAX * REGION_INFO_BYTES_MAX;
+
+pub(crate) fn request_encoded_len(op: &Op) -> usize {
+    8 + 1
+        + match op {
+            Op::Ping | Op::Stats | Op::List => 0,
+            Op::Alloc { name, .. } => 8 + 1 + name.as_ref().map_or(0, |n| n.len()),
+            Op::Lookup { name } => 1 + name.len(),
+            Op::Free { .. } => 8,
+            Op::Read { .. } => 8 + 8 + 4,
+            Op::Write { data, .. } => 8 + 8 + 4 + data.len(),
+            Op::Cas { .. } => 8 * 4,
+            Op::FetchAdd { .. } => 8 * 3,
+        }
+}
+
+pub(crate) fn reply_len_max(op: &Op) -> usize {
+    let ok = 8
+        + 2
+        + 1
+        + match op {
+            Op::Ping => 0,
+            Op::Stats => STATS_REPLY_BYTES_MAX,
+            Op::List => LIST_REPLY_BYTES_MAX,
+            Op::Alloc { .. } | Op::Lookup { .. } => REGION_INFO_BYTES_MAX,
+            Op::Free { .. } | Op::Write { .. } => 0,
+            Op::Read { len, .. } => 4 + *len as usize,
+            Op::Cas { .. } | Op::FetchAdd { .. } => 8,
+        };
+    ok.max(ERROR_RESPONSE_BYTES_MAX)
+}
+
+fn limit(what: &'static str, value: usize, max: usize) -> Result<(), EncodeError> {
+    if value > max {
+        return Err(EncodeError::LimitExceeded {
+            what,
+            value: value as u64,
+            max: max as u64,
+        });
+    }
+    Ok(())
+}
+
+fn put_short_str(buf: &mut BytesMut, s: &str, what: &'static str) -> Result<(), EncodeError> {
+    limit(what, s.len(), 255)?;
+    buf.put_u8(s.len() as u8);
+    buf.put_slice(s.as_bytes());
+    Ok(())
+}
+
+fn encode_op(buf: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
+    buf.put_u8(op.kind() as u8);
+    match op {
+        Op::Ping | Op::Stats | Op::List => {}
+        Op::Alloc { size, name } => {
+            buf.put_u64_le(*size);
+            match name {
+                Some(n) => {
+                    limit("region name", n.len(), NAME_BYTES_MAX)?;
+                    if n.is_empty() {
+                        return Err(EncodeError::LimitExceeded {
+                            what: "empty region name",
+                            value: 0,
+                            max: 0,
+                        });
+                    }
+                    put_short_str(buf, n, "region name")?;
+                }
+                None => buf.put_u8(0),
+            }
+        }
+        Op::Lookup { name } => {
+            limit("region name", name.len(), NAME_BYTES_MAX)?;
+            put_short_str(buf, name, "region name")?;
+        }
+        Op::Free { region } => buf.put_u64_le(*region),
+        Op::Read {
+            region,
+            offset,
+            len,
+        } => {
+            limit("read length", *len as usize, IO_BYTES_MAX)?;
+            buf.put_u64_le(*region);
+            buf.put_u64_le(*offset);
+            buf.put_u32_le(*len);
+        }
+        Op::Write {
+            region,
+            offset,
+            data,
+        } => {
+            limit("write length", data.len(), IO_BYTES_MAX)?;
+            buf.put_u64_le(*region);
+            buf.put_u64_le(*offset);
+            buf.put_u32_le(data.len() as u32);
+            buf.put_slice(data);
+        }
+        Op::Cas {
+            region,
+            offset,
+            expected,
+            new,
+        } => {
+            buf.put_u64_le(*region);
+            buf.put_u64_le(*offset);
+            buf.put_u64_le(*expected);
+            buf.put_u64_le(*new);
+        }
+        Op::FetchAdd {
+            region,
+            offset,
+            delta,
+        } => {
+            buf.put_u64_le(*region);
+            buf.put_u64_le(*offset);
+            buf.put_u64_le(*delta);
+        }
+    }
+    Ok(())
+}
+
+fn encode_region_info(buf: &mut BytesMut, r: &RegionInfo) -> Result<(), EncodeError> {
+    buf.put_u64_le(r.id);
+    buf.put_u64_le(r.size);
+    match &r.name {
+        Some(n) => put_short_str(buf, n, "region name")?,
+        None => buf.put_u8(0),
+    }
+    Ok(())
+}
+
+fn encode_reply(buf: &mut BytesMut, reply: &Reply) -> Result<(), EncodeError> {
+    match reply {
+        Reply::Pong => buf.put_u8(TAG_PONG),
+        Reply::Stats(entries) => {
+            limit("stats entries", entries.len(), STATS_ENTRIES_MAX)?;
+            buf.put_u8(TAG_STATS);
+            buf.put_u16_le(entries.len() as u16);
+            for (name, value) in entries {
+                limit("stat name", name.len(), STAT_NAME_BYTES_MAX)?;
+                put_short_str(buf, name, "stat name")?;
+                buf.put_u64_le(*value);
+            }
+        }
+        Reply::List(regions) => {
+            limit("list entries", regions.len(), LIST_ENTRIES_MAX)?;
+            buf.put_u8(TAG_LIST);
+            buf.put_u32_le(regions.len() as u32);
+            for r in regions {
+                encode_region_info(buf, r)?;
+            }
+        }
+        Reply::Region(r) => {
+            buf.put_u8(TAG_REGION);
+            encode_region_info(buf, r)?;
+        }
+        Reply::Done => buf.put_u8(TAG_DONE),
+        Reply::Data(d) => {
+            limit("read data", d.len(), IO_BYTES_MAX)?;
+            buf.put_u8(TAG_DATA);
+            buf.put_u32_le(d.len() as u32);
+            buf.put_slice(d);
+        }
+        Reply::Word(w) => {
+            buf.put_u8(TAG_WORD);
+            buf.put_u64_le(*w);
+        }
+    }
+    Ok(())
+}
+
+fn encode_error(buf: &mut BytesMut, e: &ErrorReply) {
+    // ErrorReply::new already truncates; a hand-built one is cut here, on a char boundary.
+    let mut cut = e.message.len().min(MESSAGE_BYTES_MAX);
+    while !e.message.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    buf.put_u16_le(e.message[..cut].len() as u16);
+    buf.put_slice(&e.message.as_bytes()[..cut]);
+}
+
+/// Starts a frame at the buffer's end; returns where its length prefix sits.
+fn begin_frame(buf: &mut BytesMut, kind: u8) -> usize {
+    let start = buf.len();
+    buf.put_u32_le(0);
+    buf.put_u8(kind);
+    start
+}
+
+fn end_frame(buf: &mut BytesMut, start: usize) -> Result<(), EncodeError> {
+    let body = buf.len() - start - 4;
+    if let Err(e) = limit("frame bytes", body, FRAME_BYTES_MAX) {
+        buf.truncate(start);
+        return Err(e);
+    }
+    buf[start..start + 4].copy_from_slice(&(body as u32).to_le_bytes());
+    Ok(())
+}
+
+/// Appends one whole frame (length prefix included) to `buf`. On error `buf` is left as
+/// it was.
+pub fn encode_frame(frame: &Frame, buf: &mut BytesMut) -> Result<(), EncodeError> {
+    let start = buf.len();
+    let res = (|| match frame {
+        Frame::Hello(h) => {
+            limit("token", h.token.len(), TOKEN_BYTES_MAX)?;
+            begin_frame(buf, KIND_HELLO);
+            buf.put_slice(&HELLO_MAGIC);
+            buf.put_u16_le(h.version);
+            buf.put_u8(h.token.len() as u8);
+            buf.put_slice(&h.token);
+            end_frame(buf, start)
+        }
+        Frame::HelloOk(h) => {
+            begin_frame(buf, KIND_HELLO_OK);
+            buf.put_u16_le(h.version);
+            buf.put_u64_le(h.epoch);
+            end_frame(buf, start)
+        }
+        Frame::Requests(batch) => {
+            let mut enc = RequestBatchEncoder::begin(buf, batch.epoch);
+            for r in &batch.requests {
+                enc.push(r.id, &r.op)?;
+            }
+            enc.finish()
+        }
+        Frame::Responses(batch) => {
+            let mut enc = ResponseBatchEncoder::begin(buf);
+            for r in &batch.responses {
+                match &r.result {
+                    Ok(reply) => enc.push_ok(r.id, reply)?,
+                    Err(e) => enc.push_err(r.id, e)?,
+                }
+            }
+            enc.finish()
+        }
+        Frame::Fatal(e) => {
+            begin_frame(buf, KIND_FATAL);
+            buf.put_u16_le(e.code.to_u16());
+            encode_error(buf, e);
+            end_frame(buf, start)
+        }
+    })();
+    if res.is_err() {
+        buf.truncate(start);
+    }
+    res
+}
+
+/// Builds a REQUESTS frame in place, one request at a time, so a batcher never holds a
+/// `Vec<Request>` copy of what it sends.
+pub struct RequestBatchEncoder<'a> {
+    buf: &'a mut BytesMut,
+    start: usize,
+    count: usize,
+}
+
+impl<'a> RequestBatchEncoder<'a> {
+    pub fn begin(buf: &'a mut BytesMut, epoch: u64) -> Self {
+        let start = begin_frame(buf, KIND_REQUESTS);
+        buf.put_u64_le(epoch);
+        buf.put_u16_le(0);
+        RequestBatchEncoder {
+            buf,
+            start,
+            count: 0,
+        }
+    }
+
+    /// Appends a request. On error nothing is appended.
+    pub fn push(&mut self, id: u64, op: &Op) -> Result<(), EncodeError> {
+        limit("requests per batch", self.count + 1, BATCH_OPS_MAX)?;
+        let at = self.buf.len();
+        self.buf.put_u64_le(id);
+        if let Err(e) = encode_op(self.buf, op) {
+            self.buf.truncate(at);
+            return Err(e);
+        }
+        self.count += 1;
+        Ok(())
+    }
+
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Frame bytes so far, length prefix included.
+    pub fn frame_len(&self) -> usize {
+        self.buf.len() - self.start
+    }
+
+    /// Patches the length and count. On error the frame is removed from the buffer.
+    pub fn finish(self) -> Result<(), EncodeError> {
+        let count_at = self.start + 4 + 1 + 8;
+        self.buf[count_at..count_at + 2].copy_from_slice(&(self.count as u16).to_le_bytes());
+        end_frame(self.buf, self.start)
+    }
+}
+
+/// Builds a RESPONSES frame in place; READ data is copied straight from server memory into
+/// the frame with [`ResponseBatchEncoder::push_data_with`].
+pub struct ResponseBatchEncoder<'a> {
+    buf: &'a mut BytesMut,
+    start: usize,
+    count: usize,
+}
+
+impl<'a> ResponseBatchEncoder<'a> {
+    pub fn begin(buf: &'a mut BytesMut) -> Self {
+        let start = begin_frame(buf, KIND_RESPONSES);
+        buf.put_u16_le(0);
+        ResponseBatchEncoder {
+            buf,
+            start,
+            count: 0,
+        }
+    }
+
+    fn check_count(&self) -> Result<(), EncodeError> {
+        limit("responses per batch", self.count + 1, BATCH_OPS_MAX)
+    }
+
+    pub fn push_ok(&mut self, id: u64, reply: &Reply) -> Result<(), EncodeError> {
+        self.check_count()?;
+        let at = self.buf.len();
+        self.buf.put_u64_le(id);
+        self.buf.put_u16_le(0);
+        if let Err(e) = encode_reply(self.buf, reply) {
+            self.buf.truncate(at);
+            return Err(e);
+        }
+        self.count += 1;
+        Ok(())
+    }
+
+    /// Appends a READ reply of `len` bytes, letting `fill` write the data in place.
+    pub fn push_data_with(
+        &mut self,
+        id: u64,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<(), EncodeError> {
+        self.check_count()?;
+        limit("read data", len, IO_BYTES_MAX)?;
+        self.buf.put_u64_le(id);
+        self.buf.put_u16_le(0);
+        self.buf.put_u8(TAG_DATA);
+        self.buf.put_u32_le(len as u32);
+        let at = self.buf.len();
+        self.buf.resize(at + len, 0);
+        fill(&mut self.buf[at..at + len]);
+        self.count += 1;
+        Ok(())
+    }
+
+    pub fn push_err(&mut self, id: u64, err: &ErrorReply) -> Result<(), EncodeError> {
+        self.check_count()?;
+        self.buf.put_u64_le(id);
+        let code = match err.code.to_u16() {
+            0 => ErrorCode::Internal.to_u16(),
+            c => c,
+        };
+        self.buf.put_u16_le(code);
+        encode_error(self.buf, err);
+        self.count += 1;
+        Ok(())
+    }
+
+    /// Frame bytes so far, length prefix included.
+    pub fn frame_len(&self) -> usize {
+        self.buf.len() - self.start
+    }
+
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    pub fn finish(self) -> Result<(), EncodeError> {
+        let count_at = self.start + 4 + 1;
+        self.buf[count_at..count_at + 2].copy_from_slice(&(self.count as u16).to_le_bytes());
+        end_frame(self.buf, self.start)
+    }
+}
+
+/// Splits complete frames off the front of a receive buffer.
+pub struct FrameDecoder;
+
+impl FrameDecoder {
+    /// Returns the next complete frame body (without its length prefix), `None` when more
+    /// bytes are needed, or an error when the length prefix is out of bounds. On `None` the
+    /// buffer has reserved room for the rest of the frame.
+    pub fn split_frame(buf: &mut BytesMut) -> Result<Option<Bytes>, DecodeError> {
+        if buf.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+        Self::check_len(len)?;
+        if buf.len() < 4 + len {
+            buf.reserve(4 + len - buf.len());
+            return Ok(None);
+        }
+        let mut frame = buf.split_to(4 + len);
+        frame.advance(4);
+        Ok(Some(frame.freeze()))
+    }
+
+    /// Validates a body length read from a length prefix.
+    pub fn check_len(len: usize) -> Result<(), DecodeError> {
+        if len == 0 {
+            return Err(DecodeError::EmptyFrame);
+        }
+        if len > FRAME_BYTES_MAX {
+            return Err(DecodeError::FrameTooLarge {
+                len,
+                max: FRAME_BYTES_MAX,
+            });
+        }
+        Ok(())
+    }
+}
+
+struct Cursor {
+    buf: Bytes,
+}
+
+impl Cursor {
+    fn need(&self, n: usize) -> Result<(), DecodeError> {
+        if self.buf.remaining() < n {
+            return Err(DecodeError::Truncated {
+                needed: n - self.buf.remaining(),
+            });
+        }
+        Ok(())
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        self.need(1)?;
+        Ok(self.buf.get_u8())
+    }
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        self.need(2)?;
+        Ok(self.buf.get_u16_le())
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        self.need(4)?;
+        Ok(self.buf.get_u32_le())
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        self.need(8)?;
+        Ok(self.buf.get_u64_le())
+    }
+    fn bytes(&mut self, n: usize) -> Result<Bytes, DecodeError> {
+        self.need(n)?;
+        Ok(self.buf.split_to(n))
+    }
+    fn string(&mut self, n: usize, what: &'static str) -> Result<String, DecodeError> {
+        let b = self.bytes(n)?;
+        String::from_utf8(b.to_vec()).map_err(|_| DecodeError::BadUtf8(what))
+    }
+    fn short_str(&mut self, what: &'static str, max: usize) -> Result<String, DecodeError> {
+        let n = self.u8()? as usize;
+        check_limit(what, n as u64, max as u64)?;
+        self.string(n, what)
+    }
+    fn count(
+        &mut self,
+        n: usize,
+        what: &'static str,
+        max: usize,
+        min_item_bytes: usize,
+    ) -> Result<usize, DecodeError> {
+        check_limit(what, n as u64, max as u64)?;
+        // A count the remaining bytes cannot possibly hold is caught before any allocation.
+        self.need(n.saturating_mul(min_item_bytes))?;
+        Ok(n)
+    }
+    fn finish(self) -> Result<(), DecodeError> {
+        if self.buf.has_remaining() {
+            return Err(DecodeError::TrailingBytes(self.buf.remaining()));
+        }
+        Ok(())
+    }
+}
+
+fn check_limit(what: &'static str, value: u64, max: u64) -> Result<(), DecodeError> {
+    if value > max {
+        return Err(DecodeError::LimitExceeded { what, value, max });
+    }
+    Ok(())
+}
+
+fn decode_op(c: &mut Cursor) -> Result<Op, DecodeError> {
+    let code = c.u8()?;
+    let kind = OpKind::from_u8(code).ok_or(DecodeError::UnknownOp(code))?;
+    Ok(match kind {
+        OpKind::Ping => Op::Ping,
+        OpKind::Stats => Op::Stats,
+        OpKind::List => Op::List,
+        OpKind::Alloc => {
+            let size = c.u64()?;
+            check_limit("region size", size, REGION_BYTES_MAX)?;
+            let n = c.u8()? as usize;
+            let name = if n == 0 {
+                None
+            } else {
+                Some(c.string(n, "region name")?)
+            };
+            Op::Alloc { size, name }
+        }
+        OpKind::Lookup => {
+            let name = c.short_str("region name", NAME_BYTES_MAX)?;
+            if name.is_empty() {
+                return Err(DecodeError::Invalid("empty region name"));
+            }
+            Op::Lookup { name }
+        }
+        OpKind::Free => Op::Free { region: c.u64()? },
+        OpKind::Read => {
+            let region = c.u64()?;
+            let offset = c.u64()?;
+            let len = c.u32()?;
+            check_limit("read length", len as u64, IO_BYTES_MAX as u64)?;
+            Op::Read {
+                region,
+                offset,
+                len,
+            }
+        }
+        OpKind::Write => {
+            let region = c.u64()?;
+            let offset = c.u64()?;
+            let len = c.u32()? as usize;
+            check_limit("write length", len as u64, IO_BYTES_MAX as u64)?;
+            Op::Write {
+                region,
+                offset,
+                data: c.bytes(len)?,
+            }
+        }
+        OpKind::Cas => Op::Cas {
+            region: c.u64()?,
+            offset: c.u64()?,
+            expected: c.u64()?,
+            new: c.u64()?,
+        },
+        OpKind::FetchAdd => Op::FetchAdd {
+            region: c.u64()?,
+            offset: c.u64()?,
+            delta: c.u64()?,
+        },
+    })
+}
+
+fn decode_region_info(c: &mut Cursor) -> Result<RegionInfo, DecodeError> {
+    let id = c.u64()?;
+    let size = c.u64()?;
+    let n = c.u8()? as usize;
+    let name = if n == 0 {
+        None
+    } else {
+        Some(c.string(n, "region name")?)
+    };
+    Ok(RegionInfo { id, size, name })
+}
+
+fn decode_reply(c: &mut Cursor) -> Result<Reply, DecodeError> {
+    let tag = c.u8()?;
+    Ok(match tag {
+        TAG_PONG => Reply::Pong,
+        TAG_STATS => {
+            let n = c.u16()? as usize;
+            let n = c.count(n, "stats entries", STATS_ENTRIES_MAX, 1 + 8)?;
+            let mut entries = Vec::with_capacity(n);
+            for _ in 0..n {
+                let name = c.short_str("stat name", STAT_NAME_BYTES_MAX)?;
+                entries.push((name, c.u64()?));
+            }
+            Reply::Stats(entries)
+        }
+        TAG_LIST => {
+            let n = c.u32()? as usize;
+            let n = c.count(n, "list entries", LIST_ENTRIES_MAX, 8 + 8 + 1)?;
+            let mut regions = Vec::with_capacity(n);
+            for _ in 0..n {
+                regions.push(decode_region_info(c)?);
+            }
+            Reply::List(regions)
+        }
+        TAG_REGION => Reply::Region(decode_region_info(c)?),
+        TAG_DONE => Reply::Done,
+        TAG_DATA => {
+            let n = c.u32()? as usize;
+            check_limit("read data", n as u64, IO_BYTES_MAX as u64)?;
+            Reply::Data(c.bytes(n)?)
+        }
+        TAG_WORD => Reply::Word(c.u64()?),
+        t => return Err(DecodeError::UnknownReply(t)),
+    })
+}
+
+fn decode_error_body(c: &mut Cursor, code: ErrorCode) -> Result<ErrorReply, DecodeError> {
+    let n = c.u16()? as usize;
+    check_limit("error message", n as u64, MESSAGE_BYTES_MAX as u64)?;
+    let message = c.string(n, "error message")?;
+    Ok(ErrorReply { code, message })
+}
+
+/// Decodes one frame body (the bytes after the length prefix). Payload bytes (WRITE data,
+/// READ replies) are zero-copy slices of `body`.
+pub fn decode_frame(body: Bytes) -> Result<Frame, DecodeError> {
+    FrameDecoder::check_len(body.len())?;
+    let mut c = Cursor { buf: body };
+    let kind = c.u8()?;
+    let frame = match kind {
+        KIND_HELLO => {
+            let magic = c.bytes(4)?;
+            if magic[..] != HELLO_MAGIC {
+                return Err(DecodeError::BadMagic);
+            }
+            let version = c.u16()?;
+            let n = c.u8()? as usize;
+            check_limit("token", n as u64, TOKEN_BYTES_MAX as u64)?;
+            Frame::Hello(Hello {
+                version,
+                token: c.bytes(n)?,
+            })
+        }
+        KIND_HELLO_OK => Frame::HelloOk(HelloOk {
+            version: c.u16()?,
+            epoch: c.u64()?,
+        }),
+        KIND_REQUESTS => {
+            let epoch = c.u64()?;
+            let n = c.u16()? as usize;
+            let n = c.count(n, "requests per batch", BATCH_OPS_MAX, 8 + 1)?;
+            let mut requests = Vec::with_capacity(n);
+            for _ in 0..n {
+                let id = c.u64()?;
+                requests.push(Request {
+                    id,
+                    op: decode_op(&mut c)?,
+                });
+            }
+            Frame::Requests(RequestBatch { epoch, requests })
+        }
+        KIND_RESPONSES => {
+            let n = c.u16()? as usize;
+            let n = c.count(n, "responses per batch", BATCH_OPS_MAX, 8 + 2 + 1)?;
+            let mut responses = Vec::with_capacity(n);
+            for _ in 0..n {
+                let id = c.u64()?;
+                let status = c.u16()?;
+                let result = if status == 0 {
+                    Ok(decode_reply(&mut c)?)
+                } else {
+                    Err(decode_error_body(&mut c, ErrorCode::from_u16(status))?)
+                };
+                responses.push(Response { id, result });
+            }
+            Frame::Responses(ResponseBatch { responses })
+        }
+        KIND_FATAL => {
+            let code = ErrorCode::from_u16(c.u16()?);
+            Frame::Fatal(decode_error_body(&mut c, code)?)
+        }
+        k => return Err(DecodeError::UnknownFrameKind(k)),
+    };
+    c.finish()?;
+    Ok(frame)
+}

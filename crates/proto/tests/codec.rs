@@ -1,0 +1,274 @@
+use bytes::{Bytes, BytesMut};
+use camelot_proto::limits::*;
+use camelot_proto::*;
+use proptest::prelude::*;
+
+fn name() -> impl Strategy<Value = String> {
+    "[a-zA-Z0-9/_.-]{1,40}"
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        Just(Op::Ping),
+        Just(Op::Stats),
+        Just(Op::List),
+        (0..REGION_BYTES_MAX, proptest::option::of(name()))
+            .prop_map(|(size, name)| Op::Alloc { size, name }),
+        name().prop_map(|name| Op::Lookup { name }),
+        any::<u64>().prop_map(|region| Op::Free { region }),
+        (any::<u64>(), any::<u64>(), 0..=IO_BYTES_MAX as u32).prop_map(|(region, offset, len)| {
+            Op::Read {
+                region,
+                offset,
+                len,
+            }
+        }),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            proptest::collection::vec(any::<u8>(), 0..300)
+        )
+            .prop_map(|(region, offset, data)| Op::Write {
+                region,
+                offset,
+                data: Bytes::from(data)
+            }),
+        (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
+            |(region, offset, expected, new)| Op::Cas {
+                region,
+                offset,
+                expected,
+                new
+            }
+        ),
+        (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(region, offset, delta)| {
+            Op::FetchAdd {
+                region,
+                offset,
+                delta,
+            }
+        }),
+    ]
+}
+
+fn region_info() -> impl Strategy<Value = RegionInfo> {
+    (any::<u64>(), any::<u64>(), proptest::option::of(name()))
+        .prop_map(|(id, size, name)| RegionInfo { id, size, name })
+}
+
+fn error_reply() -> impl Strategy<Value = ErrorReply> {
+    (1u16..40, ".{0,60}").prop_map(|(c, m)| ErrorReply::new(ErrorCode::from_u16(c), m))
+}
+
+fn reply() -> impl Strategy<Value = Reply> {
+    prop_oneof![
+        Just(Reply::Pong),
+        Just(Reply::Done),
+        any::<u64>().prop_map(Reply::Word),
+        proptest::collection::vec(any::<u8>(), 0..300).prop_map(|d| Reply::Data(Bytes::from(d))),
+        region_info().prop_map(Reply::Region),
+        proptest::collection::vec(region_info(), 0..10).prop_map(Reply::List),
+        proptest::collection::vec(("[a-z_]{1,20}", any::<u64>()), 0..10).prop_map(Reply::Stats),
+    ]
+}
+
+fn frame() -> impl Strategy<Value = Frame> {
+    prop_oneof![
+        (
+            any::<u16>(),
+            proptest::collection::vec(any::<u8>(), 0..=TOKEN_BYTES_MAX)
+        )
+            .prop_map(|(version, token)| Frame::Hello(Hello {
+                version,
+                token: Bytes::from(token)
+            })),
+        (any::<u16>(), any::<u64>())
+            .prop_map(|(version, epoch)| Frame::HelloOk(HelloOk { version, epoch })),
+        (
+            any::<u64>(),
+            proptest::collection::vec((any::<u64>(), op()), 0..20)
+        )
+            .prop_map(|(epoch, reqs)| Frame::Requests(RequestBatch {
+                epoch,
+                requests: reqs
+                    .into_iter()
+                    .map(|(id, op)| Request { id, op })
+                    .collect()
+            })),
+        proptest::collection::vec(
+            (
+                any::<u64>(),
+                prop_oneof![reply().prop_map(Ok), error_reply().prop_map(Err)]
+            ),
+            0..20
+        )
+        .prop_map(|rs| Frame::Responses(ResponseBatch {
+            responses: rs
+                .into_iter()
+                .map(|(id, result)| Response { id, result })
+                .collect()
+        })),
+        error_reply().prop_map(Frame::Fatal),
+    ]
+}
+
+fn split_one(buf: &mut BytesMut) -> Bytes {
+    FrameDecoder::split_frame(buf)
+        .unwrap()
+        .expect("a whole frame")
+}
+
+proptest! {
+    #[test]
+    fn frames_round_trip(f in frame()) {
+        let mut buf = BytesMut::new();
+        encode_frame(&f, &mut buf).unwrap();
+        let body = split_one(&mut buf);
+        prop_assert!(buf.is_empty());
+        prop_assert_eq!(decode_frame(body).unwrap(), f);
+    }
+
+    #[test]
+    fn encoded_len_is_exact(id in any::<u64>(), o in op()) {
+        let mut buf = BytesMut::new();
+        let mut enc = RequestBatchEncoder::begin(&mut buf, 0);
+        let before = enc.frame_len();
+        enc.push(id, &o).unwrap();
+        prop_assert_eq!(enc.frame_len() - before, o.encoded_len());
+    }
+
+    #[test]
+    fn reply_len_max_bounds_the_reply(id in any::<u64>(), r in reply()) {
+        // For the ops whose reply size is fixed by the request, the bound must hold.
+        let op = match &r {
+            Reply::Data(d) => Op::Read { region: 0, offset: 0, len: d.len() as u32 },
+            Reply::Word(_) => Op::FetchAdd { region: 0, offset: 0, delta: 0 },
+            Reply::Region(_) => Op::Lookup { name: "x".into() },
+            Reply::List(_) => Op::List,
+            Reply::Stats(_) => Op::Stats,
+            Reply::Pong => Op::Ping,
+            Reply::Done => Op::Free { region: 0 },
+        };
+        let mut buf = BytesMut::new();
+        let mut enc = ResponseBatchEncoder::begin(&mut buf);
+        let before = enc.frame_len();
+        enc.push_ok(id, &r).unwrap();
+        prop_assert!(enc.frame_len() - before <= op.reply_len_max());
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..2048)) {
+        let _ = decode_frame(Bytes::from(body.clone()));
+        let mut buf = BytesMut::from(&body[..]);
+        while let Ok(Some(f)) = FrameDecoder::split_frame(&mut buf) {
+            let _ = decode_frame(f);
+        }
+    }
+
+    #[test]
+    fn mutated_frames_never_panic(f in frame(), flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
+        let mut buf = BytesMut::new();
+        encode_frame(&f, &mut buf).unwrap();
+        let mut body = split_one(&mut buf).to_vec();
+        for (i, v) in flips {
+            let n = body.len();
+            body[i % n] = v;
+        }
+        let _ = decode_frame(Bytes::from(body));
+    }
+
+    #[test]
+    fn truncated_frames_are_errors(f in frame(), cut in any::<usize>()) {
+        let mut buf = BytesMut::new();
+        encode_frame(&f, &mut buf).unwrap();
+        let body = split_one(&mut buf);
+        let cut = 1 + cut % body.len();
+        if cut < body.len() {
+            prop_assert!(decode_frame(body.slice(..cut)).is_err());
+        }
+    }
+}
+
+#[test]
+fn oversized_length_prefix_is_refused_before_buffering() {
+    let mut buf = BytesMut::new();
+    buf.extend_from_slice(&((FRAME_BYTES_MAX as u32) + 1).to_le_bytes());
+    assert!(matches!(
+        FrameDecoder::split_frame(&mut buf),
+        Err(DecodeError::FrameTooLarge { .. })
+    ));
+    let mut zero = BytesMut::from(&[0u8, 0, 0, 0][..]);
+    assert_eq!(
+        FrameDecoder::split_frame(&mut zero),
+        Err(DecodeError::EmptyFrame)
+    );
+}
+
+#[test]
+fn huge_counts_are_refused_without_allocating() {
+    // REQUESTS frame claiming 4096 requests but carrying none.
+    let mut body = vec![3u8];
+    body.extend_from_slice(&0u64.to_le_bytes());
+    body.extend_from_slice(&4096u16.to_le_bytes());
+    assert!(matches!(
+        decode_frame(Bytes::from(body)),
+        Err(DecodeError::Truncated { .. })
+    ));
+    // More than the batch limit.
+    let mut body = vec![3u8];
+    body.extend_from_slice(&0u64.to_le_bytes());
+    body.extend_from_slice(&5000u16.to_le_bytes());
+    assert!(matches!(
+        decode_frame(Bytes::from(body)),
+        Err(DecodeError::LimitExceeded { .. })
+    ));
+}
+
+#[test]
+fn batch_limit_is_enforced_by_encoder() {
+    let mut buf = BytesMut::new();
+    let mut enc = RequestBatchEncoder::begin(&mut buf, 0);
+    for i in 0..BATCH_OPS_MAX {
+        enc.push(i as u64, &Op::Ping).unwrap();
+    }
+    assert!(enc.push(0, &Op::Ping).is_err());
+    enc.finish().unwrap();
+    let body = FrameDecoder::split_frame(&mut buf).unwrap().unwrap();
+    match decode_frame(body).unwrap() {
+        Frame::Requests(b) => assert_eq!(b.requests.len(), BATCH_OPS_MAX),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn push_data_with_fills_in_place() {
+    let mut buf = BytesMut::new();
+    let mut enc = ResponseBatchEncoder::begin(&mut buf);
+    enc.push_data_with(7, 5, |d| d.copy_from_slice(b"hello"))
+        .unwrap();
+    enc.push_err(8, &ErrorReply::new(ErrorCode::OutOfBounds, "past the end"))
+        .unwrap();
+    enc.finish().unwrap();
+    let body = FrameDecoder::split_frame(&mut buf).unwrap().unwrap();
+    let Frame::Responses(b) = decode_frame(body).unwrap() else {
+        panic!("not responses")
+    };
+    assert_eq!(
+        b.responses[0].result,
+        Ok(Reply::Data(Bytes::from_static(b"hello")))
+    );
+    assert_eq!(
+        b.responses[1].result.as_ref().unwrap_err().code,
+        ErrorCode::OutOfBounds
+    );
+}
+
+#[test]
+fn long_messages_are_cut_on_char_boundaries() {
+    let e = ErrorReply::new(ErrorCode::Internal, "é".repeat(MESSAGE_BYTES_MAX));
+    assert!(e.message.len() <= MESSAGE_BYTES_MAX);
+    let mut buf = BytesMut::new();
+    encode_frame(&Frame::Fatal(e.clone()), &mut buf).unwrap();
+    let body = FrameDecoder::split_frame(&mut buf).unwrap().unwrap();
+    assert_eq!(decode_frame(body).unwrap(), Frame::Fatal(e));
+}
