@@ -1,1 +1,246 @@
+//! Camelot's memory server: regions in a capped arena, served over the wire format of
+//! `camelot-proto`.
+//!
+//! The pure parts ([`budget`], [`store`], [`exec`]) know nothing of sockets; [`ServerHandle`]
+//! puts them behind a TCP listener on the current tokio runtime.
 
+pub mod budget;
+mod conn;
+pub mod dev;
+pub mod exec;
+pub mod state;
+pub mod store;
+
+pub use budget::{MemoryBudget, OverBudget, Reservation};
+pub use exec::exec;
+pub use state::{ServerState, Stats};
+pub use store::{Region, RegionStore};
+
+use camelot_proto::limits::TOKEN_BYTES_MAX;
+use conn::{Conn, OpenConnection, Shared};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::{JoinError, JoinHandle, JoinSet};
+use tracing::{error, info, warn};
+
+/// Pause after a failed accept (typically out of file descriptors) before trying again,
+/// so the loop does not spin while the condition lasts.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(20);
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub memory_bytes_max: u64,
+    /// Cluster token a client must present; `None` serves anyone who can connect.
+    pub token: Option<Vec<u8>>,
+    /// Connections beyond this are told FATAL TOO_LARGE and closed.
+    pub connections_max: usize,
+    /// Cluster-map epoch; batches routed with another (non-zero) epoch get STALE_EPOCH.
+    pub epoch: u64,
+    /// How long [`ServerHandle::shutdown`] waits for connections to finish their answers.
+    pub shutdown_grace: Duration,
+    /// How long a new connection may take to send its HELLO.
+    pub handshake_timeout: Duration,
+}
+
+impl ServerConfig {
+    pub fn new(listen: SocketAddr, memory_bytes_max: u64) -> Self {
+        ServerConfig {
+            listen,
+            memory_bytes_max,
+            token: None,
+            connections_max: 1024,
+            epoch: 0,
+            shutdown_grace: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("invalid server configuration: {0}")]
+    Config(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot read the listening address: {0}")]
+    LocalAddr(#[source] std::io::Error),
+    #[error(
+        "{connections} connection(s) had not finished {grace:?} after shutdown began; \
+         they were cut off"
+    )]
+    GraceExpired { connections: usize, grace: Duration },
+    #[error("the accept loop failed: {0}")]
+    AcceptLoop(#[source] JoinError),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+}
+
+/// A running server. Dropping it without [`ServerHandle::shutdown`] also stops the server,
+/// in the background.
+pub struct ServerHandle {
+    local_addr: SocketAddr,
+    state: Arc<ServerState>,
+    stop: watch::Sender<bool>,
+    accept: JoinHandle<Result<(), ServerError>>,
+}
+
+impl ServerHandle {
+    /// Binds `config.listen` and starts accepting on the current tokio runtime.
+    pub async fn start(config: ServerConfig) -> Result<ServerHandle, ServerError> {
+        if let Some(token) = &config.token {
+            if token.is_empty() {
+                // A client without a token sends an empty one: this would let it in.
+                return Err(ServerError::Config(
+                    "the token must not be empty (leave it unset to serve without one)".into(),
+                ));
+            }
+            if token.len() > TOKEN_BYTES_MAX {
+                return Err(ServerError::Config(format!(
+                    "the token is {} bytes; the protocol carries at most {TOKEN_BYTES_MAX}",
+                    token.len()
+                )));
+            }
+        }
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| ServerError::Bind {
+                    addr: config.listen,
+                    source,
+                })?;
+        let local_addr = listener.local_addr().map_err(ServerError::LocalAddr)?;
+        let state = Arc::new(ServerState::new(
+            MemoryBudget::new(config.memory_bytes_max),
+            config.epoch,
+        ));
+        info!(
+            addr = %local_addr,
+            memory_cap_bytes = config.memory_bytes_max,
+            token = if config.token.is_some() { "yes" } else { "no" },
+            connections_max = config.connections_max,
+            "memory server listening"
+        );
+        let shared = Arc::new(Shared {
+            state: Arc::clone(&state),
+            token: config.token,
+            handshake_timeout: config.handshake_timeout,
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let accept = tokio::spawn(accept_loop(
+            listener,
+            shared,
+            stop_rx,
+            config.connections_max,
+            config.shutdown_grace,
+        ));
+        Ok(ServerHandle {
+            local_addr,
+            state,
+            stop,
+            accept,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The counters STATS returns.
+    pub fn stats(&self) -> Vec<(String, u64)> {
+        self.state.stats_snapshot()
+    }
+
+    /// The server's store, counters and epoch (for embedding and tests).
+    pub fn state(&self) -> &Arc<ServerState> {
+        &self.state
+    }
+
+    /// Changes the epoch batches are checked against; new handshakes report it too.
+    pub fn set_epoch(&self, epoch: u64) {
+        self.state.set_epoch(epoch);
+    }
+
+    /// Stops accepting; every connection answers the frames it has already received,
+    /// flushes and closes. Connections still busy after `shutdown_grace` are cut off and
+    /// reported as [`ServerError::GraceExpired`].
+    pub async fn shutdown(self) -> Result<(), ServerError> {
+        self.stop.send_replace(true);
+        self.accept.await.map_err(ServerError::AcceptLoop)?
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+    connections_max: usize,
+    grace: Duration,
+) -> Result<(), ServerError> {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            biased;
+            _ = conn::wait_shutdown(&mut stop) => break,
+            Some(joined) = conns.join_next(), if !conns.is_empty() => log_panic(joined),
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let conn = Conn::new(stream, peer, Arc::clone(&shared), stop.clone());
+                    // Counted here, not in the task, so a burst of accepts cannot overshoot.
+                    let open = shared.state.stats().connections_current();
+                    if open >= connections_max as u64 {
+                        conns.spawn(conn.refuse());
+                    } else {
+                        conns.spawn(conn.serve(OpenConnection::new(Arc::clone(&shared.state))));
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    tokio::select! {
+                        _ = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+                        _ = conn::wait_shutdown(&mut stop) => break,
+                    }
+                }
+            },
+        }
+    }
+    drop(listener);
+    info!(
+        connections = conns.len(),
+        "memory server stopping: answering in-flight requests"
+    );
+    let deadline = tokio::time::sleep(grace);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            joined = conns.join_next() => match joined {
+                Some(joined) => log_panic(joined),
+                None => break,
+            },
+            _ = &mut deadline => {
+                let connections = conns.len();
+                warn!(connections, ?grace, "shutdown grace expired; cutting connections off");
+                conns.abort_all();
+                while conns.join_next().await.is_some() {}
+                return Err(ServerError::GraceExpired { connections, grace });
+            }
+        }
+    }
+    info!("memory server stopped");
+    Ok(())
+}
+
+fn log_panic(joined: Result<(), JoinError>) {
+    if let Err(e) = joined {
+        if e.is_panic() {
+            error!(error = %e, "a connection task panicked");
+        }
+    }
+}

@@ -1,0 +1,618 @@
+//! Executes one decoded batch against the store, straight into a response frame.
+
+use crate::state::{kind_index, ServerState, OP_KINDS};
+use crate::store::RegionStore;
+use camelot_proto::limits::IO_BYTES_MAX;
+use camelot_proto::{
+    EncodeError, ErrorCode, ErrorReply, Op, RegionId, Reply, RequestBatch, ResponseBatchEncoder,
+    RESPONSE_OK_BUDGET_BYTES,
+};
+use std::cell::OnceCell;
+
+/// id, status and reply tag: what every successful response carries before its payload.
+const OK_HEADER_BYTES: usize = 8 + 2 + 1;
+const WORD_REPLY_BYTES: usize = OK_HEADER_BYTES + 8;
+const DATA_REPLY_HEADER_BYTES: usize = OK_HEADER_BYTES + 4;
+
+fn region_info_bytes(name: Option<&str>) -> usize {
+    8 + 8 + 1 + name.map_or(0, str::len)
+}
+
+/// Exact encoded size of a successful response carrying `reply`.
+pub fn reply_bytes(reply: &Reply) -> usize {
+    OK_HEADER_BYTES
+        + match reply {
+            Reply::Pong | Reply::Done => 0,
+            Reply::Word(_) => 8,
+            Reply::Data(d) => 4 + d.len(),
+            Reply::Region(r) => region_info_bytes(r.name.as_deref()),
+            Reply::Stats(entries) => {
+                2 + entries
+                    .iter()
+                    .map(|(name, _)| 1 + name.len() + 8)
+                    .sum::<usize>()
+            }
+            Reply::List(regions) => {
+                4 + regions
+                    .iter()
+                    .map(|r| region_info_bytes(r.name.as_deref()))
+                    .sum::<usize>()
+            }
+        }
+}
+
+/// Appends one response per request of `batch`, in request order, to `enc`.
+///
+/// Successful replies may fill the frame only up to [`RESPONSE_OK_BUDGET_BYTES`]; a reply
+/// that would go past it is answered TOO_LARGE instead (and, for an operation with side
+/// effects, not executed), which keeps room for an error for every remaining request, so
+/// the frame never exceeds the frame limit. An `Err` means the batch itself could not be
+/// encoded (more requests than a frame may answer); the connection cannot continue.
+pub fn exec(
+    state: &ServerState,
+    batch: &RequestBatch,
+    enc: &mut ResponseBatchEncoder<'_>,
+) -> Result<(), EncodeError> {
+    let epoch = state.epoch();
+    if batch.epoch != 0 && batch.epoch != epoch {
+        let stale = ErrorReply::new(
+            ErrorCode::StaleEpoch,
+            format!(
+                "batch routed with epoch {} but this server is at epoch {epoch}",
+                batch.epoch
+            ),
+        );
+        for req in &batch.requests {
+            enc.push_err(req.id, &stale)?;
+        }
+        state.stats().add_batch(&[0; OP_KINDS]);
+        return Ok(());
+    }
+    let mut ops = [0u64; OP_KINDS];
+    let mut ex = Exec {
+        state,
+        enc,
+        too_large: OnceCell::new(),
+    };
+    let res = batch.requests.iter().try_for_each(|req| {
+        ops[kind_index(req.op.kind())] += 1;
+        ex.one(req.id, &req.op)
+    });
+    state.stats().add_batch(&ops);
+    res
+}
+
+struct Exec<'s, 'e, 'b> {
+    state: &'s ServerState,
+    enc: &'e mut ResponseBatchEncoder<'b>,
+    // Built on first use: a batch of 4096 oversized reads should not format 4096 messages.
+    too_large: OnceCell<ErrorReply>,
+}
+
+impl Exec<'_, '_, '_> {
+    fn fits(&self, reply_bytes: usize) -> bool {
+        self.enc.frame_len().saturating_add(reply_bytes) <= RESPONSE_OK_BUDGET_BYTES
+    }
+
+    fn too_large(&mut self, id: u64) -> Result<(), EncodeError> {
+        let e = self.too_large.get_or_init(|| {
+            ErrorReply::new(
+                ErrorCode::TooLarge,
+                "the reply does not fit in this batch's response frame; \
+                 send it in a smaller batch",
+            )
+        });
+        self.enc.push_err(id, e)
+    }
+
+    fn respond(&mut self, id: u64, result: Result<Reply, ErrorReply>) -> Result<(), EncodeError> {
+        match result {
+            Ok(reply) => match self.enc.push_ok(id, &reply) {
+                Ok(()) => Ok(()),
+                // Our own reply broke a wire limit: report it rather than drop the answer.
+                Err(e) => self
+                    .enc
+                    .push_err(id, &ErrorReply::new(ErrorCode::Internal, e.to_string())),
+            },
+            Err(e) => self.enc.push_err(id, &e),
+        }
+    }
+
+    /// For replies built before their size is known; they have no side effects to undo.
+    fn respond_if_fits(&mut self, id: u64, reply: Reply) -> Result<(), EncodeError> {
+        if !self.fits(reply_bytes(&reply)) {
+            return self.too_large(id);
+        }
+        self.respond(id, Ok(reply))
+    }
+
+    /// Runs `op` only if a reply of `reply_bytes` fits, so nothing happens that the client
+    /// is then told did not.
+    fn guarded(
+        &mut self,
+        id: u64,
+        reply_bytes: usize,
+        op: impl FnOnce(&RegionStore) -> Result<Reply, ErrorReply>,
+    ) -> Result<(), EncodeError> {
+        if !self.fits(reply_bytes) {
+            return self.too_large(id);
+        }
+        let result = op(self.state.store());
+        self.respond(id, result)
+    }
+
+    fn one(&mut self, id: u64, op: &Op) -> Result<(), EncodeError> {
+        match op {
+            Op::Read {
+                region,
+                offset,
+                len,
+            } => self.read(id, *region, *offset, *len as usize),
+            Op::Ping => self.guarded(id, OK_HEADER_BYTES, |_| Ok(Reply::Pong)),
+            Op::Stats => {
+                let reply = Reply::Stats(self.state.stats_snapshot());
+                self.respond_if_fits(id, reply)
+            }
+            Op::List => {
+                let reply = Reply::List(self.state.store().list());
+                self.respond_if_fits(id, reply)
+            }
+            Op::Alloc { size, name } => self.guarded(
+                id,
+                OK_HEADER_BYTES + region_info_bytes(name.as_deref()),
+                |s| {
+                    s.alloc(*size, name.clone())
+                        .map(|r| Reply::Region(r.info()))
+                },
+            ),
+            Op::Lookup { name } => {
+                self.guarded(id, OK_HEADER_BYTES + region_info_bytes(Some(name)), |s| {
+                    s.lookup(name).map(|r| Reply::Region(r.info()))
+                })
+            }
+            Op::Free { region } => self.guarded(id, OK_HEADER_BYTES, |s| {
+                s.free(*region).map(|()| Reply::Done)
+            }),
+            Op::Write {
+                region,
+                offset,
+                data,
+            } => self.guarded(id, OK_HEADER_BYTES, |s| {
+                s.write(*region, *offset, data).map(|()| Reply::Done)
+            }),
+            Op::Cas {
+                region,
+                offset,
+                expected,
+                new,
+            } => self.guarded(id, WORD_REPLY_BYTES, |s| {
+                s.cas(*region, *offset, *expected, *new).map(Reply::Word)
+            }),
+            Op::FetchAdd {
+                region,
+                offset,
+                delta,
+            } => self.guarded(id, WORD_REPLY_BYTES, |s| {
+                s.fetch_add(*region, *offset, *delta).map(Reply::Word)
+            }),
+        }
+    }
+
+    fn read(
+        &mut self,
+        id: u64,
+        region: RegionId,
+        offset: u64,
+        len: usize,
+    ) -> Result<(), EncodeError> {
+        if len > IO_BYTES_MAX {
+            let e = ErrorReply::new(
+                ErrorCode::TooLarge,
+                format!("read of {len} bytes exceeds the limit of {IO_BYTES_MAX}"),
+            );
+            return self.enc.push_err(id, &e);
+        }
+        let checked = self.state.store().get(region).and_then(|r| {
+            let range = r.range(offset, len as u64)?;
+            Ok((r, range))
+        });
+        let (r, range) = match checked {
+            Ok(x) => x,
+            Err(e) => return self.enc.push_err(id, &e),
+        };
+        if !self.fits(DATA_REPLY_HEADER_BYTES + len) {
+            return self.too_large(id);
+        }
+        self.enc
+            .push_data_with(id, len, |dst| r.read_range(range, dst))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::MemoryBudget;
+    use bytes::{Bytes, BytesMut};
+    use camelot_proto::limits::{BATCH_OPS_MAX, FRAME_BYTES_MAX, REGION_PAGE_BYTES};
+    use camelot_proto::{
+        decode_frame, Frame, FrameDecoder, OpKind, RegionInfo, Request, Response,
+        RESPONSES_HEADER_BYTES,
+    };
+
+    fn state(cap_bytes: u64) -> ServerState {
+        ServerState::new(MemoryBudget::new(cap_bytes), 0)
+    }
+
+    /// Runs `batch` and decodes the frame a client would receive.
+    fn run(st: &ServerState, epoch: u64, ops: Vec<Op>) -> Vec<Response> {
+        let batch = RequestBatch {
+            epoch,
+            requests: ops
+                .into_iter()
+                .enumerate()
+                .map(|(i, op)| Request {
+                    id: 1000 + i as u64,
+                    op,
+                })
+                .collect(),
+        };
+        let mut buf = BytesMut::new();
+        let mut enc = ResponseBatchEncoder::begin(&mut buf);
+        exec(st, &batch, &mut enc).unwrap();
+        enc.finish().unwrap();
+        assert!(
+            buf.len() <= 4 + FRAME_BYTES_MAX,
+            "frame of {} bytes",
+            buf.len()
+        );
+        let body = FrameDecoder::split_frame(&mut buf).unwrap().unwrap();
+        assert!(buf.is_empty());
+        let Frame::Responses(r) = decode_frame(body).unwrap() else {
+            panic!("not a RESPONSES frame")
+        };
+        assert_eq!(r.responses.len(), batch.requests.len());
+        for (resp, req) in r.responses.iter().zip(&batch.requests) {
+            assert_eq!(resp.id, req.id, "responses out of order");
+        }
+        r.responses
+    }
+
+    fn code(r: &Response) -> ErrorCode {
+        r.result.as_ref().unwrap_err().code
+    }
+
+    fn alloc(st: &ServerState, size: u64) -> RegionId {
+        let r = run(st, 0, vec![Op::Alloc { size, name: None }]);
+        match &r[0].result {
+            Ok(Reply::Region(info)) => info.id,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn reply_bytes_matches_the_encoder() {
+        let replies = [
+            Reply::Pong,
+            Reply::Done,
+            Reply::Word(5),
+            Reply::Data(Bytes::from_static(b"hello")),
+            Reply::Region(RegionInfo {
+                id: 1,
+                size: 2,
+                name: Some("abc".into()),
+            }),
+            Reply::Region(RegionInfo {
+                id: 1,
+                size: 2,
+                name: None,
+            }),
+            Reply::Stats(vec![("a".into(), 1), ("bcd".into(), 2)]),
+            Reply::List(vec![
+                RegionInfo {
+                    id: 1,
+                    size: 2,
+                    name: Some("xy".into()),
+                },
+                RegionInfo {
+                    id: 3,
+                    size: 4,
+                    name: None,
+                },
+            ]),
+        ];
+        for reply in replies {
+            let mut buf = BytesMut::new();
+            let mut enc = ResponseBatchEncoder::begin(&mut buf);
+            let before = enc.frame_len();
+            enc.push_ok(7, &reply).unwrap();
+            assert_eq!(enc.frame_len() - before, reply_bytes(&reply), "{reply:?}");
+        }
+    }
+
+    #[test]
+    fn every_op_answers_in_order() {
+        let st = state(1 << 20);
+        let r = run(
+            &st,
+            0,
+            vec![
+                Op::Ping,
+                Op::Alloc {
+                    size: 100,
+                    name: Some("t".into()),
+                },
+                Op::Lookup { name: "t".into() },
+                Op::Write {
+                    region: 1,
+                    offset: 8,
+                    data: Bytes::from_static(&[9, 0, 0, 0, 0, 0, 0, 0]),
+                },
+                Op::Read {
+                    region: 1,
+                    offset: 8,
+                    len: 8,
+                },
+                Op::Cas {
+                    region: 1,
+                    offset: 8,
+                    expected: 9,
+                    new: 10,
+                },
+                Op::FetchAdd {
+                    region: 1,
+                    offset: 8,
+                    delta: 5,
+                },
+                Op::List,
+                Op::Free { region: 1 },
+                Op::Read {
+                    region: 1,
+                    offset: 0,
+                    len: 1,
+                },
+                Op::Stats,
+            ],
+        );
+        let info = RegionInfo {
+            id: 1,
+            size: REGION_PAGE_BYTES,
+            name: Some("t".into()),
+        };
+        assert_eq!(r[0].result, Ok(Reply::Pong));
+        assert_eq!(r[1].result, Ok(Reply::Region(info.clone())));
+        assert_eq!(r[2].result, Ok(Reply::Region(info.clone())));
+        assert_eq!(r[3].result, Ok(Reply::Done));
+        assert_eq!(
+            r[4].result,
+            Ok(Reply::Data(Bytes::from_static(&[9, 0, 0, 0, 0, 0, 0, 0])))
+        );
+        assert_eq!(r[5].result, Ok(Reply::Word(9)));
+        assert_eq!(r[6].result, Ok(Reply::Word(10)));
+        assert_eq!(r[7].result, Ok(Reply::List(vec![info])));
+        assert_eq!(r[8].result, Ok(Reply::Done));
+        assert_eq!(code(&r[9]), ErrorCode::NoSuchRegion);
+        let Ok(Reply::Stats(stats)) = &r[10].result else {
+            panic!("{:?}", r[10])
+        };
+        let get = |k: &str| stats.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
+        for kind in OpKind::ALL {
+            assert!(get(&format!("ops_{}", kind.name())).is_some(), "{kind:?}");
+        }
+        for k in [
+            "memory_used_bytes",
+            "memory_cap_bytes",
+            "regions",
+            "connections_current",
+            "connections_total",
+            "batches",
+            "bytes_in",
+            "bytes_out",
+        ] {
+            assert!(get(k).is_some(), "{k}");
+        }
+        assert_eq!(get("memory_used_bytes"), Some(0));
+        assert_eq!(get("regions"), Some(0));
+        // Counted once the batch is done.
+        assert_eq!(st.stats().ops(OpKind::Read), 2);
+        assert_eq!(st.stats().ops(OpKind::Stats), 1);
+    }
+
+    #[test]
+    fn reads_past_the_frame_budget_get_too_large() {
+        let big = IO_BYTES_MAX as u32;
+        let st = state(1 << 30);
+        let id = alloc(&st, big as u64);
+        let read = |len| Op::Read {
+            region: id,
+            offset: 0,
+            len,
+        };
+        let r = run(
+            &st,
+            0,
+            vec![read(big), read(big), read(big), read(8), Op::Ping],
+        );
+        assert!(matches!(&r[0].result, Ok(Reply::Data(d)) if d.len() == big as usize));
+        assert_eq!(code(&r[1]), ErrorCode::TooLarge);
+        assert_eq!(code(&r[2]), ErrorCode::TooLarge);
+        assert!(matches!(&r[3].result, Ok(Reply::Data(d)) if d.len() == 8));
+        assert_eq!(r[4].result, Ok(Reply::Pong));
+    }
+
+    #[test]
+    fn a_full_batch_of_reads_never_overflows_the_frame() {
+        // 4096 reads of 16 KiB ask for 64 MiB of data: more than a frame holds.
+        let len = 16 << 10;
+        let st = state(1 << 20);
+        let id = alloc(&st, len as u64);
+        st.store().write(id, 0, &[0xAB; 16 << 10]).unwrap();
+        let ops = (0..BATCH_OPS_MAX)
+            .map(|_| Op::Read {
+                region: id,
+                offset: 0,
+                len,
+            })
+            .collect();
+        let r = run(&st, 0, ops);
+        let ok = r.iter().filter(|x| x.result.is_ok()).count();
+        let refused = r.iter().filter(|x| code_is(x, ErrorCode::TooLarge)).count();
+        assert!(ok > 3000, "only {ok} reads fit");
+        assert_eq!(ok + refused, BATCH_OPS_MAX);
+        // The successful ones come first and carry the right bytes.
+        assert!(r[..ok].iter().all(
+            |x| matches!(&x.result, Ok(Reply::Data(d)) if d.len() == len as usize && d.iter().all(|&b| b == 0xAB))
+        ));
+    }
+
+    fn code_is(r: &Response, c: ErrorCode) -> bool {
+        matches!(&r.result, Err(e) if e.code == c)
+    }
+
+    #[test]
+    fn side_effects_are_skipped_when_the_reply_cannot_fit() {
+        let st = state(1 << 30);
+        let id = alloc(&st, IO_BYTES_MAX as u64);
+        let read = |len: usize| Op::Read {
+            region: id,
+            offset: 0,
+            len: len as u32,
+        };
+        // Two reads that fill the ok-budget to the last byte.
+        let first = IO_BYTES_MAX;
+        let second =
+            RESPONSE_OK_BUDGET_BYTES - RESPONSES_HEADER_BYTES - 2 * DATA_REPLY_HEADER_BYTES - first;
+        let r = run(
+            &st,
+            0,
+            vec![
+                read(first),
+                read(second),
+                Op::FetchAdd {
+                    region: id,
+                    offset: 0,
+                    delta: 1,
+                },
+                Op::Write {
+                    region: id,
+                    offset: 8,
+                    data: Bytes::from_static(b"x"),
+                },
+                Op::Alloc {
+                    size: 1,
+                    name: None,
+                },
+                Op::Free { region: id },
+                Op::Ping,
+                read(0),
+            ],
+        );
+        assert!(r[0].result.is_ok() && r[1].result.is_ok());
+        assert!(
+            r[2..].iter().all(|x| code_is(x, ErrorCode::TooLarge)),
+            "{:?}",
+            &r[2..]
+        );
+        assert_eq!(st.store().fetch_add(id, 0, 0).unwrap(), 0);
+        let mut b = [0u8; 1];
+        st.store().read(id, 8, &mut b).unwrap();
+        assert_eq!(b, [0]);
+        assert_eq!(st.store().len(), 1);
+
+        // Leave exactly a word reply's room: the FETCH_ADD runs, the PING after it cannot.
+        let r = run(
+            &st,
+            0,
+            vec![
+                read(first),
+                read(second - WORD_REPLY_BYTES),
+                Op::FetchAdd {
+                    region: id,
+                    offset: 0,
+                    delta: 1,
+                },
+                Op::Ping,
+            ],
+        );
+        assert_eq!(r[2].result, Ok(Reply::Word(0)));
+        assert!(code_is(&r[3], ErrorCode::TooLarge));
+        assert_eq!(st.store().fetch_add(id, 0, 0).unwrap(), 1);
+    }
+
+    #[test]
+    fn stale_epoch_refuses_the_whole_batch() {
+        let st = ServerState::new(MemoryBudget::new(1 << 20), 5);
+        let r = run(
+            &st,
+            4,
+            vec![
+                Op::Ping,
+                Op::Alloc {
+                    size: 1,
+                    name: None,
+                },
+            ],
+        );
+        assert!(r.iter().all(|x| code_is(x, ErrorCode::StaleEpoch)));
+        assert_eq!(st.store().len(), 0, "a stale ALLOC must not run");
+        assert_eq!(run(&st, 5, vec![Op::Ping])[0].result, Ok(Reply::Pong));
+        assert_eq!(run(&st, 0, vec![Op::Ping])[0].result, Ok(Reply::Pong));
+        st.set_epoch(6);
+        assert!(code_is(
+            &run(&st, 5, vec![Op::Ping])[0],
+            ErrorCode::StaleEpoch
+        ));
+    }
+
+    #[test]
+    fn errors_carry_their_codes() {
+        let st = state(REGION_PAGE_BYTES);
+        let id = alloc(&st, 1);
+        let r = run(
+            &st,
+            0,
+            vec![
+                Op::Alloc {
+                    size: 1,
+                    name: None,
+                },
+                Op::Alloc {
+                    size: 0,
+                    name: None,
+                },
+                Op::Cas {
+                    region: id,
+                    offset: 3,
+                    expected: 0,
+                    new: 1,
+                },
+                Op::Read {
+                    region: id,
+                    offset: u64::MAX,
+                    len: 2,
+                },
+                Op::Lookup {
+                    name: "missing".into(),
+                },
+                Op::Free { region: 999 },
+                Op::Read {
+                    region: id,
+                    offset: 0,
+                    len: IO_BYTES_MAX as u32 + 1,
+                },
+            ],
+        );
+        let codes: Vec<_> = r.iter().map(code).collect();
+        assert_eq!(
+            codes,
+            vec![
+                ErrorCode::OutOfMemory,
+                ErrorCode::BadRequest,
+                ErrorCode::Unaligned,
+                ErrorCode::OutOfBounds,
+                ErrorCode::NameNotFound,
+                ErrorCode::NoSuchRegion,
+                ErrorCode::TooLarge,
+            ]
+        );
+    }
+}

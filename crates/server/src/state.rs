@@ -1,0 +1,157 @@
+//! What every connection of one server shares: the store, the counters, the epoch.
+
+use crate::budget::MemoryBudget;
+use crate::store::RegionStore;
+use camelot_proto::OpKind;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+pub(crate) const OP_KINDS: usize = OpKind::ALL.len();
+
+/// Position of `kind` in [`OpKind::ALL`] (wire codes are 1-based and dense).
+pub(crate) fn kind_index(kind: OpKind) -> usize {
+    kind as usize - 1
+}
+
+/// Counters STATS reports. Updated once per batch or per socket read/write, never per
+/// request, so connections on different cores do not fight over these cache lines.
+#[derive(Debug, Default)]
+pub struct Stats {
+    connections_current: AtomicU64,
+    connections_total: AtomicU64,
+    connections_refused: AtomicU64,
+    batches: AtomicU64,
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
+    ops: [AtomicU64; OP_KINDS],
+}
+
+impl Stats {
+    pub fn connection_opened(&self) {
+        self.connections_current.fetch_add(1, Ordering::Relaxed);
+        self.connections_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn connection_closed(&self) {
+        self.connections_current.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn connection_refused(&self) {
+        self.connections_refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn connections_current(&self) -> u64 {
+        self.connections_current.load(Ordering::Relaxed)
+    }
+
+    pub fn add_bytes_in(&self, bytes: usize) {
+        self.bytes_in.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub fn add_bytes_out(&self, bytes: usize) {
+        self.bytes_out.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// Counts one batch whose requests, by kind, are `ops` (indexed like [`OpKind::ALL`]).
+    pub fn add_batch(&self, ops: &[u64; OP_KINDS]) {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        for (counter, &n) in self.ops.iter().zip(ops) {
+            if n != 0 {
+                counter.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+    }
+
+    pub fn ops(&self, kind: OpKind) -> u64 {
+        self.ops[kind_index(kind)].load(Ordering::Relaxed)
+    }
+}
+
+pub struct ServerState {
+    store: RegionStore,
+    stats: Stats,
+    epoch: AtomicU64,
+}
+
+impl ServerState {
+    pub fn new(budget: Arc<MemoryBudget>, epoch: u64) -> Self {
+        ServerState {
+            store: RegionStore::new(budget),
+            stats: Stats::default(),
+            epoch: AtomicU64::new(epoch),
+        }
+    }
+
+    pub fn store(&self) -> &RegionStore {
+        &self.store
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    pub fn budget(&self) -> &Arc<MemoryBudget> {
+        self.store.budget()
+    }
+
+    /// The cluster-map epoch batches are checked against (0 in a batch skips the check).
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    pub fn set_epoch(&self, epoch: u64) {
+        self.epoch.store(epoch, Ordering::Release);
+    }
+
+    /// The counters STATS returns, in a fixed order.
+    pub fn stats_snapshot(&self) -> Vec<(String, u64)> {
+        let s = &self.stats;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut out = Vec::with_capacity(10 + OP_KINDS);
+        out.push(("memory_used_bytes".to_owned(), self.budget().used()));
+        out.push(("memory_cap_bytes".to_owned(), self.budget().cap()));
+        out.push(("regions".to_owned(), self.store.len() as u64));
+        out.push((
+            "connections_current".to_owned(),
+            load(&s.connections_current),
+        ));
+        out.push(("connections_total".to_owned(), load(&s.connections_total)));
+        out.push((
+            "connections_refused".to_owned(),
+            load(&s.connections_refused),
+        ));
+        out.push(("batches".to_owned(), load(&s.batches)));
+        out.push(("bytes_in".to_owned(), load(&s.bytes_in)));
+        out.push(("bytes_out".to_owned(), load(&s.bytes_out)));
+        out.push(("epoch".to_owned(), self.epoch()));
+        for kind in OpKind::ALL {
+            out.push((format!("ops_{}", kind.name()), s.ops(kind)));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use camelot_proto::limits::{STATS_ENTRIES_MAX, STAT_NAME_BYTES_MAX};
+
+    #[test]
+    fn kind_index_matches_all() {
+        for (i, kind) in OpKind::ALL.iter().enumerate() {
+            assert_eq!(kind_index(*kind), i);
+        }
+    }
+
+    #[test]
+    fn snapshot_names_fit_the_wire_limits() {
+        let st = ServerState::new(MemoryBudget::new(1 << 20), 3);
+        let snap = st.stats_snapshot();
+        assert!(snap.len() <= STATS_ENTRIES_MAX);
+        assert!(snap.iter().all(|(n, _)| n.len() <= STAT_NAME_BYTES_MAX));
+        let get = |k: &str| snap.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
+        assert_eq!(get("memory_cap_bytes"), Some(1 << 20));
+        assert_eq!(get("epoch"), Some(3));
+        assert_eq!(get("ops_fetch_add"), Some(0));
+    }
+}

@@ -1,0 +1,610 @@
+//! The server over real loopback sockets, spoken to with hand-built frames.
+
+use bytes::{Bytes, BytesMut};
+use camelot_proto::limits::FRAME_BYTES_MAX;
+use camelot_proto::{
+    decode_frame, encode_frame, ErrorCode, Frame, FrameDecoder, Hello, HelloOk, Op, Reply, Request,
+    RequestBatch, Response, PROTOCOL_VERSION,
+};
+use camelot_server::{ServerConfig, ServerError, ServerHandle};
+use std::net::SocketAddr;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::timeout;
+
+/// Bound on every network wait; far above what loopback needs.
+const WAIT: Duration = Duration::from_secs(10);
+
+fn config() -> ServerConfig {
+    ServerConfig::new("127.0.0.1:0".parse().unwrap(), 64 << 20)
+}
+
+async fn start(config: ServerConfig) -> ServerHandle {
+    timeout(WAIT, ServerHandle::start(config))
+        .await
+        .expect("start timed out")
+        .expect("start failed")
+}
+
+fn encode(frame: &Frame) -> BytesMut {
+    let mut buf = BytesMut::new();
+    encode_frame(frame, &mut buf).unwrap();
+    buf
+}
+
+fn hello(token: &[u8]) -> Frame {
+    Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token: Bytes::copy_from_slice(token),
+    })
+}
+
+fn requests(first_id: u64, ops: Vec<Op>) -> Frame {
+    Frame::Requests(RequestBatch {
+        epoch: 0,
+        requests: ops
+            .into_iter()
+            .zip(first_id..)
+            .map(|(op, id)| Request { id, op })
+            .collect(),
+    })
+}
+
+fn fatal_code(frame: Option<Frame>) -> ErrorCode {
+    match frame {
+        Some(Frame::Fatal(e)) => e.code,
+        other => panic!("expected FATAL, got {other:?}"),
+    }
+}
+
+struct Peer {
+    stream: TcpStream,
+    buf: BytesMut,
+}
+
+impl Peer {
+    async fn connect(addr: SocketAddr) -> Peer {
+        let stream = timeout(WAIT, TcpStream::connect(addr))
+            .await
+            .expect("connect timed out")
+            .expect("connect failed");
+        Peer {
+            stream,
+            buf: BytesMut::new(),
+        }
+    }
+
+    /// Connects and completes the handshake without a token.
+    async fn ready(addr: SocketAddr) -> Peer {
+        let mut p = Peer::connect(addr).await;
+        p.send(&hello(b"")).await;
+        assert!(matches!(p.recv().await, Some(Frame::HelloOk(_))));
+        p
+    }
+
+    async fn send_raw(&mut self, bytes: &[u8]) {
+        timeout(WAIT, self.stream.write_all(bytes))
+            .await
+            .expect("write timed out")
+            .expect("write failed");
+    }
+
+    async fn send(&mut self, frame: &Frame) {
+        self.send_raw(&encode(frame)).await;
+    }
+
+    /// The next frame, or `None` once the server has closed the connection.
+    async fn recv(&mut self) -> Option<Frame> {
+        loop {
+            if let Some(body) = FrameDecoder::split_frame(&mut self.buf).unwrap() {
+                return Some(decode_frame(body).unwrap());
+            }
+            let n = timeout(WAIT, self.stream.read_buf(&mut self.buf))
+                .await
+                .expect("no frame and no close within the wait");
+            match n {
+                Ok(0) | Err(_) => {
+                    assert!(self.buf.is_empty(), "closed mid-frame");
+                    return None;
+                }
+                Ok(_) => {}
+            }
+        }
+    }
+
+    async fn responses(&mut self) -> Vec<Response> {
+        match self.recv().await {
+            Some(Frame::Responses(r)) => r.responses,
+            other => panic!("expected RESPONSES, got {other:?}"),
+        }
+    }
+
+    async fn call(&mut self, ops: Vec<Op>) -> Vec<Response> {
+        self.send(&requests(1, ops)).await;
+        self.responses().await
+    }
+
+    async fn expect_closed(&mut self) {
+        let frame = self.recv().await;
+        assert!(frame.is_none(), "expected close, got {frame:?}");
+    }
+}
+
+fn stat(stats: &[(String, u64)], name: &str) -> u64 {
+    stats
+        .iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("no counter {name}"))
+        .1
+}
+
+fn region_id(r: &Response) -> u64 {
+    match &r.result {
+        Ok(Reply::Region(info)) => info.id,
+        other => panic!("expected a region, got {other:?}"),
+    }
+}
+
+/// Polls until `cond` holds, within the wait (the server updates counters asynchronously).
+async fn eventually(mut cond: impl FnMut() -> bool) {
+    timeout(WAIT, async {
+        while !cond() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("condition not reached within the wait");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshake_reports_version_and_epoch() {
+    let mut cfg = config();
+    cfg.epoch = 7;
+    let server = start(cfg).await;
+    let mut p = Peer::connect(server.local_addr()).await;
+    // HELLO and a batch in one write: the batch is answered after HELLO_OK.
+    let mut bytes = encode(&hello(b"any token is fine without one configured"));
+    bytes.extend_from_slice(&encode(&requests(5, vec![Op::Ping])));
+    p.send_raw(&bytes).await;
+    assert_eq!(
+        p.recv().await,
+        Some(Frame::HelloOk(HelloOk {
+            version: PROTOCOL_VERSION,
+            epoch: 7
+        }))
+    );
+    let r = p.responses().await;
+    assert_eq!(r.len(), 1);
+    assert_eq!((r[0].id, &r[0].result), (5, &Ok(Reply::Pong)));
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_or_missing_token_is_refused_and_nothing_is_served() {
+    let mut cfg = config();
+    cfg.token = Some(b"s3cret".to_vec());
+    let server = start(cfg).await;
+    for token in [&b"wrong"[..], b"", b"s3cret\0", b"s3cre"] {
+        let mut p = Peer::connect(server.local_addr()).await;
+        let mut bytes = encode(&hello(token));
+        bytes.extend_from_slice(&encode(&requests(1, vec![Op::Ping])));
+        p.send_raw(&bytes).await;
+        assert_eq!(fatal_code(p.recv().await), ErrorCode::AuthFailed);
+        p.expect_closed().await;
+    }
+    assert_eq!(stat(&server.stats(), "ops_ping"), 0);
+    assert_eq!(stat(&server.stats(), "batches"), 0);
+
+    let mut p = Peer::connect(server.local_addr()).await;
+    p.send(&hello(b"s3cret")).await;
+    assert!(matches!(p.recv().await, Some(Frame::HelloOk(_))));
+    assert_eq!(p.call(vec![Op::Ping]).await[0].result, Ok(Reply::Pong));
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_mismatch_is_fatal() {
+    let server = start(config()).await;
+    let mut p = Peer::connect(server.local_addr()).await;
+    p.send(&Frame::Hello(Hello {
+        version: PROTOCOL_VERSION + 1,
+        token: Bytes::new(),
+    }))
+    .await;
+    assert_eq!(fatal_code(p.recv().await), ErrorCode::VersionMismatch);
+    p.expect_closed().await;
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_closes_only_its_own_connection() {
+    let server = start(config()).await;
+    let addr = server.local_addr();
+    let mut good = Peer::ready(addr).await;
+    let r = good
+        .call(vec![Op::Alloc {
+            size: 4096,
+            name: Some("shared".into()),
+        }])
+        .await;
+    let id = region_id(&r[0]);
+    good.call(vec![Op::Write {
+        region: id,
+        offset: 10,
+        data: Bytes::from_static(b"intact"),
+    }])
+    .await;
+
+    // A stray HTTP client is dropped without a word.
+    let mut http = Peer::connect(addr).await;
+    http.send_raw(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    http.expect_closed().await;
+
+    // A bad magic in a HELLO-sized frame likewise.
+    let mut bad_magic = Peer::connect(addr).await;
+    let mut bytes = encode(&hello(b""));
+    bytes[5] = b'X';
+    bad_magic.send_raw(&bytes).await;
+    bad_magic.expect_closed().await;
+
+    // After a good handshake: an unknown frame kind, an unknown op, a truncated request.
+    for junk in [
+        &[5u8, 0, 0, 0, 0xff, 1, 2, 3, 4][..],
+        &[12, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 99][..],
+        &[5, 0, 0, 0, 3, 0, 0, 0, 0][..],
+    ] {
+        let mut bad = Peer::ready(addr).await;
+        // Something legitimate first: it must still be answered before the FATAL.
+        let mut bytes = encode(&requests(1, vec![Op::Ping]));
+        bytes.extend_from_slice(junk);
+        bad.send_raw(&bytes).await;
+        assert_eq!(bad.responses().await[0].result, Ok(Reply::Pong));
+        assert_eq!(fatal_code(bad.recv().await), ErrorCode::BadRequest);
+        bad.expect_closed().await;
+    }
+
+    // A second HELLO is not a REQUESTS frame.
+    let mut again = Peer::ready(addr).await;
+    again.send(&hello(b"")).await;
+    assert_eq!(fatal_code(again.recv().await), ErrorCode::BadRequest);
+    again.expect_closed().await;
+
+    let r = good
+        .call(vec![
+            Op::Read {
+                region: id,
+                offset: 10,
+                len: 6,
+            },
+            Op::Lookup {
+                name: "shared".into(),
+            },
+        ])
+        .await;
+    assert_eq!(r[0].result, Ok(Reply::Data(Bytes::from_static(b"intact"))));
+    assert_eq!(region_id(&r[1]), id);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_length_prefix_closes_the_connection() {
+    let server = start(config()).await;
+    let addr = server.local_addr();
+
+    let mut p = Peer::ready(addr).await;
+    p.send_raw(&(FRAME_BYTES_MAX as u32 + 1).to_le_bytes())
+        .await;
+    assert_eq!(fatal_code(p.recv().await), ErrorCode::TooLarge);
+    p.expect_closed().await;
+
+    let mut p = Peer::ready(addr).await;
+    p.send_raw(&0u32.to_le_bytes()).await;
+    assert_eq!(fatal_code(p.recv().await), ErrorCode::BadRequest);
+    p.expect_closed().await;
+
+    // Before the handshake even a legal frame size is too big for a HELLO.
+    let mut p = Peer::connect(addr).await;
+    p.send_raw(&(1u32 << 20).to_le_bytes()).await;
+    p.expect_closed().await;
+
+    let mut p = Peer::ready(addr).await;
+    assert_eq!(p.call(vec![Op::Ping]).await[0].result, Ok(Reply::Pong));
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_frames_are_answered_in_order() {
+    const FRAMES: u64 = 50;
+    let server = start(config()).await;
+    let mut p = Peer::ready(server.local_addr()).await;
+    let id = region_id(
+        &p.call(vec![Op::Alloc {
+            size: 4096,
+            name: None,
+        }])
+        .await[0],
+    );
+    let mut bytes = BytesMut::new();
+    for i in 0..FRAMES {
+        let frame = requests(
+            i * 10,
+            vec![
+                Op::FetchAdd {
+                    region: id,
+                    offset: 0,
+                    delta: 1,
+                },
+                Op::Read {
+                    region: id,
+                    offset: 0,
+                    len: 8,
+                },
+            ],
+        );
+        encode_frame(&frame, &mut bytes).unwrap();
+    }
+    p.send_raw(&bytes).await;
+    for i in 0..FRAMES {
+        let r = p.responses().await;
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].id, r[1].id), (i * 10, i * 10 + 1));
+        assert_eq!(r[0].result, Ok(Reply::Word(i)));
+        assert_eq!(
+            r[1].result,
+            Ok(Reply::Data(Bytes::copy_from_slice(&(i + 1).to_le_bytes())))
+        );
+    }
+    let stats = server.stats();
+    assert_eq!(stat(&stats, "ops_fetch_add"), FRAMES);
+    assert_eq!(stat(&stats, "batches"), FRAMES + 1);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_answers_what_was_already_sent() {
+    const FRAMES: u64 = 200;
+    let mut cfg = config();
+    cfg.shutdown_grace = Duration::from_secs(60);
+    let server = start(cfg).await;
+    let addr = server.local_addr();
+    let mut idle = Peer::ready(addr).await;
+    let mut busy = Peer::ready(addr).await;
+    let id = region_id(
+        &busy
+            .call(vec![Op::Alloc {
+                size: 4096,
+                name: None,
+            }])
+            .await[0],
+    );
+    let mut bytes = BytesMut::new();
+    for i in 0..FRAMES {
+        let op = Op::FetchAdd {
+            region: id,
+            offset: 0,
+            delta: 1,
+        };
+        encode_frame(&requests(i, vec![op]), &mut bytes).unwrap();
+    }
+    busy.send_raw(&bytes).await;
+    let stopping = tokio::spawn(server.shutdown());
+    for i in 0..FRAMES {
+        let r = busy.responses().await;
+        assert_eq!((r[0].id, &r[0].result), (i, &Ok(Reply::Word(i))));
+    }
+    busy.expect_closed().await;
+    idle.expect_closed().await;
+    // Far below the grace: idle and finished connections do not hold shutdown up.
+    timeout(WAIT, stopping)
+        .await
+        .expect("shutdown did not finish")
+        .unwrap()
+        .unwrap();
+    assert!(TcpStream::connect(addr).await.is_err(), "still accepting");
+}
+
+/// Frames that reach the server's socket while it is busy writing are still answered:
+/// shutdown must read what is already in the kernel before it closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_answers_frames_still_in_the_socket() {
+    const FRAMES: u64 = 200;
+    let read_bytes: u64 = 16 << 20;
+    let mut cfg = config();
+    cfg.shutdown_grace = Duration::from_secs(60);
+    let server = start(cfg).await;
+    let state = server.state().clone();
+    let mut p = Peer::ready(server.local_addr()).await;
+    let id = region_id(
+        &p.call(vec![Op::Alloc {
+            size: read_bytes,
+            name: None,
+        }])
+        .await[0],
+    );
+    // A reply larger than the socket buffers: the server stays blocked writing it until
+    // we read, so what we send next waits, unread, in the server's kernel buffer.
+    let big = Op::Read {
+        region: id,
+        offset: 0,
+        len: read_bytes as u32,
+    };
+    p.send(&requests(1000, vec![big])).await;
+    eventually(|| state.stats().ops(camelot_proto::OpKind::Read) == 1).await;
+    let mut bytes = BytesMut::new();
+    for i in 0..FRAMES {
+        let op = Op::FetchAdd {
+            region: id,
+            offset: 0,
+            delta: 1,
+        };
+        encode_frame(&requests(i, vec![op]), &mut bytes).unwrap();
+    }
+    p.send_raw(&bytes).await;
+
+    // Poll once so the stop signal is out before we let the server finish writing.
+    let mut stopping = Box::pin(server.shutdown());
+    tokio::select! {
+        biased;
+        r = &mut stopping => panic!("shutdown finished with a reply unsent: {r:?}"),
+        _ = std::future::ready(()) => {}
+    }
+    let stopping = tokio::spawn(stopping);
+
+    let r = p.responses().await;
+    assert!(matches!(&r[0].result, Ok(Reply::Data(d)) if d.len() as u64 == read_bytes));
+    for i in 0..FRAMES {
+        let r = p.responses().await;
+        assert_eq!((r[0].id, &r[0].result), (i, &Ok(Reply::Word(i))));
+    }
+    p.expect_closed().await;
+    timeout(WAIT, stopping)
+        .await
+        .expect("shutdown did not finish")
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_cuts_off_a_peer_that_never_reads() {
+    let mut cfg = config();
+    cfg.shutdown_grace = Duration::from_millis(300);
+    let server = start(cfg).await;
+    let mut p = Peer::ready(server.local_addr()).await;
+    let len = 16 << 20;
+    let id = region_id(
+        &p.call(vec![Op::Alloc {
+            size: len,
+            name: None,
+        }])
+        .await[0],
+    );
+    // Far more reply bytes than socket buffers hold; we never read them.
+    let mut bytes = BytesMut::new();
+    for i in 0..8 {
+        let op = Op::Read {
+            region: id,
+            offset: 0,
+            len: len as u32,
+        };
+        encode_frame(&requests(i, vec![op]), &mut bytes).unwrap();
+    }
+    p.send_raw(&bytes).await;
+    // Until the server has read our frames, shutdown could legitimately drop them.
+    let state = server.state().clone();
+    eventually(|| state.stats().ops(camelot_proto::OpKind::Read) > 0).await;
+    let res = timeout(WAIT, server.shutdown())
+        .await
+        .expect("shutdown ignored its grace");
+    assert!(
+        matches!(res, Err(ServerError::GraceExpired { connections: 1, .. })),
+        "{res:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_or_slow_handshake_times_out() {
+    let mut cfg = config();
+    cfg.handshake_timeout = Duration::from_millis(200);
+    let server = start(cfg).await;
+    let mut silent = Peer::connect(server.local_addr()).await;
+    silent.expect_closed().await;
+    let mut partial = Peer::connect(server.local_addr()).await;
+    partial.send_raw(&encode(&hello(b""))[..6]).await;
+    partial.stream.flush().await.unwrap();
+    let frame = timeout(WAIT, partial.stream.read_buf(&mut partial.buf))
+        .await
+        .expect("not closed");
+    assert!(matches!(frame, Ok(0) | Err(_)));
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_limit_are_refused() {
+    let mut cfg = config();
+    cfg.connections_max = 1;
+    let server = start(cfg).await;
+    let addr = server.local_addr();
+    let first = Peer::ready(addr).await;
+    let mut second = Peer::connect(addr).await;
+    assert_eq!(fatal_code(second.recv().await), ErrorCode::TooLarge);
+    second.expect_closed().await;
+    assert_eq!(stat(&server.stats(), "connections_refused"), 1);
+
+    drop(first);
+    let state = server.state().clone();
+    eventually(|| state.stats().connections_current() == 0).await;
+    let mut third = Peer::ready(addr).await;
+    assert_eq!(third.call(vec![Op::Ping]).await[0].result, Ok(Reply::Pong));
+    assert_eq!(stat(&server.stats(), "connections_total"), 2);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_leaving_mid_frame_is_just_closed() {
+    let server = start(config()).await;
+    let addr = server.local_addr();
+    let mut p = Peer::ready(addr).await;
+    let bytes = encode(&requests(1, vec![Op::Ping, Op::Ping]));
+    p.send_raw(&bytes[..bytes.len() - 3]).await;
+    drop(p);
+    let state = server.state().clone();
+    eventually(|| state.stats().connections_current() == 0).await;
+    assert_eq!(stat(&server.stats(), "ops_ping"), 0);
+    let mut q = Peer::ready(addr).await;
+    assert_eq!(q.call(vec![Op::Ping]).await[0].result, Ok(Reply::Pong));
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_and_memory_cap_over_the_wire() {
+    let mut cfg = config();
+    cfg.memory_bytes_max = 8192;
+    let server = start(cfg).await;
+    let mut p = Peer::ready(server.local_addr()).await;
+    let r = p
+        .call(vec![
+            Op::Alloc {
+                size: 5000,
+                name: None,
+            },
+            Op::Alloc {
+                size: 1,
+                name: None,
+            },
+            Op::Stats,
+        ])
+        .await;
+    assert!(r[0].result.is_ok());
+    assert_eq!(
+        r[1].result.as_ref().unwrap_err().code,
+        ErrorCode::OutOfMemory
+    );
+    let Ok(Reply::Stats(stats)) = &r[2].result else {
+        panic!("{:?}", r[2])
+    };
+    assert_eq!(stat(stats, "memory_used_bytes"), 8192);
+    assert_eq!(stat(stats, "memory_cap_bytes"), 8192);
+    assert_eq!(stat(stats, "regions"), 1);
+    assert_eq!(stat(stats, "connections_current"), 1);
+    assert_eq!(stat(stats, "connections_total"), 1);
+    assert!(stat(stats, "bytes_in") > 0);
+    assert!(stat(stats, "bytes_out") > 0, "HELLO_OK was sent");
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn bad_configuration_is_refused() {
+    let mut cfg = config();
+    cfg.token = Some(Vec::new());
+    assert!(matches!(
+        ServerHandle::start(cfg).await,
+        Err(ServerError::Config(_))
+    ));
+    let mut cfg = config();
+    cfg.token = Some(vec![b'x'; 256]);
+    assert!(matches!(
+        ServerHandle::start(cfg).await,
+        Err(ServerError::Config(_))
+    ));
+}
