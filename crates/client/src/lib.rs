@@ -1,1 +1,524 @@
+//! The Camelot client: the request API over memory servers.
+//!
+//! Application threads share one (or a few) connections per node. Each request becomes a
+//! [`Pending`]; a per-connection writer coalesces every request queued while the previous
+//! frame was being written into one frame, so batching grows with load and costs nothing
+//! when idle. Turn it off with [`ClientConfig::batching`] to measure what it buys.
+//!
+//! ```no_run
+//! # use camelot_client::*;
+//! let map = ClusterMap::from_addrs(&["127.0.0.1:7000".parse().unwrap()]);
+//! let client = Client::connect(map, ClientConfig::default())?;
+//! let region = client.alloc(1 << 20, Some("scratch"))?;
+//! client.write(&region, 0, &b"hello"[..])?;
+//! assert_eq!(&client.read(&region, 0, 5)?[..], b"hello");
+//! # Ok::<(), ClientError>(())
+//! ```
 
+mod completion;
+mod conn;
+pub mod map;
+
+pub use completion::Pending;
+pub use conn::INFLIGHT_REQUESTS_MAX;
+pub use map::{ClusterMap, NodeId, NodeInfo};
+
+use bytes::Bytes;
+use camelot_proto::{ErrorCode, ErrorReply, Op, RegionId, RegionInfo, Reply};
+use completion::Completion;
+use conn::{Conn, Submission};
+use parking_lot::{Mutex, RwLock};
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use camelot_proto as proto;
+
+/// Requests one connection may have queued (not yet written). Past this, submitting
+/// blocks: back-pressure rather than unbounded memory.
+pub const QUEUE_REQUESTS_MAX_DEFAULT: usize = 65_536;
+
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Cluster token sent at handshake; required when servers have one.
+    pub token: Option<Vec<u8>>,
+    /// Coalesce queued requests into one frame (default). Off: one request per frame.
+    pub batching: bool,
+    /// Most requests per frame (≤ the protocol's batch limit).
+    pub batch_ops_max: usize,
+    /// TCP connections per node; threads are spread over them.
+    pub connections_per_node: usize,
+    pub connect_timeout: Duration,
+    /// A request unanswered this long fails, and its connection is closed.
+    pub request_timeout: Duration,
+    pub queue_requests_max: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            token: None,
+            batching: true,
+            batch_ops_max: camelot_proto::limits::BATCH_OPS_MAX,
+            connections_per_node: 1,
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(10),
+            queue_requests_max: QUEUE_REQUESTS_MAX_DEFAULT,
+        }
+    }
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        addr: SocketAddr,
+        source: Arc<std::io::Error>,
+    },
+    #[error("{addr} refused the cluster token: {message}")]
+    Auth { addr: SocketAddr, message: String },
+    #[error("handshake with {addr} failed: {reason}")]
+    Handshake { addr: SocketAddr, reason: String },
+    #[error("I/O error talking to {addr}: {source}")]
+    Io {
+        addr: SocketAddr,
+        source: Arc<std::io::Error>,
+    },
+    #[error("protocol error from {addr}: {reason}")]
+    Protocol { addr: SocketAddr, reason: String },
+    #[error("no answer within {after:?}")]
+    Timeout { after: Duration },
+    #[error("connection to {addr} lost")]
+    ConnectionLost { addr: SocketAddr },
+    #[error("server error {0}")]
+    Server(ErrorReply),
+    #[error("node {0} is not in the cluster map")]
+    UnknownNode(NodeId),
+    #[error("the cluster map has no nodes")]
+    EmptyMap,
+    #[error("unexpected reply {got} to a {expected} request")]
+    UnexpectedReply { expected: &'static str, got: String },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("this answer was already taken")]
+    AlreadyTaken,
+}
+
+impl ClientError {
+    /// The server's error code, when the server answered with an error.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Server(e) => Some(e.code),
+            _ => None,
+        }
+    }
+}
+
+/// A region on one node: what ALLOC or LOOKUP returned, plus where it lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Region {
+    pub node: NodeId,
+    pub id: RegionId,
+    pub size: u64,
+    pub name: Option<String>,
+}
+
+impl Region {
+    fn from_info(node: NodeId, r: RegionInfo) -> Region {
+        Region {
+            node,
+            id: r.id,
+            size: r.size,
+            name: r.name,
+        }
+    }
+
+    pub fn read_op(&self, offset: u64, len: u32) -> Op {
+        Op::Read {
+            region: self.id,
+            offset,
+            len,
+        }
+    }
+
+    pub fn write_op(&self, offset: u64, data: Bytes) -> Op {
+        Op::Write {
+            region: self.id,
+            offset,
+            data,
+        }
+    }
+
+    pub fn cas_op(&self, offset: u64, expected: u64, new: u64) -> Op {
+        Op::Cas {
+            region: self.id,
+            offset,
+            expected,
+            new,
+        }
+    }
+
+    pub fn fetch_add_op(&self, offset: u64, delta: u64) -> Op {
+        Op::FetchAdd {
+            region: self.id,
+            offset,
+            delta,
+        }
+    }
+}
+
+/// Typed views of a [`Reply`].
+pub mod reply {
+    use super::*;
+
+    fn unexpected(expected: &'static str, got: Reply) -> ClientError {
+        let got = match got {
+            Reply::Data(d) => format!("Data({} bytes)", d.len()),
+            other => format!("{other:?}"),
+        };
+        ClientError::UnexpectedReply { expected, got }
+    }
+
+    pub fn data(r: Result<Reply, ClientError>) -> Result<Bytes, ClientError> {
+        match r? {
+            Reply::Data(d) => Ok(d),
+            other => Err(unexpected("read", other)),
+        }
+    }
+
+    pub fn done(r: Result<Reply, ClientError>) -> Result<(), ClientError> {
+        match r? {
+            Reply::Done => Ok(()),
+            other => Err(unexpected("write/free", other)),
+        }
+    }
+
+    pub fn word(r: Result<Reply, ClientError>) -> Result<u64, ClientError> {
+        match r? {
+            Reply::Word(w) => Ok(w),
+            other => Err(unexpected("cas/fetch_add", other)),
+        }
+    }
+
+    pub fn region(node: NodeId, r: Result<Reply, ClientError>) -> Result<Region, ClientError> {
+        match r? {
+            Reply::Region(info) => Ok(Region::from_info(node, info)),
+            other => Err(unexpected("alloc/lookup", other)),
+        }
+    }
+}
+
+struct Node {
+    addr: SocketAddr,
+    slots: Vec<Mutex<Option<Arc<Conn>>>>,
+}
+
+struct Inner {
+    config: ClientConfig,
+    map: RwLock<Arc<ClusterMap>>,
+    nodes: RwLock<HashMap<NodeId, Arc<Node>>>,
+    next_id: AtomicU64,
+    next_alloc: AtomicUsize,
+}
+
+/// A handle to the cluster; cheap to clone and share across threads.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+thread_local! {
+    // Spreads application threads over a node's connections without a shared counter on
+    // the hot path.
+    static THREAD_SLOT: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+static NEXT_THREAD_SLOT: AtomicUsize = AtomicUsize::new(0);
+
+fn thread_slot() -> usize {
+    THREAD_SLOT.with(|s| {
+        if s.get() == usize::MAX {
+            s.set(NEXT_THREAD_SLOT.fetch_add(1, Ordering::Relaxed));
+        }
+        s.get()
+    })
+}
+
+impl Client {
+    /// Connects to every node of the map (so a wrong token or a dead node is reported now,
+    /// not at the first request).
+    pub fn connect(map: ClusterMap, config: ClientConfig) -> Result<Client, ClientError> {
+        if config.connections_per_node == 0 {
+            return Err(ClientError::InvalidArgument(
+                "connections_per_node must be at least 1".into(),
+            ));
+        }
+        let client = Client {
+            inner: Arc::new(Inner {
+                config,
+                map: RwLock::new(Arc::new(ClusterMap {
+                    epoch: 0,
+                    nodes: vec![],
+                })),
+                nodes: RwLock::new(HashMap::new()),
+                next_id: AtomicU64::new(1),
+                next_alloc: AtomicUsize::new(0),
+            }),
+        };
+        client.set_map(map);
+        for id in client.map().node_ids().collect::<Vec<_>>() {
+            client.conn(id)?;
+        }
+        Ok(client)
+    }
+
+    pub fn config(&self) -> &ClientConfig {
+        &self.inner.config
+    }
+
+    pub fn map(&self) -> Arc<ClusterMap> {
+        self.inner.map.read().clone()
+    }
+
+    /// Swaps the cluster map. Connections to nodes whose address is unchanged are kept;
+    /// requests already in flight finish on their old connections.
+    pub fn set_map(&self, map: ClusterMap) {
+        let mut nodes = self.inner.nodes.write();
+        let mut next = HashMap::new();
+        for n in &map.nodes {
+            let node = match nodes.remove(&n.id) {
+                Some(old) if old.addr == n.addr => old,
+                _ => Arc::new(Node {
+                    addr: n.addr,
+                    slots: (0..self.inner.config.connections_per_node)
+                        .map(|_| Mutex::new(None))
+                        .collect(),
+                }),
+            };
+            next.insert(n.id, node);
+        }
+        *nodes = next;
+        *self.inner.map.write() = Arc::new(map);
+    }
+
+    /// A live connection to `node` for this thread, reconnecting if the last one died.
+    fn conn(&self, node: NodeId) -> Result<Arc<Conn>, ClientError> {
+        let n = self
+            .inner
+            .nodes
+            .read()
+            .get(&node)
+            .cloned()
+            .ok_or(ClientError::UnknownNode(node))?;
+        let slot = &n.slots[thread_slot() % n.slots.len()];
+        let mut guard = slot.lock();
+        if let Some(c) = guard.as_ref() {
+            if !c.is_dead() {
+                return Ok(c.clone());
+            }
+        }
+        let (conn, _epoch) = Conn::connect(n.addr, &self.inner.config)?;
+        let conn = Arc::new(conn);
+        *guard = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Sends one request to `node` and returns at once; wait on or await the result.
+    pub fn submit(&self, node: NodeId, op: Op) -> Result<Pending, ClientError> {
+        let conn = self.conn(node)?;
+        let slot = Completion::new();
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        conn.submit(Submission {
+            id,
+            op,
+            slot: slot.clone(),
+        })?;
+        Ok(Pending {
+            slot,
+            // The connection's watchdog answers a late request with Timeout; this margin
+            // only matters if the writer itself is stuck.
+            timeout: self.inner.config.request_timeout * 2 + Duration::from_secs(1),
+        })
+    }
+
+    /// Sends one request and blocks for its answer.
+    pub fn call(&self, node: NodeId, op: Op) -> Result<Reply, ClientError> {
+        self.submit(node, op)?.wait()
+    }
+
+    /// Allocates a region on the node the map picks: by name when named (so a restarted
+    /// client finds it with [`Client::lookup`]), round-robin otherwise.
+    pub fn alloc(&self, size: u64, name: Option<&str>) -> Result<Region, ClientError> {
+        let map = self.map();
+        let node = match name {
+            Some(n) => map.node_for_name(n).ok_or(ClientError::EmptyMap)?,
+            None => {
+                if map.nodes.is_empty() {
+                    return Err(ClientError::EmptyMap);
+                }
+                let i = self.inner.next_alloc.fetch_add(1, Ordering::Relaxed);
+                map.nodes[i % map.nodes.len()].id
+            }
+        };
+        self.alloc_on(node, size, name)
+    }
+
+    pub fn alloc_on(
+        &self,
+        node: NodeId,
+        size: u64,
+        name: Option<&str>,
+    ) -> Result<Region, ClientError> {
+        if name == Some("") {
+            return Err(ClientError::InvalidArgument(
+                "a region name may not be empty".into(),
+            ));
+        }
+        let op = Op::Alloc {
+            size,
+            name: name.map(str::to_owned),
+        };
+        reply::region(node, self.call(node, op))
+    }
+
+    /// Finds a named region: first on the node the map places the name on, then on every
+    /// other node (the map may have changed since it was allocated).
+    pub fn lookup(&self, name: &str) -> Result<Region, ClientError> {
+        let map = self.map();
+        let home = map.node_for_name(name).ok_or(ClientError::EmptyMap)?;
+        let order = std::iter::once(home).chain(map.node_ids().filter(|n| *n != home));
+        let mut last = None;
+        for node in order {
+            let op = Op::Lookup {
+                name: name.to_owned(),
+            };
+            match reply::region(node, self.call(node, op)) {
+                Ok(r) => return Ok(r),
+                Err(e) if e.code() == Some(ErrorCode::NameNotFound) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or(ClientError::EmptyMap))
+    }
+
+    pub fn free(&self, region: &Region) -> Result<(), ClientError> {
+        reply::done(self.call(region.node, Op::Free { region: region.id }))
+    }
+
+    pub fn list(&self, node: NodeId) -> Result<Vec<Region>, ClientError> {
+        match self.call(node, Op::List)? {
+            Reply::List(rs) => Ok(rs.into_iter().map(|r| Region::from_info(node, r)).collect()),
+            other => Err(ClientError::UnexpectedReply {
+                expected: "list",
+                got: format!("{other:?}"),
+            }),
+        }
+    }
+
+    pub fn read(&self, region: &Region, offset: u64, len: u32) -> Result<Bytes, ClientError> {
+        reply::data(self.call(region.node, region.read_op(offset, len)))
+    }
+
+    pub fn write(
+        &self,
+        region: &Region,
+        offset: u64,
+        data: impl Into<Bytes>,
+    ) -> Result<(), ClientError> {
+        reply::done(self.call(region.node, region.write_op(offset, data.into())))
+    }
+
+    /// Compare-and-swap on an 8-byte aligned little-endian word. Returns the value before;
+    /// the swap happened exactly when that equals `expected`.
+    pub fn cas(
+        &self,
+        region: &Region,
+        offset: u64,
+        expected: u64,
+        new: u64,
+    ) -> Result<u64, ClientError> {
+        reply::word(self.call(region.node, region.cas_op(offset, expected, new)))
+    }
+
+    /// Atomically adds (wrapping) to an 8-byte aligned word; returns the value before.
+    pub fn fetch_add(&self, region: &Region, offset: u64, delta: u64) -> Result<u64, ClientError> {
+        reply::word(self.call(region.node, region.fetch_add_op(offset, delta)))
+    }
+
+    /// Round-trip time of one PING.
+    pub fn ping(&self, node: NodeId) -> Result<Duration, ClientError> {
+        let t = Instant::now();
+        match self.call(node, Op::Ping)? {
+            Reply::Pong => Ok(t.elapsed()),
+            other => Err(ClientError::UnexpectedReply {
+                expected: "ping",
+                got: format!("{other:?}"),
+            }),
+        }
+    }
+
+    pub fn stats(&self, node: NodeId) -> Result<Vec<(String, u64)>, ClientError> {
+        match self.call(node, Op::Stats)? {
+            Reply::Stats(s) => Ok(s),
+            other => Err(ClientError::UnexpectedReply {
+                expected: "stats",
+                got: format!("{other:?}"),
+            }),
+        }
+    }
+
+    // The async face: same operations, awaiting instead of blocking. Submitting may block
+    // briefly when the connection's queue is full or a reconnect is needed.
+
+    pub async fn read_async(
+        &self,
+        region: &Region,
+        offset: u64,
+        len: u32,
+    ) -> Result<Bytes, ClientError> {
+        reply::data(self.submit(region.node, region.read_op(offset, len))?.await)
+    }
+
+    pub async fn write_async(
+        &self,
+        region: &Region,
+        offset: u64,
+        data: impl Into<Bytes>,
+    ) -> Result<(), ClientError> {
+        reply::done(
+            self.submit(region.node, region.write_op(offset, data.into()))?
+                .await,
+        )
+    }
+
+    pub async fn cas_async(
+        &self,
+        region: &Region,
+        offset: u64,
+        expected: u64,
+        new: u64,
+    ) -> Result<u64, ClientError> {
+        reply::word(
+            self.submit(region.node, region.cas_op(offset, expected, new))?
+                .await,
+        )
+    }
+
+    pub async fn fetch_add_async(
+        &self,
+        region: &Region,
+        offset: u64,
+        delta: u64,
+    ) -> Result<u64, ClientError> {
+        reply::word(
+            self.submit(region.node, region.fetch_add_op(offset, delta))?
+                .await,
+        )
+    }
+
+    pub async fn call_async(&self, node: NodeId, op: Op) -> Result<Reply, ClientError> {
+        self.submit(node, op)?.await
+    }
+}

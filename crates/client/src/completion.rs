@@ -1,0 +1,103 @@
+//! One request's answer slot, waited on by a blocking thread or awaited by a task.
+
+use crate::ClientError;
+use camelot_proto::Reply;
+use parking_lot::{Condvar, Mutex};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+enum State {
+    Waiting(Option<Waker>),
+    Done(Result<Reply, ClientError>),
+    Taken,
+}
+
+pub(crate) struct Completion {
+    state: Mutex<State>,
+    // parking_lot's notify does no syscall when nobody waits, which is the common case:
+    // a batch of 256 answers completes 256 slots, and only the waiter's own slot blocks.
+    ready: Condvar,
+}
+
+impl Completion {
+    pub(crate) fn new() -> Arc<Completion> {
+        Arc::new(Completion {
+            state: Mutex::new(State::Waiting(None)),
+            ready: Condvar::new(),
+        })
+    }
+
+    pub(crate) fn complete(&self, result: Result<Reply, ClientError>) {
+        let waker = {
+            let mut st = self.state.lock();
+            match std::mem::replace(&mut *st, State::Done(result)) {
+                State::Waiting(w) => w,
+                // Completed twice (cannot happen by construction); keep the first answer.
+                old => {
+                    *st = old;
+                    return;
+                }
+            }
+        };
+        self.ready.notify_one();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// A request in flight. Either block on it with [`Pending::wait`] or `.await` it.
+pub struct Pending {
+    pub(crate) slot: Arc<Completion>,
+    /// Backstop for the blocking wait; the connection's own watchdog normally fires first.
+    pub(crate) timeout: Duration,
+}
+
+impl Pending {
+    /// Blocks until the answer arrives or the request times out.
+    pub fn wait(self) -> Result<Reply, ClientError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut st = self.slot.state.lock();
+        loop {
+            match std::mem::replace(&mut *st, State::Taken) {
+                State::Done(r) => return r,
+                State::Taken => return Err(ClientError::AlreadyTaken),
+                waiting @ State::Waiting(_) => {
+                    *st = waiting;
+                    if self.slot.ready.wait_until(&mut st, deadline).timed_out() {
+                        if let State::Done(r) = std::mem::replace(&mut *st, State::Taken) {
+                            return r;
+                        }
+                        return Err(ClientError::Timeout {
+                            after: self.timeout,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// True once the answer has arrived (never blocks).
+    pub fn is_ready(&self) -> bool {
+        matches!(*self.slot.state.lock(), State::Done(_))
+    }
+}
+
+impl Future for Pending {
+    type Output = Result<Reply, ClientError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut st = self.slot.state.lock();
+        match std::mem::replace(&mut *st, State::Taken) {
+            State::Done(r) => Poll::Ready(r),
+            State::Taken => Poll::Ready(Err(ClientError::AlreadyTaken)),
+            State::Waiting(_) => {
+                *st = State::Waiting(Some(cx.waker().clone()));
+                Poll::Pending
+            }
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! The cluster map: the one thing routing depends on. Static for now; the cluster layer
+//! will swap in maps it reads from etcd through [`crate::Client::set_map`].
+
+use std::net::SocketAddr;
+
+pub type NodeId = u32;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub id: NodeId,
+    pub addr: SocketAddr,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterMap {
+    /// Bumped on every change; 0 means "static, never checked by servers".
+    pub epoch: u64,
+    pub nodes: Vec<NodeInfo>,
+}
+
+impl ClusterMap {
+    /// A static map over the given addresses, node ids 0..n in order.
+    pub fn from_addrs(addrs: &[SocketAddr]) -> ClusterMap {
+        ClusterMap {
+            epoch: 0,
+            nodes: addrs
+                .iter()
+                .enumerate()
+                .map(|(i, a)| NodeInfo {
+                    id: i as NodeId,
+                    addr: *a,
+                })
+                .collect(),
+        }
+    }
+
+    pub fn node(&self, id: NodeId) -> Option<&NodeInfo> {
+        self.nodes.iter().find(|n| n.id == id)
+    }
+
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.nodes.iter().map(|n| n.id)
+    }
+
+    /// Where a named region is placed. Rendezvous hashing: adding or removing a node moves
+    /// only the names that node wins or held, so a restarted client finds its regions again
+    /// as long as the map is the same, and most of them even when it grew.
+    pub fn node_for_name(&self, name: &str) -> Option<NodeId> {
+        self.nodes
+            .iter()
+            .max_by_key(|n| (rendezvous_score(name, n.id), n.id))
+            .map(|n| n.id)
+    }
+}
+
+fn rendezvous_score(name: &str, node: NodeId) -> u64 {
+    // FNV-1a, then a 64-bit finaliser so nearby node ids give unrelated scores. Stable
+    // across builds and platforms, unlike std's randomly keyed hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.as_bytes().iter().chain(node.to_le_bytes().iter()) {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn map(n: usize) -> ClusterMap {
+        let addrs: Vec<SocketAddr> = (0..n)
+            .map(|i| SocketAddr::from(([127, 0, 0, 1], 7000 + i as u16)))
+            .collect();
+        ClusterMap::from_addrs(&addrs)
+    }
+
+    #[test]
+    fn names_spread_over_nodes() {
+        let m = map(3);
+        let mut counts = [0usize; 3];
+        for i in 0..3000 {
+            counts[m.node_for_name(&format!("region-{i}")).unwrap() as usize] += 1;
+        }
+        for c in counts {
+            assert!((800..1200).contains(&c), "uneven spread {counts:?}");
+        }
+    }
+
+    #[test]
+    fn empty_map_places_nothing() {
+        assert_eq!(map(0).node_for_name("x"), None);
+    }
+
+    proptest! {
+        #[test]
+        fn adding_a_node_moves_only_names_to_it(names in proptest::collection::vec("[a-z0-9]{1,12}", 1..200)) {
+            let before = map(4);
+            let after = map(5);
+            for n in &names {
+                let a = before.node_for_name(n).unwrap();
+                let b = after.node_for_name(n).unwrap();
+                prop_assert!(a == b || b == 4, "{n} moved from {a} to {b}");
+            }
+        }
+    }
+}

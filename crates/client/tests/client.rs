@@ -1,0 +1,453 @@
+//! The client against real memory servers on loopback ports the OS picks.
+
+use bytes::Bytes;
+use camelot_client::proto::{ErrorCode, Op, Reply};
+use camelot_client::{Client, ClientConfig, ClientError, ClusterMap, Region};
+use camelot_server::dev::{DevCluster, DevClusterConfig};
+use std::sync::{Arc, Barrier};
+use std::thread;
+use std::time::{Duration, Instant};
+
+fn cluster(nodes: usize, memory: u64, token: Option<&str>) -> DevCluster {
+    DevCluster::start(DevClusterConfig {
+        nodes,
+        memory_bytes_per_node: memory,
+        token: token.map(|t| t.as_bytes().to_vec()),
+        worker_threads: 2,
+        ..DevClusterConfig::default()
+    })
+    .expect("dev cluster starts")
+}
+
+fn client(c: &DevCluster, config: ClientConfig) -> Result<Client, ClientError> {
+    Client::connect(ClusterMap::from_addrs(c.addrs()), config)
+}
+
+fn stat(stats: &[(String, u64)], name: &str) -> u64 {
+    stats
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| *v)
+        .unwrap_or_else(|| panic!("no stat {name} in {stats:?}"))
+}
+
+/// Deterministic bytes that differ by position and seed, so misplaced data shows.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn wrong_or_missing_token_is_refused_and_nothing_is_served() {
+    let c = cluster(1, 1 << 20, Some("right-token"));
+    for token in [Some(b"wrong-token".to_vec()), None] {
+        let config = ClientConfig {
+            token,
+            ..ClientConfig::default()
+        };
+        match client(&c, config) {
+            Err(ClientError::Auth { .. }) => {}
+            Err(e) => panic!("expected an auth error, got {e}"),
+            Ok(_) => panic!("connected without the right token"),
+        }
+    }
+    let stats = &c.stats()[0];
+    let served: u64 = stats
+        .iter()
+        .filter(|(n, _)| n.starts_with("ops_"))
+        .map(|(_, v)| v)
+        .sum();
+    assert_eq!(served, 0, "ops were served to a refused client: {stats:?}");
+    assert_eq!(stat(stats, "regions"), 0);
+
+    let ok = client(
+        &c,
+        ClientConfig {
+            token: Some(b"right-token".to_vec()),
+            ..ClientConfig::default()
+        },
+    )
+    .expect("the right token is accepted");
+    ok.ping(0).expect("ping");
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
+fn allocation_beyond_the_cap_is_refused_and_earlier_data_stays() {
+    let cap = 1 << 20;
+    let c = cluster(1, cap, None);
+    let cl = client(&c, ClientConfig::default()).expect("connect");
+    let first = cl.alloc(cap / 2, Some("first")).expect("half the cap fits");
+    let data = pattern(1, (cap / 2) as usize);
+    cl.write(&first, 0, data.clone()).expect("write");
+
+    for size in [cap, cap / 2 + 4096, u64::MAX] {
+        let e = cl
+            .alloc(size, None)
+            .expect_err("allocation past the cap must fail");
+        assert!(
+            matches!(
+                e.code(),
+                Some(ErrorCode::OutOfMemory) | Some(ErrorCode::TooLarge)
+            ),
+            "size {size}: {e}"
+        );
+    }
+    let back = cl.read(&first, 0, data.len() as u32).expect("read back");
+    assert_eq!(&back[..], &data[..], "earlier data changed");
+    assert_eq!(cl.list(0).expect("list").len(), 1);
+    let stats = &c.stats()[0];
+    assert!(stat(stats, "memory_used_bytes") <= cap);
+
+    // Freeing gives the room back.
+    cl.free(&first).expect("free");
+    cl.alloc(cap, None).expect("the whole cap after free");
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
+fn out_of_bounds_and_unaligned_accesses_are_refused() {
+    let c = cluster(1, 1 << 20, None);
+    let cl = client(&c, ClientConfig::default()).expect("connect");
+    let r = cl.alloc(4096, None).expect("alloc");
+    cl.write(&r, 0, vec![7u8; 4096]).expect("in-bounds write");
+
+    let cases: Vec<(Op, ErrorCode)> = vec![
+        (r.read_op(4090, 8), ErrorCode::OutOfBounds),
+        (r.read_op(u64::MAX - 2, 8), ErrorCode::OutOfBounds),
+        (
+            r.write_op(4095, Bytes::from_static(b"ab")),
+            ErrorCode::OutOfBounds,
+        ),
+        (
+            r.write_op(u64::MAX, Bytes::from_static(b"a")),
+            ErrorCode::OutOfBounds,
+        ),
+        (r.cas_op(4096, 0, 1), ErrorCode::OutOfBounds),
+        (r.fetch_add_op(3, 1), ErrorCode::Unaligned),
+        (r.cas_op(12, 0, 1), ErrorCode::Unaligned),
+    ];
+    for (op, want) in cases {
+        let desc = format!("{op:?}");
+        let e = cl.call(0, op).expect_err(&desc);
+        assert_eq!(e.code(), Some(want), "{desc}: {e}");
+    }
+    let e = cl
+        .call(
+            0,
+            Op::Read {
+                region: r.id + 1000,
+                offset: 0,
+                len: 1,
+            },
+        )
+        .expect_err("no such region");
+    assert_eq!(e.code(), Some(ErrorCode::NoSuchRegion));
+    // Nothing partial was written.
+    assert_eq!(&cl.read(&r, 0, 4096).expect("read")[..], &[7u8; 4096][..]);
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
+fn concurrent_cas_loops_and_fetch_adds_reach_the_exact_sum() {
+    const THREADS: u64 = 8;
+    const PER_THREAD: u64 = 10_000;
+    let c = cluster(1, 1 << 20, None);
+    let cl = client(&c, ClientConfig::default()).expect("connect");
+    let r = cl.alloc(4096, None).expect("alloc");
+    let barrier = Arc::new(Barrier::new(THREADS as usize));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let (cl, r, barrier) = (cl.clone(), r.clone(), barrier.clone());
+            thread::spawn(move || {
+                barrier.wait();
+                let mut retries = 0u64;
+                for _ in 0..PER_THREAD {
+                    // Word 0: CAS loop; word 8: FETCH_ADD. Both see the same contention.
+                    let mut seen = cl.read_word(&r, 0);
+                    loop {
+                        let before = cl.cas(&r, 0, seen, seen + 1).expect("cas");
+                        if before == seen {
+                            break;
+                        }
+                        retries += 1;
+                        seen = before;
+                    }
+                    cl.fetch_add(&r, 8, 3).expect("fetch_add");
+                }
+                retries
+            })
+        })
+        .collect();
+    let retries: u64 = handles.into_iter().map(|h| h.join().expect("thread")).sum();
+    assert_eq!(cl.read_word(&r, 0), THREADS * PER_THREAD);
+    assert_eq!(cl.read_word(&r, 8), 3 * THREADS * PER_THREAD);
+    // The loop must actually have raced, or the test proves nothing about atomicity.
+    assert!(retries > 0, "no CAS ever failed: threads did not contend");
+    c.shutdown().expect("shutdown");
+}
+
+trait ReadWord {
+    fn read_word(&self, r: &Region, offset: u64) -> u64;
+}
+
+impl ReadWord for Client {
+    fn read_word(&self, r: &Region, offset: u64) -> u64 {
+        let b = self.read(r, offset, 8).expect("read word");
+        u64::from_le_bytes(b[..].try_into().expect("8 bytes"))
+    }
+}
+
+/// Writes through one client and reads through another, many threads each, pipelined.
+fn write_then_read(writer: &Client, reader: &Client, r: &Region, chunk: usize) -> Vec<Bytes> {
+    let chunks = (r.size as usize) / chunk;
+    let threads = 4;
+    let write = |cl: &Client| {
+        thread::scope(|s| {
+            for t in 0..threads {
+                let cl = cl.clone();
+                s.spawn(move || {
+                    let pending: Vec<_> = (t..chunks)
+                        .step_by(threads)
+                        .map(|i| {
+                            let data = pattern(i as u64, chunk);
+                            cl.submit(r.node, r.write_op((i * chunk) as u64, data.into()))
+                                .expect("submit write")
+                        })
+                        .collect();
+                    for p in pending {
+                        assert!(matches!(p.wait().expect("write"), Reply::Done));
+                    }
+                });
+            }
+        })
+    };
+    write(writer);
+    let pending: Vec<_> = (0..chunks)
+        .map(|i| {
+            reader
+                .submit(r.node, r.read_op((i * chunk) as u64, chunk as u32))
+                .expect("submit read")
+        })
+        .collect();
+    pending
+        .into_iter()
+        .map(|p| camelot_client::reply::data(p.wait()).expect("read"))
+        .collect()
+}
+
+#[test]
+fn batched_and_unbatched_paths_are_byte_identical() {
+    let c = cluster(1, 8 << 20, None);
+    let batched = client(&c, ClientConfig::default()).expect("connect");
+    let unbatched = client(
+        &c,
+        ClientConfig {
+            batching: false,
+            ..ClientConfig::default()
+        },
+    )
+    .expect("connect");
+    for chunk in [64usize, 4096, 65_536] {
+        let a = batched.alloc(1 << 20, None).expect("alloc");
+        let b = batched.alloc(1 << 20, None).expect("alloc");
+        // Both directions: batched writes read unbatched, and the reverse.
+        let via_batched = write_then_read(&batched, &unbatched, &a, chunk);
+        let via_unbatched = write_then_read(&unbatched, &batched, &b, chunk);
+        assert_eq!(via_batched.len(), (1 << 20) / chunk);
+        for (i, (x, y)) in via_batched.iter().zip(&via_unbatched).enumerate() {
+            assert_eq!(x, y, "chunk {i} of {chunk} bytes differs");
+            assert_eq!(&x[..], &pattern(i as u64, chunk)[..]);
+        }
+        batched.free(&a).expect("free");
+        batched.free(&b).expect("free");
+    }
+    // Batching must have coalesced: far fewer frames than requests on that path.
+    let stats = &c.stats()[0];
+    let frames = stat(stats, "batches");
+    let ops: u64 = stats
+        .iter()
+        .filter(|(n, _)| n.starts_with("ops_"))
+        .map(|(_, v)| v)
+        .sum();
+    assert!(frames < ops, "frames {frames} vs ops {ops}");
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
+fn named_regions_are_placed_by_the_map_and_found_again() {
+    let c = cluster(3, 4 << 20, None);
+    let cl = client(&c, ClientConfig::default()).expect("connect");
+    let map = cl.map();
+    for i in 0..12 {
+        let name = format!("region-{i}");
+        let r = cl.alloc(4096, Some(&name)).expect("alloc");
+        assert_eq!(Some(r.node), map.node_for_name(&name));
+        cl.write(&r, 0, name.clone().into_bytes()).expect("write");
+    }
+    let other = client(&c, ClientConfig::default()).expect("second client");
+    for i in 0..12 {
+        let name = format!("region-{i}");
+        let r = other.lookup(&name).expect("lookup");
+        let back = other.read(&r, 0, name.len() as u32).expect("read");
+        assert_eq!(&back[..], name.as_bytes());
+    }
+    let e = cl
+        .alloc(4096, Some("region-0"))
+        .expect_err("duplicate name");
+    assert_eq!(e.code(), Some(ErrorCode::NameExists));
+    let e = other.lookup("absent").expect_err("absent name");
+    assert_eq!(e.code(), Some(ErrorCode::NameNotFound));
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
+fn the_client_reconnects_after_a_server_restart() {
+    let c = cluster(1, 1 << 20, None);
+    let addr = c.addrs()[0];
+    let cl = client(&c, ClientConfig::default()).expect("connect");
+    cl.ping(0).expect("ping");
+    c.shutdown().expect("shutdown");
+
+    // The first request after the restart may fail on the dead connection; a later one
+    // must succeed on a new connection without rebuilding the client.
+    let restarted = DevCluster::start(DevClusterConfig {
+        nodes: 1,
+        memory_bytes_per_node: 1 << 20,
+        base_port: Some(addr.port()),
+        worker_threads: 1,
+        ..DevClusterConfig::default()
+    })
+    .expect("restart on the same port");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match cl.ping(0) {
+            Ok(_) => break,
+            Err(e) if Instant::now() < deadline => {
+                assert!(
+                    matches!(
+                        e,
+                        ClientError::ConnectionLost { .. }
+                            | ClientError::Io { .. }
+                            | ClientError::Connect { .. }
+                    ),
+                    "unexpected error while reconnecting: {e}"
+                );
+            }
+            Err(e) => panic!("no reconnect within 10 s: {e}"),
+        }
+    }
+    restarted.shutdown().expect("shutdown");
+}
+
+#[test]
+fn a_dead_node_fails_requests_instead_of_hanging() {
+    let c = cluster(1, 1 << 20, None);
+    let cl = client(
+        &c,
+        ClientConfig {
+            connect_timeout: Duration::from_secs(1),
+            request_timeout: Duration::from_secs(2),
+            ..ClientConfig::default()
+        },
+    )
+    .expect("connect");
+    c.shutdown().expect("shutdown");
+    let t = Instant::now();
+    for _ in 0..3 {
+        assert!(cl.ping(0).is_err(), "ping to a stopped server succeeded");
+    }
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert!(matches!(cl.ping(7), Err(ClientError::UnknownNode(7))));
+}
+
+#[test]
+fn the_async_face_gives_the_same_answers() {
+    let c = cluster(2, 1 << 20, None);
+    let cl = client(&c, ClientConfig::default()).expect("connect");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let r = cl.alloc(4096, Some("async")).expect("alloc");
+        cl.write_async(&r, 16, &b"hello, far memory"[..])
+            .await
+            .expect("write");
+        let back = cl.read_async(&r, 16, 17).await.expect("read");
+        assert_eq!(&back[..], b"hello, far memory");
+        assert_eq!(cl.fetch_add_async(&r, 64, 5).await.expect("faa"), 0);
+        assert_eq!(cl.cas_async(&r, 64, 5, 9).await.expect("cas"), 5);
+        assert_eq!(cl.cas_async(&r, 64, 5, 1).await.expect("cas"), 9);
+        let futures: Vec<_> = (0..100u64)
+            .map(|i| cl.fetch_add_async(&r, 128, i))
+            .collect();
+        for f in futures {
+            f.await.expect("faa");
+        }
+        assert_eq!(
+            cl.fetch_add(&r, 128, 0).expect("read"),
+            (0..100).sum::<u64>()
+        );
+    });
+    c.shutdown().expect("shutdown");
+}
+
+/// A peer that completes the handshake and then never answers.
+fn silent_server() -> (std::net::SocketAddr, thread::JoinHandle<()>) {
+    use camelot_client::proto::{encode_frame, Frame, HelloOk, PROTOCOL_VERSION};
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let handle = thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut buf = [0u8; 4096];
+        // The HELLO is small and arrives first; its exact bytes do not matter here.
+        let _ = s.read(&mut buf);
+        let mut out = bytes::BytesMut::new();
+        encode_frame(
+            &Frame::HelloOk(HelloOk {
+                version: PROTOCOL_VERSION,
+                epoch: 0,
+            }),
+            &mut out,
+        )
+        .expect("encode");
+        s.write_all(&out).expect("hello ok");
+        // Swallow requests until the client gives up and closes.
+        while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
+    });
+    (addr, handle)
+}
+
+#[test]
+fn an_unanswered_request_times_out() {
+    let (addr, server) = silent_server();
+    let cl = Client::connect(
+        ClusterMap::from_addrs(&[addr]),
+        ClientConfig {
+            request_timeout: Duration::from_millis(500),
+            ..ClientConfig::default()
+        },
+    )
+    .expect("handshake");
+    let t = Instant::now();
+    match cl.ping(0) {
+        Err(ClientError::Timeout { .. }) => {}
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_millis(400) && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
+    drop(cl);
+    server.join().expect("silent server");
+}
