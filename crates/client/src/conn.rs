@@ -1,10 +1,11 @@
-//! One TCP connection to one memory server: a writer thread that coalesces every queued
-//! request into one frame, and a reader thread that hands each answer to its waiter.
+//! One TCP connection to one memory server. Submitting threads combine: whoever finds the
+//! socket free writes everything queued, by every thread, as one frame; a reader thread
+//! hands each answer to its waiter.
 //!
 //! Why threads and not an async runtime: the main users are application threads that
-//! block on answers (the request API, far memory, the benches). Two plain threads per
-//! connection keep the hot path free of executor hand-offs; async callers still get a
-//! `Future` from [`crate::Pending`].
+//! block on answers (the request API, far memory, the benches). Writing from the
+//! submitting thread and reading on one plain thread keeps the hot path free of executor
+//! hand-offs; async callers still get a `Future` from [`crate::Pending`].
 
 use crate::completion::Completion;
 use crate::{ClientConfig, ClientError};
@@ -14,7 +15,6 @@ use camelot_proto::{
     decode_frame, encode_frame, ErrorCode, Frame, FrameDecoder, Hello, Op, RequestBatchEncoder,
     PROTOCOL_VERSION, RESPONSES_HEADER_BYTES, RESPONSE_OK_BUDGET_BYTES,
 };
-use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
@@ -29,6 +29,10 @@ pub const INFLIGHT_REQUESTS_MAX: usize = 16_384;
 /// How often the reader wakes to check for a request that has waited too long.
 const WATCHDOG_TICK: Duration = Duration::from_millis(100);
 const READ_CHUNK_BYTES: usize = 256 << 10;
+/// Frames in flight below which a submitting thread writes its request itself; at or
+/// above it, requests wait for the next answer to carry them (see [`Conn::submit`]).
+/// Two keeps the server busy on one frame while the next is on its way.
+const FRAMES_AHEAD: usize = 2;
 
 pub(crate) struct Submission {
     pub id: u64,
@@ -55,6 +59,14 @@ struct Shared {
     inflight: Mutex<Inflight>,
     space: Condvar,
     dead: AtomicBool,
+    /// Every `Conn` handle is gone: close once nothing is owed.
+    closing: AtomicBool,
+    queue: Mutex<Vec<Submission>>,
+    queue_space: Condvar,
+    /// Held by whichever thread is writing to the socket (the combiner).
+    writer: Mutex<Writer>,
+    queue_requests_max: usize,
+    batching: bool,
 }
 
 impl Shared {
@@ -77,6 +89,8 @@ impl Shared {
                 slot.complete(Err(err.clone()));
             }
         }
+        // Fails what is queued but unsent (the writer checks `dead` per frame).
+        self.flush(false);
     }
 
     fn death(&self) -> ClientError {
@@ -89,8 +103,8 @@ impl Shared {
 }
 
 pub(crate) struct Conn {
-    tx: Sender<Submission>,
     shared: Arc<Shared>,
+    request_timeout: Duration,
 }
 
 impl Conn {
@@ -115,6 +129,14 @@ impl Conn {
             .set_write_timeout(Some(config.request_timeout))
             .map_err(io)?;
         let read_half = stream.try_clone().map_err(io)?;
+        let writer = Writer {
+            batching: config.batching,
+            batch_ops_max: config.batch_ops_max.clamp(1, BATCH_OPS_MAX),
+            epoch,
+            request_timeout: config.request_timeout,
+            out: BytesMut::with_capacity(64 << 10),
+            spare: Vec::new(),
+        };
         let shared = Arc::new(Shared {
             addr,
             stream,
@@ -125,22 +147,13 @@ impl Conn {
             }),
             space: Condvar::new(),
             dead: AtomicBool::new(false),
-        });
-        let (tx, rx) = crossbeam_channel::bounded(config.queue_requests_max);
-        let w = Writer {
-            shared: shared.clone(),
-            rx,
+            closing: AtomicBool::new(false),
+            queue: Mutex::new(Vec::new()),
+            queue_space: Condvar::new(),
+            writer: Mutex::new(writer),
+            queue_requests_max: config.queue_requests_max.max(1),
             batching: config.batching,
-            batch_ops_max: config.batch_ops_max.clamp(1, BATCH_OPS_MAX),
-            epoch,
-            carry: None,
-            request_timeout: config.request_timeout,
-        };
-        let name = format!("camelot-w-{addr}");
-        std::thread::Builder::new()
-            .name(name)
-            .spawn(move || w.run())
-            .map_err(io)?;
+        });
         let r = Reader {
             shared: shared.clone(),
             stream: read_half,
@@ -150,22 +163,92 @@ impl Conn {
             .name(format!("camelot-r-{addr}"))
             .spawn(move || r.run())
             .map_err(io)?;
-        Ok((Conn { tx, shared }, epoch))
+        Ok((
+            Conn {
+                shared,
+                request_timeout: config.request_timeout,
+            },
+            epoch,
+        ))
     }
 
     pub(crate) fn is_dead(&self) -> bool {
         self.shared.dead.load(Ordering::Acquire)
     }
 
+    /// Queues the request. It is written at once when few frames are in flight (the
+    /// latency case); otherwise it waits for the reader, which writes everything queued
+    /// each time an answer frame arrives. Under load this clocks requests from every
+    /// thread into one frame per answer, instead of one small frame per request.
     pub(crate) fn submit(&self, sub: Submission) -> Result<(), ClientError> {
+        let shared = &*self.shared;
         if self.is_dead() {
-            return Err(self.shared.death());
+            return Err(shared.death());
         }
-        // The writer drains and fails submissions even after the connection died, so a
-        // request that races with the death still gets an answer.
-        self.tx.send(sub).map_err(|_| ClientError::ConnectionLost {
-            addr: self.shared.addr,
-        })
+        {
+            let mut q = shared.queue.lock();
+            let deadline = Instant::now() + self.request_timeout;
+            while q.len() >= shared.queue_requests_max {
+                if shared.queue_space.wait_until(&mut q, deadline).timed_out() {
+                    return Err(ClientError::Timeout {
+                        after: self.request_timeout,
+                    });
+                }
+            }
+            q.push(sub);
+        }
+        // Checked after queueing: if the reader's last dispatch came before this check
+        // saw frames in flight, its flush comes after our push and takes the request.
+        if !shared.batching
+            || shared.dead.load(Ordering::Acquire)
+            || shared.inflight.lock().frames.len() < FRAMES_AHEAD
+        {
+            shared.flush(true);
+        }
+        Ok(())
+    }
+}
+
+impl Shared {
+    /// Writes everything queued unless another thread is writing, in which case that
+    /// thread takes it along. `may_wait`: false on the reader, which must never wait for
+    /// in-flight room it alone can free.
+    fn flush(&self, may_wait: bool) {
+        loop {
+            let Some(mut w) = self.writer.try_lock() else {
+                // The holder re-checks the queue after letting go, so nothing is stranded.
+                return;
+            };
+            loop {
+                let mut subs = std::mem::take(&mut w.spare);
+                {
+                    let mut q = self.queue.lock();
+                    if q.is_empty() {
+                        w.spare = subs;
+                        break;
+                    }
+                    std::mem::swap(&mut *q, &mut subs);
+                }
+                self.queue_space.notify_all();
+                w.write(self, &mut subs, may_wait);
+                w.spare = subs;
+            }
+            drop(w);
+            if self.queue.lock().is_empty() {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for Conn {
+    /// The last handle is gone (replaced or client dropped): let the answers still owed
+    /// arrive, then the reader closes the socket and exits.
+    fn drop(&mut self) {
+        self.shared.closing.store(true, Ordering::Release);
+        if self.shared.inflight.lock().requests == 0 {
+            let _ = self.shared.stream.shutdown(Shutdown::Both);
+        }
     }
 }
 
@@ -238,45 +321,42 @@ fn handshake(
 }
 
 struct Writer {
-    shared: Arc<Shared>,
-    rx: Receiver<Submission>,
     batching: bool,
     batch_ops_max: usize,
     epoch: u64,
-    carry: Option<Submission>,
     request_timeout: Duration,
+    out: BytesMut,
+    /// The queue's previous buffer, swapped back in so draining does not allocate.
+    spare: Vec<Submission>,
 }
 
 impl Writer {
-    fn run(mut self) {
-        let mut out = BytesMut::with_capacity(64 << 10);
+    /// Writes `subs` (emptying it): as few frames as the limits allow when batching, one
+    /// frame and one write per request when not.
+    fn write(&mut self, shared: &Shared, subs: &mut Vec<Submission>, may_wait: bool) {
         let mut batch: Vec<(u64, Arc<Completion>)> = Vec::new();
-        loop {
-            let first = match self.carry.take() {
-                Some(s) => s,
-                None => match self.rx.recv() {
-                    Ok(s) => s,
-                    Err(_) => return self.close_when_answered(),
-                },
-            };
-            if self.shared.dead.load(Ordering::Acquire) {
-                first.slot.complete(Err(self.shared.death()));
-                continue;
+        let mut pending = subs.drain(..).peekable();
+        while pending.peek().is_some() {
+            if shared.dead.load(Ordering::Acquire) {
+                let err = shared.death();
+                for sub in pending.by_ref() {
+                    sub.slot.complete(Err(err.clone()));
+                }
+                return;
             }
-            out.clear();
-            batch.clear();
-            let mut enc = RequestBatchEncoder::begin(&mut out, self.epoch);
+            self.out.clear();
+            let mut enc = RequestBatchEncoder::begin(&mut self.out, self.epoch);
             let mut reply_bytes = RESPONSES_HEADER_BYTES;
-            let mut next = Some(first);
-            while let Some(sub) = next.take() {
+            while let Some(sub) = pending.peek() {
                 let fits = enc.count() == 0
-                    || (enc.count() < self.batch_ops_max
+                    || (self.batching
+                        && enc.count() < self.batch_ops_max
                         && enc.frame_len() + sub.op.encoded_len() <= FRAME_BYTES_MAX + 4
                         && reply_bytes + sub.op.reply_len_max() <= RESPONSE_OK_BUDGET_BYTES);
                 if !fits {
-                    self.carry = Some(sub);
                     break;
                 }
+                let Some(sub) = pending.next() else { break };
                 match enc.push(sub.id, &sub.op) {
                     Ok(()) => {
                         reply_bytes += sub.op.reply_len_max();
@@ -286,13 +366,6 @@ impl Writer {
                         .slot
                         .complete(Err(ClientError::InvalidArgument(e.to_string()))),
                 }
-                if !self.batching {
-                    break;
-                }
-                next = match self.rx.try_recv() {
-                    Ok(s) => Some(s),
-                    Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => None,
-                };
             }
             if enc.count() == 0 {
                 continue;
@@ -303,52 +376,43 @@ impl Writer {
                 }
                 continue;
             }
-            if !self.register(&mut batch) {
+            if !self.register(shared, &mut batch, may_wait) {
                 continue;
             }
-            if let Err(e) = (&self.shared.stream).write_all(&out) {
+            if let Err(e) = (&shared.stream).write_all(&self.out) {
                 let err = if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
                     ClientError::Timeout {
                         after: self.request_timeout,
                     }
                 } else {
                     ClientError::Io {
-                        addr: self.shared.addr,
+                        addr: shared.addr,
                         source: Arc::new(e),
                     }
                 };
-                self.shared.kill(err);
+                shared.kill(err);
             }
         }
-    }
-
-    /// Every `Conn` handle is gone (replaced or client dropped): let the answers still
-    /// owed arrive, then close so the reader exits too.
-    fn close_when_answered(&self) {
-        let deadline = Instant::now() + self.request_timeout;
-        let mut inf = self.shared.inflight.lock();
-        while inf.dead.is_none() && inf.requests > 0 {
-            if self.shared.space.wait_until(&mut inf, deadline).timed_out() {
-                break;
-            }
-        }
-        drop(inf);
-        let _ = self.shared.stream.shutdown(Shutdown::Both);
     }
 
     /// Hands the batch's answer slots to the reader before the bytes leave, so an answer
     /// can never arrive for a slot the reader does not know yet. False if the connection
     /// is dead (the slots are then failed).
-    fn register(&self, batch: &mut Vec<(u64, Arc<Completion>)>) -> bool {
-        let mut inf = self.shared.inflight.lock();
+    fn register(
+        &self,
+        shared: &Shared,
+        batch: &mut Vec<(u64, Arc<Completion>)>,
+        may_wait: bool,
+    ) -> bool {
+        let mut inf = shared.inflight.lock();
         let deadline = Instant::now() + self.request_timeout;
-        while inf.dead.is_none() && inf.requests + batch.len() > INFLIGHT_REQUESTS_MAX {
-            if self.shared.space.wait_until(&mut inf, deadline).timed_out() {
+        while may_wait && inf.dead.is_none() && inf.requests + batch.len() > INFLIGHT_REQUESTS_MAX {
+            if shared.space.wait_until(&mut inf, deadline).timed_out() {
                 drop(inf);
-                self.shared.kill(ClientError::Timeout {
+                shared.kill(ClientError::Timeout {
                     after: self.request_timeout,
                 });
-                inf = self.shared.inflight.lock();
+                inf = shared.inflight.lock();
                 break;
             }
         }
@@ -384,15 +448,25 @@ impl Reader {
     fn serve(&mut self) -> ClientError {
         let addr = self.shared.addr;
         let mut buf = BytesMut::with_capacity(READ_CHUNK_BYTES);
+        // Read into a scratch buffer zeroed once: growing `buf` and zeroing the new room
+        // on every read cost more than the copy out of here.
+        let mut scratch = vec![0u8; READ_CHUNK_BYTES];
         loop {
+            let mut answered = false;
             loop {
                 match FrameDecoder::split_frame(&mut buf) {
                     Ok(Some(body)) => {
                         if let Err(e) = self.dispatch(body) {
                             return e;
                         }
+                        answered = true;
                     }
-                    Ok(None) => break,
+                    Ok(None) => {
+                        if answered {
+                            self.shared.flush(false);
+                        }
+                        break;
+                    }
                     Err(e) => {
                         return ClientError::Protocol {
                             addr,
@@ -401,17 +475,15 @@ impl Reader {
                     }
                 }
             }
-            let len = buf.len();
-            let want = READ_CHUNK_BYTES.max(buf.capacity() - len);
-            buf.resize(len + want, 0);
-            match self.stream.read(&mut buf[len..]) {
-                Ok(0) => {
-                    buf.truncate(len);
-                    return ClientError::ConnectionLost { addr };
-                }
-                Ok(n) => buf.truncate(len + n),
+            if self.shared.closing.load(Ordering::Acquire)
+                && self.shared.inflight.lock().requests == 0
+            {
+                return ClientError::ConnectionLost { addr };
+            }
+            match self.stream.read(&mut scratch) {
+                Ok(0) => return ClientError::ConnectionLost { addr },
+                Ok(n) => buf.extend_from_slice(&scratch[..n]),
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    buf.truncate(len);
                     if self.shared.dead.load(Ordering::Acquire) {
                         return self.shared.death();
                     }
@@ -428,7 +500,7 @@ impl Reader {
                         };
                     }
                 }
-                Err(e) if e.kind() == ErrorKind::Interrupted => buf.truncate(len),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     return ClientError::Io {
                         addr,
