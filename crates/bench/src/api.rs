@@ -1,0 +1,331 @@
+//! `camelot bench api`: the request API's performance targets, each measured beside the
+//! peer it is judged against (iperf3, redis-benchmark, sockperf) in the same run, because
+//! on a shared 2-core machine only a same-run ratio means anything.
+
+use crate::plot::{Figure, Panel};
+use crate::progress::Progress;
+use crate::schema::{now_rfc3339, BenchResult, Point, Series, X};
+use crate::workload::{self, LoadSpec, Measured, Mix, Target};
+use crate::{output, peers, BenchError};
+use camelot_client::{Client, Region};
+use serde_json::json;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    /// Seconds each peer measurement runs.
+    pub peer_seconds: u64,
+    /// Requests for each Camelot throughput point.
+    pub requests: u64,
+    /// Requests for the single-thread latency point.
+    pub latency_requests: u64,
+    /// Thread counts of the no-collapse sweep.
+    pub sweep_threads: Vec<usize>,
+    /// Requests per point of the sweep.
+    pub sweep_requests: u64,
+    pub quick: bool,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        ApiConfig {
+            peer_seconds: 5,
+            requests: 1_000_000,
+            latency_requests: 100_000,
+            sweep_threads: vec![1, 2, 4, 8, 16, 32, 64],
+            sweep_requests: 400_000,
+            quick: false,
+        }
+    }
+}
+
+impl ApiConfig {
+    pub fn apply_quick(&mut self) {
+        self.quick = true;
+        self.peer_seconds = 1;
+        self.requests = self.requests.min(60_000);
+        self.latency_requests = self.latency_requests.min(5_000);
+        self.sweep_threads = vec![1, 8, 64];
+        self.sweep_requests = self.sweep_requests.min(20_000);
+    }
+}
+
+/// One target: what Camelot reached, what the peer reached, and the rule between them.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub name: &'static str,
+    pub camelot: f64,
+    pub peer: f64,
+    pub unit: &'static str,
+    pub ratio: f64,
+    /// The ratio must be at least this (or at most, when `at_most`).
+    pub bound: f64,
+    pub at_most: bool,
+    pub peer_command: String,
+}
+
+impl Check {
+    pub fn met(&self) -> bool {
+        if self.at_most {
+            self.ratio <= self.bound
+        } else {
+            self.ratio >= self.bound
+        }
+    }
+}
+
+const REGION_BYTES: u64 = 64 << 20;
+
+/// Runs every check; returns the files written and a printable table.
+pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchError> {
+    let started = now_rfc3339();
+    let steps = 6 + 2 * cfg.sweep_threads.len() as u64;
+    let progress = Progress::new(steps, "api");
+    let peer_time = Duration::from_secs(cfg.peer_seconds.max(1));
+    let target = Target::open(&[], 1, REGION_BYTES + (1 << 20), None)?;
+    let batched = target.connect(true)?;
+    let unbatched = target.connect(false)?;
+    let regions = workload::regions_on_every_node(&batched, REGION_BYTES)?;
+    let mut checks = Vec::new();
+
+    progress.set_message("iperf3 TCP stream");
+    let stream = peers::iperf3_tcp_stream(peer_time)?;
+    progress.inc(1);
+    progress.set_message("4 KiB, 8 threads × 16");
+    let m = load(&batched, &regions, 8, 16, cfg.requests, 50, 4096)?;
+    progress.inc(1);
+    checks.push(ratio_check(
+        "4 KiB 50% reads, 8 thr × depth 16, vs iperf3 TCP stream",
+        m.bytes_per_sec() / 1e9,
+        stream.bytes_per_sec / 1e9,
+        "GB/s",
+        0.7,
+        stream.command,
+    ));
+
+    progress.set_message("redis-benchmark GET");
+    let redis = peers::RedisServer::start()?;
+    // GET of a missing key answers nil: set the key first so GETs return 64 bytes.
+    peers::redis_benchmark(redis.addr(), &["-t", "set", "-d", "64", "-n", "1000"])?;
+    let n = (cfg.requests * 2).to_string();
+    let get = peers::redis_benchmark(
+        redis.addr(),
+        &["-t", "get", "-d", "64", "-c", "16", "-P", "16", "-n", &n],
+    )?;
+    drop(redis);
+    progress.inc(1);
+    progress.set_message("64 B reads, 16 threads × 16, batched");
+    let reads_batched = load(&batched, &regions, 16, 16, cfg.requests * 2, 100, 64)?;
+    progress.inc(1);
+    checks.push(ratio_check(
+        "64 B reads, 16 thr × depth 16, vs redis-benchmark GET -P 16",
+        reads_batched.ops_per_sec() / 1e3,
+        get.ops_per_sec / 1e3,
+        "kops/s",
+        2.0,
+        get.command,
+    ));
+    progress.set_message("64 B reads, 16 threads × 16, unbatched");
+    let reads_unbatched = load(&unbatched, &regions, 16, 16, cfg.requests / 2, 100, 64)?;
+    progress.inc(1);
+    checks.push(ratio_check(
+        "64 B reads, 16 thr × depth 16, batched vs unbatched",
+        reads_batched.ops_per_sec() / 1e3,
+        reads_unbatched.ops_per_sec() / 1e3,
+        "kops/s",
+        3.0,
+        "camelot, batching off".into(),
+    ));
+
+    progress.set_message("sockperf ping-pong");
+    let pingpong = peers::sockperf_tcp_pingpong(peer_time, 64)?;
+    let one = load(&unbatched, &regions, 1, 1, cfg.latency_requests, 100, 64)?;
+    progress.inc(1);
+    let mut c = ratio_check(
+        "64 B reads, 1 thr × depth 1, unbatched: p50 vs sockperf TCP ping-pong",
+        one.latency.summary().p50,
+        pingpong.latency_us.p50,
+        "µs p50",
+        1.3,
+        pingpong.command,
+    );
+    c.at_most = true;
+    checks.push(c);
+
+    let mut sweeps = Vec::new();
+    for depth in [1usize, 16] {
+        let mut s = Series::new(format!("depth {depth}"));
+        for &t in &cfg.sweep_threads {
+            progress.set_message(&format!("sweep: {t} threads × {depth}"));
+            let m = load(&batched, &regions, t, depth, cfg.sweep_requests, 50, 4096)?;
+            progress.inc(1);
+            let mut p = Point::new(t);
+            p.ops_per_sec = Some(m.ops_per_sec());
+            p.bytes_per_sec = Some(m.bytes_per_sec());
+            p.latency_us = Some(m.latency.summary());
+            s.points.push(p);
+        }
+        let peak = s
+            .points
+            .iter()
+            .filter_map(|p| p.ops_per_sec)
+            .fold(0.0, f64::max);
+        let last = s.points.last().and_then(|p| p.ops_per_sec).unwrap_or(0.0);
+        let most = cfg.sweep_threads.last().copied().unwrap_or(0);
+        checks.push(Check {
+            name: if depth == 1 {
+                "no collapse: ops/s at the most threads vs peak, depth 1"
+            } else {
+                "no collapse: ops/s at the most threads vs peak, depth 16"
+            },
+            camelot: last / 1e3,
+            peer: peak / 1e3,
+            unit: "kops/s",
+            ratio: last / peak.max(f64::MIN_POSITIVE),
+            bound: 0.9,
+            at_most: false,
+            peer_command: format!("peak over {:?} threads; last = {most}", cfg.sweep_threads),
+        });
+        sweeps.push(s);
+    }
+    progress.finish();
+    workload::free_all(&batched, &regions)?;
+    drop((batched, unbatched));
+    target.close()?;
+
+    let mut camelot = Series::new("camelot");
+    let mut peer = Series::new("peer");
+    for (i, c) in checks.iter().enumerate() {
+        let mut p = Point::new(X::Label(c.name.to_owned()));
+        p.extra.insert("value".into(), json!(c.camelot));
+        p.extra.insert("unit".into(), json!(c.unit));
+        p.extra.insert("ratio".into(), json!(c.ratio));
+        p.extra.insert(
+            "target".into(),
+            json!(format!("{} {}", if c.at_most { "≤" } else { "≥" }, c.bound)),
+        );
+        p.extra.insert("met".into(), json!(c.met()));
+        p.extra.insert("index".into(), json!(i));
+        camelot.points.push(p);
+        let mut q = Point::new(X::Label(c.name.to_owned()));
+        q.extra.insert("value".into(), json!(c.peer));
+        q.extra.insert("unit".into(), json!(c.unit));
+        q.extra.insert("command".into(), json!(c.peer_command));
+        peer.points.push(q);
+    }
+    let mut series = vec![camelot, peer];
+    series.extend(sweeps);
+    let config = json!({
+        "x": "check",
+        "peer_seconds": cfg.peer_seconds,
+        "requests": cfg.requests,
+        "latency_requests": cfg.latency_requests,
+        "sweep_threads": cfg.sweep_threads,
+        "sweep_requests": cfg.sweep_requests,
+        "servers": "dev cluster of 1 (in process)",
+        "quick": cfg.quick,
+    });
+    let result = BenchResult::new("api", started, config, series);
+    let json_path = output::write_result(out, &result)?;
+    let fig = sweep_figure(&result);
+    let png = out.join("api.png");
+    fig.save_png(&png)?;
+    Ok((vec![json_path, png], table(&checks)))
+}
+
+fn load(
+    client: &Client,
+    regions: &[Region],
+    threads: usize,
+    depth: usize,
+    requests: u64,
+    reads_percent: u8,
+    size: u32,
+) -> Result<Measured, BenchError> {
+    let spec = LoadSpec {
+        threads,
+        depth,
+        requests,
+        mix: Mix {
+            reads_percent,
+            fetch_add_percent: 0,
+        },
+        sizes_bytes: vec![size],
+        pin: true,
+        seed: (threads * 1000 + depth) as u64,
+    };
+    workload::run_load(client, regions, &spec, None)
+}
+
+fn ratio_check(
+    name: &'static str,
+    camelot: f64,
+    peer: f64,
+    unit: &'static str,
+    bound: f64,
+    peer_command: String,
+) -> Check {
+    Check {
+        name,
+        camelot,
+        peer,
+        unit,
+        ratio: camelot / peer.max(f64::MIN_POSITIVE),
+        bound,
+        at_most: false,
+        peer_command,
+    }
+}
+
+/// The checks as a Markdown table (it goes into BENCHMARKS.md as printed).
+pub fn table(checks: &[Check]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "| check | camelot | peer | ratio | target | met |");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---|");
+    for c in checks {
+        let _ = writeln!(
+            s,
+            "| {} | {:.2} {} | {:.2} {} | {:.2} | {} {} | {} |",
+            c.name,
+            c.camelot,
+            c.unit,
+            c.peer,
+            c.unit,
+            c.ratio,
+            if c.at_most { "≤" } else { "≥" },
+            c.bound,
+            if c.met() { "yes" } else { "**no**" }
+        );
+    }
+    let _ = writeln!(s);
+    for c in checks {
+        if !c.peer_command.starts_with("camelot") && !c.peer_command.starts_with("peak") {
+            let _ = writeln!(s, "- peer for \"{}\": `{}`", c.name, c.peer_command);
+        }
+    }
+    s
+}
+
+/// Throughput against threads at depth 1 and 16, the no-collapse checks.
+fn sweep_figure(result: &BenchResult) -> Figure {
+    let mut panel = Panel::new(
+        "4 KiB, 50% reads, batched",
+        "client threads",
+        "throughput (MB/s)",
+    );
+    for s in result
+        .series
+        .iter()
+        .filter(|s| s.label.starts_with("depth"))
+    {
+        let pts = s
+            .points
+            .iter()
+            .filter_map(|p| Some((p.x.as_f64()?, p.bytes_per_sec? / 1e6)))
+            .collect();
+        panel = panel.line(&s.label, pts);
+    }
+    Figure::new("Request API: no collapse with threads").panel(panel)
+}

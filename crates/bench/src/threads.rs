@@ -1,0 +1,216 @@
+//! `camelot bench threads`: seed 000's experiment. Throughput and latency of the request API
+//! against the number of client threads, batched and unbatched.
+
+use crate::plot::{Figure, Panel};
+use crate::progress::Progress;
+use crate::schema::{now_rfc3339, BenchResult, Point, Series};
+use crate::workload::{self, LoadSpec, Mix, Target, DEPTH_MAX, THREADS_MAX};
+use crate::{output, BenchError};
+use serde_json::json;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// Thread counts past this are almost certainly a typo on a 2-core machine.
+pub const THREAD_COUNTS_MAX: usize = 64;
+
+#[derive(Debug, Clone)]
+pub struct ThreadsConfig {
+    /// Requests per thread count, over all threads.
+    pub requests: u64,
+    pub reads_percent: u8,
+    pub size_bytes: u32,
+    pub threads: Vec<usize>,
+    pub depth: usize,
+    pub pin: bool,
+    /// One series per entry: `true` batched, `false` one request per frame.
+    pub modes: Vec<bool>,
+    /// Servers to use; empty starts a dev cluster of `dev_nodes`.
+    pub servers: Vec<SocketAddr>,
+    pub dev_nodes: usize,
+    /// Bytes of the region on each node that requests land in.
+    pub region_bytes: u64,
+    pub token: Option<Vec<u8>>,
+    pub quick: bool,
+}
+
+impl Default for ThreadsConfig {
+    fn default() -> Self {
+        ThreadsConfig {
+            requests: 1_000_000,
+            reads_percent: 50,
+            size_bytes: 4096,
+            threads: vec![1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64],
+            depth: 1,
+            pin: true,
+            modes: vec![true],
+            servers: Vec::new(),
+            dev_nodes: 1,
+            region_bytes: 64 << 20,
+            token: None,
+            quick: false,
+        }
+    }
+}
+
+impl ThreadsConfig {
+    /// Scales the run down to finish in under 30 s on a 2-core machine.
+    pub fn apply_quick(&mut self) {
+        self.quick = true;
+        self.requests = self.requests.min(20_000);
+        if self.threads.len() > 4 {
+            let keep = [1usize, 4, 16, 64];
+            let mut t: Vec<usize> = self
+                .threads
+                .iter()
+                .copied()
+                .filter(|t| keep.contains(t))
+                .collect();
+            if t.is_empty() {
+                t = self.threads.iter().copied().step_by(3).collect();
+            }
+            self.threads = t;
+        }
+        self.region_bytes = self.region_bytes.min(16 << 20);
+    }
+
+    pub fn validate(&self) -> Result<(), BenchError> {
+        let bad = |m: String| Err(BenchError::InvalidConfig(m));
+        if self.threads.is_empty() || self.threads.len() > THREAD_COUNTS_MAX {
+            return bad(format!("give 1 to {THREAD_COUNTS_MAX} thread counts"));
+        }
+        if let Some(t) = self.threads.iter().find(|t| **t == 0 || **t > THREADS_MAX) {
+            return bad(format!("thread count {t} is outside 1..={THREADS_MAX}"));
+        }
+        if self.depth == 0 || self.depth > DEPTH_MAX {
+            return bad(format!("depth must be 1..={DEPTH_MAX}"));
+        }
+        if self.reads_percent > 100 {
+            return bad("--reads is a percentage".into());
+        }
+        if self.modes.is_empty() {
+            return bad("no mode to run".into());
+        }
+        if self.requests < self.threads.iter().copied().max().unwrap_or(1) as u64 {
+            return bad("fewer requests than threads".into());
+        }
+        if self.size_bytes as u64 + 8 > self.region_bytes {
+            return bad(format!(
+                "{}-byte requests do not fit a {}-byte region",
+                self.size_bytes, self.region_bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
+pub fn mode_label(batched: bool) -> &'static str {
+    if batched {
+        "batched"
+    } else {
+        "unbatched"
+    }
+}
+
+/// Runs the experiment and writes `threads.json`, `threads.png` and `threads.svg`.
+pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
+    cfg.validate()?;
+    let started = now_rfc3339();
+    // The region plus headroom for the allocator's page rounding.
+    let target = Target::open(
+        &cfg.servers,
+        cfg.dev_nodes,
+        cfg.region_bytes + (1 << 20),
+        cfg.token.clone(),
+    )?;
+    let total = cfg.requests * cfg.threads.len() as u64 * cfg.modes.len() as u64;
+    let progress = Progress::new(total, "threads");
+    let mut series = Vec::new();
+    for &batched in &cfg.modes {
+        let client = target.connect(batched)?;
+        let regions = workload::regions_on_every_node(&client, cfg.region_bytes)?;
+        let mut s = Series::new(mode_label(batched));
+        for &threads in &cfg.threads {
+            progress.set_message(&format!("{} · {threads} threads", mode_label(batched)));
+            let spec = LoadSpec {
+                threads,
+                depth: cfg.depth,
+                requests: cfg.requests,
+                mix: Mix {
+                    reads_percent: cfg.reads_percent,
+                    fetch_add_percent: 0,
+                },
+                sizes_bytes: vec![cfg.size_bytes],
+                pin: cfg.pin,
+                seed: threads as u64,
+            };
+            let m = workload::run_load(&client, &regions, &spec, Some(&progress))?;
+            let mut p = Point::new(threads);
+            p.ops_per_sec = Some(m.ops_per_sec());
+            p.bytes_per_sec = Some(m.bytes_per_sec());
+            p.latency_us = Some(m.latency.summary());
+            p.extra
+                .insert("seconds".into(), json!(m.elapsed.as_secs_f64()));
+            p.extra.insert("reads".into(), json!(m.reads));
+            p.extra.insert("writes".into(), json!(m.writes));
+            s.points.push(p);
+        }
+        workload::free_all(&client, &regions)?;
+        series.push(s);
+    }
+    progress.finish();
+    let embedded = target.is_embedded();
+    target.close()?;
+
+    let config = json!({
+        "x": "threads",
+        "requests": cfg.requests,
+        "reads_percent": cfg.reads_percent,
+        "size_bytes": cfg.size_bytes,
+        "threads": cfg.threads,
+        "depth": cfg.depth,
+        "pinned": cfg.pin,
+        "modes": cfg.modes.iter().map(|b| mode_label(*b)).collect::<Vec<_>>(),
+        "servers": if embedded { json!(format!("dev cluster of {} (in process)", cfg.dev_nodes)) }
+                   else { json!(cfg.servers.iter().map(|a| a.to_string()).collect::<Vec<_>>()) },
+        "region_bytes": cfg.region_bytes,
+        "quick": cfg.quick,
+    });
+    let result = BenchResult::new("threads", started, config, series);
+    let json_path = output::write_result(out, &result)?;
+    let fig = figure(&result, cfg);
+    let png = out.join("threads.png");
+    let svg = out.join("threads.svg");
+    fig.save_png(&png)?;
+    fig.save_svg(&svg)?;
+    Ok(vec![json_path, png, svg])
+}
+
+/// Seed 000's figure: latency and throughput against threads, one line per mode.
+fn figure(result: &BenchResult, cfg: &ThreadsConfig) -> Figure {
+    let mut latency = Panel::new("latency", "client threads", "latency (µs)").log_y();
+    let mut throughput = Panel::new("throughput", "client threads", "throughput (MB/s)");
+    for s in &result.series {
+        let pts = |f: &dyn Fn(&Point) -> Option<f64>| -> Vec<(f64, f64)> {
+            s.points
+                .iter()
+                .filter_map(|p| Some((p.x.as_f64()?, f(p)?)))
+                .collect()
+        };
+        latency = latency
+            .line(
+                &format!("{} p50", s.label),
+                pts(&|p| p.latency_us.as_ref().map(|l| l.p50)),
+            )
+            .line(
+                &format!("{} p99", s.label),
+                pts(&|p| p.latency_us.as_ref().map(|l| l.p99)),
+            );
+        throughput = throughput.line(&s.label, pts(&|p| p.bytes_per_sec.map(|b| b / 1e6)));
+    }
+    Figure::new(&format!(
+        "Request API: {} B requests, {}% reads, depth {}",
+        cfg.size_bytes, cfg.reads_percent, cfg.depth
+    ))
+    .panel(latency)
+    .panel(throughput)
+}
