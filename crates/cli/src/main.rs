@@ -1,1 +1,380 @@
-fn main() {}
+//! `camelot`: thin glue over the libraries. Argument parsing, logging, signals and
+//! printing live here; everything else lives in a library crate.
+
+mod units;
+
+use anyhow::{bail, Context, Result};
+use camelot_bench::threads::ThreadsConfig;
+use camelot_client::{Client, ClientConfig, ClusterMap};
+use camelot_server::dev::{DevCluster, DevClusterConfig};
+use camelot_server::{ServerConfig, ServerHandle};
+use clap::{Args, Parser, Subcommand};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use units::{format_bytes, parse_bytes};
+
+#[derive(Parser)]
+#[command(
+    name = "camelot",
+    version,
+    about = "Camelot pools the RAM of many machines and serves it back to applications.",
+    long_about = "Camelot pools the RAM of many machines and serves it back to applications.\n\n\
+                  Start with `camelot demo` (a 3-node cluster on this machine, a short \
+                  workload, a summary), then `camelot dev` to keep a cluster running and \
+                  `camelot bench threads` to measure the request API."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run one memory server until SIGTERM or Ctrl-C.
+    Server(ServerArgs),
+    /// Print a server's counters: memory used/cap, regions, connections, ops by kind.
+    Stats(StatsArgs),
+    /// Run N memory servers on loopback until Ctrl-C and print their addresses.
+    Dev(DevArgs),
+    /// Start a 3-node cluster here, run a short mixed workload across it, print a summary.
+    Demo(DemoArgs),
+    /// Run an experiment and write its results (JSON + figure) to --out.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Args)]
+struct ServerArgs {
+    /// Address to listen on for the native protocol.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: String,
+    /// Memory cap for regions and objects (e.g. 512M, 4G). Allocations past it are refused.
+    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    memory: u64,
+    /// Cluster token clients must present (also read from CAMELOT_TOKEN).
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Most concurrent client connections.
+    #[arg(long, default_value_t = 1024)]
+    connections_max: usize,
+}
+
+#[derive(Args)]
+struct StatsArgs {
+    /// Server address (host:port).
+    addr: String,
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+#[derive(Args)]
+struct DevArgs {
+    /// Number of servers.
+    #[arg(long, default_value_t = 3)]
+    nodes: usize,
+    /// Memory cap per server.
+    #[arg(long, default_value = "256M", value_parser = parse_bytes)]
+    memory: u64,
+    /// First port (node i gets base+i); default: ports the OS picks.
+    #[arg(long)]
+    base_port: Option<u16>,
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Requests in the workload.
+    #[arg(long, default_value_t = 200_000)]
+    requests: u64,
+    /// Client threads.
+    #[arg(long, default_value_t = 8)]
+    threads: usize,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Request-API throughput and latency against client threads (seed 000's figure).
+    Threads(ThreadsArgs),
+    /// The request API's targets, each beside its peer in the same run: iperf3 stream,
+    /// redis-benchmark GET, sockperf ping-pong, batching on vs off, no collapse at 64 threads.
+    Api(ApiArgs),
+}
+
+#[derive(Args)]
+struct ApiArgs {
+    /// Requests per Camelot throughput point.
+    #[arg(long, default_value_t = 1_000_000)]
+    requests: u64,
+    /// Seconds each peer program runs.
+    #[arg(long, default_value_t = 5)]
+    peer_seconds: u64,
+    /// Scaled down to finish in under 30 s.
+    #[arg(long)]
+    quick: bool,
+    /// Directory for api.json and api.png.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct ThreadsArgs {
+    /// Total requests per thread count.
+    #[arg(long, default_value_t = 1_000_000)]
+    requests: u64,
+    /// Percent of requests that are reads; the rest are writes.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u8).range(0..=100))]
+    reads: u8,
+    /// Bytes per request.
+    #[arg(long, default_value = "4K", value_parser = parse_bytes)]
+    size: u64,
+    /// Thread counts to measure, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,2,4,8,16,24,32,40,48,56,64"
+    )]
+    threads: Vec<usize>,
+    /// Requests each thread keeps outstanding (1: issue, wait, issue).
+    #[arg(long, default_value_t = 1)]
+    depth: usize,
+    /// Do not pin threads to cores (default: pinned round-robin).
+    #[arg(long)]
+    no_pin: bool,
+    /// Batching off: one request per frame.
+    #[arg(long, conflicts_with = "compare_batching")]
+    no_batching: bool,
+    /// Run both modes, batched and unbatched, as two series.
+    #[arg(long)]
+    compare_batching: bool,
+    /// Servers to use (host:port,…); default: a dev cluster started for the run.
+    #[arg(long, value_delimiter = ',')]
+    servers: Vec<String>,
+    /// Nodes of the dev cluster started when --servers is not given.
+    #[arg(long, default_value_t = 1)]
+    nodes: usize,
+    /// Bytes of the region each node serves requests from.
+    #[arg(long, default_value = "64M", value_parser = parse_bytes)]
+    region: u64,
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Scaled down to finish in under 30 s.
+    #[arg(long)]
+    quick: bool,
+    /// Directory for threads.json and threads.png.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    init_logging(&cli.command);
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn init_logging(cmd: &Command) {
+    // Servers log at info; interactive commands only warn, so their own output stays
+    // readable. RUST_LOG overrides both.
+    let default = match cmd {
+        Command::Server(_) | Command::Dev(_) => "info",
+        _ => "warn",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Server(a) => server(a),
+        Command::Stats(a) => stats(a),
+        Command::Dev(a) => dev(a),
+        Command::Demo(a) => demo(a),
+        Command::Bench(BenchCommand::Threads(a)) => bench_threads(a),
+        Command::Bench(BenchCommand::Api(a)) => bench_api(a),
+    }
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr> {
+    addr.to_socket_addrs()
+        .with_context(|| format!("cannot resolve '{addr}' (expected host:port)"))?
+        .next()
+        .with_context(|| format!("'{addr}' resolves to no address"))
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// Resolves when SIGTERM or Ctrl-C arrives.
+async fn terminated() -> Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot install the SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("cannot wait for Ctrl-C")?,
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
+
+fn server(a: ServerArgs) -> Result<()> {
+    let listen = resolve(&a.listen)?;
+    let rt = runtime()?;
+    rt.block_on(async {
+        let mut cfg = ServerConfig::new(listen, a.memory);
+        cfg.token = a.token.map(String::into_bytes);
+        cfg.connections_max = a.connections_max;
+        let handle = ServerHandle::start(cfg)
+            .await
+            .with_context(|| format!("cannot start a server on {listen}"))?;
+        println!(
+            "camelot server listening on {} (memory cap {})",
+            handle.local_addr(),
+            format_bytes(a.memory)
+        );
+        terminated().await?;
+        tracing::info!("signal received; answering in-flight requests, then stopping");
+        handle.shutdown().await.context("shutdown failed")?;
+        Ok(())
+    })
+}
+
+fn stats(a: StatsArgs) -> Result<()> {
+    let addr = resolve(&a.addr)?;
+    let config = ClientConfig {
+        token: a.token.map(String::into_bytes),
+        ..ClientConfig::default()
+    };
+    let client = Client::connect(ClusterMap::from_addrs(&[addr]), config)
+        .with_context(|| format!("cannot reach {addr}"))?;
+    let stats = client.stats(0)?;
+    let get = |k: &str| stats.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
+    println!("server {addr}");
+    println!(
+        "  memory      {} used of {}",
+        format_bytes(get("memory_used_bytes")),
+        format_bytes(get("memory_cap_bytes"))
+    );
+    println!("  regions     {}", get("regions"));
+    println!(
+        "  connections {} open, {} since start",
+        get("connections_current"),
+        get("connections_total")
+    );
+    println!("  ops served");
+    for (name, v) in stats.iter().filter(|(n, _)| n.starts_with("ops_")) {
+        println!("    {:<12} {v}", &name[4..]);
+    }
+    for (name, v) in stats.iter().filter(|(n, _)| {
+        !n.starts_with("ops_")
+            && !matches!(
+                n.as_str(),
+                "memory_used_bytes"
+                    | "memory_cap_bytes"
+                    | "regions"
+                    | "connections_current"
+                    | "connections_total"
+            )
+    }) {
+        println!("  {name:<11} {v}");
+    }
+    Ok(())
+}
+
+fn dev(a: DevArgs) -> Result<()> {
+    if a.nodes == 0 {
+        bail!("--nodes must be at least 1");
+    }
+    let cluster = DevCluster::start(DevClusterConfig {
+        nodes: a.nodes,
+        memory_bytes_per_node: a.memory,
+        token: a.token.map(String::into_bytes),
+        base_port: a.base_port,
+        ..DevClusterConfig::default()
+    })
+    .context("cannot start the dev cluster")?;
+    let list: Vec<String> = cluster.addrs().iter().map(|a| a.to_string()).collect();
+    println!(
+        "camelot dev cluster: {} node(s), {} each",
+        a.nodes,
+        format_bytes(a.memory)
+    );
+    for (i, addr) in cluster.addrs().iter().enumerate() {
+        println!("  node {i}: {addr}");
+    }
+    println!("servers: {}", list.join(","));
+    println!("Ctrl-C to stop.");
+    cluster.runtime().block_on(terminated())?;
+    println!("stopping…");
+    cluster.shutdown().context("shutdown failed")?;
+    Ok(())
+}
+
+fn demo(a: DemoArgs) -> Result<()> {
+    let summary = camelot_bench::demo::run(&camelot_bench::demo::DemoConfig {
+        requests: a.requests,
+        threads: a.threads,
+    })?;
+    print!("{summary}");
+    Ok(())
+}
+
+fn bench_threads(a: ThreadsArgs) -> Result<()> {
+    let servers = a
+        .servers
+        .iter()
+        .map(|s| resolve(s))
+        .collect::<Result<Vec<_>>>()?;
+    let mut cfg = ThreadsConfig {
+        requests: a.requests,
+        reads_percent: a.reads,
+        size_bytes: u32::try_from(a.size).context("--size is too large")?,
+        threads: a.threads,
+        depth: a.depth,
+        pin: !a.no_pin,
+        modes: if a.compare_batching {
+            vec![true, false]
+        } else {
+            vec![!a.no_batching]
+        },
+        servers,
+        dev_nodes: a.nodes,
+        region_bytes: a.region,
+        token: a.token.map(String::into_bytes),
+        quick: a.quick,
+    };
+    if a.quick {
+        cfg.apply_quick();
+    }
+    let written = camelot_bench::threads::run(&cfg, &a.out)?;
+    for p in written {
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+fn bench_api(a: ApiArgs) -> Result<()> {
+    let mut cfg = camelot_bench::api::ApiConfig {
+        requests: a.requests,
+        peer_seconds: a.peer_seconds,
+        ..Default::default()
+    };
+    if a.quick {
+        cfg.apply_quick();
+    }
+    let (written, table) = camelot_bench::api::run(&cfg, &a.out)?;
+    print!("{table}");
+    for p in written {
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,415 @@
+//! The `camelot` binary as a user runs it: real processes, loopback ports, signals.
+
+use bytes::{Bytes, BytesMut};
+use camelot_proto::{
+    decode_frame, encode_frame, Frame, FrameDecoder, Hello, Op, Reply, Request, RequestBatch,
+    PROTOCOL_VERSION,
+};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
+
+const CAMELOT: &str = env!("CARGO_BIN_EXE_camelot");
+
+/// A running `camelot` whose stdout lines arrive on a channel, killed if the test fails.
+struct Proc {
+    child: Child,
+    lines: Receiver<String>,
+}
+
+impl Proc {
+    fn spawn(args: &[&str]) -> Proc {
+        let mut child = Command::new(CAMELOT)
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn camelot");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc { child, lines }
+    }
+
+    /// The first stdout line containing `needle`, within `timeout`.
+    fn line_with(&self, needle: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.contains(needle) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("no line with {needle:?} within {timeout:?}: {e}"),
+            }
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(ok.success(), "kill {sig} failed");
+    }
+
+    fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "still running after {timeout:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stderr(&mut self) -> String {
+        let mut s = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = e.read_to_string(&mut s);
+        }
+        s
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run(args: &[&str], timeout: Duration) -> (ExitStatus, String, String) {
+    let mut p = Proc::spawn(args);
+    let status = p.wait(timeout);
+    let out: Vec<String> = p.lines.try_iter().collect();
+    // The reader thread may lag the exit by a moment; drain what is left.
+    let mut out = out.join("\n");
+    while let Ok(l) = p.lines.recv_timeout(Duration::from_secs(2)) {
+        out.push('\n');
+        out.push_str(&l);
+    }
+    let err = p.stderr();
+    (status, out, err)
+}
+
+fn start_server(extra: &[&str]) -> (Proc, SocketAddr) {
+    let mut args = vec!["server", "--listen", "127.0.0.1:0", "--memory", "64M"];
+    args.extend_from_slice(extra);
+    let p = Proc::spawn(&args);
+    let line = p.line_with("listening on", Duration::from_secs(30));
+    let addr = line
+        .split_whitespace()
+        .find_map(|w| w.parse::<SocketAddr>().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    (p, addr)
+}
+
+fn send(stream: &mut TcpStream, frame: &Frame) {
+    let mut buf = BytesMut::new();
+    encode_frame(frame, &mut buf).expect("encode");
+    stream.write_all(&buf).expect("send");
+}
+
+fn recv(stream: &mut TcpStream, buf: &mut BytesMut) -> Option<Frame> {
+    loop {
+        if let Some(body) = FrameDecoder::split_frame(buf).expect("sane frame") {
+            return Some(decode_frame(body).expect("decodable frame"));
+        }
+        let mut chunk = [0u8; 65536];
+        match stream.read(&mut chunk) {
+            Ok(0) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) => panic!("read: {e}"),
+        }
+    }
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("camelot-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+#[test]
+fn sigterm_answers_in_flight_requests_and_exits_zero() {
+    let (mut server, addr) = start_server(&[]);
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    let mut buf = BytesMut::new();
+    send(
+        &mut s,
+        &Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            token: Bytes::new(),
+        }),
+    );
+    assert!(matches!(recv(&mut s, &mut buf), Some(Frame::HelloOk(_))));
+    send(
+        &mut s,
+        &Frame::Requests(RequestBatch {
+            epoch: 0,
+            requests: vec![Request {
+                id: 1,
+                op: Op::Alloc {
+                    size: 32 << 20,
+                    name: None,
+                },
+            }],
+        }),
+    );
+    let region = match recv(&mut s, &mut buf) {
+        Some(Frame::Responses(r)) => match &r.responses[0].result {
+            Ok(Reply::Region(info)) => info.id,
+            other => panic!("alloc: {other:?}"),
+        },
+        other => panic!("alloc: {other:?}"),
+    };
+
+    // 16 frames of 64 writes of 16 KiB each: 16 MiB the server has to work through after
+    // the signal. All of it is handed to the kernel before SIGTERM is sent.
+    const FRAMES: u64 = 16;
+    const OPS: u64 = 64;
+    let data = Bytes::from(vec![0xA5u8; 16 << 10]);
+    let mut out = BytesMut::new();
+    for f in 0..FRAMES {
+        let requests = (0..OPS)
+            .map(|i| Request {
+                id: 100 + f * OPS + i,
+                op: Op::Write {
+                    region,
+                    offset: (f * OPS + i) * (16 << 10),
+                    data: data.clone(),
+                },
+            })
+            .collect();
+        encode_frame(
+            &Frame::Requests(RequestBatch { epoch: 0, requests }),
+            &mut out,
+        )
+        .expect("encode");
+    }
+    // Writing 16 MiB blocks until the server reads most of it, so write from a thread
+    // and signal as soon as it is all handed over.
+    let mut writer = s.try_clone().expect("clone");
+    let sent = std::thread::spawn(move || writer.write_all(&out).map(|_| ()));
+    sent.join().expect("writer").expect("send requests");
+    server.signal("-TERM");
+
+    let mut answered = 0;
+    while let Some(frame) = recv(&mut s, &mut buf) {
+        match frame {
+            Frame::Responses(r) => {
+                for resp in r.responses {
+                    assert!(
+                        matches!(resp.result, Ok(Reply::Done)),
+                        "request {} failed: {:?}",
+                        resp.id,
+                        resp.result
+                    );
+                    answered += 1;
+                }
+            }
+            other => panic!("unexpected frame {other:?}"),
+        }
+    }
+    assert_eq!(
+        answered,
+        FRAMES * OPS,
+        "not every in-flight request was answered"
+    );
+    let status = server.wait(Duration::from_secs(30));
+    assert!(status.success(), "exit {status:?}: {}", server.stderr());
+}
+
+#[test]
+fn stats_reports_memory_regions_connections_and_ops() {
+    let (mut server, addr) = start_server(&["--token", "tok"]);
+    let a = addr.to_string();
+    let (status, out, err) = run(&["stats", &a, "--token", "tok"], Duration::from_secs(30));
+    assert!(status.success(), "{err}");
+    for needle in [
+        "memory",
+        "64.0 MiB",
+        "regions",
+        "connections",
+        "ops served",
+        "read",
+    ] {
+        assert!(out.contains(needle), "{needle:?} missing from:\n{out}");
+    }
+    // The wrong token is a clear error and a non-zero exit.
+    let (status, _, err) = run(&["stats", &a, "--token", "nope"], Duration::from_secs(30));
+    assert!(!status.success());
+    assert!(err.contains("token"), "{err}");
+    server.signal("-TERM");
+    assert!(server.wait(Duration::from_secs(30)).success());
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let (status, _, err) = run(&["server", "--memory", "lots"], Duration::from_secs(30));
+    assert!(!status.success());
+    assert!(err.contains("lots"), "{err}");
+    let (status, _, err) = run(
+        &["server", "--listen", "not-an-address"],
+        Duration::from_secs(30),
+    );
+    assert!(!status.success());
+    assert!(err.contains("not-an-address"), "{err}");
+    let (status, _, err) = run(&["dev", "--nodes", "0"], Duration::from_secs(30));
+    assert!(!status.success());
+    assert!(err.contains("nodes"), "{err}");
+    let (status, _, err) = run(
+        &[
+            "bench",
+            "threads",
+            "--threads",
+            "0",
+            "--out",
+            "/nonexistent",
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(!status.success());
+    assert!(err.contains("thread"), "{err}");
+}
+
+#[test]
+fn dev_prints_its_nodes_and_stops_on_ctrl_c() {
+    let mut dev = Proc::spawn(&["dev", "--nodes", "2", "--memory", "8M"]);
+    let line = dev.line_with("servers:", Duration::from_secs(30));
+    let addrs: Vec<SocketAddr> = line
+        .trim_start_matches("servers:")
+        .trim()
+        .split(',')
+        .map(|a| a.parse().expect("address"))
+        .collect();
+    assert_eq!(addrs.len(), 2);
+    for a in &addrs {
+        TcpStream::connect(a).expect("node accepts");
+    }
+    dev.signal("-INT");
+    let status = dev.wait(Duration::from_secs(30));
+    assert!(status.success(), "{status:?}: {}", dev.stderr());
+}
+
+#[test]
+fn demo_runs_across_three_nodes_and_summarises() {
+    let (status, out, err) = run(
+        &["demo", "--requests", "20000", "--threads", "4"],
+        Duration::from_secs(120),
+    );
+    assert!(status.success(), "{err}");
+    for needle in [
+        "3 memory servers",
+        "ops/s",
+        "GB/s",
+        "p50",
+        "p99",
+        "node 2",
+        "checks",
+    ] {
+        assert!(out.contains(needle), "{needle:?} missing from:\n{out}");
+    }
+}
+
+fn finite_positive(v: &serde_json::Value, what: &str) -> f64 {
+    let x = v
+        .as_f64()
+        .unwrap_or_else(|| panic!("{what} is not a number: {v}"));
+    assert!(x.is_finite() && x > 0.0, "{what} = {x}");
+    x
+}
+
+#[test]
+fn bench_threads_quick_writes_schema_json_and_figure() {
+    let dir = temp_dir("threads");
+    let d = dir.to_str().expect("utf-8 path");
+    let t = Instant::now();
+    let (status, out, err) = run(
+        &[
+            "bench",
+            "threads",
+            "--quick",
+            "--compare-batching",
+            "--out",
+            d,
+        ],
+        Duration::from_secs(180),
+    );
+    assert!(status.success(), "{err}");
+    assert!(out.contains("threads.json"), "{out}");
+    eprintln!("bench threads --quick took {:?}", t.elapsed());
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("threads.json")).expect("threads.json"))
+            .expect("valid JSON");
+    assert_eq!(json["bench"], "threads");
+    assert_eq!(json["config"]["x"], "threads");
+    finite_positive(&json["machine"]["cores"], "cores");
+    let series = json["series"].as_array().expect("series");
+    let labels: Vec<&str> = series.iter().filter_map(|s| s["label"].as_str()).collect();
+    assert_eq!(labels, ["batched", "unbatched"]);
+    for s in series {
+        let points = s["points"].as_array().expect("points");
+        assert_eq!(points.len(), 4, "quick runs 1, 4, 16, 64 threads");
+        for p in points {
+            finite_positive(&p["x"], "x");
+            finite_positive(&p["ops_per_sec"], "ops_per_sec");
+            finite_positive(&p["bytes_per_sec"], "bytes_per_sec");
+            let l = &p["latency_us"];
+            let p50 = finite_positive(&l["p50"], "p50");
+            let max = finite_positive(&l["max"], "max");
+            assert!(p50 <= max);
+        }
+    }
+    let png = std::fs::read(dir.join("threads.png")).expect("threads.png");
+    assert!(png.starts_with(b"\x89PNG"), "not a PNG");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_api_quick_measures_every_target_beside_its_peer() {
+    let dir = temp_dir("api");
+    let d = dir.to_str().expect("utf-8 path");
+    let (status, out, err) = run(
+        &["bench", "api", "--quick", "--out", d],
+        Duration::from_secs(240),
+    );
+    assert!(status.success(), "{err}");
+    for needle in [
+        "iperf3",
+        "redis-benchmark",
+        "sockperf",
+        "batched vs unbatched",
+        "collapse",
+    ] {
+        assert!(out.contains(needle), "{needle:?} missing from:\n{out}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("api.json")).expect("api.json"))
+            .expect("valid JSON");
+    let series = json["series"].as_array().expect("series");
+    let camelot = &series[0]["points"];
+    let peer = &series[1]["points"];
+    assert_eq!(camelot.as_array().map(Vec::len), Some(6));
+    for i in 0..6 {
+        finite_positive(&camelot[i]["extra"]["value"], "camelot value");
+        finite_positive(&camelot[i]["extra"]["ratio"], "ratio");
+        finite_positive(&peer[i]["extra"]["value"], "peer value");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
