@@ -25,6 +25,9 @@ pub struct ApiConfig {
     pub sweep_threads: Vec<usize>,
     /// Requests per point of the sweep.
     pub sweep_requests: u64,
+    /// Each peer/Camelot pair is measured this many times, alternating; the median
+    /// ratio is reported, so one burst of noise from a neighbour does not decide a check.
+    pub rounds: usize,
     pub quick: bool,
 }
 
@@ -36,6 +39,7 @@ impl Default for ApiConfig {
             latency_requests: 100_000,
             sweep_threads: vec![1, 2, 4, 8, 16, 32, 64],
             sweep_requests: 400_000,
+            rounds: 3,
             quick: false,
         }
     }
@@ -49,6 +53,7 @@ impl ApiConfig {
         self.latency_requests = self.latency_requests.min(5_000);
         self.sweep_threads = vec![1, 8, 64];
         self.sweep_requests = self.sweep_requests.min(20_000);
+        self.rounds = 1;
     }
 }
 
@@ -64,6 +69,8 @@ pub struct Check {
     pub bound: f64,
     pub at_most: bool,
     pub peer_command: String,
+    /// The ratio of every round (the reported one is their median).
+    pub round_ratios: Vec<f64>,
 }
 
 impl Check {
@@ -80,79 +87,25 @@ const REGION_BYTES: u64 = 64 << 20;
 
 /// Runs every check; returns the files written and a printable table.
 pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchError> {
+    if cfg.rounds == 0 || cfg.rounds > ROUNDS_MAX {
+        return Err(BenchError::InvalidConfig(format!(
+            "rounds must be 1..={ROUNDS_MAX}"
+        )));
+    }
     let started = now_rfc3339();
-    let steps = 6 + 2 * cfg.sweep_threads.len() as u64;
+    let steps = 4 * cfg.rounds as u64 + 2 * cfg.sweep_threads.len() as u64;
     let progress = Progress::new(steps, "api");
-    let peer_time = Duration::from_secs(cfg.peer_seconds.max(1));
     let target = Target::open(&[], 1, REGION_BYTES + (1 << 20), None)?;
     let batched = target.connect(true)?;
     let unbatched = target.connect(false)?;
     let regions = workload::regions_on_every_node(&batched, REGION_BYTES)?;
-    let mut checks = Vec::new();
-
-    progress.set_message("iperf3 TCP stream");
-    let stream = peers::iperf3_tcp_stream(peer_time)?;
-    progress.inc(1);
-    progress.set_message("4 KiB, 8 threads × 16");
-    let m = load(&batched, &regions, 8, 16, cfg.requests, 50, 4096)?;
-    progress.inc(1);
-    checks.push(ratio_check(
-        "4 KiB 50% reads, 8 thr × depth 16, vs iperf3 TCP stream",
-        m.bytes_per_sec() / 1e9,
-        stream.bytes_per_sec / 1e9,
-        "GB/s",
-        0.7,
-        stream.command,
-    ));
-
-    progress.set_message("redis-benchmark GET");
-    let redis = peers::RedisServer::start()?;
-    // GET of a missing key answers nil: set the key first so GETs return 64 bytes.
-    peers::redis_benchmark(redis.addr(), &["-t", "set", "-d", "64", "-n", "1000"])?;
-    let n = (cfg.requests * 2).to_string();
-    let get = peers::redis_benchmark(
-        redis.addr(),
-        &["-t", "get", "-d", "64", "-c", "16", "-P", "16", "-n", &n],
-    )?;
-    drop(redis);
-    progress.inc(1);
-    progress.set_message("64 B reads, 16 threads × 16, batched");
-    let reads_batched = load(&batched, &regions, 16, 16, cfg.requests * 2, 100, 64)?;
-    progress.inc(1);
-    checks.push(ratio_check(
-        "64 B reads, 16 thr × depth 16, vs redis-benchmark GET -P 16",
-        reads_batched.ops_per_sec() / 1e3,
-        get.ops_per_sec / 1e3,
-        "kops/s",
-        2.0,
-        get.command,
-    ));
-    progress.set_message("64 B reads, 16 threads × 16, unbatched");
-    let reads_unbatched = load(&unbatched, &regions, 16, 16, cfg.requests / 2, 100, 64)?;
-    progress.inc(1);
-    checks.push(ratio_check(
-        "64 B reads, 16 thr × depth 16, batched vs unbatched",
-        reads_batched.ops_per_sec() / 1e3,
-        reads_unbatched.ops_per_sec() / 1e3,
-        "kops/s",
-        3.0,
-        "camelot, batching off".into(),
-    ));
-
-    progress.set_message("sockperf ping-pong");
-    let pingpong = peers::sockperf_tcp_pingpong(peer_time, 64)?;
-    let one = load(&unbatched, &regions, 1, 1, cfg.latency_requests, 100, 64)?;
-    progress.inc(1);
-    let mut c = ratio_check(
-        "64 B reads, 1 thr × depth 1, unbatched: p50 vs sockperf TCP ping-pong",
-        one.latency.summary().p50,
-        pingpong.latency_us.p50,
-        "µs p50",
-        1.3,
-        pingpong.command,
-    );
-    c.at_most = true;
-    checks.push(c);
+    let mut rounds = Vec::with_capacity(cfg.rounds);
+    for round in 0..cfg.rounds {
+        rounds.push(one_round(
+            cfg, &batched, &unbatched, &regions, &progress, round,
+        )?);
+    }
+    let mut checks = median_checks(rounds);
 
     let mut sweeps = Vec::new();
     for depth in [1usize, 16] {
@@ -187,6 +140,7 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
             bound: 0.9,
             at_most: false,
             peer_command: format!("peak over {:?} threads; last = {most}", cfg.sweep_threads),
+            round_ratios: Vec::new(),
         });
         sweeps.push(s);
     }
@@ -207,6 +161,9 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
             json!(format!("{} {}", if c.at_most { "≤" } else { "≥" }, c.bound)),
         );
         p.extra.insert("met".into(), json!(c.met()));
+        if !c.round_ratios.is_empty() {
+            p.extra.insert("round_ratios".into(), json!(c.round_ratios));
+        }
         p.extra.insert("index".into(), json!(i));
         camelot.points.push(p);
         let mut q = Point::new(X::Label(c.name.to_owned()));
@@ -224,6 +181,7 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
         "latency_requests": cfg.latency_requests,
         "sweep_threads": cfg.sweep_threads,
         "sweep_requests": cfg.sweep_requests,
+        "rounds": cfg.rounds,
         "servers": "dev cluster of 1 (in process)",
         "quick": cfg.quick,
     });
@@ -233,6 +191,113 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
     let png = out.join("api.png");
     fig.save_png(&png)?;
     Ok((vec![json_path, png], table(&checks)))
+}
+
+/// One pass over the peer/Camelot pairs, each peer measured right before its Camelot
+/// counterpart.
+fn one_round(
+    cfg: &ApiConfig,
+    batched: &Client,
+    unbatched: &Client,
+    regions: &[Region],
+    progress: &Progress,
+    round: usize,
+) -> Result<Vec<Check>, BenchError> {
+    let peer_time = Duration::from_secs(cfg.peer_seconds.max(1));
+    let tag = |what: &str| format!("round {} · {what}", round + 1);
+    let mut checks = Vec::new();
+
+    progress.set_message(&tag("iperf3 vs 4 KiB × 8 threads × 16"));
+    let stream = peers::iperf3_tcp_stream(peer_time)?;
+    let m = load(batched, regions, 8, 16, cfg.requests, 50, 4096)?;
+    progress.inc(1);
+    checks.push(ratio_check(
+        "4 KiB 50% reads, 8 thr × depth 16, vs iperf3 TCP stream",
+        m.bytes_per_sec() / 1e9,
+        stream.bytes_per_sec / 1e9,
+        "GB/s",
+        0.7,
+        stream.command,
+    ));
+
+    progress.set_message(&tag("redis-benchmark GET vs 64 B × 16 threads × 16"));
+    let redis = peers::RedisServer::start()?;
+    // GET of a missing key answers nil: set the key first so GETs return 64 bytes.
+    peers::redis_benchmark(redis.addr(), &["-t", "set", "-d", "64", "-n", "1000"])?;
+    let n = (cfg.requests * 2).to_string();
+    let get = peers::redis_benchmark(
+        redis.addr(),
+        &["-t", "get", "-d", "64", "-c", "16", "-P", "16", "-n", &n],
+    )?;
+    drop(redis);
+    let reads_batched = load(batched, regions, 16, 16, cfg.requests * 2, 100, 64)?;
+    progress.inc(1);
+    checks.push(ratio_check(
+        "64 B reads, 16 thr × depth 16, vs redis-benchmark GET -P 16",
+        reads_batched.ops_per_sec() / 1e3,
+        get.ops_per_sec / 1e3,
+        "kops/s",
+        2.0,
+        get.command,
+    ));
+    progress.set_message(&tag("64 B × 16 threads × 16, unbatched"));
+    let reads_unbatched = load(unbatched, regions, 16, 16, cfg.requests / 2, 100, 64)?;
+    progress.inc(1);
+    checks.push(ratio_check(
+        "64 B reads, 16 thr × depth 16, batched vs unbatched",
+        reads_batched.ops_per_sec() / 1e3,
+        reads_unbatched.ops_per_sec() / 1e3,
+        "kops/s",
+        3.0,
+        "camelot, batching off".into(),
+    ));
+
+    progress.set_message(&tag("sockperf ping-pong vs 64 B × 1 thread × 1"));
+    let pingpong = peers::sockperf_tcp_pingpong(peer_time, 64)?;
+    let one = load(unbatched, regions, 1, 1, cfg.latency_requests, 100, 64)?;
+    progress.inc(1);
+    let mut c = ratio_check(
+        "64 B reads, 1 thr × depth 1, unbatched: p50 vs sockperf TCP ping-pong",
+        one.latency.summary().p50,
+        pingpong.latency_us.p50,
+        "µs p50",
+        1.3,
+        pingpong.command,
+    );
+    c.at_most = true;
+    checks.push(c);
+    Ok(checks)
+}
+
+/// Most rounds one run may ask for.
+pub const ROUNDS_MAX: usize = 20;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// Folds the rounds into one check each: the median ratio, and the median values.
+fn median_checks(rounds: Vec<Vec<Check>>) -> Vec<Check> {
+    let Some(first) = rounds.first().cloned() else {
+        return Vec::new();
+    };
+    first
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut c)| {
+            let of = |f: &dyn Fn(&Check) -> f64| median(rounds.iter().map(|r| f(&r[i])).collect());
+            c.round_ratios = rounds.iter().map(|r| r[i].ratio).collect();
+            c.ratio = median(c.round_ratios.clone());
+            c.camelot = of(&|c| c.camelot);
+            c.peer = of(&|c| c.peer);
+            c
+        })
+        .collect()
 }
 
 fn load(
@@ -276,24 +341,33 @@ fn ratio_check(
         bound,
         at_most: false,
         peer_command,
+        round_ratios: Vec::new(),
     }
 }
 
 /// The checks as a Markdown table (it goes into BENCHMARKS.md as printed).
 pub fn table(checks: &[Check]) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "| check | camelot | peer | ratio | target | met |");
-    let _ = writeln!(s, "|---|---:|---:|---:|---:|---|");
+    let _ = writeln!(
+        s,
+        "| check | camelot | peer | ratio (median) | ratio per round | target | met |"
+    );
+    let _ = writeln!(s, "|---|---:|---:|---:|---|---:|---|");
     for c in checks {
         let _ = writeln!(
             s,
-            "| {} | {:.2} {} | {:.2} {} | {:.2} | {} {} | {} |",
+            "| {} | {:.2} {} | {:.2} {} | {:.2} | {} | {} {} | {} |",
             c.name,
             c.camelot,
             c.unit,
             c.peer,
             c.unit,
             c.ratio,
+            c.round_ratios
+                .iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(", "),
             if c.at_most { "≤" } else { "≥" },
             c.bound,
             if c.met() { "yes" } else { "**no**" }

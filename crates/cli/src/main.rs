@@ -109,6 +109,9 @@ struct ApiArgs {
     /// Seconds each peer program runs.
     #[arg(long, default_value_t = 5)]
     peer_seconds: u64,
+    /// Times each peer/Camelot pair is measured (alternating); the median ratio counts.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Scaled down to finish in under 30 s.
     #[arg(long)]
     quick: bool,
@@ -366,6 +369,7 @@ fn bench_api(a: ApiArgs) -> Result<()> {
     let mut cfg = camelot_bench::api::ApiConfig {
         requests: a.requests,
         peer_seconds: a.peer_seconds,
+        rounds: a.rounds,
         ..Default::default()
     };
     if a.quick {

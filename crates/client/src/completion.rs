@@ -1,5 +1,6 @@
 //! One request's answer slot, waited on by a blocking thread or awaited by a task.
 
+use crate::conn::Shared;
 use crate::ClientError;
 use camelot_proto::Reply;
 use parking_lot::{Condvar, Mutex};
@@ -30,6 +31,10 @@ impl Completion {
         })
     }
 
+    pub(crate) fn is_done(&self) -> bool {
+        matches!(*self.state.lock(), State::Done(_) | State::Taken)
+    }
+
     pub(crate) fn complete(&self, result: Result<Reply, ClientError>) {
         let waker = {
             let mut st = self.state.lock();
@@ -54,28 +59,46 @@ pub struct Pending {
     pub(crate) slot: Arc<Completion>,
     /// Backstop for the blocking wait; the connection's own watchdog normally fires first.
     pub(crate) timeout: Duration,
+    /// The connection the request went out on: a blocking waiter may read it itself.
+    pub(crate) conn: Arc<Shared>,
 }
 
 impl Pending {
     /// Blocks until the answer arrives or the request times out.
     pub fn wait(self) -> Result<Reply, ClientError> {
         let deadline = Instant::now() + self.timeout;
-        let mut st = self.slot.state.lock();
+        // Read the answer ourselves if nobody else is reading; else sleep until woken.
+        // A reader that finishes while others still wait hands over to the connection's
+        // reader thread, so sleeping here never waits on nobody.
+        let mut tried_reading = false;
         loop {
-            match std::mem::replace(&mut *st, State::Taken) {
-                State::Done(r) => return r,
-                State::Taken => return Err(ClientError::AlreadyTaken),
-                waiting @ State::Waiting(_) => {
-                    *st = waiting;
-                    if self.slot.ready.wait_until(&mut st, deadline).timed_out() {
-                        if let State::Done(r) = std::mem::replace(&mut *st, State::Taken) {
-                            return r;
+            {
+                let mut st = self.slot.state.lock();
+                match std::mem::replace(&mut *st, State::Taken) {
+                    State::Done(r) => return r,
+                    State::Taken => return Err(ClientError::AlreadyTaken),
+                    waiting @ State::Waiting(_) => {
+                        *st = waiting;
+                        if tried_reading {
+                            let timed_out =
+                                self.slot.ready.wait_until(&mut st, deadline).timed_out();
+                            if let State::Done(r) = std::mem::replace(&mut *st, State::Taken) {
+                                return r;
+                            }
+                            if timed_out {
+                                return Err(ClientError::Timeout {
+                                    after: self.timeout,
+                                });
+                            }
+                            *st = State::Waiting(None);
+                            continue;
                         }
-                        return Err(ClientError::Timeout {
-                            after: self.timeout,
-                        });
                     }
                 }
+            }
+            tried_reading = !self.conn.read_for(&self.slot, deadline);
+            if Instant::now() >= deadline {
+                tried_reading = true;
             }
         }
     }
@@ -96,6 +119,9 @@ impl Future for Pending {
             State::Taken => Poll::Ready(Err(ClientError::AlreadyTaken)),
             State::Waiting(_) => {
                 *st = State::Waiting(Some(cx.waker().clone()));
+                drop(st);
+                // An awaiting task never reads the socket itself: make sure someone does.
+                self.conn.poke();
                 Poll::Pending
             }
         }

@@ -1,11 +1,14 @@
 //! One TCP connection to one memory server. Submitting threads combine: whoever finds the
-//! socket free writes everything queued, by every thread, as one frame; a reader thread
-//! hands each answer to its waiter.
+//! socket free writes everything queued, by every thread, as one frame. Reading is
+//! leader/follower: a thread about to block on its answer reads the socket itself when
+//! nobody else is, and the connection's reader thread reads only while answers are owed
+//! and no waiting thread is reading (for awaiting tasks, abandoned answers, timeouts).
 //!
 //! Why threads and not an async runtime: the main users are application threads that
-//! block on answers (the request API, far memory, the benches). Writing from the
-//! submitting thread and reading on one plain thread keeps the hot path free of executor
-//! hand-offs; async callers still get a `Future` from [`crate::Pending`].
+//! block on answers (the request API, far memory, the benches). On loopback a thread
+//! hand-off costs as much as the network round trip, so the hot path avoids them: the
+//! submitting thread writes and the waiting thread reads. Async callers still get a
+//! `Future` from [`crate::Pending`].
 
 use crate::completion::Completion;
 use crate::{ClientConfig, ClientError};
@@ -53,7 +56,7 @@ struct Inflight {
 
 /// State the reader and writer threads share (the `Conn` handle is separate so that
 /// dropping it closes the submission channel and lets the writer exit).
-struct Shared {
+pub(crate) struct Shared {
     addr: SocketAddr,
     stream: TcpStream,
     inflight: Mutex<Inflight>,
@@ -67,6 +70,19 @@ struct Shared {
     writer: Mutex<Writer>,
     queue_requests_max: usize,
     batching: bool,
+    /// Whoever holds this reads the socket: the reader thread, or a thread waiting for
+    /// its own answer (see [`Shared::read_for`]).
+    read_role: Mutex<ReadBuf>,
+    /// Wakes the reader thread when nobody else is reading but answers are owed.
+    poked: Mutex<bool>,
+    poke: Condvar,
+    request_timeout: Duration,
+}
+
+pub(crate) struct ReadBuf {
+    stream: TcpStream,
+    buf: BytesMut,
+    scratch: Vec<u8>,
 }
 
 impl Shared {
@@ -91,6 +107,7 @@ impl Shared {
         }
         // Fails what is queued but unsent (the writer checks `dead` per frame).
         self.flush(false);
+        self.poke();
     }
 
     fn death(&self) -> ClientError {
@@ -153,15 +170,23 @@ impl Conn {
             writer: Mutex::new(writer),
             queue_requests_max: config.queue_requests_max.max(1),
             batching: config.batching,
-        });
-        let r = Reader {
-            shared: shared.clone(),
-            stream: read_half,
+            read_role: Mutex::new(ReadBuf {
+                stream: read_half,
+                buf: BytesMut::with_capacity(READ_CHUNK_BYTES),
+                // Zeroed once: growing `buf` and zeroing the new room on every read cost
+                // more than copying out of here.
+                scratch: vec![0u8; READ_CHUNK_BYTES],
+            }),
+            poked: Mutex::new(false),
+            poke: Condvar::new(),
             request_timeout: config.request_timeout,
-        };
+        });
         std::thread::Builder::new()
             .name(format!("camelot-r-{addr}"))
-            .spawn(move || r.run())
+            .spawn({
+                let shared = shared.clone();
+                move || shared.reader_thread()
+            })
             .map_err(io)?;
         Ok((
             Conn {
@@ -170,6 +195,10 @@ impl Conn {
             },
             epoch,
         ))
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     pub(crate) fn is_dead(&self) -> bool {
@@ -249,6 +278,7 @@ impl Drop for Conn {
         if self.shared.inflight.lock().requests == 0 {
             let _ = self.shared.stream.shutdown(Shutdown::Both);
         }
+        self.shared.poke();
     }
 }
 
@@ -432,87 +462,127 @@ impl Writer {
     }
 }
 
-struct Reader {
-    shared: Arc<Shared>,
-    stream: TcpStream,
-    request_timeout: Duration,
-}
-
-impl Reader {
-    fn run(mut self) {
-        let err = self.serve();
-        self.shared.kill(err);
+impl Shared {
+    pub(crate) fn poke(&self) {
+        *self.poked.lock() = true;
+        self.poke.notify_one();
     }
 
-    /// Returns why the connection ended.
-    fn serve(&mut self) -> ClientError {
-        let addr = self.shared.addr;
-        let mut buf = BytesMut::with_capacity(READ_CHUNK_BYTES);
-        // Read into a scratch buffer zeroed once: growing `buf` and zeroing the new room
-        // on every read cost more than the copy out of here.
-        let mut scratch = vec![0u8; READ_CHUNK_BYTES];
+    /// The connection's own reader: reads whenever answers are owed and no waiting
+    /// thread is reading, and otherwise sleeps until poked or for one watchdog tick (so
+    /// late answers are still timed out and unclaimed answers still collected).
+    fn reader_thread(&self) {
         loop {
-            let mut answered = false;
-            loop {
-                match FrameDecoder::split_frame(&mut buf) {
-                    Ok(Some(body)) => {
-                        if let Err(e) = self.dispatch(body) {
-                            return e;
-                        }
-                        answered = true;
+            if self.dead.load(Ordering::Acquire) {
+                return;
+            }
+            let owed = self.inflight.lock().requests;
+            if owed == 0 && self.closing.load(Ordering::Acquire) {
+                return self.kill(ClientError::ConnectionLost { addr: self.addr });
+            }
+            if owed > 0 {
+                if let Some(mut rb) = self.read_role.try_lock() {
+                    if let Err(e) = self.read_once(&mut rb) {
+                        drop(rb);
+                        return self.kill(e);
                     }
-                    Ok(None) => {
-                        if answered {
-                            self.shared.flush(false);
-                        }
-                        break;
-                    }
-                    Err(e) => {
-                        return ClientError::Protocol {
-                            addr,
-                            reason: e.to_string(),
-                        }
-                    }
+                    continue;
                 }
             }
-            if self.shared.closing.load(Ordering::Acquire)
-                && self.shared.inflight.lock().requests == 0
-            {
-                return ClientError::ConnectionLost { addr };
+            let mut poked = self.poked.lock();
+            if !*poked {
+                self.poke.wait_for(&mut poked, WATCHDOG_TICK);
             }
-            match self.stream.read(&mut scratch) {
-                Ok(0) => return ClientError::ConnectionLost { addr },
-                Ok(n) => buf.extend_from_slice(&scratch[..n]),
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    if self.shared.dead.load(Ordering::Acquire) {
-                        return self.shared.death();
-                    }
-                    let oldest = self
-                        .shared
-                        .inflight
-                        .lock()
-                        .frames
-                        .front()
-                        .map(|f| f.sent_at);
-                    if oldest.is_some_and(|t| t.elapsed() > self.request_timeout) {
-                        return ClientError::Timeout {
-                            after: self.request_timeout,
-                        };
-                    }
-                }
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => {
-                    return ClientError::Io {
-                        addr,
-                        source: Arc::new(e),
-                    }
-                }
-            }
+            *poked = false;
         }
     }
 
+    /// Called by a thread about to block on `slot`: if nobody is reading, it reads the
+    /// socket itself until its answer is in, instead of sleeping until the reader thread
+    /// wakes it. On loopback that hand-off is a large share of a round trip. Returns
+    /// false if someone else is reading (the caller then sleeps on its slot).
+    pub(crate) fn read_for(&self, slot: &Completion, deadline: Instant) -> bool {
+        if self.dead.load(Ordering::Acquire) {
+            return false;
+        }
+        let Some(mut rb) = self.read_role.try_lock() else {
+            return false;
+        };
+        while !slot.is_done() && Instant::now() < deadline {
+            if let Err(e) = self.read_once(&mut rb) {
+                drop(rb);
+                self.kill(e);
+                return true;
+            }
+        }
+        drop(rb);
+        // Answers still owed to others: hand reading back to the reader thread.
+        if self.inflight.lock().requests > 0 {
+            self.poke();
+        }
+        true
+    }
+
+    /// One read from the socket (blocking at most a watchdog tick), then every complete
+    /// answer dispatched and whatever was queued meanwhile written. Err: the connection
+    /// is finished, for the reason given.
+    fn read_once(&self, rb: &mut ReadBuf) -> Result<(), ClientError> {
+        let addr = self.addr;
+        if self.dead.load(Ordering::Acquire) {
+            return Err(self.death());
+        }
+        let ReadBuf {
+            stream,
+            buf,
+            scratch,
+        } = rb;
+        match stream.read(scratch) {
+            Ok(0) => return Err(ClientError::ConnectionLost { addr }),
+            Ok(n) => buf.extend_from_slice(&scratch[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                if self.dead.load(Ordering::Acquire) {
+                    return Err(self.death());
+                }
+                let oldest = self.inflight.lock().frames.front().map(|f| f.sent_at);
+                if oldest.is_some_and(|t| t.elapsed() > self.request_timeout) {
+                    return Err(ClientError::Timeout {
+                        after: self.request_timeout,
+                    });
+                }
+                return Ok(());
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => return Ok(()),
+            Err(e) => {
+                return Err(ClientError::Io {
+                    addr,
+                    source: Arc::new(e),
+                })
+            }
+        }
+        let mut answered = false;
+        loop {
+            match FrameDecoder::split_frame(buf) {
+                Ok(Some(body)) => {
+                    self.dispatch(body)?;
+                    answered = true;
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    return Err(ClientError::Protocol {
+                        addr,
+                        reason: e.to_string(),
+                    })
+                }
+            }
+        }
+        if answered {
+            self.flush(false);
+        }
+        Ok(())
+    }
+
     fn dispatch(&self, body: Bytes) -> Result<(), ClientError> {
-        let addr = self.shared.addr;
+        let addr = self.addr;
         let protocol = |reason: String| ClientError::Protocol { addr, reason };
         let batch = match decode_frame(body).map_err(|e| protocol(e.to_string()))? {
             Frame::Responses(b) => b,
@@ -520,7 +590,7 @@ impl Reader {
             other => return Err(protocol(format!("unexpected frame {other:?}"))),
         };
         let frame = {
-            let mut inf = self.shared.inflight.lock();
+            let mut inf = self.inflight.lock();
             let f = inf
                 .frames
                 .pop_front()
@@ -528,7 +598,7 @@ impl Reader {
             inf.requests -= f.requests.len();
             f
         };
-        self.shared.space.notify_all();
+        self.space.notify_all();
         if frame.requests.len() != batch.responses.len() {
             let n = batch.responses.len();
             let err = protocol(format!(

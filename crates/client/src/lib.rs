@@ -337,6 +337,7 @@ impl Client {
         })?;
         Ok(Pending {
             slot,
+            conn: conn.shared().clone(),
             // The connection's watchdog answers a late request with Timeout; this margin
             // only matters if the writer itself is stuck.
             timeout: self.inner.config.request_timeout * 2 + Duration::from_secs(1),

@@ -451,3 +451,50 @@ fn an_unanswered_request_times_out() {
     drop(cl);
     server.join().expect("silent server");
 }
+
+/// Blocking waiters read the socket themselves when nobody else is; awaiting tasks and
+/// answers nobody waits for must still be collected by the connection's reader thread.
+#[test]
+fn blocking_async_and_abandoned_requests_share_a_connection() {
+    let c = cluster(1, 1 << 20, None);
+    let cl = client(&c, ClientConfig::default()).expect("connect");
+    let r = cl.alloc(4096, None).expect("alloc");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let tasks: Vec<_> = (0..4)
+        .map(|_| {
+            let (cl, r) = (cl.clone(), r.clone());
+            rt.spawn(async move {
+                for _ in 0..500 {
+                    cl.fetch_add_async(&r, 0, 1).await.expect("async faa");
+                }
+            })
+        })
+        .collect();
+    thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for i in 0..500 {
+                    let p = cl.submit(r.node, r.fetch_add_op(8, 1)).expect("submit");
+                    // Every third answer is abandoned: nobody waits for it.
+                    if i % 3 != 0 {
+                        p.wait().expect("blocking faa");
+                    }
+                }
+            });
+        }
+    });
+    rt.block_on(async {
+        for t in tasks {
+            t.await.expect("task");
+        }
+    });
+    assert_eq!(cl.fetch_add(&r, 0, 0).expect("read"), 4 * 500);
+    // Abandoned requests were still executed and their answers drained: the same
+    // connection keeps serving, and the counter shows all of them.
+    assert_eq!(cl.fetch_add(&r, 8, 0).expect("read"), 4 * 500);
+    c.shutdown().expect("shutdown");
+}
