@@ -49,7 +49,8 @@ pub struct ClientConfig {
     pub batching: bool,
     /// Most requests per frame (≤ the protocol's batch limit).
     pub batch_ops_max: usize,
-    /// TCP connections per node; threads are spread over them.
+    /// TCP connections per node; threads are spread over them (a thread always uses
+    /// the same one, so its requests stay in order).
     pub connections_per_node: usize,
     pub connect_timeout: Duration,
     /// A request unanswered this long fails, and its connection is closed.
@@ -63,7 +64,10 @@ impl Default for ClientConfig {
             token: None,
             batching: true,
             batch_ops_max: camelot_proto::limits::BATCH_OPS_MAX,
-            connections_per_node: 1,
+            // Measured on 2 cores, 64 B reads at depth 16: 1 → 4 connections took 16
+            // threads from ~530k to ~680k ops/s and 64 threads from ~460k to ~830k,
+            // since each connection has its own reader and its own server task.
+            connections_per_node: 4,
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(10),
             queue_requests_max: QUEUE_REQUESTS_MAX_DEFAULT,
