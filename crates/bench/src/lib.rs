@@ -8,6 +8,7 @@ pub mod output;
 pub mod peers;
 pub mod plot;
 pub mod progress;
+pub mod report;
 pub mod schema;
 
 pub use error::BenchError;

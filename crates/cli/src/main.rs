@@ -41,6 +41,14 @@ enum Command {
     /// Run an experiment and write its results (JSON + figure) to --out.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Turn every result JSON in DIR into DIR/index.html: machine, figures, tables.
+    Report(ReportArgs),
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    /// Directory of results written by `camelot bench … --out DIR`.
+    dir: PathBuf,
 }
 
 #[derive(Args)]
@@ -201,6 +209,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Demo(a) => demo(a),
         Command::Bench(BenchCommand::Threads(a)) => bench_threads(a),
         Command::Bench(BenchCommand::Api(a)) => bench_api(a),
+        Command::Report(a) => report(a),
     }
 }
 
@@ -380,5 +389,11 @@ fn bench_api(a: ApiArgs) -> Result<()> {
     for p in written {
         println!("wrote {}", p.display());
     }
+    Ok(())
+}
+
+fn report(a: ReportArgs) -> Result<()> {
+    let path = camelot_bench::report::write_report(&a.dir)?;
+    println!("wrote {}", path.display());
     Ok(())
 }
