@@ -13,6 +13,7 @@ pub mod schema;
 
 pub use error::BenchError;
 
+pub mod all;
 pub mod api;
 pub mod demo;
 pub mod threads;

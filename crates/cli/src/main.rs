@@ -107,6 +107,18 @@ enum BenchCommand {
     /// The request API's targets, each beside its peer in the same run: iperf3 stream,
     /// redis-benchmark GET, sockperf ping-pong, batching on vs off, no collapse at 64 threads.
     Api(ApiArgs),
+    /// Every bench above, then `camelot report`, into one directory.
+    All(AllArgs),
+}
+
+#[derive(Args)]
+struct AllArgs {
+    /// Each bench scaled down to finish in under 30 s.
+    #[arg(long)]
+    quick: bool,
+    /// Directory for every result, figure and index.html.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -209,6 +221,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Demo(a) => demo(a),
         Command::Bench(BenchCommand::Threads(a)) => bench_threads(a),
         Command::Bench(BenchCommand::Api(a)) => bench_api(a),
+        Command::Bench(BenchCommand::All(a)) => bench_all(a),
         Command::Report(a) => report(a),
     }
 }
@@ -395,5 +408,13 @@ fn bench_api(a: ApiArgs) -> Result<()> {
 fn report(a: ReportArgs) -> Result<()> {
     let path = camelot_bench::report::write_report(&a.dir)?;
     println!("wrote {}", path.display());
+    Ok(())
+}
+
+fn bench_all(a: AllArgs) -> Result<()> {
+    let written = camelot_bench::all::run(&a.out, a.quick, |line| eprintln!("{line}"))?;
+    for p in written {
+        println!("wrote {}", p.display());
+    }
     Ok(())
 }

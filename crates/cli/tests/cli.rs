@@ -413,3 +413,32 @@ fn bench_api_quick_measures_every_target_beside_its_peer() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bench_all_quick_runs_every_bench_then_the_report() {
+    let dir = temp_dir("all");
+    let d = dir.to_str().expect("utf-8 path");
+    let (status, out, err) = run(
+        &["bench", "all", "--quick", "--out", d],
+        Duration::from_secs(300),
+    );
+    assert!(status.success(), "{err}");
+    for bench in ["threads", "api"] {
+        assert!(err.contains(&format!("bench {bench}: done")), "{err}");
+        let json: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(dir.join(format!("{bench}.json"))).expect("result file"),
+        )
+        .expect("valid JSON");
+        assert_eq!(json["bench"], bench);
+        assert!(
+            json["config"]["quick"].as_bool().unwrap_or(false),
+            "{bench} not quick"
+        );
+    }
+    let html = std::fs::read_to_string(dir.join("index.html")).expect("index.html");
+    assert!(out.contains("index.html"), "{out}");
+    for needle in ["threads.png", "api.png"] {
+        assert!(html.contains(needle), "{needle} missing from the report");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,50 @@
+//! `camelot bench all`: every bench that exists, then the report, so one command
+//! reproduces the whole evaluation. New benches join [`BENCHES`] and [`run`].
+
+use crate::api::ApiConfig;
+use crate::threads::ThreadsConfig;
+use crate::{report, BenchError};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The benches `all` runs, in order (the report comes last).
+pub const BENCHES: [&str; 2] = ["threads", "api"];
+
+/// Runs every bench into `out` (each scaled down when `quick`), then writes
+/// `out/index.html`. `log` hears one line as each bench starts and ends.
+pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<PathBuf>, BenchError> {
+    let mut written = Vec::new();
+    let mut timed = |name: &str, f: &mut dyn FnMut() -> Result<Vec<PathBuf>, BenchError>| {
+        log(&format!(
+            "bench {name}: running{}",
+            if quick { " (quick)" } else { "" }
+        ));
+        let t = Instant::now();
+        let files = f()?;
+        log(&format!(
+            "bench {name}: done in {:.1} s",
+            t.elapsed().as_secs_f64()
+        ));
+        written.extend(files);
+        Ok::<_, BenchError>(())
+    };
+    timed("threads", &mut || {
+        let mut cfg = ThreadsConfig {
+            modes: vec![true, false],
+            ..ThreadsConfig::default()
+        };
+        if quick {
+            cfg.apply_quick();
+        }
+        crate::threads::run(&cfg, out)
+    })?;
+    timed("api", &mut || {
+        let mut cfg = ApiConfig::default();
+        if quick {
+            cfg.apply_quick();
+        }
+        crate::api::run(&cfg, out).map(|(files, _table)| files)
+    })?;
+    written.push(report::write_report(out)?);
+    Ok(written)
+}
