@@ -2,13 +2,14 @@
 //! reproduces the whole evaluation. New benches join [`BENCHES`] and [`run`].
 
 use crate::api::ApiConfig;
+use crate::hw::{cpu::CpuConfig, mem::MemConfig, net::NetConfig};
 use crate::threads::ThreadsConfig;
 use crate::{report, BenchError};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 2] = ["threads", "api"];
+pub const BENCHES: [&str; 5] = ["cpu", "mem", "net", "threads", "api"];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
 /// `out/index.html`. `log` hears one line as each bench starts and ends.
@@ -28,6 +29,28 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
         written.extend(files);
         Ok::<_, BenchError>(())
     };
+    // The machine's own limits first: the request API's figures are read against them.
+    timed("cpu", &mut || {
+        let mut cfg = CpuConfig::default();
+        if quick {
+            cfg.apply_quick();
+        }
+        crate::hw::cpu::run(&cfg, out)
+    })?;
+    timed("mem", &mut || {
+        let mut cfg = MemConfig::default();
+        if quick {
+            cfg.apply_quick();
+        }
+        crate::hw::mem::run(&cfg, out)
+    })?;
+    timed("net", &mut || {
+        let mut cfg = NetConfig::default();
+        if quick {
+            cfg.apply_quick();
+        }
+        crate::hw::net::run(&cfg, out)
+    })?;
     timed("threads", &mut || {
         let mut cfg = ThreadsConfig {
             modes: vec![true, false],

@@ -16,5 +16,6 @@ pub use error::BenchError;
 pub mod all;
 pub mod api;
 pub mod demo;
+pub mod hw;
 pub mod threads;
 pub mod workload;

@@ -107,8 +107,34 @@ enum BenchCommand {
     /// The request API's targets, each beside its peer in the same run: iperf3 stream,
     /// redis-benchmark GET, sockperf ping-pong, batching on vs off, no collapse at 64 threads.
     Api(ApiArgs),
+    /// This machine's own limits (seed 003): CPU, memory, network over loopback.
+    Hw(HwArgs),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum HwKind {
+    /// GFLOPS and GIOPS, one thread and one per core.
+    Cpu,
+    /// Sequential, random and memcpy bandwidth at 1 B, 1 KiB and 1 MiB blocks.
+    Mem,
+    /// TCP/UDP throughput against buffer size, TCP/UDP ping-pong latency.
+    Net,
+    /// cpu, mem and net.
+    All,
+}
+
+#[derive(Args)]
+struct HwArgs {
+    #[arg(value_enum)]
+    kind: HwKind,
+    /// Scaled down to finish quickly.
+    #[arg(long)]
+    quick: bool,
+    /// Directory for the results and figures.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -222,6 +248,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Threads(a)) => bench_threads(a),
         Command::Bench(BenchCommand::Api(a)) => bench_api(a),
         Command::Bench(BenchCommand::All(a)) => bench_all(a),
+        Command::Bench(BenchCommand::Hw(a)) => bench_hw(a),
         Command::Report(a) => report(a),
     }
 }
@@ -415,6 +442,44 @@ fn bench_all(a: AllArgs) -> Result<()> {
     let written = camelot_bench::all::run(&a.out, a.quick, |line| eprintln!("{line}"))?;
     for p in written {
         println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+fn bench_hw(a: HwArgs) -> Result<()> {
+    use camelot_bench::hw;
+    let kinds: &[HwKind] = match a.kind {
+        HwKind::All => &[HwKind::Cpu, HwKind::Mem, HwKind::Net],
+        ref k => std::slice::from_ref(k),
+    };
+    for kind in kinds {
+        let written = match kind {
+            HwKind::Cpu => {
+                let mut c = hw::cpu::CpuConfig::default();
+                if a.quick {
+                    c.apply_quick();
+                }
+                hw::cpu::run(&c, &a.out)?
+            }
+            HwKind::Mem => {
+                let mut c = hw::mem::MemConfig::default();
+                if a.quick {
+                    c.apply_quick();
+                }
+                hw::mem::run(&c, &a.out)?
+            }
+            HwKind::Net => {
+                let mut c = hw::net::NetConfig::default();
+                if a.quick {
+                    c.apply_quick();
+                }
+                hw::net::run(&c, &a.out)?
+            }
+            HwKind::All => Vec::new(),
+        };
+        for p in written {
+            println!("wrote {}", p.display());
+        }
     }
     Ok(())
 }
