@@ -2,14 +2,14 @@
 //! reproduces the whole evaluation. New benches join [`BENCHES`] and [`run`].
 
 use crate::api::ApiConfig;
-use crate::hw::{cpu::CpuConfig, mem::MemConfig, net::NetConfig};
+use crate::hw::{cpu::CpuConfig, disk::DiskConfig, mem::MemConfig, net::NetConfig};
 use crate::threads::ThreadsConfig;
 use crate::{report, BenchError};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 5] = ["cpu", "mem", "net", "threads", "api"];
+pub const BENCHES: [&str; 6] = ["cpu", "mem", "net", "disk", "threads", "api"];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
 /// `out/index.html`. `log` hears one line as each bench starts and ends.
@@ -50,6 +50,13 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
             cfg.apply_quick();
         }
         crate::hw::net::run(&cfg, out)
+    })?;
+    timed("disk", &mut || {
+        let mut cfg = DiskConfig::default();
+        if quick {
+            cfg.apply_quick();
+        }
+        crate::hw::disk::run(&cfg, out)
     })?;
     timed("threads", &mut || {
         let mut cfg = ThreadsConfig {

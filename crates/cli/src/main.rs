@@ -117,11 +117,13 @@ enum BenchCommand {
 enum HwKind {
     /// GFLOPS and GIOPS, one thread and one per core.
     Cpu,
+    /// Sequential and random writes and reads, 4 KiB to 1 MiB, O_DIRECT where allowed.
+    Disk,
     /// Sequential, random and memcpy bandwidth at 1 B, 1 KiB and 1 MiB blocks.
     Mem,
     /// TCP/UDP throughput against buffer size, TCP/UDP ping-pong latency.
     Net,
-    /// cpu, mem and net.
+    /// cpu, mem, net and disk.
     All,
 }
 
@@ -135,6 +137,9 @@ struct HwArgs {
     /// Directory for the results and figures.
     #[arg(long, default_value = "results")]
     out: PathBuf,
+    /// Where the disk bench puts its files (removed afterwards); default: the temp dir.
+    #[arg(long)]
+    dir: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -449,7 +454,7 @@ fn bench_all(a: AllArgs) -> Result<()> {
 fn bench_hw(a: HwArgs) -> Result<()> {
     use camelot_bench::hw;
     let kinds: &[HwKind] = match a.kind {
-        HwKind::All => &[HwKind::Cpu, HwKind::Mem, HwKind::Net],
+        HwKind::All => &[HwKind::Cpu, HwKind::Mem, HwKind::Net, HwKind::Disk],
         ref k => std::slice::from_ref(k),
     };
     for kind in kinds {
@@ -467,6 +472,16 @@ fn bench_hw(a: HwArgs) -> Result<()> {
                     c.apply_quick();
                 }
                 hw::mem::run(&c, &a.out)?
+            }
+            HwKind::Disk => {
+                let mut c = hw::disk::DiskConfig::default();
+                if let Some(d) = &a.dir {
+                    c.dir = d.clone();
+                }
+                if a.quick {
+                    c.apply_quick();
+                }
+                hw::disk::run(&c, &a.out)?
             }
             HwKind::Net => {
                 let mut c = hw::net::NetConfig::default();

@@ -423,7 +423,7 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
         Duration::from_secs(300),
     );
     assert!(status.success(), "{err}");
-    for bench in ["cpu", "mem", "net", "threads", "api"] {
+    for bench in ["cpu", "mem", "net", "disk", "threads", "api"] {
         assert!(err.contains(&format!("bench {bench}: done")), "{err}");
         let json: serde_json::Value = serde_json::from_slice(
             &std::fs::read(dir.join(format!("{bench}.json"))).expect("result file"),
@@ -437,7 +437,14 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
     }
     let html = std::fs::read_to_string(dir.join("index.html")).expect("index.html");
     assert!(out.contains("index.html"), "{out}");
-    for needle in ["cpu.png", "mem.png", "net.png", "threads.png", "api.png"] {
+    for needle in [
+        "cpu.png",
+        "mem.png",
+        "net.png",
+        "disk.png",
+        "threads.png",
+        "api.png",
+    ] {
         assert!(html.contains(needle), "{needle} missing from the report");
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -7,6 +7,7 @@
 //! hardware. The median and every sample are kept in `extra` so the noise stays visible.
 
 pub mod cpu;
+pub mod disk;
 pub mod mem;
 pub mod net;
 
