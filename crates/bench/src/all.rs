@@ -58,9 +58,17 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
         }
         crate::hw::disk::run(&cfg, out)
     })?;
+    // The limits the hw benches just measured; the request API is read against them.
+    let limits = crate::hw::limits::Limits::from_results(out)?;
+    let limits_path = out.join(crate::hw::limits::LIMITS_FILE_NAME);
+    timed("limits", &mut || {
+        limits.save(&limits_path)?;
+        Ok(vec![limits_path.clone()])
+    })?;
     timed("threads", &mut || {
         let mut cfg = ThreadsConfig {
             modes: vec![true, false],
+            limits: Some(limits.clone()),
             ..ThreadsConfig::default()
         };
         if quick {

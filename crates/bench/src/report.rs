@@ -93,7 +93,11 @@ fn read_results(dir: &Path) -> Result<Found, BenchError> {
     let mut paths = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io_err)? {
         let path = entry.map_err(io_err)?.path();
-        if path.extension().is_some_and(|e| e == "json") {
+        // limits.json is the machine's limits, not a result; it is expected here.
+        let is_limits = path
+            .file_name()
+            .is_some_and(|n| n == crate::hw::limits::LIMITS_FILE_NAME);
+        if path.extension().is_some_and(|e| e == "json") && !is_limits {
             paths.push(path);
         }
     }

@@ -31,6 +31,8 @@ pub struct ThreadsConfig {
     pub region_bytes: u64,
     pub token: Option<Vec<u8>>,
     pub quick: bool,
+    /// This machine's limits: each point then records its share of the TCP stream limit.
+    pub limits: Option<crate::hw::limits::Limits>,
 }
 
 impl Default for ThreadsConfig {
@@ -48,6 +50,7 @@ impl Default for ThreadsConfig {
             region_bytes: 64 << 20,
             token: None,
             quick: false,
+            limits: None,
         }
     }
 }
@@ -152,6 +155,9 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
                 .insert("seconds".into(), json!(m.elapsed.as_secs_f64()));
             p.extra.insert("reads".into(), json!(m.reads));
             p.extra.insert("writes".into(), json!(m.writes));
+            if let Some(l) = &cfg.limits {
+                l.annotate_network_point(&mut p);
+            }
             s.points.push(p);
         }
         workload::free_all(&client, &regions)?;
@@ -175,6 +181,10 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
         "region_bytes": cfg.region_bytes,
         "quick": cfg.quick,
     });
+    let mut config = config;
+    if let Some(limit) = cfg.limits.as_ref().and_then(|l| l.tcp_stream_bytes_per_sec) {
+        config["tcp_stream_limit_bytes_per_sec"] = json!(limit);
+    }
     let result = BenchResult::new("threads", started, config, series);
     let json_path = output::write_result(out, &result)?;
     let fig = figure(&result, cfg);
@@ -213,4 +223,26 @@ fn figure(result: &BenchResult, cfg: &ThreadsConfig) -> Figure {
     ))
     .panel(latency)
     .panel(throughput)
+}
+
+/// One line per series: its best throughput as a share of the machine's TCP stream limit.
+pub fn limits_summary(result: &BenchResult) -> Vec<String> {
+    result
+        .series
+        .iter()
+        .filter_map(|s| {
+            let best = s
+                .points
+                .iter()
+                .filter_map(|p| Some((p.extra.get("fraction_of_tcp_stream")?.as_f64()?, p)))
+                .max_by(|a, b| a.0.total_cmp(&b.0))?;
+            Some(format!(
+                "{}: best {:.0} MB/s at {} threads = {:.0}% of this machine's TCP stream limit",
+                s.label,
+                best.1.bytes_per_sec.unwrap_or(0.0) / 1e6,
+                best.1.x.as_f64().unwrap_or(0.0),
+                best.0 * 100.0
+            ))
+        })
+        .collect()
 }

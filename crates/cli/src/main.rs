@@ -140,6 +140,10 @@ struct HwArgs {
     /// Where the disk bench puts its files (removed afterwards); default: the temp dir.
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Also record the machine's limits from the results in --out into this file; other
+    /// benches read it with --limits (or find `limits.json` in their --out).
+    #[arg(long)]
+    save: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -218,6 +222,9 @@ struct ThreadsArgs {
     /// Directory for threads.json and threads.png.
     #[arg(long, default_value = "results")]
     out: PathBuf,
+    /// The machine's limits (from `bench hw all --save`); default: limits.json in --out.
+    #[arg(long)]
+    limits: Option<PathBuf>,
 }
 
 fn main() {
@@ -408,11 +415,24 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
         region_bytes: a.region,
         token: a.token.map(String::into_bytes),
         quick: a.quick,
+        limits: None,
     };
+    if let Some((limits, path)) =
+        camelot_bench::hw::limits::Limits::find(a.limits.as_deref(), &a.out)?
+    {
+        println!("reading results against the limits in {}", path.display());
+        cfg.limits = Some(limits);
+    }
     if a.quick {
         cfg.apply_quick();
     }
     let written = camelot_bench::threads::run(&cfg, &a.out)?;
+    if cfg.limits.is_some() {
+        let result = camelot_bench::output::read_result(&a.out.join("threads.json"))?;
+        for line in camelot_bench::threads::limits_summary(&result) {
+            println!("{line}");
+        }
+    }
     for p in written {
         println!("wrote {}", p.display());
     }
@@ -495,6 +515,10 @@ fn bench_hw(a: HwArgs) -> Result<()> {
         for p in written {
             println!("wrote {}", p.display());
         }
+    }
+    if let Some(path) = &a.save {
+        hw::limits::Limits::from_results(&a.out)?.save(path)?;
+        println!("wrote {} (this machine's limits)", path.display());
     }
     Ok(())
 }

@@ -435,6 +435,20 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
             "{bench} not quick"
         );
     }
+    // The hw benches' limits are saved and the request API's points are read against them.
+    let limits: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("limits.json")).expect("limits.json"))
+            .expect("valid JSON");
+    finite_positive(&limits["tcp_stream_bytes_per_sec"], "tcp stream limit");
+    let threads: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("threads.json")).expect("threads.json"))
+            .expect("valid JSON");
+    for p in threads["series"][0]["points"].as_array().expect("points") {
+        finite_positive(
+            &p["extra"]["fraction_of_tcp_stream"],
+            "fraction of the limit",
+        );
+    }
     let html = std::fs::read_to_string(dir.join("index.html")).expect("index.html");
     assert!(out.contains("index.html"), "{out}");
     for needle in [

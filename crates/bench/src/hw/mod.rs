@@ -8,6 +8,7 @@
 
 pub mod cpu;
 pub mod disk;
+pub mod limits;
 pub mod mem;
 pub mod net;
 
