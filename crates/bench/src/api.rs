@@ -186,11 +186,8 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
         "quick": cfg.quick,
     });
     let result = BenchResult::new("api", started, config, series);
-    let json_path = output::write_result(out, &result)?;
-    let fig = sweep_figure(&result);
-    let png = out.join("api.png");
-    fig.save_png(&png)?;
-    Ok((vec![json_path, png], table(&checks)))
+    let written = output::write_result_with_figure(out, &result, &sweep_figure(&result))?;
+    Ok((written, table(&checks)))
 }
 
 /// One pass over the peer/Camelot pairs, each peer measured right before its Camelot

@@ -68,6 +68,21 @@ fn check_bench_name(bench: &str) -> Result<(), BenchError> {
     }
 }
 
+/// What every bench writes: `{bench}.json`, and its figure as `{bench}.png` and
+/// `{bench}.svg` (PNG for the report, SVG for papers). Returns the three paths.
+pub fn write_result_with_figure(
+    dir: &Path,
+    result: &BenchResult,
+    figure: &crate::plot::Figure,
+) -> Result<Vec<PathBuf>, BenchError> {
+    let json = write_result(dir, result)?;
+    let png = dir.join(format!("{}.png", result.bench));
+    let svg = dir.join(format!("{}.svg", result.bench));
+    figure.save_png(&png)?;
+    figure.save_svg(&svg)?;
+    Ok(vec![json, png, svg])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

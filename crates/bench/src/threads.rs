@@ -186,13 +186,7 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
         config["tcp_stream_limit_bytes_per_sec"] = json!(limit);
     }
     let result = BenchResult::new("threads", started, config, series);
-    let json_path = output::write_result(out, &result)?;
-    let fig = figure(&result, cfg);
-    let png = out.join("threads.png");
-    let svg = out.join("threads.svg");
-    fig.save_png(&png)?;
-    fig.save_svg(&svg)?;
-    Ok(vec![json_path, png, svg])
+    output::write_result_with_figure(out, &result, &figure(&result, cfg))
 }
 
 /// Seed 000's figure: latency and throughput against threads, one line per mode.

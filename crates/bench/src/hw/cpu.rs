@@ -134,10 +134,7 @@ pub fn run(cfg: &CpuConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "quick": cfg.quick,
     });
     let result = BenchResult::new("cpu", started, config, series);
-    let json_path = output::write_result(out, &result)?;
-    let png = out.join("cpu.png");
-    figure(&result).save_png(&png)?;
-    Ok(vec![json_path, png])
+    output::write_result_with_figure(out, &result, &figure(&result))
 }
 
 /// Seed 003 reads its CPU figure as "how close to N× on N threads": the ratio to the
@@ -386,7 +383,14 @@ mod tests {
             quick: true,
         };
         let files = run(&cfg, &dir)?;
-        assert_eq!(files, vec![dir.join("cpu.json"), dir.join("cpu.png")]);
+        assert_eq!(
+            files,
+            vec![
+                dir.join("cpu.json"),
+                dir.join("cpu.png"),
+                dir.join("cpu.svg")
+            ]
+        );
         assert!(std::fs::metadata(&files[1]).map(|m| m.len()).unwrap_or(0) > 0);
         let result = output::read_result(&files[0])?;
         assert_eq!(result.bench, "cpu");

@@ -337,10 +337,7 @@ pub fn run(cfg: &DiskConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "quick": cfg.quick,
     });
     let result = BenchResult::new("disk", started, config, series);
-    let json_path = output::write_result(out, &result)?;
-    let png = out.join("disk.png");
-    figure(&result).save_png(&png)?;
-    Ok(vec![json_path, png])
+    output::write_result_with_figure(out, &result, &figure(&result))
 }
 
 fn far_future() -> Instant {

@@ -222,10 +222,7 @@ pub fn run(cfg: &MemConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "quick": cfg.quick,
     });
     let result = BenchResult::new("mem", started, config, series.concat());
-    let json_path = output::write_result(out, &result)?;
-    let png = out.join("mem.png");
-    figure(&result).save_png(&png)?;
-    Ok(vec![json_path, png])
+    output::write_result_with_figure(out, &result, &figure(&result))
 }
 
 fn allocate(bytes: usize) -> Result<Vec<u8>, BenchError> {
@@ -797,7 +794,14 @@ mod tests {
             quick: true,
         };
         let files = run(&cfg, &dir)?;
-        assert_eq!(files, vec![dir.join("mem.json"), dir.join("mem.png")]);
+        assert_eq!(
+            files,
+            vec![
+                dir.join("mem.json"),
+                dir.join("mem.png"),
+                dir.join("mem.svg")
+            ]
+        );
         assert!(std::fs::metadata(&files[1]).map(|m| m.len()).unwrap_or(0) > 0);
         let result = output::read_result(&files[0])?;
         assert_eq!(result.bench, "mem");

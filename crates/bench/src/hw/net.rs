@@ -498,10 +498,7 @@ pub fn run(cfg: &NetConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "quick": cfg.quick,
     });
     let result = BenchResult::new("net", started, config, series);
-    let json_path = output::write_result(out, &result)?;
-    let png = out.join("net.png");
-    figure(&result).save_png(&png)?;
-    Ok(vec![json_path, png])
+    output::write_result_with_figure(out, &result, &figure(&result))
 }
 
 fn figure(result: &BenchResult) -> Figure {
