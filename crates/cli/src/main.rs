@@ -279,21 +279,37 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
-/// Resolves when SIGTERM or Ctrl-C arrives.
-async fn terminated() -> Result<()> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("cannot install the SIGTERM handler")?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r.context("cannot wait for Ctrl-C")?,
-        _ = term.recv() => {}
+/// SIGTERM and SIGINT handlers, installed before a command announces that it is up: a
+/// signal sent the moment the address is printed must stop it cleanly, not kill it.
+/// Must be created inside a tokio runtime.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("cannot install the Ctrl-C handler")?,
+        })
     }
-    Ok(())
+
+    /// Resolves when SIGTERM or Ctrl-C arrives.
+    async fn wait(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+    }
 }
 
 fn server(a: ServerArgs) -> Result<()> {
     let listen = resolve(&a.listen)?;
     let rt = runtime()?;
     rt.block_on(async {
+        let mut signals = Signals::install()?;
         let mut cfg = ServerConfig::new(listen, a.memory);
         cfg.token = a.token.map(String::into_bytes);
         cfg.connections_max = a.connections_max;
@@ -305,7 +321,7 @@ fn server(a: ServerArgs) -> Result<()> {
             handle.local_addr(),
             format_bytes(a.memory)
         );
-        terminated().await?;
+        signals.wait().await;
         tracing::info!("signal received; answering in-flight requests, then stopping");
         handle.shutdown().await.context("shutdown failed")?;
         Ok(())
@@ -366,6 +382,10 @@ fn dev(a: DevArgs) -> Result<()> {
         ..DevClusterConfig::default()
     })
     .context("cannot start the dev cluster")?;
+    let mut signals = {
+        let _in_runtime = cluster.runtime().enter();
+        Signals::install()?
+    };
     let list: Vec<String> = cluster.addrs().iter().map(|a| a.to_string()).collect();
     println!(
         "camelot dev cluster: {} node(s), {} each",
@@ -377,7 +397,7 @@ fn dev(a: DevArgs) -> Result<()> {
     }
     println!("servers: {}", list.join(","));
     println!("Ctrl-C to stop.");
-    cluster.runtime().block_on(terminated())?;
+    cluster.runtime().block_on(signals.wait());
     println!("stopping…");
     cluster.shutdown().context("shutdown failed")?;
     Ok(())
