@@ -4,7 +4,7 @@
 use crate::api::ApiConfig;
 use crate::hw::{cpu::CpuConfig, disk::DiskConfig, mem::MemConfig, net::NetConfig};
 use crate::threads::ThreadsConfig;
-use crate::{report, BenchError};
+use crate::{report, BenchError, QuickConfig};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -15,7 +15,7 @@ pub const BENCHES: [&str; 6] = ["cpu", "mem", "net", "disk", "threads", "api"];
 /// `out/index.html`. `log` hears one line as each bench starts and ends.
 pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<PathBuf>, BenchError> {
     let mut written = Vec::new();
-    let mut timed = |name: &str, f: &mut dyn FnMut() -> Result<Vec<PathBuf>, BenchError>| {
+    let mut timed = |name: &str, f: &dyn Fn() -> Result<Vec<PathBuf>, BenchError>| {
         log(&format!(
             "bench {name}: running{}",
             if quick { " (quick)" } else { "" }
@@ -26,63 +26,36 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
             "bench {name}: done in {:.1} s",
             t.elapsed().as_secs_f64()
         ));
-        written.extend(files);
-        Ok::<_, BenchError>(())
+        Ok::<_, BenchError>(files)
     };
     // The machine's own limits first: the request API's figures are read against them.
-    timed("cpu", &mut || {
-        let mut cfg = CpuConfig::default();
-        if quick {
-            cfg.apply_quick();
-        }
-        crate::hw::cpu::run(&cfg, out)
-    })?;
-    timed("mem", &mut || {
-        let mut cfg = MemConfig::default();
-        if quick {
-            cfg.apply_quick();
-        }
-        crate::hw::mem::run(&cfg, out)
-    })?;
-    timed("net", &mut || {
-        let mut cfg = NetConfig::default();
-        if quick {
-            cfg.apply_quick();
-        }
-        crate::hw::net::run(&cfg, out)
-    })?;
-    timed("disk", &mut || {
-        let mut cfg = DiskConfig::default();
-        if quick {
-            cfg.apply_quick();
-        }
-        crate::hw::disk::run(&cfg, out)
-    })?;
-    // The limits the hw benches just measured; the request API is read against them.
+    written.extend(timed("cpu", &|| {
+        crate::hw::cpu::run(&CpuConfig::defaults(quick), out)
+    })?);
+    written.extend(timed("mem", &|| {
+        crate::hw::mem::run(&MemConfig::defaults(quick), out)
+    })?);
+    written.extend(timed("net", &|| {
+        crate::hw::net::run(&NetConfig::defaults(quick), out)
+    })?);
+    written.extend(timed("disk", &|| {
+        crate::hw::disk::run(&DiskConfig::defaults(quick), out)
+    })?);
     let limits = crate::hw::limits::Limits::from_results(out)?;
     let limits_path = out.join(crate::hw::limits::LIMITS_FILE_NAME);
-    timed("limits", &mut || {
-        limits.save(&limits_path)?;
-        Ok(vec![limits_path.clone()])
-    })?;
-    timed("threads", &mut || {
-        let mut cfg = ThreadsConfig {
+    limits.save(&limits_path)?;
+    written.push(limits_path);
+    written.extend(timed("threads", &|| {
+        let cfg = ThreadsConfig {
             modes: vec![true, false],
             limits: Some(limits.clone()),
-            ..ThreadsConfig::default()
+            ..ThreadsConfig::defaults(quick)
         };
-        if quick {
-            cfg.apply_quick();
-        }
         crate::threads::run(&cfg, out)
-    })?;
-    timed("api", &mut || {
-        let mut cfg = ApiConfig::default();
-        if quick {
-            cfg.apply_quick();
-        }
-        crate::api::run(&cfg, out).map(|(files, _table)| files)
-    })?;
+    })?);
+    written.extend(timed("api", &|| {
+        crate::api::run(&ApiConfig::defaults(quick), out).map(|(files, _table)| files)
+    })?);
     written.push(report::write_report(out)?);
     Ok(written)
 }

@@ -2,7 +2,7 @@
 //! peer it is judged against (iperf3, redis-benchmark, sockperf) in the same run, because
 //! on a shared 2-core machine only a same-run ratio means anything.
 
-use crate::plot::{Figure, Panel};
+use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
 use crate::schema::{now_rfc3339, BenchResult, Point, Series, X};
 use crate::workload::{self, LoadSpec, Measured, Mix, Target};
@@ -269,15 +269,6 @@ fn one_round(
 /// Most rounds one run may ask for.
 pub const ROUNDS_MAX: usize = 20;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
 /// Folds the rounds into one check each: the median ratio, and the median values.
 fn median_checks(rounds: Vec<Vec<Check>>) -> Vec<Check> {
     let Some(first) = rounds.first().cloned() else {
@@ -287,9 +278,13 @@ fn median_checks(rounds: Vec<Vec<Check>>) -> Vec<Check> {
         .into_iter()
         .enumerate()
         .map(|(i, mut c)| {
-            let of = |f: &dyn Fn(&Check) -> f64| median(rounds.iter().map(|r| f(&r[i])).collect());
+            // Rounds are never empty here (validated), so a median always exists.
+            let median = |v: &[f64]| crate::hw::median(v).unwrap_or(f64::NAN);
+            let of = |f: &dyn Fn(&Check) -> f64| {
+                median(&rounds.iter().map(|r| f(&r[i])).collect::<Vec<_>>())
+            };
             c.round_ratios = rounds.iter().map(|r| r[i].ratio).collect();
-            c.ratio = median(c.round_ratios.clone());
+            c.ratio = median(&c.round_ratios);
             c.camelot = of(&|c| c.camelot);
             c.peer = of(&|c| c.peer);
             c
@@ -391,11 +386,7 @@ fn sweep_figure(result: &BenchResult) -> Figure {
         .iter()
         .filter(|s| s.label.starts_with("depth"))
     {
-        let pts = s
-            .points
-            .iter()
-            .filter_map(|p| Some((p.x.as_f64()?, p.bytes_per_sec? / 1e6)))
-            .collect();
+        let pts = series_points(s, |p| p.bytes_per_sec.map(|b| b / 1e6));
         panel = panel.line(&s.label, pts);
     }
     Figure::new("Request API: no collapse with threads").panel(panel)

@@ -13,9 +13,55 @@ pub mod schema;
 
 pub use error::BenchError;
 
+/// A bench configuration with a `--quick` form: the same experiment scaled down.
+pub trait QuickConfig: Default {
+    fn apply_quick(&mut self);
+
+    /// The default configuration, scaled down when `quick`.
+    fn defaults(quick: bool) -> Self {
+        let mut c = Self::default();
+        if quick {
+            c.apply_quick();
+        }
+        c
+    }
+}
+
+macro_rules! quick_config {
+    ($($t:ty),*) => {$(
+        impl QuickConfig for $t {
+            fn apply_quick(&mut self) {
+                <$t>::apply_quick(self)
+            }
+        }
+    )*};
+}
+quick_config!(
+    hw::cpu::CpuConfig,
+    hw::mem::MemConfig,
+    hw::net::NetConfig,
+    hw::disk::DiskConfig,
+    threads::ThreadsConfig,
+    api::ApiConfig
+);
+
 pub mod all;
 pub mod api;
 pub mod demo;
 pub mod hw;
 pub mod threads;
 pub mod workload;
+
+/// A fresh directory path under the temp dir for one test: unique per process, tag and
+/// moment, so parallel tests and reruns never share files.
+#[cfg(test)]
+pub(crate) fn scratch_dir(tag: &str) -> std::path::PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    std::env::temp_dir().join(format!(
+        "camelot-bench-{tag}-{}-{nanos}",
+        std::process::id()
+    ))
+}

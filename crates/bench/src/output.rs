@@ -89,14 +89,7 @@ mod tests {
     use crate::schema::{now_rfc3339, LatencySummary, Point, Series};
 
     fn scratch(tag: &str) -> PathBuf {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        std::env::temp_dir().join(format!(
-            "camelot-bench-output-{tag}-{}-{nanos}",
-            std::process::id()
-        ))
+        crate::scratch_dir(&format!("output-{tag}"))
     }
 
     fn sample() -> BenchResult {

@@ -12,7 +12,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::error::BenchError;
-use crate::schema::BenchResult;
+use crate::schema::{BenchResult, Point, Series};
 
 const PANEL_WIDTH_PX: u32 = 640;
 const PANEL_HEIGHT_PX: u32 = 480;
@@ -137,7 +137,28 @@ struct Line {
     points: Vec<(f64, f64)>,
 }
 
+/// `(x, f(point))` for every point of `series` whose x is a number and that has the value.
+pub fn series_points(series: &Series, f: impl Fn(&Point) -> Option<f64>) -> Vec<(f64, f64)> {
+    series
+        .points
+        .iter()
+        .filter_map(|p| Some((p.x.as_f64()?, f(p)?)))
+        .collect()
+}
+
 impl Panel {
+    /// The p50 and p99 latency lines of `series`, labelled "<series> p50" and "<series> p99".
+    pub fn percentile_lines(self, series: &Series) -> Panel {
+        self.line(
+            &format!("{} p50", series.label),
+            series_points(series, |p| p.latency_us.as_ref().map(|l| l.p50)),
+        )
+        .line(
+            &format!("{} p99", series.label),
+            series_points(series, |p| p.latency_us.as_ref().map(|l| l.p99)),
+        )
+    }
+
     pub fn new(title: &str, x_label: &str, y_label: &str) -> Panel {
         Panel {
             title: title.to_string(),
@@ -359,29 +380,15 @@ pub fn standard_figure(result: &BenchResult) -> Figure {
     let (mut has_latency, mut has_ops, mut has_bytes) = (false, false, false);
 
     for series in &result.series {
-        let numeric = || {
-            series
-                .points
-                .iter()
-                .filter_map(|p| p.x.as_f64().map(|x| (x, p)))
-        };
-        let p50: Vec<(f64, f64)> = numeric()
-            .filter_map(|(x, p)| p.latency_us.as_ref().map(|l| (x, l.p50)))
-            .collect();
-        let p99: Vec<(f64, f64)> = numeric()
-            .filter_map(|(x, p)| p.latency_us.as_ref().map(|l| (x, l.p99)))
-            .collect();
-        let ops: Vec<(f64, f64)> = numeric()
-            .filter_map(|(x, p)| p.ops_per_sec.map(|v| (x, v)))
-            .collect();
-        let gb: Vec<(f64, f64)> = numeric()
-            .filter_map(|(x, p)| p.bytes_per_sec.map(|v| (x, v / 1e9)))
-            .collect();
-        if !p50.is_empty() {
+        let has_p50 = series
+            .points
+            .iter()
+            .any(|p| p.x.as_f64().is_some() && p.latency_us.is_some());
+        let ops = series_points(series, |p| p.ops_per_sec);
+        let gb = series_points(series, |p| p.bytes_per_sec.map(|v| v / 1e9));
+        if has_p50 {
             has_latency = true;
-            latency = latency
-                .line(&format!("{} p50", series.label), p50)
-                .line(&format!("{} p99", series.label), p99);
+            latency = latency.percentile_lines(series);
         }
         if !ops.is_empty() {
             has_ops = true;

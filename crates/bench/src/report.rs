@@ -730,14 +730,7 @@ mod tests {
     }
 
     fn scratch(tag: &str) -> PathBuf {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        std::env::temp_dir().join(format!(
-            "camelot-bench-report-{tag}-{}-{nanos}",
-            std::process::id()
-        ))
+        crate::scratch_dir(&format!("report-{tag}"))
     }
 
     #[test]

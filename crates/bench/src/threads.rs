@@ -1,7 +1,7 @@
 //! `camelot bench threads`: seed 000's experiment. Throughput and latency of the request API
 //! against the number of client threads, batched and unbatched.
 
-use crate::plot::{Figure, Panel};
+use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
 use crate::schema::{now_rfc3339, BenchResult, Point, Series};
 use crate::workload::{self, LoadSpec, Mix, Target, DEPTH_MAX, THREADS_MAX};
@@ -194,22 +194,11 @@ fn figure(result: &BenchResult, cfg: &ThreadsConfig) -> Figure {
     let mut latency = Panel::new("latency", "client threads", "latency (µs)").log_y();
     let mut throughput = Panel::new("throughput", "client threads", "throughput (MB/s)");
     for s in &result.series {
-        let pts = |f: &dyn Fn(&Point) -> Option<f64>| -> Vec<(f64, f64)> {
-            s.points
-                .iter()
-                .filter_map(|p| Some((p.x.as_f64()?, f(p)?)))
-                .collect()
-        };
-        latency = latency
-            .line(
-                &format!("{} p50", s.label),
-                pts(&|p| p.latency_us.as_ref().map(|l| l.p50)),
-            )
-            .line(
-                &format!("{} p99", s.label),
-                pts(&|p| p.latency_us.as_ref().map(|l| l.p99)),
-            );
-        throughput = throughput.line(&s.label, pts(&|p| p.bytes_per_sec.map(|b| b / 1e6)));
+        latency = latency.percentile_lines(s);
+        throughput = throughput.line(
+            &s.label,
+            series_points(s, |p| p.bytes_per_sec.map(|b| b / 1e6)),
+        );
     }
     Figure::new(&format!(
         "Request API: {} B requests, {}% reads, depth {}",

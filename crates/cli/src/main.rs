@@ -492,44 +492,23 @@ fn bench_all(a: AllArgs) -> Result<()> {
 }
 
 fn bench_hw(a: HwArgs) -> Result<()> {
-    use camelot_bench::hw;
+    use camelot_bench::{hw, QuickConfig};
     let kinds: &[HwKind] = match a.kind {
         HwKind::All => &[HwKind::Cpu, HwKind::Mem, HwKind::Net, HwKind::Disk],
         ref k => std::slice::from_ref(k),
     };
     for kind in kinds {
         let written = match kind {
-            HwKind::Cpu => {
-                let mut c = hw::cpu::CpuConfig::default();
-                if a.quick {
-                    c.apply_quick();
-                }
-                hw::cpu::run(&c, &a.out)?
-            }
-            HwKind::Mem => {
-                let mut c = hw::mem::MemConfig::default();
-                if a.quick {
-                    c.apply_quick();
-                }
-                hw::mem::run(&c, &a.out)?
-            }
+            HwKind::Cpu => hw::cpu::run(&hw::cpu::CpuConfig::defaults(a.quick), &a.out)?,
+            HwKind::Mem => hw::mem::run(&hw::mem::MemConfig::defaults(a.quick), &a.out)?,
             HwKind::Disk => {
-                let mut c = hw::disk::DiskConfig::default();
+                let mut c = hw::disk::DiskConfig::defaults(a.quick);
                 if let Some(d) = &a.dir {
                     c.dir = d.clone();
                 }
-                if a.quick {
-                    c.apply_quick();
-                }
                 hw::disk::run(&c, &a.out)?
             }
-            HwKind::Net => {
-                let mut c = hw::net::NetConfig::default();
-                if a.quick {
-                    c.apply_quick();
-                }
-                hw::net::run(&c, &a.out)?
-            }
+            HwKind::Net => hw::net::run(&hw::net::NetConfig::defaults(a.quick), &a.out)?,
             HwKind::All => Vec::new(),
         };
         for p in written {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::{best_of, median, run_together, validate_seconds, validate_threads, REPEATS};
-use crate::plot::{Figure, Panel};
+use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
 use crate::schema::{now_rfc3339, BenchResult, Point, Series};
 use crate::{output, BenchError};
@@ -271,11 +271,7 @@ fn figure(result: &BenchResult) -> Figure {
     let mut fig = Figure::new("CPU: peak multiply-add throughput");
     for s in &result.series {
         let key = s.label.as_str();
-        let pts: Vec<(f64, f64)> = s
-            .points
-            .iter()
-            .filter_map(|p| Some((p.x.as_f64()?, p.extra.get(key)?.as_f64()?)))
-            .collect();
+        let pts = series_points(s, |p| p.extra.get(key)?.as_f64());
         let title = key.to_uppercase();
         let mut panel = Panel::new(&title, "threads", &title);
         if let Some(&(_, one)) = pts.iter().find(|(x, _)| *x == 1.0) {
@@ -292,14 +288,7 @@ mod tests {
     use super::*;
 
     fn scratch(tag: &str) -> PathBuf {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        std::env::temp_dir().join(format!(
-            "camelot-bench-hw-cpu-{tag}-{}-{nanos}",
-            std::process::id()
-        ))
+        crate::scratch_dir(&format!("hw-cpu-{tag}"))
     }
 
     #[test]

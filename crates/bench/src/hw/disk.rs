@@ -4,7 +4,7 @@
 //! mode that fsyncs after every write. Every read checks the block it got.
 
 use super::{default_threads, run_together, validate_threads};
-use crate::plot::{Figure, Panel};
+use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
 use crate::schema::{now_rfc3339, BenchResult, Point, Series};
 use crate::{output, BenchError};
@@ -353,11 +353,7 @@ fn figure(result: &BenchResult) -> Figure {
         .log_x()
         .log_y();
     for s in &result.series {
-        let pts: Vec<(f64, f64)> = s
-            .points
-            .iter()
-            .filter_map(|p| Some((p.x.as_f64()?, p.bytes_per_sec? / 1e6)))
-            .collect();
+        let pts = series_points(s, |p| p.bytes_per_sec.map(|b| b / 1e6));
         if s.label.contains("write") {
             write = write.line(&s.label, pts);
         } else {
@@ -413,7 +409,7 @@ mod tests {
 
     #[test]
     fn a_tiny_run_measures_every_operation_and_cleans_up() {
-        let base = std::env::temp_dir().join(format!("camelot-disk-test-{}", std::process::id()));
+        let base = crate::scratch_dir("disk");
         let cfg = DiskConfig {
             dir: base.join("data"),
             block_sizes_bytes: vec![4096, 64 << 10],

@@ -219,7 +219,7 @@ mod tests {
 
     #[test]
     fn save_and_load_round_trip_and_find_prefers_the_explicit_file() {
-        let dir = std::env::temp_dir().join(format!("camelot-limits-{}", std::process::id()));
+        let dir = crate::scratch_dir("limits");
         let l = Limits {
             gflops: Some(23.5),
             ..Limits::default()

@@ -18,7 +18,7 @@ use serde_json::json;
 
 use super::{best_of, median, run_together, validate_seconds, validate_threads, REPEATS};
 use crate::latency::LatencyRecorder;
-use crate::plot::{Figure, Panel};
+use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
 use crate::schema::{now_rfc3339, BenchResult, Point, Series};
 use crate::{output, BenchError};
@@ -583,11 +583,7 @@ fn figure(result: &BenchResult) -> Figure {
             .iter()
             .filter(|s| s.label.starts_with(op.label()))
         {
-            let pts = s
-                .points
-                .iter()
-                .filter_map(|p| Some((p.x.as_f64()?, p.bytes_per_sec? / 1e6)))
-                .collect();
+            let pts = series_points(s, |p| p.bytes_per_sec.map(|b| b / 1e6));
             panel = panel.line(&s.label, pts);
         }
         fig = fig.panel(panel);
@@ -600,11 +596,7 @@ fn figure(result: &BenchResult) -> Figure {
         .iter()
         .filter(|s| s.label.starts_with(Op::RandomRead.label()))
     {
-        let pts = s
-            .points
-            .iter()
-            .filter_map(|p| Some((p.x.as_f64()?, p.extra.get("ns_per_access")?.as_f64()?)))
-            .collect();
+        let pts = series_points(s, |p| p.extra.get("ns_per_access")?.as_f64());
         latency = latency.line(&s.label, pts);
     }
     fig.panel(latency)
@@ -615,14 +607,7 @@ mod tests {
     use super::*;
 
     fn scratch(tag: &str) -> PathBuf {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        std::env::temp_dir().join(format!(
-            "camelot-bench-hw-mem-{tag}-{}-{nanos}",
-            std::process::id()
-        ))
+        crate::scratch_dir(&format!("hw-mem-{tag}"))
     }
 
     fn invalid(f: &dyn Fn(&mut MemConfig)) -> bool {

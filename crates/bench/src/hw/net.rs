@@ -3,7 +3,7 @@
 //! These are the limits the request API is judged against on this machine.
 
 use crate::latency::LatencyRecorder;
-use crate::plot::{Figure, Panel};
+use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
 use crate::schema::{now_rfc3339, BenchResult, Point, Series};
 use crate::{output, BenchError};
@@ -507,28 +507,10 @@ fn figure(result: &BenchResult) -> Figure {
     let mut lat = Panel::new("ping-pong latency", "streams", "µs").log_y();
     for s in &result.series {
         if s.label.contains("ping-pong") {
-            let pts = |f: &dyn Fn(&Point) -> Option<f64>| -> Vec<(f64, f64)> {
-                s.points
-                    .iter()
-                    .filter_map(|p| Some((p.x.as_f64()?, f(p)?)))
-                    .collect()
-            };
-            lat = lat
-                .line(
-                    &format!("{} p50", s.label),
-                    pts(&|p| p.latency_us.as_ref().map(|l| l.p50)),
-                )
-                .line(
-                    &format!("{} p99", s.label),
-                    pts(&|p| p.latency_us.as_ref().map(|l| l.p99)),
-                );
+            lat = lat.percentile_lines(s);
             continue;
         }
-        let pts: Vec<(f64, f64)> = s
-            .points
-            .iter()
-            .filter_map(|p| Some((p.x.as_f64()?, p.bytes_per_sec? / 1e6)))
-            .collect();
+        let pts = series_points(s, |p| p.bytes_per_sec.map(|b| b / 1e6));
         if s.label.starts_with("tcp") {
             tcp = tcp.line(&s.label, pts);
         } else {
@@ -600,7 +582,7 @@ mod tests {
 
     #[test]
     fn a_tiny_run_measures_everything_it_claims() {
-        let dir = std::env::temp_dir().join(format!("camelot-net-{}", std::process::id()));
+        let dir = crate::scratch_dir("net");
         let cfg = NetConfig {
             buffer_sizes_bytes: vec![1024, 128 << 10],
             streams: vec![1, 2],
