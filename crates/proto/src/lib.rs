@@ -14,7 +14,7 @@ mod wire;
 
 pub use wire::{
     FrameDecoder, RequestBatchEncoder, ResponseBatchEncoder, ERROR_RESPONSE_BYTES_MAX,
-    REQUESTS_HEADER_BYTES, RESPONSES_HEADER_BYTES, RESPONSE_OK_BUDGET_BYTES,
+    ITEM_OVERHEAD_BYTES, REQUESTS_HEADER_BYTES, RESPONSES_HEADER_BYTES, RESPONSE_OK_BUDGET_BYTES,
 };
 
 use bytes::Bytes;
@@ -26,6 +26,15 @@ pub const PROTOCOL_VERSION: u16 = 1;
 pub const HELLO_MAGIC: [u8; 4] = *b"CMLT";
 
 pub type RegionId = u64;
+
+/// The stable hash of an object key (64-bit FNV-1a). Clients place keys in partitions
+/// by it and servers shard by it, so it must never change between versions.
+pub fn key_hash(key: &[u8]) -> u64 {
+    const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    key.iter()
+        .fold(OFFSET_BASIS, |h, &b| (h ^ u64::from(b)).wrapping_mul(PRIME))
+}
 
 /// One frame, decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,6 +110,31 @@ pub enum Op {
         offset: u64,
         delta: u64,
     },
+    /// The object under `key`: [`Reply::Object`], or NO_SUCH_KEY.
+    Get {
+        key: Bytes,
+    },
+    /// Stores `value` under `key` whatever was there: [`Reply::Version`] (the new one).
+    Put {
+        key: Bytes,
+        value: Bytes,
+    },
+    /// Removes `key`: [`Reply::Version`] (the one removed), or NO_SUCH_KEY.
+    Delete {
+        key: Bytes,
+    },
+    /// Stores `value` only if the object's version is `expected_version` (0: only if
+    /// there is no object): [`Reply::Version`] (the new one), or VERSION_CONFLICT.
+    CasPut {
+        key: Bytes,
+        expected_version: u64,
+        value: Bytes,
+    },
+    /// Up to `limit` objects with keys `>= start`, in key order: [`Reply::Items`].
+    Scan {
+        start: Bytes,
+        limit: u32,
+    },
 }
 
 /// Operation kinds, as counted in STATS and carried on the wire.
@@ -117,10 +151,15 @@ pub enum OpKind {
     Write = 8,
     Cas = 9,
     FetchAdd = 10,
+    Get = 11,
+    Put = 12,
+    Delete = 13,
+    CasPut = 14,
+    Scan = 15,
 }
 
 impl OpKind {
-    pub const ALL: [OpKind; 10] = [
+    pub const ALL: [OpKind; 15] = [
         OpKind::Ping,
         OpKind::Stats,
         OpKind::List,
@@ -131,6 +170,11 @@ impl OpKind {
         OpKind::Write,
         OpKind::Cas,
         OpKind::FetchAdd,
+        OpKind::Get,
+        OpKind::Put,
+        OpKind::Delete,
+        OpKind::CasPut,
+        OpKind::Scan,
     ];
 
     pub fn from_u8(v: u8) -> Option<OpKind> {
@@ -149,6 +193,11 @@ impl OpKind {
             OpKind::Write => "write",
             OpKind::Cas => "cas",
             OpKind::FetchAdd => "fetch_add",
+            OpKind::Get => "get",
+            OpKind::Put => "put",
+            OpKind::Delete => "delete",
+            OpKind::CasPut => "cas_put",
+            OpKind::Scan => "scan",
         }
     }
 }
@@ -166,6 +215,11 @@ impl Op {
             Op::Write { .. } => OpKind::Write,
             Op::Cas { .. } => OpKind::Cas,
             Op::FetchAdd { .. } => OpKind::FetchAdd,
+            Op::Get { .. } => OpKind::Get,
+            Op::Put { .. } => OpKind::Put,
+            Op::Delete { .. } => OpKind::Delete,
+            Op::CasPut { .. } => OpKind::CasPut,
+            Op::Scan { .. } => OpKind::Scan,
         }
     }
 
@@ -206,6 +260,23 @@ pub enum Reply {
     /// CAS and FETCH_ADD: the word's value before the operation. A CAS succeeded
     /// exactly when this equals the expected value.
     Word(u64),
+    /// GET.
+    Object {
+        version: u64,
+        value: Bytes,
+    },
+    /// PUT, CAS_PUT and DELETE.
+    Version(u64),
+    /// SCAN, in key order.
+    Items(Vec<Item>),
+}
+
+/// One object as SCAN returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Item {
+    pub key: Bytes,
+    pub version: u64,
+    pub value: Bytes,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -272,6 +343,12 @@ pub enum ErrorCode {
     /// The server is shutting down and takes no new work.
     ShuttingDown,
     Internal,
+    /// No object under that key.
+    NoSuchKey,
+    /// CAS_PUT's expected version is not the object's.
+    VersionConflict,
+    /// The key holds a value of another type (a Redis hash or sorted set).
+    WrongType,
     Unknown(u16),
 }
 
@@ -291,6 +368,9 @@ impl ErrorCode {
             ErrorCode::VersionMismatch => 11,
             ErrorCode::ShuttingDown => 12,
             ErrorCode::Internal => 13,
+            ErrorCode::NoSuchKey => 14,
+            ErrorCode::VersionConflict => 15,
+            ErrorCode::WrongType => 16,
             ErrorCode::Unknown(c) => c,
         }
     }
@@ -310,6 +390,9 @@ impl ErrorCode {
             11 => ErrorCode::VersionMismatch,
             12 => ErrorCode::ShuttingDown,
             13 => ErrorCode::Internal,
+            14 => ErrorCode::NoSuchKey,
+            15 => ErrorCode::VersionConflict,
+            16 => ErrorCode::WrongType,
             c => ErrorCode::Unknown(c),
         }
     }
@@ -331,6 +414,9 @@ impl fmt::Display for ErrorCode {
             ErrorCode::VersionMismatch => "VERSION_MISMATCH",
             ErrorCode::ShuttingDown => "SHUTTING_DOWN",
             ErrorCode::Internal => "INTERNAL",
+            ErrorCode::NoSuchKey => "NO_SUCH_KEY",
+            ErrorCode::VersionConflict => "VERSION_CONFLICT",
+            ErrorCode::WrongType => "WRONG_TYPE",
             ErrorCode::Unknown(c) => return write!(f, "UNKNOWN_ERROR_{c}"),
         };
         f.write_str(s)

@@ -23,3 +23,9 @@ pub const LIST_ENTRIES_MAX: usize = 65_536;
 /// Most counters one STATS reply carries, and the longest counter name.
 pub const STATS_ENTRIES_MAX: usize = 256;
 pub const STAT_NAME_BYTES_MAX: usize = 64;
+/// Longest object key. Keys are names, not payloads; YCSB's are about 23 bytes.
+pub const KEY_BYTES_MAX: usize = 1024;
+/// Largest object value. 16 MiB values must work (the issue), 1 MB is a seed workload.
+pub const VALUE_BYTES_MAX: usize = 32 << 20;
+/// Most objects one SCAN returns.
+pub const SCAN_ITEMS_MAX: usize = 4096;

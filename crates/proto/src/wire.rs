@@ -29,6 +29,9 @@ const TAG_REGION: u8 = 4;
 const TAG_DONE: u8 = 5;
 const TAG_DATA: u8 = 6;
 const TAG_WORD: u8 = 7;
+const TAG_OBJECT: u8 = 8;
+const TAG_VERSION: u8 = 9;
+const TAG_ITEMS: u8 = 10;
 
 /// Bytes before the first request in a REQUESTS frame, including the length prefix.
 pub const REQUESTS_HEADER_BYTES: usize = 4 + 1 + 8 + 2;
@@ -44,6 +47,12 @@ pub const RESPONSE_OK_BUDGET_BYTES: usize =
 const REGION_INFO_BYTES_MAX: usize = 8 + 8 + 1 + NAME_BYTES_MAX;
 const STATS_REPLY_BYTES_MAX: usize = 2 + STATS_ENTRIES_MAX * (1 + STAT_NAME_BYTES_MAX + 8);
 const LIST_REPLY_BYTES_MAX: usize = 4 + LIST_ENTRIES_MAX * REGION_INFO_BYTES_MAX;
+/// A key on the wire: `len:u16 bytes`.
+const KEY_HEADER_BYTES: usize = 2;
+/// A value on the wire: `len:u32 bytes`.
+const VALUE_HEADER_BYTES: usize = 4;
+/// Bytes of one SCAN item besides its key and value bytes.
+pub const ITEM_OVERHEAD_BYTES: usize = KEY_HEADER_BYTES + 8 + VALUE_HEADER_BYTES;
 
 pub(crate) fn request_encoded_len(op: &Op) -> usize {
     8 + 1
@@ -56,6 +65,14 @@ pub(crate) fn request_encoded_len(op: &Op) -> usize {
             Op::Write { data, .. } => 8 + 8 + 4 + data.len(),
             Op::Cas { .. } => 8 * 4,
             Op::FetchAdd { .. } => 8 * 3,
+            Op::Get { key } | Op::Delete { key } => KEY_HEADER_BYTES + key.len(),
+            Op::Put { key, value } => {
+                KEY_HEADER_BYTES + key.len() + VALUE_HEADER_BYTES + value.len()
+            }
+            Op::CasPut { key, value, .. } => {
+                KEY_HEADER_BYTES + key.len() + 8 + VALUE_HEADER_BYTES + value.len()
+            }
+            Op::Scan { start, .. } => KEY_HEADER_BYTES + start.len() + 4,
         }
 }
 
@@ -71,6 +88,10 @@ pub(crate) fn reply_len_max(op: &Op) -> usize {
             Op::Free { .. } | Op::Write { .. } => 0,
             Op::Read { len, .. } => 4 + *len as usize,
             Op::Cas { .. } | Op::FetchAdd { .. } => 8,
+            Op::Get { .. } => 8 + VALUE_HEADER_BYTES + VALUE_BYTES_MAX,
+            Op::Put { .. } | Op::CasPut { .. } | Op::Delete { .. } => 8,
+            // A scan fills at most what is left of the frame; the frame limit bounds it.
+            Op::Scan { .. } => RESPONSE_OK_BUDGET_BYTES,
         };
     ok.max(ERROR_RESPONSE_BYTES_MAX)
 }
@@ -90,6 +111,20 @@ fn put_short_str(buf: &mut BytesMut, s: &str, what: &'static str) -> Result<(), 
     limit(what, s.len(), 255)?;
     buf.put_u8(s.len() as u8);
     buf.put_slice(s.as_bytes());
+    Ok(())
+}
+
+fn put_key(buf: &mut BytesMut, key: &[u8], what: &'static str) -> Result<(), EncodeError> {
+    limit(what, key.len(), KEY_BYTES_MAX)?;
+    buf.put_u16_le(key.len() as u16);
+    buf.put_slice(key);
+    Ok(())
+}
+
+fn put_value(buf: &mut BytesMut, value: &[u8]) -> Result<(), EncodeError> {
+    limit("value", value.len(), VALUE_BYTES_MAX)?;
+    buf.put_u32_le(value.len() as u32);
+    buf.put_slice(value);
     Ok(())
 }
 
@@ -160,6 +195,25 @@ fn encode_op(buf: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
             buf.put_u64_le(*offset);
             buf.put_u64_le(*delta);
         }
+        Op::Get { key } | Op::Delete { key } => put_key(buf, key, "key")?,
+        Op::Put { key, value } => {
+            put_key(buf, key, "key")?;
+            put_value(buf, value)?;
+        }
+        Op::CasPut {
+            key,
+            expected_version,
+            value,
+        } => {
+            put_key(buf, key, "key")?;
+            buf.put_u64_le(*expected_version);
+            put_value(buf, value)?;
+        }
+        Op::Scan { start, limit: n } => {
+            limit("scan limit", *n as usize, SCAN_ITEMS_MAX)?;
+            put_key(buf, start, "scan start key")?;
+            buf.put_u32_le(*n);
+        }
     }
     Ok(())
 }
@@ -209,6 +263,31 @@ fn encode_reply(buf: &mut BytesMut, reply: &Reply) -> Result<(), EncodeError> {
         Reply::Word(w) => {
             buf.put_u8(TAG_WORD);
             buf.put_u64_le(*w);
+        }
+        Reply::Object { version, value } => {
+            limit("value", value.len(), VALUE_BYTES_MAX)?;
+            buf.put_u8(TAG_OBJECT);
+            buf.put_u64_le(*version);
+            put_value(buf, value)?;
+        }
+        Reply::Version(v) => {
+            buf.put_u8(TAG_VERSION);
+            buf.put_u64_le(*v);
+        }
+        Reply::Items(items) => {
+            limit("scan items", items.len(), SCAN_ITEMS_MAX)?;
+            // Checked before writing anything so a failure leaves no partial reply.
+            for it in items {
+                limit("key", it.key.len(), KEY_BYTES_MAX)?;
+                limit("value", it.value.len(), VALUE_BYTES_MAX)?;
+            }
+            buf.put_u8(TAG_ITEMS);
+            buf.put_u32_le(items.len() as u32);
+            for it in items {
+                put_key(buf, &it.key, "key")?;
+                buf.put_u64_le(it.version);
+                put_value(buf, &it.value)?;
+            }
         }
     }
     Ok(())
@@ -501,6 +580,16 @@ impl Cursor {
         let b = self.bytes(n)?;
         String::from_utf8(b.to_vec()).map_err(|_| DecodeError::BadUtf8(what))
     }
+    fn key(&mut self, what: &'static str) -> Result<Bytes, DecodeError> {
+        let n = self.u16()? as usize;
+        check_limit(what, n as u64, KEY_BYTES_MAX as u64)?;
+        self.bytes(n)
+    }
+    fn value(&mut self) -> Result<Bytes, DecodeError> {
+        let n = self.u32()? as usize;
+        check_limit("value", n as u64, VALUE_BYTES_MAX as u64)?;
+        self.bytes(n)
+    }
     fn short_str(&mut self, what: &'static str, max: usize) -> Result<String, DecodeError> {
         let n = self.u8()? as usize;
         check_limit(what, n as u64, max as u64)?;
@@ -592,6 +681,23 @@ fn decode_op(c: &mut Cursor) -> Result<Op, DecodeError> {
             offset: c.u64()?,
             delta: c.u64()?,
         },
+        OpKind::Get => Op::Get { key: c.key("key")? },
+        OpKind::Delete => Op::Delete { key: c.key("key")? },
+        OpKind::Put => Op::Put {
+            key: c.key("key")?,
+            value: c.value()?,
+        },
+        OpKind::CasPut => Op::CasPut {
+            key: c.key("key")?,
+            expected_version: c.u64()?,
+            value: c.value()?,
+        },
+        OpKind::Scan => {
+            let start = c.key("scan start key")?;
+            let limit = c.u32()?;
+            check_limit("scan limit", limit as u64, SCAN_ITEMS_MAX as u64)?;
+            Op::Scan { start, limit }
+        }
     })
 }
 
@@ -638,6 +744,24 @@ fn decode_reply(c: &mut Cursor) -> Result<Reply, DecodeError> {
             Reply::Data(c.bytes(n)?)
         }
         TAG_WORD => Reply::Word(c.u64()?),
+        TAG_OBJECT => Reply::Object {
+            version: c.u64()?,
+            value: c.value()?,
+        },
+        TAG_VERSION => Reply::Version(c.u64()?),
+        TAG_ITEMS => {
+            let n = c.u32()? as usize;
+            let n = c.count(n, "scan items", SCAN_ITEMS_MAX, ITEM_OVERHEAD_BYTES)?;
+            let mut items = Vec::with_capacity(n);
+            for _ in 0..n {
+                items.push(Item {
+                    key: c.key("key")?,
+                    version: c.u64()?,
+                    value: c.value()?,
+                });
+            }
+            Reply::Items(items)
+        }
         t => return Err(DecodeError::UnknownReply(t)),
     })
 }

@@ -7,8 +7,29 @@ fn name() -> impl Strategy<Value = String> {
     "[a-zA-Z0-9/_.-]{1,40}"
 }
 
+fn blob(max: usize) -> impl Strategy<Value = Bytes> {
+    proptest::collection::vec(any::<u8>(), 0..max).prop_map(Bytes::from)
+}
+
+fn object_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        blob(40).prop_map(|key| Op::Get { key }),
+        blob(40).prop_map(|key| Op::Delete { key }),
+        (blob(40), blob(300)).prop_map(|(key, value)| Op::Put { key, value }),
+        (blob(40), any::<u64>(), blob(300)).prop_map(|(key, expected_version, value)| {
+            Op::CasPut {
+                key,
+                expected_version,
+                value,
+            }
+        }),
+        (blob(40), 0..=SCAN_ITEMS_MAX as u32).prop_map(|(start, limit)| Op::Scan { start, limit }),
+    ]
+}
+
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
+        object_op(),
         Just(Op::Ping),
         Just(Op::Stats),
         Just(Op::List),
@@ -69,6 +90,17 @@ fn reply() -> impl Strategy<Value = Reply> {
         region_info().prop_map(Reply::Region),
         proptest::collection::vec(region_info(), 0..10).prop_map(Reply::List),
         proptest::collection::vec(("[a-z_]{1,20}", any::<u64>()), 0..10).prop_map(Reply::Stats),
+        (any::<u64>(), blob(300)).prop_map(|(version, value)| Reply::Object { version, value }),
+        any::<u64>().prop_map(Reply::Version),
+        proptest::collection::vec(
+            (blob(40), any::<u64>(), blob(100)).prop_map(|(key, version, value)| Item {
+                key,
+                version,
+                value
+            }),
+            0..10
+        )
+        .prop_map(Reply::Items),
     ]
 }
 
@@ -148,6 +180,9 @@ proptest! {
             Reply::Stats(_) => Op::Stats,
             Reply::Pong => Op::Ping,
             Reply::Done => Op::Free { region: 0 },
+            Reply::Object { .. } => Op::Get { key: Bytes::new() },
+            Reply::Version(_) => Op::Put { key: Bytes::new(), value: Bytes::new() },
+            Reply::Items(_) => Op::Scan { start: Bytes::new(), limit: 10 },
         };
         let mut buf = BytesMut::new();
         let mut enc = ResponseBatchEncoder::begin(&mut buf);

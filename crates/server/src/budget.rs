@@ -31,6 +31,17 @@ impl MemoryBudget {
     /// Reserves `bytes`, or refuses without changing anything. The reservation is held
     /// until the returned [`Reservation`] is dropped.
     pub fn try_reserve(self: &Arc<Self>, bytes: u64) -> Result<Reservation, OverBudget> {
+        self.try_charge(bytes)?;
+        Ok(Reservation {
+            budget: Arc::clone(self),
+            bytes,
+        })
+    }
+
+    /// Takes `bytes` with no guard object: for owners that keep their own tally of what
+    /// they hold (the object store, whose entries grow and shrink in place) and give it
+    /// back with [`MemoryBudget::uncharge`]. Refusal changes nothing.
+    pub fn try_charge(&self, bytes: u64) -> Result<(), OverBudget> {
         let cap = self.cap_bytes;
         self.used_bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
@@ -41,10 +52,18 @@ impl MemoryBudget {
                 used_bytes: used,
                 cap_bytes: cap,
             })?;
-        Ok(Reservation {
-            budget: Arc::clone(self),
-            bytes,
-        })
+        Ok(())
+    }
+
+    /// Takes `bytes` even past the cap: only for keeping the tally true when an owner
+    /// finds it holds more than it charged (a bug it also asserts on in debug builds).
+    pub fn force_charge(&self, bytes: u64) {
+        self.used_bytes.fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// Gives back bytes taken with [`MemoryBudget::try_charge`].
+    pub fn uncharge(&self, bytes: u64) {
+        self.used_bytes.fetch_sub(bytes, Ordering::AcqRel);
     }
 
     pub fn used(&self) -> u64 {
@@ -79,9 +98,7 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.budget
-            .used_bytes
-            .fetch_sub(self.bytes, Ordering::AcqRel);
+        self.budget.uncharge(self.bytes);
     }
 }
 

@@ -1,13 +1,15 @@
 //! Executes one decoded batch against the store, straight into a response frame.
 
+use crate::objects::ObjectStore;
 use crate::state::{kind_index, ServerState, OP_KINDS};
 use crate::store::RegionStore;
 use camelot_proto::limits::IO_BYTES_MAX;
 use camelot_proto::{
     EncodeError, ErrorCode, ErrorReply, Op, RegionId, Reply, RequestBatch, ResponseBatchEncoder,
-    RESPONSE_OK_BUDGET_BYTES,
+    ITEM_OVERHEAD_BYTES, RESPONSE_OK_BUDGET_BYTES,
 };
 use std::cell::OnceCell;
+use std::time::Instant;
 
 /// id, status and reply tag: what every successful response carries before its payload.
 const OK_HEADER_BYTES: usize = 8 + 2 + 1;
@@ -23,7 +25,14 @@ pub fn reply_bytes(reply: &Reply) -> usize {
     OK_HEADER_BYTES
         + match reply {
             Reply::Pong | Reply::Done => 0,
-            Reply::Word(_) => 8,
+            Reply::Word(_) | Reply::Version(_) => 8,
+            Reply::Object { value, .. } => 8 + 4 + value.len(),
+            Reply::Items(items) => {
+                4 + items
+                    .iter()
+                    .map(|it| ITEM_OVERHEAD_BYTES + it.key.len() + it.value.len())
+                    .sum::<usize>()
+            }
             Reply::Data(d) => 4 + d.len(),
             Reply::Region(r) => region_info_bytes(r.name.as_deref()),
             Reply::Stats(entries) => {
@@ -73,6 +82,7 @@ pub fn exec(
         state,
         enc,
         too_large: OnceCell::new(),
+        now: OnceCell::new(),
     };
     let res = batch.requests.iter().try_for_each(|req| {
         ops[kind_index(req.op.kind())] += 1;
@@ -87,6 +97,8 @@ struct Exec<'s, 'e, 'b> {
     enc: &'e mut ResponseBatchEncoder<'b>,
     // Built on first use: a batch of 4096 oversized reads should not format 4096 messages.
     too_large: OnceCell<ErrorReply>,
+    // Expiry is judged at one moment per batch; a clock read per object op is waste.
+    now: OnceCell<Instant>,
 }
 
 impl Exec<'_, '_, '_> {
@@ -141,8 +153,64 @@ impl Exec<'_, '_, '_> {
         self.respond(id, result)
     }
 
+    fn now(&self) -> Instant {
+        *self.now.get_or_init(Instant::now)
+    }
+
+    /// Like [`Exec::guarded`], for object operations.
+    fn guarded_object(
+        &mut self,
+        id: u64,
+        reply_bytes: usize,
+        op: impl FnOnce(&ObjectStore, Instant) -> Result<Reply, ErrorReply>,
+    ) -> Result<(), EncodeError> {
+        if !self.fits(reply_bytes) {
+            return self.too_large(id);
+        }
+        let now = self.now();
+        let result = op(self.state.objects(), now);
+        self.respond(id, result)
+    }
+
     fn one(&mut self, id: u64, op: &Op) -> Result<(), EncodeError> {
         match op {
+            Op::Get { key } => {
+                let now = self.now();
+                match self.state.objects().get(key, now) {
+                    Ok((version, value)) => {
+                        self.respond_if_fits(id, Reply::Object { version, value })
+                    }
+                    Err(e) => self.enc.push_err(id, &e),
+                }
+            }
+            Op::Put { key, value } => self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
+                o.put(key, value, now).map(Reply::Version)
+            }),
+            Op::CasPut {
+                key,
+                expected_version,
+                value,
+            } => self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
+                o.cas_put(key, *expected_version, value, now)
+                    .map(Reply::Version)
+            }),
+            Op::Delete { key } => self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
+                o.delete(key, now).map(Reply::Version)
+            }),
+            Op::Scan { start, limit } => {
+                let budget = RESPONSE_OK_BUDGET_BYTES
+                    .saturating_sub(self.enc.frame_len())
+                    .saturating_sub(OK_HEADER_BYTES + 4);
+                let now = self.now();
+                match self
+                    .state
+                    .objects()
+                    .scan(start, *limit as usize, budget, now)
+                {
+                    Ok(items) => self.respond_if_fits(id, Reply::Items(items)),
+                    Err(e) => self.enc.push_err(id, &e),
+                }
+            }
             Op::Read {
                 region,
                 offset,

@@ -8,6 +8,7 @@ pub mod budget;
 mod conn;
 pub mod dev;
 pub mod exec;
+pub mod objects;
 pub mod state;
 pub mod store;
 

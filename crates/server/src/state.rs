@@ -1,6 +1,7 @@
 //! What every connection of one server shares: the store, the counters, the epoch.
 
 use crate::budget::MemoryBudget;
+use crate::objects::ObjectStore;
 use crate::store::RegionStore;
 use camelot_proto::OpKind;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -69,6 +70,7 @@ impl Stats {
 
 pub struct ServerState {
     store: RegionStore,
+    objects: ObjectStore,
     stats: Stats,
     epoch: AtomicU64,
 }
@@ -76,6 +78,7 @@ pub struct ServerState {
 impl ServerState {
     pub fn new(budget: Arc<MemoryBudget>, epoch: u64) -> Self {
         ServerState {
+            objects: ObjectStore::new(Arc::clone(&budget)),
             store: RegionStore::new(budget),
             stats: Stats::default(),
             epoch: AtomicU64::new(epoch),
@@ -84,6 +87,10 @@ impl ServerState {
 
     pub fn store(&self) -> &RegionStore {
         &self.store
+    }
+
+    pub fn objects(&self) -> &ObjectStore {
+        &self.objects
     }
 
     pub fn stats(&self) -> &Stats {
@@ -111,6 +118,7 @@ impl ServerState {
         out.push(("memory_used_bytes".to_owned(), self.budget().used()));
         out.push(("memory_cap_bytes".to_owned(), self.budget().cap()));
         out.push(("regions".to_owned(), self.store.len() as u64));
+        out.push(("objects".to_owned(), self.objects.len() as u64));
         out.push((
             "connections_current".to_owned(),
             load(&s.connections_current),

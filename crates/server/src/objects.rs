@@ -1,0 +1,934 @@
+//! Objects: key → versioned value, the key-value face of the server. They share the one
+//! memory cap with regions: every byte an object holds is charged to the same
+//! [`MemoryBudget`] before it is stored, so a full server refuses a PUT and keeps what it
+//! has.
+//!
+//! Keys live in [`SHARDS`] ordered maps, picked by [`key_hash`], so writers to different
+//! keys rarely meet on a lock while SCAN still sees every key in order (it merges the
+//! shards lazily, touching only as many keys as it returns).
+//!
+//! Values are byte strings for the native protocol; the Redis port also keeps hashes and
+//! sorted sets here, in the same key space and under the same cap. The native face sees
+//! those as WRONG_TYPE and SCAN skips them.
+
+use crate::budget::MemoryBudget;
+use bytes::Bytes;
+use camelot_proto::limits::{KEY_BYTES_MAX, SCAN_ITEMS_MAX, VALUE_BYTES_MAX};
+use camelot_proto::{key_hash, ErrorCode, ErrorReply, Item, ITEM_OVERHEAD_BYTES};
+use parking_lot::{RwLock, RwLockReadGuard};
+use std::cmp::{Ordering as CmpOrdering, Reverse};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
+use std::ops::Bound;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Independent ordered maps. A power of two, few enough that a scan's merge stays cheap.
+pub const SHARDS: usize = 16;
+/// What an object costs beyond its key and value bytes (map node, entry header), so a
+/// flood of tiny objects still runs into the cap.
+pub const ENTRY_OVERHEAD_BYTES: u64 = 64;
+/// What one hash field or sorted-set member costs beyond its own bytes.
+pub const FIELD_OVERHEAD_BYTES: u64 = 48;
+/// Most fields in one hash or members in one sorted set.
+pub const COLLECTION_ITEMS_MAX: usize = 1 << 24;
+
+fn err(code: ErrorCode, message: impl Into<String>) -> ErrorReply {
+    ErrorReply::new(code, message)
+}
+
+pub fn no_such_key() -> ErrorReply {
+    err(ErrorCode::NoSuchKey, "no such key")
+}
+
+pub fn wrong_type() -> ErrorReply {
+    err(
+        ErrorCode::WrongType,
+        "WRONGTYPE Operation against a key holding the wrong kind of value",
+    )
+}
+
+pub fn check_key(key: &[u8]) -> Result<(), ErrorReply> {
+    if key.len() > KEY_BYTES_MAX {
+        return Err(err(
+            ErrorCode::TooLarge,
+            format!(
+                "key of {} bytes exceeds the limit of {KEY_BYTES_MAX}",
+                key.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub fn check_value_len(len: usize) -> Result<(), ErrorReply> {
+    if len > VALUE_BYTES_MAX {
+        return Err(err(
+            ErrorCode::TooLarge,
+            format!("value of {len} bytes exceeds the limit of {VALUE_BYTES_MAX}"),
+        ));
+    }
+    Ok(())
+}
+
+/// A sorted-set score with the total order Redis uses (NaN is refused before it gets here).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Score(pub f64);
+
+impl Eq for Score {}
+impl PartialOrd for Score {
+    fn partial_cmp(&self, other: &Self) -> Option<CmpOrdering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Score {
+    fn cmp(&self, other: &Self) -> CmpOrdering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Hash {
+    fields: HashMap<Bytes, Bytes>,
+    content_bytes: u64,
+}
+
+fn field_cost(field: &[u8], value: &[u8]) -> u64 {
+    (field.len() + value.len()) as u64 + FIELD_OVERHEAD_BYTES
+}
+
+impl Hash {
+    pub fn len(&self) -> usize {
+        self.fields.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.fields.is_empty()
+    }
+    pub fn get(&self, field: &[u8]) -> Option<&Bytes> {
+        self.fields.get(field)
+    }
+    pub fn iter(&self) -> impl Iterator<Item = (&Bytes, &Bytes)> {
+        self.fields.iter()
+    }
+    /// Returns whether the field is new.
+    pub fn set(&mut self, field: Bytes, value: Bytes) -> Result<bool, ErrorReply> {
+        if !self.fields.contains_key(&field) && self.fields.len() >= COLLECTION_ITEMS_MAX {
+            return Err(collection_full());
+        }
+        self.content_bytes += field_cost(&field, &value);
+        let old = self.fields.insert(field.clone(), value);
+        if let Some(old) = &old {
+            self.content_bytes -= field_cost(&field, old);
+        }
+        Ok(old.is_none())
+    }
+    pub fn remove(&mut self, field: &[u8]) -> bool {
+        match self.fields.remove_entry(field) {
+            Some((f, v)) => {
+                self.content_bytes -= field_cost(&f, &v);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct ZSet {
+    scores: HashMap<Bytes, Score>,
+    ordered: BTreeSet<(Score, Bytes)>,
+    content_bytes: u64,
+}
+
+fn member_cost(member: &[u8]) -> u64 {
+    // The member is kept twice: in the score index and in the order.
+    2 * member.len() as u64 + 8 + FIELD_OVERHEAD_BYTES
+}
+
+impl ZSet {
+    pub fn len(&self) -> usize {
+        self.scores.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.scores.is_empty()
+    }
+    pub fn score(&self, member: &[u8]) -> Option<f64> {
+        self.scores.get(member).map(|s| s.0)
+    }
+    /// Returns whether the member is new.
+    pub fn insert(&mut self, member: Bytes, score: f64) -> Result<bool, ErrorReply> {
+        let score = Score(score);
+        match self.scores.get_mut(&member) {
+            Some(old) => {
+                if *old != score {
+                    self.ordered.remove(&(*old, member.clone()));
+                    self.ordered.insert((score, member));
+                    *old = score;
+                }
+                Ok(false)
+            }
+            None => {
+                if self.scores.len() >= COLLECTION_ITEMS_MAX {
+                    return Err(collection_full());
+                }
+                self.content_bytes += member_cost(&member);
+                self.scores.insert(member.clone(), score);
+                self.ordered.insert((score, member));
+                Ok(true)
+            }
+        }
+    }
+    pub fn remove(&mut self, member: &[u8]) -> bool {
+        match self.scores.remove_entry(member) {
+            Some((m, s)) => {
+                self.content_bytes -= member_cost(&m);
+                self.ordered.remove(&(s, m));
+                true
+            }
+            None => false,
+        }
+    }
+    /// Members with `min <= score <= max` (each end exclusive when flagged), in score
+    /// order, skipping `offset` and returning at most `count`.
+    pub fn range_by_score(
+        &self,
+        min: (f64, bool),
+        max: (f64, bool),
+        offset: usize,
+        count: usize,
+    ) -> Vec<(Bytes, f64)> {
+        let (min_score, min_exclusive) = min;
+        let (max_score, max_exclusive) = max;
+        let from = Bound::Included((Score(min_score), Bytes::new()));
+        self.ordered
+            .range((from, Bound::Unbounded))
+            .skip_while(|(s, _)| min_exclusive && s.0 == min_score)
+            .take_while(|(s, _)| {
+                if max_exclusive {
+                    s.0 < max_score
+                } else {
+                    s.0 <= max_score
+                }
+            })
+            .skip(offset)
+            .take(count)
+            .map(|(s, m)| (m.clone(), s.0))
+            .collect()
+    }
+}
+
+fn collection_full() -> ErrorReply {
+    err(
+        ErrorCode::TooLarge,
+        format!("a hash or sorted set may hold at most {COLLECTION_ITEMS_MAX} items"),
+    )
+}
+
+#[derive(Debug)]
+pub enum Value {
+    Str(Bytes),
+    Hash(Hash),
+    ZSet(ZSet),
+}
+
+impl Value {
+    fn content_bytes(&self) -> u64 {
+        match self {
+            Value::Str(b) => b.len() as u64,
+            Value::Hash(h) => h.content_bytes,
+            Value::ZSet(z) => z.content_bytes,
+        }
+    }
+
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Value::Str(_) => "string",
+            Value::Hash(_) => "hash",
+            Value::ZSet(_) => "zset",
+        }
+    }
+
+    /// True when a collection has lost its last item: Redis deletes such keys.
+    fn is_empty_collection(&self) -> bool {
+        match self {
+            Value::Str(_) => false,
+            Value::Hash(h) => h.is_empty(),
+            Value::ZSet(z) => z.is_empty(),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Entry {
+    pub version: u64,
+    pub value: Value,
+    pub expires_at: Option<Instant>,
+    charge_bytes: u64,
+}
+
+impl Entry {
+    fn is_live(&self, now: Instant) -> bool {
+        match self.expires_at {
+            None => true,
+            Some(t) => t > now,
+        }
+    }
+}
+
+fn entry_cost(key: &[u8], value: &Value) -> u64 {
+    ENTRY_OVERHEAD_BYTES + key.len() as u64 + value.content_bytes()
+}
+
+/// Hands out object versions: increasing across the whole server, so a deleted and
+/// re-created key never gets a version an old CAS could match.
+#[derive(Debug)]
+pub struct VersionClock(AtomicU64);
+
+impl VersionClock {
+    pub fn next(&self) -> u64 {
+        self.0.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// What a [`ObjectStore::modify`] closure decided about the slot.
+pub enum Change {
+    /// Leave the slot as the closure left it (an existing entry may have been edited).
+    Keep,
+    /// Create the object (only meaningful when the slot was empty).
+    Insert {
+        value: Value,
+        expires_at: Option<Instant>,
+    },
+    /// Remove the object.
+    Remove,
+}
+
+type Shard = BTreeMap<Bytes, Entry>;
+
+pub struct ObjectStore {
+    shards: Box<[RwLock<Shard>]>,
+    budget: Arc<MemoryBudget>,
+    clock: VersionClock,
+    /// Everything this store has charged to the budget, so dropping it gives all back.
+    charged_bytes: AtomicU64,
+    /// Objects with an expiry; the sweeper does nothing while this is zero.
+    expiring: AtomicU64,
+}
+
+impl ObjectStore {
+    pub fn new(budget: Arc<MemoryBudget>) -> Self {
+        ObjectStore {
+            shards: (0..SHARDS).map(|_| RwLock::new(Shard::new())).collect(),
+            budget,
+            clock: VersionClock(AtomicU64::new(1)),
+            charged_bytes: AtomicU64::new(0),
+            expiring: AtomicU64::new(0),
+        }
+    }
+
+    fn shard(&self, key: &[u8]) -> &RwLock<Shard> {
+        &self.shards[(key_hash(key) as usize) & (SHARDS - 1)]
+    }
+
+    /// Objects stored (including expired ones the sweeper has not reached yet).
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.read().len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Runs `f` on the live entry under `key` (or `None`) under the shard's read lock.
+    pub fn read<R>(&self, key: &[u8], now: Instant, f: impl FnOnce(Option<&Entry>) -> R) -> R {
+        let shard = self.shard(key).read();
+        f(shard.get(key).filter(|e| e.is_live(now)))
+    }
+
+    /// The string under `key` and its version.
+    pub fn get(&self, key: &[u8], now: Instant) -> Result<(u64, Bytes), ErrorReply> {
+        self.read(key, now, |e| match e {
+            None => Err(no_such_key()),
+            Some(Entry {
+                version,
+                value: Value::Str(b),
+                ..
+            }) => Ok((*version, b.clone())),
+            Some(_) => Err(wrong_type()),
+        })
+    }
+
+    pub fn put(&self, key: &[u8], value: &[u8], now: Instant) -> Result<u64, ErrorReply> {
+        self.put_if(key, value, now, |_| Ok(()))
+    }
+
+    /// Stores `value` only if the object's version is `expected_version`, or, when that
+    /// is 0, only if there is no object.
+    pub fn cas_put(
+        &self,
+        key: &[u8],
+        expected_version: u64,
+        value: &[u8],
+        now: Instant,
+    ) -> Result<u64, ErrorReply> {
+        self.put_if(key, value, now, |current| {
+            let current_version = current.map_or(0, |e| e.version);
+            if current_version != expected_version {
+                return Err(err(
+                    ErrorCode::VersionConflict,
+                    format!(
+                        "expected version {expected_version}, the object is at {current_version}"
+                    ),
+                ));
+            }
+            Ok(())
+        })
+    }
+
+    fn put_if(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        now: Instant,
+        check: impl FnOnce(Option<&Entry>) -> Result<(), ErrorReply>,
+    ) -> Result<u64, ErrorReply> {
+        check_value_len(value.len())?;
+        // Copied out of the request frame: a slice would pin the whole frame buffer, and
+        // the budget would not see that memory.
+        let value = Bytes::copy_from_slice(value);
+        let cost = ENTRY_OVERHEAD_BYTES + (key.len() + value.len()) as u64;
+        let growth = |e: Option<&Entry>| cost.saturating_sub(e.map_or(0, |e| e.charge_bytes));
+        self.modify(key, growth, now, |slot, clock| {
+            check(slot.as_deref())?;
+            match slot {
+                Some(e) => {
+                    e.value = Value::Str(value);
+                    e.expires_at = None;
+                    e.version = clock.next();
+                    Ok((e.version, Change::Keep))
+                }
+                None => Ok((
+                    // The new entry takes the next version; `modify` reports it.
+                    0,
+                    Change::Insert {
+                        value: Value::Str(value),
+                        expires_at: None,
+                    },
+                )),
+            }
+        })
+        .map(|(v, inserted)| inserted.unwrap_or(v))
+    }
+
+    /// Removes the object; returns the version it had.
+    pub fn delete(&self, key: &[u8], now: Instant) -> Result<u64, ErrorReply> {
+        self.modify(
+            key,
+            |_| 0,
+            now,
+            |slot, _| match slot {
+                Some(e) => Ok((e.version, Change::Remove)),
+                None => Err(no_such_key()),
+            },
+        )
+        .map(|(v, _)| v)
+    }
+
+    /// The one way objects change. Under the shard's write lock, `f` sees the live entry
+    /// (an expired one is removed first) and may edit it in place or decide a
+    /// [`Change`]. `growth_bytes_max`, given the entry, must bound how much the object can
+    /// grow; that much is charged to the budget before `f` runs, so a full server refuses
+    /// with OUT_OF_MEMORY and changes nothing. Returns `f`'s result and, when an object was
+    /// created, its version.
+    pub fn modify<R>(
+        &self,
+        key: &[u8],
+        growth_bytes_max: impl FnOnce(Option<&Entry>) -> u64,
+        now: Instant,
+        f: impl FnOnce(Option<&mut Entry>, &VersionClock) -> Result<(R, Change), ErrorReply>,
+    ) -> Result<(R, Option<u64>), ErrorReply> {
+        check_key(key)?;
+        let mut shard = self.shard(key).write();
+        let expired = shard.get(key).is_some_and(|e| !e.is_live(now));
+        let mut freed_bytes = 0;
+        if expired {
+            if let Some(e) = shard.remove(key) {
+                freed_bytes += e.charge_bytes;
+                self.expiring_sub(1);
+            }
+        }
+        let charged_bytes = growth_bytes_max(shard.get(key));
+        if let Err(e) = self.budget.try_charge(charged_bytes) {
+            drop(shard);
+            self.settle(0, 0, freed_bytes);
+            return Err(err(
+                ErrorCode::OutOfMemory,
+                format!("object does not fit: {e}"),
+            ));
+        }
+        let mut grown_bytes = 0;
+        let result = match shard.get_mut(key) {
+            Some(e) => {
+                let had_expiry = e.expires_at.is_some();
+                match f(Some(e), &self.clock) {
+                    Err(x) => Err(x),
+                    Ok((r, change)) => {
+                        let remove =
+                            matches!(change, Change::Remove) || e.value.is_empty_collection();
+                        if remove {
+                            freed_bytes += e.charge_bytes;
+                            if had_expiry {
+                                self.expiring_sub(1);
+                            }
+                            shard.remove(key);
+                        } else {
+                            let cost = entry_cost(key, &e.value);
+                            if cost >= e.charge_bytes {
+                                grown_bytes = cost - e.charge_bytes;
+                            } else {
+                                freed_bytes += e.charge_bytes - cost;
+                            }
+                            e.charge_bytes = cost;
+                            match (had_expiry, e.expires_at.is_some()) {
+                                (false, true) => {
+                                    self.expiring.fetch_add(1, Ordering::Relaxed);
+                                }
+                                (true, false) => {
+                                    self.expiring_sub(1);
+                                }
+                                _ => {}
+                            }
+                        }
+                        Ok((r, None))
+                    }
+                }
+            }
+            None => match f(None, &self.clock) {
+                Err(x) => Err(x),
+                Ok((r, Change::Insert { value, expires_at })) if !value.is_empty_collection() => {
+                    let cost = entry_cost(key, &value);
+                    grown_bytes = cost;
+                    let version = self.clock.next();
+                    if expires_at.is_some() {
+                        self.expiring.fetch_add(1, Ordering::Relaxed);
+                    }
+                    shard.insert(
+                        Bytes::copy_from_slice(key),
+                        Entry {
+                            version,
+                            value,
+                            expires_at,
+                            charge_bytes: cost,
+                        },
+                    );
+                    Ok((r, Some(version)))
+                }
+                Ok((r, _)) => Ok((r, None)),
+            },
+        };
+        drop(shard);
+        self.settle(charged_bytes, grown_bytes, freed_bytes);
+        result
+    }
+
+    /// Turns the up-front charge into the real one.
+    fn settle(&self, charged_bytes: u64, grown_bytes: u64, freed_bytes: u64) {
+        debug_assert!(
+            grown_bytes <= charged_bytes,
+            "an object grew by {grown_bytes} bytes but only {charged_bytes} were charged"
+        );
+        if grown_bytes > charged_bytes {
+            // A caller under-estimated its growth: keep the tally true even if it means
+            // going past the cap for a moment, rather than losing track of the bytes.
+            self.budget.force_charge(grown_bytes - charged_bytes);
+            self.budget.uncharge(freed_bytes);
+        } else {
+            self.budget
+                .uncharge(charged_bytes - grown_bytes + freed_bytes);
+        }
+        self.charged_bytes.fetch_add(grown_bytes, Ordering::Relaxed);
+        self.charged_bytes.fetch_sub(freed_bytes, Ordering::Relaxed);
+    }
+
+    /// Up to `limit` string objects with keys `>= start`, in key order, whose encoded
+    /// size stays within `reply_bytes_max`. TOO_LARGE if not even the first one fits, so
+    /// an empty answer always means there are no more keys.
+    pub fn scan(
+        &self,
+        start: &[u8],
+        limit: usize,
+        reply_bytes_max: usize,
+        now: Instant,
+    ) -> Result<Vec<Item>, ErrorReply> {
+        let limit = limit.min(SCAN_ITEMS_MAX);
+        // Read locks on every shard at once, always in shard order, so the view is one
+        // moment and writers (which take one shard each) cannot deadlock with us.
+        let guards: Vec<RwLockReadGuard<'_, Shard>> =
+            self.shards.iter().map(|s| s.read()).collect();
+        let mut iters: Vec<_> = guards
+            .iter()
+            .map(|g| {
+                g.range::<[u8], _>((Bound::Included(start), Bound::Unbounded))
+                    .filter_map(|(k, e)| match &e.value {
+                        Value::Str(v) if e.is_live(now) => Some((k, e.version, v)),
+                        _ => None,
+                    })
+            })
+            .collect();
+        // A key lives in exactly one shard, so (key, shard) orders the heads totally.
+        let mut heads = BinaryHeap::with_capacity(SHARDS);
+        let mut current = Vec::with_capacity(SHARDS);
+        for (i, it) in iters.iter_mut().enumerate() {
+            let head = it.next();
+            if let Some((k, _, _)) = head {
+                heads.push(Reverse((k, i)));
+            }
+            current.push(head);
+        }
+        let mut items = Vec::new();
+        let mut bytes = 0usize;
+        while items.len() < limit {
+            let Some(Reverse((_, i))) = heads.pop() else {
+                break;
+            };
+            let Some((k, version, v)) = current[i] else {
+                break;
+            };
+            let item_bytes = ITEM_OVERHEAD_BYTES + k.len() + v.len();
+            if bytes + item_bytes > reply_bytes_max {
+                if items.is_empty() {
+                    return Err(err(
+                        ErrorCode::TooLarge,
+                        "the next object does not fit in this batch's response frame; \
+                         scan it in a smaller batch",
+                    ));
+                }
+                break;
+            }
+            bytes += item_bytes;
+            items.push(Item {
+                key: k.clone(),
+                version,
+                value: v.clone(),
+            });
+            current[i] = iters[i].next();
+            if let Some((k, _, _)) = current[i] {
+                heads.push(Reverse((k, i)));
+            }
+        }
+        Ok(items)
+    }
+
+    /// Every key, in order (for KEYS-like tools and tests); bounded by `limit`.
+    pub fn keys(&self, limit: usize, now: Instant) -> Vec<Bytes> {
+        let mut out: Vec<Bytes> = self
+            .shards
+            .iter()
+            .flat_map(|s| {
+                s.read()
+                    .iter()
+                    .filter(|(_, e)| e.is_live(now))
+                    .map(|(k, _)| k.clone())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        out.sort();
+        out.truncate(limit);
+        out
+    }
+
+    /// Removes every object.
+    pub fn clear(&self) {
+        for s in self.shards.iter() {
+            let mut shard = s.write();
+            let freed: u64 = shard.values().map(|e| e.charge_bytes).sum();
+            shard.clear();
+            drop(shard);
+            self.settle(0, 0, freed);
+        }
+        self.expiring.store(0, Ordering::Relaxed);
+    }
+
+    /// Removes expired objects; cheap when none has an expiry. Returns how many went.
+    pub fn sweep_expired(&self, now: Instant) -> usize {
+        if self.expiring.load(Ordering::Relaxed) == 0 {
+            return 0;
+        }
+        let mut removed = 0;
+        for s in self.shards.iter() {
+            let mut shard = s.write();
+            let mut freed = 0;
+            shard.retain(|_, e| {
+                let keep = e.is_live(now);
+                if !keep {
+                    freed += e.charge_bytes;
+                    removed += 1;
+                }
+                keep
+            });
+            drop(shard);
+            self.settle(0, 0, freed);
+        }
+        self.expiring_sub(removed as u64);
+        removed
+    }
+
+    // A hint for the sweeper only; `clear` racing an insert must not wrap it around.
+    fn expiring_sub(&self, n: u64) {
+        let _ = self
+            .expiring
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(n))
+            });
+    }
+
+    /// Bytes the objects hold against the budget.
+    pub fn charged_bytes(&self) -> u64 {
+        self.charged_bytes.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for ObjectStore {
+    fn drop(&mut self) {
+        self.budget.uncharge(*self.charged_bytes.get_mut());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn store(cap_bytes: u64) -> (ObjectStore, Arc<MemoryBudget>) {
+        let budget = MemoryBudget::new(cap_bytes);
+        (ObjectStore::new(Arc::clone(&budget)), budget)
+    }
+
+    fn code<T: std::fmt::Debug>(r: Result<T, ErrorReply>) -> ErrorCode {
+        r.expect_err("expected an error").code
+    }
+
+    #[test]
+    fn versions_increase_and_cas_checks_them() {
+        let (s, _) = store(1 << 20);
+        let now = Instant::now();
+        assert_eq!(code(s.get(b"k", now)), ErrorCode::NoSuchKey);
+        let v1 = s.put(b"k", b"one", now).unwrap();
+        let v2 = s.put(b"k", b"two", now).unwrap();
+        assert!(v2 > v1);
+        assert_eq!(s.get(b"k", now).unwrap(), (v2, Bytes::from_static(b"two")));
+        assert_eq!(
+            code(s.cas_put(b"k", v1, b"x", now)),
+            ErrorCode::VersionConflict
+        );
+        assert_eq!(
+            code(s.cas_put(b"k", 0, b"x", now)),
+            ErrorCode::VersionConflict
+        );
+        let v3 = s.cas_put(b"k", v2, b"three", now).unwrap();
+        assert!(v3 > v2);
+        assert_eq!(s.delete(b"k", now).unwrap(), v3);
+        assert_eq!(code(s.delete(b"k", now)), ErrorCode::NoSuchKey);
+        // Re-created, it must not reuse a version an old CAS could match.
+        let v4 = s.cas_put(b"k", 0, b"four", now).unwrap();
+        assert!(v4 > v3);
+    }
+
+    #[test]
+    fn a_full_store_refuses_and_keeps_everything() {
+        let (s, budget) = store(10_000);
+        let now = Instant::now();
+        let value = vec![7u8; 900];
+        let mut stored = Vec::new();
+        for i in 0..100 {
+            let key = format!("key{i:03}");
+            match s.put(key.as_bytes(), &value, now) {
+                Ok(v) => stored.push((key, v)),
+                Err(e) => {
+                    assert_eq!(e.code, ErrorCode::OutOfMemory);
+                    break;
+                }
+            }
+        }
+        assert!(!stored.is_empty() && stored.len() < 100);
+        assert!(budget.used() <= budget.cap());
+        for (k, v) in &stored {
+            assert_eq!(s.get(k.as_bytes(), now).unwrap().0, *v);
+        }
+        // Overwriting with the same size needs no new memory, even when full.
+        let (k, _) = &stored[0];
+        s.put(k.as_bytes(), &value, now).unwrap();
+        // Deleting gives memory back, and dropping the store gives back all of it.
+        let before = budget.used();
+        s.delete(stored[1].0.as_bytes(), now).unwrap();
+        assert!(budget.used() < before);
+        drop(s);
+        assert_eq!(budget.used(), 0);
+    }
+
+    #[test]
+    fn scan_merges_every_shard_in_key_order() {
+        let (s, _) = store(1 << 24);
+        let now = Instant::now();
+        for i in (0..500).rev() {
+            s.put(format!("k{i:04}").as_bytes(), b"v", now).unwrap();
+        }
+        let items = s.scan(b"k0100", 50, usize::MAX, now).unwrap();
+        let keys: Vec<String> = items
+            .iter()
+            .map(|it| String::from_utf8(it.key.to_vec()).unwrap())
+            .collect();
+        let expected: Vec<String> = (100..150).map(|i| format!("k{i:04}")).collect();
+        assert_eq!(keys, expected);
+        assert!(s.scan(b"l", 10, usize::MAX, now).unwrap().is_empty());
+        // A byte budget cuts the scan short, but never to nothing.
+        let few = s.scan(b"", 50, 3 * (ITEM_OVERHEAD_BYTES + 6), now).unwrap();
+        assert_eq!(few.len(), 3);
+        assert_eq!(
+            code(s.scan(b"", 50, ITEM_OVERHEAD_BYTES, now)),
+            ErrorCode::TooLarge
+        );
+    }
+
+    #[test]
+    fn expired_objects_vanish_and_give_memory_back() {
+        let (s, budget) = store(1 << 20);
+        let now = Instant::now();
+        let later = now + Duration::from_secs(10);
+        s.modify(
+            b"t",
+            |_| 1000,
+            now,
+            |_, _| {
+                Ok((
+                    (),
+                    Change::Insert {
+                        value: Value::Str(Bytes::from_static(b"v")),
+                        expires_at: Some(now + Duration::from_secs(1)),
+                    },
+                ))
+            },
+        )
+        .unwrap();
+        assert!(s.get(b"t", now).is_ok());
+        assert_eq!(code(s.get(b"t", later)), ErrorCode::NoSuchKey);
+        assert!(s.scan(b"", 10, usize::MAX, later).unwrap().is_empty());
+        assert_eq!(s.sweep_expired(later), 1);
+        assert_eq!(budget.used(), 0);
+        assert_eq!(s.sweep_expired(later), 0);
+    }
+
+    #[test]
+    fn collections_are_wrong_type_for_strings_and_vanish_when_empty() {
+        let (s, budget) = store(1 << 20);
+        let now = Instant::now();
+        let mut h = Hash::default();
+        h.set(Bytes::from_static(b"f"), Bytes::from_static(b"v"))
+            .unwrap();
+        s.modify(
+            b"h",
+            |_| 1000,
+            now,
+            |_, _| {
+                Ok((
+                    (),
+                    Change::Insert {
+                        value: Value::Hash(h),
+                        expires_at: None,
+                    },
+                ))
+            },
+        )
+        .unwrap();
+        assert_eq!(code(s.get(b"h", now)), ErrorCode::WrongType);
+        assert!(s.scan(b"", 10, usize::MAX, now).unwrap().is_empty());
+        s.modify(
+            b"h",
+            |_| 0,
+            now,
+            |e, _| {
+                if let Some(Entry {
+                    value: Value::Hash(h),
+                    ..
+                }) = e
+                {
+                    assert!(h.remove(b"f"));
+                }
+                Ok(((), Change::Keep))
+            },
+        )
+        .unwrap();
+        assert!(s.is_empty());
+        assert_eq!(budget.used(), 0);
+    }
+
+    #[test]
+    fn zset_ranges_follow_redis_bounds() {
+        let mut z = ZSet::default();
+        for (m, sc) in [("a", 1.0), ("b", 2.0), ("c", 2.0), ("d", 3.0)] {
+            assert!(z.insert(Bytes::from(m), sc).unwrap());
+        }
+        assert!(!z.insert(Bytes::from("a"), 0.5).unwrap());
+        let names = |v: Vec<(Bytes, f64)>| -> Vec<String> {
+            v.into_iter()
+                .map(|(m, _)| String::from_utf8(m.to_vec()).unwrap())
+                .collect()
+        };
+        assert_eq!(
+            names(z.range_by_score((2.0, false), (3.0, false), 0, 10)),
+            ["b", "c", "d"]
+        );
+        assert_eq!(
+            names(z.range_by_score((2.0, true), (f64::INFINITY, false), 0, 10)),
+            ["d"]
+        );
+        assert_eq!(
+            names(z.range_by_score((f64::NEG_INFINITY, false), (3.0, true), 1, 2)),
+            ["b", "c"]
+        );
+        assert!(z.remove(b"b"));
+        assert_eq!(z.len(), 3);
+        assert_eq!(z.score(b"a"), Some(0.5));
+    }
+
+    #[test]
+    fn oversized_keys_and_values_are_refused() {
+        let (s, _) = store(1 << 30);
+        let now = Instant::now();
+        let long_key = vec![b'k'; KEY_BYTES_MAX + 1];
+        assert_eq!(code(s.put(&long_key, b"v", now)), ErrorCode::TooLarge);
+        assert_eq!(
+            code(s.put(b"k", &vec![0u8; VALUE_BYTES_MAX + 1], now)),
+            ErrorCode::TooLarge
+        );
+    }
+
+    #[test]
+    fn concurrent_cas_increments_lose_nothing() {
+        let (s, _) = store(1 << 24);
+        let now = Instant::now();
+        s.put(b"n", &0u64.to_le_bytes(), now).unwrap();
+        let threads = 4;
+        let per_thread = 500;
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| {
+                    for _ in 0..per_thread {
+                        loop {
+                            let (v, b) = s.get(b"n", now).unwrap();
+                            let n = u64::from_le_bytes(b[..8].try_into().unwrap());
+                            if s.cas_put(b"n", v, &(n + 1).to_le_bytes(), now).is_ok() {
+                                break;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        let (_, b) = s.get(b"n", now).unwrap();
+        assert_eq!(
+            u64::from_le_bytes(b[..8].try_into().unwrap()),
+            threads * per_thread
+        );
+    }
+}
