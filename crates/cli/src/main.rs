@@ -65,6 +65,11 @@ struct ServerArgs {
     /// Most concurrent client connections.
     #[arg(long, default_value_t = 1024)]
     connections_max: usize,
+    /// Also serve the Redis protocol (RESP2) on this address, over the same objects, so
+    /// redis-cli, redis-benchmark and Redis client libraries work unchanged. With a
+    /// token, clients must AUTH with it.
+    #[arg(long, value_name = "ADDR")]
+    resp_listen: Option<String>,
 }
 
 #[derive(Args)]
@@ -313,6 +318,7 @@ fn server(a: ServerArgs) -> Result<()> {
         let mut cfg = ServerConfig::new(listen, a.memory);
         cfg.token = a.token.map(String::into_bytes);
         cfg.connections_max = a.connections_max;
+        cfg.resp_listen = a.resp_listen.as_deref().map(resolve).transpose()?;
         let handle = ServerHandle::start(cfg)
             .await
             .with_context(|| format!("cannot start a server on {listen}"))?;
@@ -321,6 +327,9 @@ fn server(a: ServerArgs) -> Result<()> {
             handle.local_addr(),
             format_bytes(a.memory)
         );
+        if let Some(resp) = handle.resp_addr() {
+            println!("camelot server speaking the Redis protocol on {resp}");
+        }
         signals.wait().await;
         tracing::info!("signal received; answering in-flight requests, then stopping");
         handle.shutdown().await.context("shutdown failed")?;

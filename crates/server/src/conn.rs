@@ -103,7 +103,7 @@ pub(crate) async fn wait_shutdown(rx: &mut watch::Receiver<bool>) {
 
 /// Compares every byte of `expected` whatever `given` holds, so the time taken does not
 /// tell an attacker how much of a guess was right.
-fn tokens_match(expected: &[u8], given: &[u8]) -> bool {
+pub(crate) fn tokens_match(expected: &[u8], given: &[u8]) -> bool {
     let mut diff = u8::from(expected.len() != given.len());
     for (i, &e) in expected.iter().enumerate() {
         diff |= e ^ given.get(i).copied().unwrap_or(!e);
@@ -112,7 +112,7 @@ fn tokens_match(expected: &[u8], given: &[u8]) -> bool {
 }
 
 /// Errors a client causes by simply disappearing: not worth a warning.
-fn peer_went_away(e: &io::Error) -> bool {
+pub(crate) fn peer_went_away(e: &io::Error) -> bool {
     use io::ErrorKind::*;
     matches!(
         e.kind(),

@@ -16,6 +16,8 @@ pub struct DevClusterConfig {
     pub base_port: Option<u16>,
     /// Worker threads of the cluster's runtime; 0 means one per core.
     pub worker_threads: usize,
+    /// Also serve the Redis protocol on each node (on a port the OS picks).
+    pub resp: bool,
 }
 
 impl Default for DevClusterConfig {
@@ -26,6 +28,7 @@ impl Default for DevClusterConfig {
             token: None,
             base_port: None,
             worker_threads: 0,
+            resp: false,
         }
     }
 }
@@ -67,6 +70,9 @@ impl DevCluster {
                     config.memory_bytes_per_node,
                 );
                 cfg.token = config.token.clone();
+                if config.resp {
+                    cfg.resp_listen = Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)));
+                }
                 servers.push(ServerHandle::start(cfg).await?);
             }
             Ok::<_, ServerError>(servers)
@@ -77,6 +83,14 @@ impl DevCluster {
             servers,
             addrs,
         })
+    }
+
+    /// Each node's Redis-protocol address (empty unless `resp` was asked for).
+    pub fn resp_addrs(&self) -> Vec<SocketAddr> {
+        self.servers
+            .iter()
+            .filter_map(ServerHandle::resp_addr)
+            .collect()
     }
 
     pub fn addrs(&self) -> &[SocketAddr] {

@@ -9,6 +9,7 @@ mod conn;
 pub mod dev;
 pub mod exec;
 pub mod objects;
+pub mod resp;
 pub mod state;
 pub mod store;
 
@@ -45,6 +46,8 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// How long a new connection may take to send its HELLO.
     pub handshake_timeout: Duration,
+    /// Where to serve the Redis protocol over the same objects (`None`: not at all).
+    pub resp_listen: Option<SocketAddr>,
 }
 
 impl ServerConfig {
@@ -57,6 +60,7 @@ impl ServerConfig {
             epoch: 0,
             shutdown_grace: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(5),
+            resp_listen: None,
         }
     }
 }
@@ -88,9 +92,39 @@ pub enum ServerError {
 /// in the background.
 pub struct ServerHandle {
     local_addr: SocketAddr,
+    resp_addr: Option<SocketAddr>,
     state: Arc<ServerState>,
     stop: watch::Sender<bool>,
     accept: JoinHandle<Result<(), ServerError>>,
+    resp_accept: Option<JoinHandle<Result<(), ServerError>>>,
+}
+
+/// Which protocol a listener speaks.
+#[derive(Clone)]
+enum Face {
+    Native(Arc<Shared>),
+    Resp(Arc<resp::RespShared>),
+}
+
+impl Face {
+    fn state(&self) -> &Arc<ServerState> {
+        match self {
+            Face::Native(s) => &s.state,
+            Face::Resp(s) => &s.state,
+        }
+    }
+}
+
+/// How often expired objects are swept (lazily expired ones are already invisible; this
+/// gives their memory back).
+const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
+async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ServerError> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServerError::Bind { addr, source })?;
+    let local = listener.local_addr().map_err(ServerError::LocalAddr)?;
+    Ok((listener, local))
 }
 
 impl ServerHandle {
@@ -110,14 +144,11 @@ impl ServerHandle {
                 )));
             }
         }
-        let listener =
-            TcpListener::bind(config.listen)
-                .await
-                .map_err(|source| ServerError::Bind {
-                    addr: config.listen,
-                    source,
-                })?;
-        let local_addr = listener.local_addr().map_err(ServerError::LocalAddr)?;
+        let (listener, local_addr) = bind(config.listen).await?;
+        let resp = match config.resp_listen {
+            Some(addr) => Some(bind(addr).await?),
+            None => None,
+        };
         let state = Arc::new(ServerState::new(
             MemoryBudget::new(config.memory_bytes_max),
             config.epoch,
@@ -129,29 +160,52 @@ impl ServerHandle {
             connections_max = config.connections_max,
             "memory server listening"
         );
-        let shared = Arc::new(Shared {
+        let (stop, stop_rx) = watch::channel(false);
+        let resp_addr = resp.as_ref().map(|(_, a)| *a);
+        let resp_accept = resp.map(|(listener, addr)| {
+            info!(%addr, "Redis-protocol port listening");
+            let face = Face::Resp(Arc::new(resp::RespShared {
+                state: Arc::clone(&state),
+                token: config.token.clone(),
+            }));
+            tokio::spawn(accept_loop(
+                listener,
+                face,
+                stop_rx.clone(),
+                config.connections_max,
+                config.shutdown_grace,
+            ))
+        });
+        tokio::spawn(sweep_loop(Arc::clone(&state), stop_rx.clone()));
+        let face = Face::Native(Arc::new(Shared {
             state: Arc::clone(&state),
             token: config.token,
             handshake_timeout: config.handshake_timeout,
-        });
-        let (stop, stop_rx) = watch::channel(false);
+        }));
         let accept = tokio::spawn(accept_loop(
             listener,
-            shared,
+            face,
             stop_rx,
             config.connections_max,
             config.shutdown_grace,
         ));
         Ok(ServerHandle {
             local_addr,
+            resp_addr,
             state,
             stop,
             accept,
+            resp_accept,
         })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Where the Redis-protocol port listens, when it was asked for.
+    pub fn resp_addr(&self) -> Option<SocketAddr> {
+        self.resp_addr
     }
 
     /// The counters STATS returns.
@@ -174,13 +228,34 @@ impl ServerHandle {
     /// reported as [`ServerError::GraceExpired`].
     pub async fn shutdown(self) -> Result<(), ServerError> {
         self.stop.send_replace(true);
-        self.accept.await.map_err(ServerError::AcceptLoop)?
+        let native = self.accept.await.map_err(ServerError::AcceptLoop)?;
+        let resp = match self.resp_accept {
+            Some(h) => h.await.map_err(ServerError::AcceptLoop)?,
+            None => Ok(()),
+        };
+        native.and(resp)
+    }
+}
+
+async fn sweep_loop(state: Arc<ServerState>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(SWEEP_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = conn::wait_shutdown(&mut stop) => return,
+            _ = tick.tick() => {
+                let removed = state.objects().sweep_expired(std::time::Instant::now());
+                if removed > 0 {
+                    tracing::debug!(removed, "swept expired objects");
+                }
+            }
+        }
     }
 }
 
 async fn accept_loop(
     listener: TcpListener,
-    shared: Arc<Shared>,
+    face: Face,
     mut stop: watch::Receiver<bool>,
     connections_max: usize,
     grace: Duration,
@@ -193,13 +268,26 @@ async fn accept_loop(
             Some(joined) = conns.join_next(), if !conns.is_empty() => log_panic(joined),
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    let conn = Conn::new(stream, peer, Arc::clone(&shared), stop.clone());
+                    let state = face.state();
                     // Counted here, not in the task, so a burst of accepts cannot overshoot.
-                    let open = shared.state.stats().connections_current();
-                    if open >= connections_max as u64 {
-                        conns.spawn(conn.refuse());
-                    } else {
-                        conns.spawn(conn.serve(OpenConnection::new(Arc::clone(&shared.state))));
+                    let full = state.stats().connections_current() >= connections_max as u64;
+                    match &face {
+                        Face::Native(shared) => {
+                            let conn = Conn::new(stream, peer, Arc::clone(shared), stop.clone());
+                            if full {
+                                conns.spawn(conn.refuse());
+                            } else {
+                                conns.spawn(conn.serve(OpenConnection::new(Arc::clone(state))));
+                            }
+                        }
+                        Face::Resp(shared) => {
+                            if full {
+                                conns.spawn(resp::refuse(stream, Arc::clone(state)));
+                            } else {
+                                let open = OpenConnection::new(Arc::clone(state));
+                                conns.spawn(resp::serve(stream, peer, Arc::clone(shared), stop.clone(), open));
+                            }
+                        }
                     }
                 }
                 Err(e) => {

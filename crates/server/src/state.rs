@@ -24,6 +24,7 @@ pub struct Stats {
     batches: AtomicU64,
     bytes_in: AtomicU64,
     bytes_out: AtomicU64,
+    resp_commands: AtomicU64,
     ops: [AtomicU64; OP_KINDS],
 }
 
@@ -60,6 +61,12 @@ impl Stats {
             if n != 0 {
                 counter.fetch_add(n, Ordering::Relaxed);
             }
+        }
+    }
+
+    pub fn add_resp_commands(&self, n: u64) {
+        if n > 0 {
+            self.resp_commands.fetch_add(n, Ordering::Relaxed);
         }
     }
 
@@ -132,6 +139,7 @@ impl ServerState {
         out.push(("bytes_in".to_owned(), load(&s.bytes_in)));
         out.push(("bytes_out".to_owned(), load(&s.bytes_out)));
         out.push(("epoch".to_owned(), self.epoch()));
+        out.push(("resp_commands".to_owned(), load(&s.resp_commands)));
         for kind in OpKind::ALL {
             out.push((format!("ops_{}", kind.name()), s.ops(kind)));
         }

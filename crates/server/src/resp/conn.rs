@@ -1,0 +1,157 @@
+//! One Redis-protocol connection: read what arrived, run every complete command in it,
+//! write all the replies in one go (so pipelined clients get pipelined answers).
+
+use super::codec::{self, parse_command};
+use super::commands::{execute, Ctx, Session};
+use crate::conn::{peer_went_away, wait_shutdown, OpenConnection};
+use crate::state::ServerState;
+use bytes::BytesMut;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tracing::{debug, warn};
+
+const READ_CHUNK_BYTES: usize = 64 << 10;
+/// Replies are gathered across a pipeline, but past this much we write before running
+/// more commands: a few small GETs can ask for very large values.
+const OUT_FLUSH_BYTES: usize = 1 << 20;
+/// A buffer that grew past this for one big command is replaced once empty.
+const BUF_KEEP_BYTES: usize = 4 << 20;
+
+pub(crate) struct RespShared {
+    pub state: Arc<ServerState>,
+    pub token: Option<Vec<u8>>,
+}
+
+enum End {
+    PeerClosed,
+    Quit,
+    Shutdown,
+    Protocol,
+    Io(io::Error),
+}
+
+/// Serves one connection until the client leaves, sends QUIT or garbage, or the server
+/// shuts down (then every command already received is answered first).
+pub(crate) async fn serve(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<RespShared>,
+    mut stop: watch::Receiver<bool>,
+    _open: OpenConnection,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        debug!(%peer, error = %e, "cannot set TCP_NODELAY");
+    }
+    let mut session = Session::default();
+    let mut inbuf = BytesMut::with_capacity(READ_CHUNK_BYTES);
+    let mut out = BytesMut::with_capacity(READ_CHUNK_BYTES);
+    let ctx = Ctx {
+        state: &shared.state,
+        token: shared.token.as_deref(),
+    };
+    let end = loop {
+        if inbuf.capacity() - inbuf.len() < READ_CHUNK_BYTES / 4 {
+            inbuf.reserve(READ_CHUNK_BYTES);
+        }
+        let read = tokio::select! {
+            biased;
+            _ = wait_shutdown(&mut stop) => None,
+            r = stream.read_buf(&mut inbuf) => Some(r),
+        };
+        let stopping = read.is_none();
+        match read {
+            Some(Ok(0)) => break End::PeerClosed,
+            Some(Ok(n)) => shared.state.stats().add_bytes_in(n),
+            Some(Err(e)) => break End::Io(e),
+            None => {}
+        }
+        match run_buffered(&ctx, &mut session, &mut inbuf, &mut out, &mut stream).await {
+            Ok(Some(end)) => break end,
+            Ok(None) => {}
+            Err(e) => break End::Io(e),
+        }
+        if stopping {
+            break End::Shutdown;
+        }
+        if inbuf.is_empty() && inbuf.capacity() > BUF_KEEP_BYTES {
+            inbuf = BytesMut::with_capacity(READ_CHUNK_BYTES);
+        }
+    };
+    if !out.is_empty() {
+        let _ = write_out(&mut stream, &mut out, &shared.state).await;
+    }
+    let _ = stream.shutdown().await;
+    match end {
+        End::Io(e) if !peer_went_away(&e) => warn!(%peer, error = %e, "RESP connection failed"),
+        End::Protocol => debug!(%peer, "RESP connection closed after a protocol error"),
+        End::Shutdown => debug!(%peer, "RESP connection closed for shutdown"),
+        _ => debug!(%peer, "RESP connection closed"),
+    }
+}
+
+/// Runs every complete command in `inbuf`; `Some` when the connection must end.
+async fn run_buffered(
+    ctx: &Ctx<'_>,
+    session: &mut Session,
+    inbuf: &mut BytesMut,
+    out: &mut BytesMut,
+    stream: &mut TcpStream,
+) -> io::Result<Option<End>> {
+    let mut commands = 0u64;
+    let result = loop {
+        match parse_command(inbuf) {
+            Ok(Some(args)) => {
+                if args.is_empty() {
+                    continue;
+                }
+                commands += 1;
+                execute(ctx, session, &args, out);
+                if session.quit {
+                    break Some(End::Quit);
+                }
+                if out.len() >= OUT_FLUSH_BYTES {
+                    write_out(stream, out, ctx.state).await?;
+                }
+            }
+            Ok(None) => break None,
+            Err(e) => {
+                // As Redis does: say why, then close, since the stream is out of step.
+                codec::error(out, &format!("ERR {e}"));
+                break Some(End::Protocol);
+            }
+        }
+    };
+    ctx.state.stats().add_resp_commands(commands);
+    if !out.is_empty() {
+        write_out(stream, out, ctx.state).await?;
+    }
+    Ok(result)
+}
+
+async fn write_out(
+    stream: &mut TcpStream,
+    out: &mut BytesMut,
+    state: &ServerState,
+) -> io::Result<()> {
+    stream.write_all(out).await?;
+    state.stats().add_bytes_out(out.len());
+    out.clear();
+    if out.capacity() > BUF_KEEP_BYTES {
+        *out = BytesMut::with_capacity(READ_CHUNK_BYTES);
+    }
+    Ok(())
+}
+
+/// Tells a connection over `connections_max` why it is being closed, in Redis's words.
+pub(crate) async fn refuse(mut stream: TcpStream, state: Arc<ServerState>) {
+    warn!("refusing RESP connection: connections_max reached");
+    state.stats().connection_refused();
+    let _ = stream
+        .write_all(b"-ERR max number of clients reached\r\n")
+        .await;
+    let _ = stream.shutdown().await;
+}

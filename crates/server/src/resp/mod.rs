@@ -1,0 +1,8 @@
+//! The Redis-protocol port (`camelot server --resp-listen`): RESP2 over the server's own
+//! objects, so Redis tools and client libraries work against Camelot unchanged.
+
+pub mod codec;
+pub mod commands;
+mod conn;
+
+pub(crate) use conn::{refuse, serve, RespShared};
