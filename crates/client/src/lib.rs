@@ -17,11 +17,13 @@
 
 mod completion;
 mod conn;
+pub mod kv;
 pub mod map;
 
 pub use completion::Pending;
 pub use conn::INFLIGHT_REQUESTS_MAX;
-pub use map::{ClusterMap, NodeId, NodeInfo};
+pub use kv::{CasOutcome, Versioned};
+pub use map::{partition_of, ClusterMap, NodeId, NodeInfo, PARTITIONS};
 
 use bytes::Bytes;
 use camelot_proto::{ErrorCode, ErrorReply, Op, RegionId, RegionInfo, Reply};
@@ -204,6 +206,27 @@ pub mod reply {
         match r? {
             Reply::Word(w) => Ok(w),
             other => Err(unexpected("cas/fetch_add", other)),
+        }
+    }
+
+    pub fn object(r: Result<Reply, ClientError>) -> Result<crate::kv::Versioned, ClientError> {
+        match r? {
+            Reply::Object { version, value } => Ok(crate::kv::Versioned { version, value }),
+            other => Err(unexpected("get", other)),
+        }
+    }
+
+    pub fn version(r: Result<Reply, ClientError>) -> Result<u64, ClientError> {
+        match r? {
+            Reply::Version(v) => Ok(v),
+            other => Err(unexpected("put/cas_put/delete", other)),
+        }
+    }
+
+    pub fn items(r: Result<Reply, ClientError>) -> Result<Vec<camelot_proto::Item>, ClientError> {
+        match r? {
+            Reply::Items(items) => Ok(items),
+            other => Err(unexpected("scan", other)),
         }
     }
 

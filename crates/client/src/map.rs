@@ -46,6 +46,18 @@ impl ClusterMap {
     /// only the names that node wins or held, so a restarted client finds its regions again
     /// as long as the map is the same, and most of them even when it grew.
     pub fn node_for_name(&self, name: &str) -> Option<NodeId> {
+        self.rendezvous(name.as_bytes())
+    }
+
+    /// The node that owns a key-value partition. Rendezvous hashing again, so a new node
+    /// takes over only partitions it wins; key → partition itself never changes.
+    pub fn node_for_partition(&self, partition: u32) -> Option<NodeId> {
+        let mut tag = *b"partition:\0\0\0\0";
+        tag[10..].copy_from_slice(&partition.to_le_bytes());
+        self.rendezvous(&tag)
+    }
+
+    fn rendezvous(&self, name: &[u8]) -> Option<NodeId> {
         self.nodes
             .iter()
             .max_by_key(|n| (rendezvous_score(name, n.id), n.id))
@@ -53,11 +65,21 @@ impl ClusterMap {
     }
 }
 
-fn rendezvous_score(name: &str, node: NodeId) -> u64 {
+/// Key-value partitions. Fixed forever: rebalancing moves whole partitions between nodes,
+/// so a key's partition must not depend on the cluster's size.
+pub const PARTITIONS: u32 = 1024;
+
+/// The partition a key belongs to. The high half of the key hash, because servers shard
+/// by the low bits and the two should not be correlated.
+pub fn partition_of(key: &[u8]) -> u32 {
+    ((camelot_proto::key_hash(key) >> 32) % u64::from(PARTITIONS)) as u32
+}
+
+fn rendezvous_score(name: &[u8], node: NodeId) -> u64 {
     // FNV-1a, then a 64-bit finaliser so nearby node ids give unrelated scores. Stable
     // across builds and platforms, unlike std's randomly keyed hasher.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.as_bytes().iter().chain(node.to_le_bytes().iter()) {
+    for b in name.iter().chain(node.to_le_bytes().iter()) {
         h ^= u64::from(*b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
@@ -93,11 +115,31 @@ mod tests {
     }
 
     #[test]
+    fn keys_spread_evenly_over_nodes() {
+        let m = map(3);
+        let mut counts = [0usize; 3];
+        for i in 0..30_000 {
+            let p = partition_of(format!("user{i}").as_bytes());
+            counts[m.node_for_partition(p).unwrap() as usize] += 1;
+        }
+        for c in counts {
+            assert!((8_500..11_500).contains(&c), "uneven spread {counts:?}");
+        }
+    }
+
+    #[test]
     fn empty_map_places_nothing() {
         assert_eq!(map(0).node_for_name("x"), None);
     }
 
     proptest! {
+        #[test]
+        fn adding_a_node_moves_only_partitions_to_it(p in 0..PARTITIONS) {
+            let a = map(4).node_for_partition(p).unwrap();
+            let b = map(5).node_for_partition(p).unwrap();
+            prop_assert!(a == b || b == 4);
+        }
+
         #[test]
         fn adding_a_node_moves_only_names_to_it(names in proptest::collection::vec("[a-z0-9]{1,12}", 1..200)) {
             let before = map(4);

@@ -10,12 +10,15 @@ use crate::objects::{
 };
 use crate::state::ServerState;
 use bytes::{Bytes, BytesMut};
+use camelot_proto::limits::SCAN_ITEMS_MAX;
 use camelot_proto::{ErrorCode, ErrorReply};
 use std::time::{Duration, Instant};
 
 /// Longest expiry SET accepts (Redis refuses what overflows its millisecond clock; we
 /// refuse well before `Instant` arithmetic could).
 const EXPIRE_MS_MAX: i64 = 100 * 365 * 24 * 3600 * 1000;
+/// Most bytes one CAMELOT.SCAN reply carries (the native protocol's frame budget).
+const SCAN_REPLY_BYTES_MAX: usize = camelot_proto::RESPONSE_OK_BUDGET_BYTES;
 /// Most keys KEYS returns.
 const KEYS_MAX: usize = 1 << 20;
 
@@ -123,6 +126,9 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
         "zadd" => -4,
         "zrangebyscore" => -4,
         "keys" => 2,
+        "camelot.get" | "camelot.del" => 2,
+        "camelot.put" | "camelot.scan" => 3,
+        "camelot.cas" => 4,
         _ => {
             let mut shown = String::new();
             for a in args.iter().skip(1).take(8) {
@@ -368,6 +374,9 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
             integer(out, z.map_or(0, |z| z.len() as i64))
         }),
         "zrangebyscore" => zrangebyscore(objects, args, out, now),
+        "camelot.get" | "camelot.put" | "camelot.cas" | "camelot.del" | "camelot.scan" => {
+            versioned(objects, cmd, args, out, now)
+        }
         _ => unreachable!("every command with an arity is dispatched"),
     }
 }
@@ -430,6 +439,63 @@ fn info(ctx: &Ctx<'_>, out: &mut BytesMut) {
         },
     );
     bulk(out, text.as_bytes());
+}
+
+/// Camelot's versioned operations, for RESP clients that want what the native protocol
+/// gives: `CAMELOT.GET key` → `[version, value]` or nil; `CAMELOT.PUT key value` →
+/// version; `CAMELOT.CAS key expected value` → new version, or nil on a conflict (expected
+/// 0: only if absent); `CAMELOT.DEL key` → the removed version or nil; `CAMELOT.SCAN start
+/// count` → `[key, version, value, …]` in key order.
+fn versioned(objects: &ObjectStore, cmd: &str, args: &[Bytes], out: &mut BytesMut, now: Instant) {
+    let result = match cmd {
+        "camelot.get" => objects.get(&args[1], now).map(|(version, value)| {
+            array_header(out, 2);
+            integer(out, version as i64);
+            bulk(out, &value);
+        }),
+        "camelot.put" => objects
+            .put(&args[1], &args[2], now)
+            .map(|v| integer(out, v as i64)),
+        "camelot.cas" => {
+            let Some(expected) = parse_i64(&args[2]).filter(|v| *v >= 0) else {
+                error(out, NOT_INTEGER);
+                return;
+            };
+            match objects.cas_put(&args[1], expected as u64, &args[3], now) {
+                Err(e) if e.code == ErrorCode::VersionConflict => {
+                    null_bulk(out);
+                    Ok(())
+                }
+                r => r.map(|v| integer(out, v as i64)),
+            }
+        }
+        "camelot.del" => objects
+            .delete(&args[1], now)
+            .map(|v| integer(out, v as i64)),
+        _ => {
+            let Some(count) =
+                parse_i64(&args[2]).filter(|c| (0..=SCAN_ITEMS_MAX as i64).contains(c))
+            else {
+                error(out, &format!("ERR count must be 0 to {SCAN_ITEMS_MAX}"));
+                return;
+            };
+            objects
+                .scan(&args[1], count as usize, SCAN_REPLY_BYTES_MAX, now)
+                .map(|items| {
+                    array_header(out, 3 * items.len());
+                    for it in items {
+                        bulk(out, &it.key);
+                        integer(out, it.version as i64);
+                        bulk(out, &it.value);
+                    }
+                })
+        }
+    };
+    match result {
+        Ok(()) => {}
+        Err(e) if e.code == ErrorCode::NoSuchKey => null_bulk(out),
+        Err(e) => store_error(out, &e),
+    }
 }
 
 /// The few settings tools ask about (redis-benchmark warns without `save` and
@@ -985,6 +1051,34 @@ mod tests {
         );
         assert_eq!(h.run("ZREM idx a nope"), ":1\r\n");
         assert_eq!(h.run("TYPE idx"), "+zset\r\n");
+    }
+
+    #[test]
+    fn versioned_commands_expose_versions_and_conflicts() {
+        let mut h = Harness::new(1 << 20, None);
+        assert_eq!(h.run("CAMELOT.GET k"), "$-1\r\n");
+        let v1: i64 = h.run("CAMELOT.PUT k one")[1..].trim().parse().unwrap();
+        assert_eq!(
+            h.run("CAMELOT.GET k"),
+            format!("*2\r\n:{v1}\r\n$3\r\none\r\n")
+        );
+        assert_eq!(h.run(&format!("CAMELOT.CAS k {} two", v1 + 100)), "$-1\r\n");
+        assert_eq!(h.run("CAMELOT.CAS k 0 two"), "$-1\r\n");
+        let v2: i64 = h.run(&format!("CAMELOT.CAS k {v1} two"))[1..]
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(v2 > v1);
+        h.run("CAMELOT.PUT j x");
+        assert_eq!(
+            h.run("CAMELOT.SCAN a 10"),
+            format!(
+                "*6\r\n$1\r\nj\r\n:{}\r\n$1\r\nx\r\n$1\r\nk\r\n:{v2}\r\n$3\r\ntwo\r\n",
+                v2 + 1
+            )
+        );
+        assert_eq!(h.run("CAMELOT.DEL k"), format!(":{v2}\r\n"));
+        assert_eq!(h.run("CAMELOT.DEL k"), "$-1\r\n");
     }
 
     #[test]

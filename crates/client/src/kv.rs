@@ -1,0 +1,333 @@
+//! The key-value face: objects on the memory servers, keys hashed to partitions and
+//! partitions to nodes through the [`ClusterMap`](crate::ClusterMap). Requests go through
+//! the same batching connections as region operations, so many threads' GETs to one node
+//! share frames, and `get_many`/`put_many` submit everything before waiting on anything.
+
+use crate::map::partition_of;
+use crate::{reply, Client, ClientError, NodeId, Pending};
+use bytes::Bytes;
+use camelot_proto::limits::{KEY_BYTES_MAX, SCAN_ITEMS_MAX, VALUE_BYTES_MAX};
+use camelot_proto::{ErrorCode, Item, Op, Reply};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+/// A value and the version the server gave it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Versioned {
+    pub version: u64,
+    pub value: Bytes,
+}
+
+/// What a conditional put did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CasOutcome {
+    /// Stored, at this new version.
+    Stored(u64),
+    /// The object was not at the expected version; nothing changed.
+    Conflict,
+}
+
+/// Most keys one `get_many`/`put_many` call takes, so a caller cannot queue unbounded
+/// memory in one call.
+pub const MANY_KEYS_MAX: usize = 1 << 20;
+
+fn check_key(key: &[u8]) -> Result<(), ClientError> {
+    if key.len() > KEY_BYTES_MAX {
+        return Err(ClientError::InvalidArgument(format!(
+            "key of {} bytes exceeds the limit of {KEY_BYTES_MAX}",
+            key.len()
+        )));
+    }
+    Ok(())
+}
+
+fn check_value(value: &[u8]) -> Result<(), ClientError> {
+    if value.len() > VALUE_BYTES_MAX {
+        return Err(ClientError::InvalidArgument(format!(
+            "value of {} bytes exceeds the limit of {VALUE_BYTES_MAX}",
+            value.len()
+        )));
+    }
+    Ok(())
+}
+
+fn check_many(n: usize) -> Result<(), ClientError> {
+    if n > MANY_KEYS_MAX {
+        return Err(ClientError::InvalidArgument(format!(
+            "{n} keys in one call exceeds the limit of {MANY_KEYS_MAX}"
+        )));
+    }
+    Ok(())
+}
+
+fn no_key_is_none<T>(r: Result<T, ClientError>) -> Result<Option<T>, ClientError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.code() == Some(ErrorCode::NoSuchKey) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn cas_outcome(r: Result<Reply, ClientError>) -> Result<CasOutcome, ClientError> {
+    match reply::version(r) {
+        Ok(v) => Ok(CasOutcome::Stored(v)),
+        Err(e) if e.code() == Some(ErrorCode::VersionConflict) => Ok(CasOutcome::Conflict),
+        Err(e) => Err(e),
+    }
+}
+
+impl Client {
+    /// The node that holds `key` under the current map.
+    pub fn node_for_key(&self, key: &[u8]) -> Result<NodeId, ClientError> {
+        self.map()
+            .node_for_partition(partition_of(key))
+            .ok_or(ClientError::EmptyMap)
+    }
+
+    fn submit_key(&self, key: &[u8], op: Op) -> Result<Pending, ClientError> {
+        check_key(key)?;
+        let node = self.node_for_key(key)?;
+        self.submit(node, op)
+    }
+
+    fn submit_get(&self, key: &[u8]) -> Result<Pending, ClientError> {
+        self.submit_key(
+            key,
+            Op::Get {
+                key: Bytes::copy_from_slice(key),
+            },
+        )
+    }
+
+    fn submit_put(&self, key: &[u8], value: Bytes) -> Result<Pending, ClientError> {
+        check_value(&value)?;
+        self.submit_key(
+            key,
+            Op::Put {
+                key: Bytes::copy_from_slice(key),
+                value,
+            },
+        )
+    }
+
+    fn submit_cas(
+        &self,
+        key: &[u8],
+        expected_version: u64,
+        value: Bytes,
+    ) -> Result<Pending, ClientError> {
+        check_value(&value)?;
+        self.submit_key(
+            key,
+            Op::CasPut {
+                key: Bytes::copy_from_slice(key),
+                expected_version,
+                value,
+            },
+        )
+    }
+
+    fn submit_delete(&self, key: &[u8]) -> Result<Pending, ClientError> {
+        self.submit_key(
+            key,
+            Op::Delete {
+                key: Bytes::copy_from_slice(key),
+            },
+        )
+    }
+
+    /// The value under `key` and its version; `None` when there is no such object.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
+        no_key_is_none(reply::object(self.submit_get(key)?.wait()))
+    }
+
+    /// Stores `value` under `key`, whatever was there; returns the new version.
+    pub fn put(&self, key: &[u8], value: impl Into<Bytes>) -> Result<u64, ClientError> {
+        reply::version(self.submit_put(key, value.into())?.wait())
+    }
+
+    /// Stores `value` only if the object is at `expected_version` (0: only if there is no
+    /// object under `key`).
+    pub fn cas_put(
+        &self,
+        key: &[u8],
+        expected_version: u64,
+        value: impl Into<Bytes>,
+    ) -> Result<CasOutcome, ClientError> {
+        cas_outcome(self.submit_cas(key, expected_version, value.into())?.wait())
+    }
+
+    /// Removes `key`; returns the version it had, or `None` when there was nothing.
+    pub fn delete(&self, key: &[u8]) -> Result<Option<u64>, ClientError> {
+        no_key_is_none(reply::version(self.submit_delete(key)?.wait()))
+    }
+
+    /// Many GETs at once: all are sent before any is waited for, so each node gets them
+    /// in as few frames as the batcher makes. Answers are in the order of `keys`.
+    pub fn get_many<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+    ) -> Result<Vec<Option<Versioned>>, ClientError> {
+        check_many(keys.len())?;
+        let pending = keys
+            .iter()
+            .map(|k| self.submit_get(k.as_ref()))
+            .collect::<Result<Vec<_>, _>>()?;
+        pending
+            .into_iter()
+            .map(|p| no_key_is_none(reply::object(p.wait())))
+            .collect()
+    }
+
+    /// Many PUTs at once; returns each new version, in the order of `pairs`.
+    pub fn put_many<K: AsRef<[u8]>>(&self, pairs: &[(K, Bytes)]) -> Result<Vec<u64>, ClientError> {
+        check_many(pairs.len())?;
+        let pending = pairs
+            .iter()
+            .map(|(k, v)| self.submit_put(k.as_ref(), v.clone()))
+            .collect::<Result<Vec<_>, _>>()?;
+        pending
+            .into_iter()
+            .map(|p| reply::version(p.wait()))
+            .collect()
+    }
+
+    /// Up to `limit` objects with keys `>= start`, in key order across every node.
+    pub fn scan(&self, start: &[u8], limit: usize) -> Result<Vec<Item>, ClientError> {
+        check_key(start)?;
+        if limit > SCAN_ITEMS_MAX {
+            return Err(ClientError::InvalidArgument(format!(
+                "a scan returns at most {SCAN_ITEMS_MAX} items, not {limit}"
+            )));
+        }
+        let map = self.map();
+        // Every node holds some partitions, so each may hold any of the next `limit` keys.
+        let per_node = map
+            .node_ids()
+            .map(|node| self.scan_node(node, start, limit))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(merge_in_key_order(per_node, limit))
+    }
+
+    /// `limit` items (or all there are) from one node. A short reply either ran out of
+    /// keys or filled its frame; only asking again tells which, and an empty answer ends
+    /// it.
+    fn scan_node(
+        &self,
+        node: NodeId,
+        start: &[u8],
+        limit: usize,
+    ) -> Result<Vec<Item>, ClientError> {
+        let mut items: Vec<Item> = Vec::new();
+        let mut from = Bytes::copy_from_slice(start);
+        while items.len() < limit {
+            let want = (limit - items.len()) as u32;
+            let got = reply::items(self.call(
+                node,
+                Op::Scan {
+                    start: from,
+                    limit: want,
+                },
+            ))?;
+            let Some(last) = got.last() else {
+                break;
+            };
+            // The smallest key after `last`.
+            let mut next = last.key.to_vec();
+            next.push(0);
+            items.extend(got);
+            if next.len() > KEY_BYTES_MAX {
+                break;
+            }
+            from = Bytes::from(next);
+        }
+        Ok(items)
+    }
+
+    // The async face.
+
+    pub async fn get_async(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
+        no_key_is_none(reply::object(self.submit_get(key)?.await))
+    }
+
+    pub async fn put_async(&self, key: &[u8], value: impl Into<Bytes>) -> Result<u64, ClientError> {
+        reply::version(self.submit_put(key, value.into())?.await)
+    }
+
+    pub async fn cas_put_async(
+        &self,
+        key: &[u8],
+        expected_version: u64,
+        value: impl Into<Bytes>,
+    ) -> Result<CasOutcome, ClientError> {
+        cas_outcome(self.submit_cas(key, expected_version, value.into())?.await)
+    }
+
+    pub async fn delete_async(&self, key: &[u8]) -> Result<Option<u64>, ClientError> {
+        no_key_is_none(reply::version(self.submit_delete(key)?.await))
+    }
+}
+
+/// Merges per-node runs (each already in key order) and keeps the first `limit`.
+pub fn merge_in_key_order(runs: Vec<Vec<Item>>, limit: usize) -> Vec<Item> {
+    let mut iters: Vec<_> = runs.into_iter().map(Vec::into_iter).collect();
+    let mut heads = BinaryHeap::new();
+    let mut current: Vec<Option<Item>> = Vec::with_capacity(iters.len());
+    for (i, it) in iters.iter_mut().enumerate() {
+        let head = it.next();
+        if let Some(item) = &head {
+            heads.push(Reverse((item.key.clone(), i)));
+        }
+        current.push(head);
+    }
+    let mut out = Vec::with_capacity(limit.min(SCAN_ITEMS_MAX));
+    while out.len() < limit {
+        let Some(Reverse((_, i))) = heads.pop() else {
+            break;
+        };
+        let Some(item) = current[i].take() else {
+            break;
+        };
+        out.push(item);
+        current[i] = iters[i].next();
+        if let Some(next) = &current[i] {
+            heads.push(Reverse((next.key.clone(), i)));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn item(key: &str) -> Item {
+        Item {
+            key: Bytes::copy_from_slice(key.as_bytes()),
+            version: 1,
+            value: Bytes::new(),
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn merging_sorted_runs_gives_the_first_keys_in_order(
+            keys in proptest::collection::btree_set("[a-z]{1,6}", 0..60),
+            runs in 1usize..5,
+            limit in 0usize..80,
+        ) {
+            let keys: Vec<String> = keys.into_iter().collect();
+            let mut split: Vec<Vec<Item>> = vec![Vec::new(); runs];
+            for (i, k) in keys.iter().enumerate() {
+                split[i % runs].push(item(k));
+            }
+            let merged: Vec<String> = merge_in_key_order(split, limit)
+                .into_iter()
+                .map(|it| String::from_utf8(it.key.to_vec()).unwrap())
+                .collect();
+            let expected: Vec<String> = keys.into_iter().take(limit).collect();
+            prop_assert_eq!(merged, expected);
+        }
+    }
+}
