@@ -307,3 +307,11 @@ fn long_messages_are_cut_on_char_boundaries() {
     let body = FrameDecoder::split_frame(&mut buf).unwrap().unwrap();
     assert_eq!(decode_frame(body).unwrap(), Frame::Fatal(e));
 }
+
+#[test]
+fn key_hash_never_changes() {
+    // Placement of every stored key depends on these; a change would strand data.
+    assert_eq!(key_hash(b""), 0xefd0_1f60_ba99_2926);
+    assert_eq!(key_hash(b"user1"), 0xcaf6_72d6_3552_cd57);
+    assert_eq!(key_hash(b"user2"), 0x8cdf_f66b_0700_78b9);
+}

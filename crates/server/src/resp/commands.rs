@@ -735,7 +735,7 @@ fn with_zset(
 
 fn hset(objects: &ObjectStore, cmd: &str, args: &[Bytes], out: &mut BytesMut, now: Instant) {
     let pairs = &args[2..];
-    if pairs.len() % 2 != 0 {
+    if !pairs.len().is_multiple_of(2) {
         arity(out, cmd);
         return;
     }
@@ -806,7 +806,7 @@ fn zadd(objects: &ObjectStore, args: &[Bytes], out: &mut BytesMut, now: Instant)
         i += 1;
     }
     let rest = &args[i..];
-    if rest.is_empty() || rest.len() % 2 != 0 {
+    if rest.is_empty() || !rest.len().is_multiple_of(2) {
         error(out, SYNTAX);
         return;
     }
