@@ -42,7 +42,8 @@ quick_config!(
     hw::net::NetConfig,
     hw::disk::DiskConfig,
     threads::ThreadsConfig,
-    api::ApiConfig
+    api::ApiConfig,
+    ycsb::YcsbConfig
 );
 
 pub mod all;
@@ -51,6 +52,7 @@ pub mod demo;
 pub mod hw;
 pub mod threads;
 pub mod workload;
+pub mod ycsb;
 
 /// A fresh directory path under the temp dir for one test: unique per process, tag and
 /// moment, so parallel tests and reruns never share files.

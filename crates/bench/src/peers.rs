@@ -52,6 +52,10 @@ const REDIS_SERVER: Peer = Peer {
     program: "redis-server",
     package: "redis-server",
 };
+const MEMCACHED: Peer = Peer {
+    program: "memcached",
+    package: "memcached",
+};
 const REDIS_BENCHMARK: Peer = Peer {
     program: "redis-benchmark",
     package: "redis-tools",
@@ -197,6 +201,50 @@ impl RedisServer {
             args
         })?;
         Ok(RedisServer {
+            _server: server,
+            addr,
+            _scratch: scratch,
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+/// A real `memcached` on a free loopback port (TCP only), killed and reaped on drop.
+#[derive(Debug)]
+pub struct MemcachedServer {
+    _server: ChildGuard,
+    addr: SocketAddr,
+    _scratch: ScratchDir,
+}
+
+impl MemcachedServer {
+    /// `threads` worker threads and a `memory_mib` cache, so a YCSB load is not evicted.
+    pub fn start(threads: u32, memory_mib: u64) -> Result<MemcachedServer, BenchError> {
+        let scratch = ScratchDir::new("memcached")?;
+        let (server, addr) = start_server(MEMCACHED, &scratch, Readiness::Accepting, |port| {
+            os_args([
+                "-l",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+                "-U",
+                "0",
+                "-t",
+                &threads.to_string(),
+                "-m",
+                &memory_mib.to_string(),
+                // Items up to 32 MiB, like Camelot's values (memcached's default is 1 MiB).
+                "-I",
+                "32m",
+                // Refuses to run as root otherwise; ignored when we are not root.
+                "-u",
+                "nobody",
+            ])
+        })?;
+        Ok(MemcachedServer {
             _server: server,
             addr,
             _scratch: scratch,

@@ -129,6 +129,9 @@ pub struct Panel {
     log_x: bool,
     log_y: bool,
     lines: Vec<Line>,
+    /// When set, x values are indices into these names and each line is drawn as bars
+    /// grouped by category (throughput per workload, one bar per target).
+    categories: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone)]
@@ -167,7 +170,18 @@ impl Panel {
             log_x: false,
             log_y: false,
             lines: Vec::new(),
+            categories: None,
         }
+    }
+
+    /// Draws grouped bars over named categories: a line's point `(i, y)` is its bar in
+    /// category `i`.
+    pub fn bars(mut self, categories: Vec<String>) -> Panel {
+        self.categories = Some(categories);
+        // Bars grow from zero, which a log axis does not have.
+        self.log_x = false;
+        self.log_y = false;
+        self
     }
 
     pub fn log_y(mut self) -> Panel {
@@ -208,7 +222,10 @@ impl Panel {
         let lines = self.plottable_lines();
         let xs = lines.iter().flat_map(|l| l.points.iter().map(|p| p.0));
         let ys = lines.iter().flat_map(|l| l.points.iter().map(|p| p.1));
-        let x_range = axis_range(xs, self.log_x, false);
+        let x_range = match &self.categories {
+            Some(c) => -0.5..(c.len().max(1) as f64 - 0.5),
+            None => axis_range(xs, self.log_x, false),
+        };
         // Rates start at zero so their ratios can be read off the chart.
         let y_range = axis_range(ys, self.log_y, true);
         match (self.log_x, self.log_y) {
@@ -241,18 +258,54 @@ impl Panel {
             .y_label_area_size(70)
             .build_cartesian_2d(x_spec, y_spec)
             .map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc(&self.x_label)
+        let category_tick = |v: &f64| -> String {
+            let Some(names) = &self.categories else {
+                return format_tick(*v);
+            };
+            let i = v.round();
+            if (v - i).abs() > 0.01 || i < 0.0 {
+                return String::new();
+            }
+            names.get(i as usize).cloned().unwrap_or_default()
+        };
+        let mut mesh = chart.configure_mesh();
+        if let Some(names) = &self.categories {
+            // One tick per category, so every label lands on its group.
+            mesh.x_labels(names.len().max(1) * 2 + 1);
+        }
+        mesh.x_desc(&self.x_label)
             .y_desc(&self.y_label)
             .label_style((FONT_FAMILY, 13))
             .axis_desc_style((FONT_FAMILY, 15))
-            .x_label_formatter(&|v| format_tick(*v))
+            .x_label_formatter(&category_tick)
             .y_label_formatter(&|v| format_tick(*v))
             .draw()
             .map_err(err)?;
 
-        for (i, line) in lines.iter().enumerate() {
+        if self.categories.is_some() {
+            let width = 0.8 / lines.len().max(1) as f64;
+            for (i, line) in lines.iter().enumerate() {
+                let colour = PALETTE[i % PALETTE.len()];
+                let left = -0.4 + i as f64 * width;
+                chart
+                    .draw_series(line.points.iter().map(|&(x, y)| {
+                        Rectangle::new(
+                            [(x + left, 0.0), (x + left + width * 0.9, y)],
+                            colour.filled(),
+                        )
+                    }))
+                    .map_err(err)?
+                    .label(line.label.as_str())
+                    .legend(move |(x, y)| {
+                        Rectangle::new([(x, y - 5), (x + 15, y + 5)], colour.filled())
+                    });
+            }
+        }
+        for (i, line) in lines
+            .iter()
+            .enumerate()
+            .filter(|_| self.categories.is_none())
+        {
             let colour = PALETTE[i % PALETTE.len()];
             chart
                 .draw_series(LineSeries::new(

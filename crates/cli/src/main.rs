@@ -114,6 +114,9 @@ enum BenchCommand {
     Api(ApiArgs),
     /// This machine's own limits (seed 003): CPU, memory, network over loopback.
     Hw(HwArgs),
+    /// YCSB's core workloads (A–F, and W: 100% update) against Camelot, its Redis port,
+    /// redis-server and memcached under one harness; every read is checked.
+    Ycsb(YcsbArgs),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
 }
@@ -157,6 +160,57 @@ struct AllArgs {
     #[arg(long)]
     quick: bool,
     /// Directory for every result, figure and index.html.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct YcsbArgs {
+    /// Workloads to run, comma-separated: a b c d e f (YCSB's core workloads) and w
+    /// (100% update).
+    #[arg(long, value_delimiter = ',', default_value = "a")]
+    workload: Vec<String>,
+    /// Records loaded before each workload runs.
+    #[arg(long, default_value_t = 100_000)]
+    records: u64,
+    /// Operations in each run phase.
+    #[arg(long, default_value_t = 200_000)]
+    operations: u64,
+    /// Client threads (closed loop: each waits for its answer before the next request).
+    #[arg(long, default_value_t = 16)]
+    threads: usize,
+    /// Request distribution for every workload: zipfian, uniform, latest or hotspot
+    /// (default: each workload's own; zipfian except D's latest).
+    #[arg(long)]
+    distribution: Option<String>,
+    /// Fields per record.
+    #[arg(long, default_value_t = 10)]
+    fields: usize,
+    /// Bytes per field (at least 16).
+    #[arg(long, default_value_t = 100)]
+    field_bytes: usize,
+    /// A store to drive: camelot://HOST:PORT[,HOST:PORT…], resp://HOST:PORT (Camelot's
+    /// Redis port), redis://HOST:PORT, memcached://HOST:PORT. Repeatable.
+    #[arg(long = "target", value_name = "URL")]
+    targets: Vec<String>,
+    /// Stores to start locally for this run, comma-separated, from camelot, resp, redis
+    /// and memcached (needs --spawn); the table gives Camelot's throughput over each.
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<String>,
+    /// Start the --compare stores on free loopback ports, and stop them afterwards.
+    #[arg(long)]
+    spawn: bool,
+    /// Fixed total rate (ops/s) instead of a closed loop; latency counts from each
+    /// operation's intended start, so a stall is not hidden (coordinated omission).
+    #[arg(long)]
+    target_ops: Option<f64>,
+    /// Memory cap of a spawned Camelot node and memcached.
+    #[arg(long, default_value = "8G", value_parser = parse_bytes)]
+    memory: u64,
+    /// Scaled down to finish in under 30 s.
+    #[arg(long)]
+    quick: bool,
+    /// Directory for ycsb.json and its figures.
     #[arg(long, default_value = "results")]
     out: PathBuf,
 }
@@ -264,6 +318,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Demo(a) => demo(a),
         Command::Bench(BenchCommand::Threads(a)) => bench_threads(a),
         Command::Bench(BenchCommand::Api(a)) => bench_api(a),
+        Command::Bench(BenchCommand::Ycsb(a)) => bench_ycsb(a),
         Command::Bench(BenchCommand::All(a)) => bench_all(a),
         Command::Bench(BenchCommand::Hw(a)) => bench_hw(a),
         Command::Report(a) => report(a),
@@ -482,6 +537,71 @@ fn bench_api(a: ApiArgs) -> Result<()> {
     print!("{table}");
     for p in written {
         println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+fn bench_ycsb(a: YcsbArgs) -> Result<()> {
+    use camelot_bench::ycsb::{
+        generators::Distribution, targets::TargetKind, Workload, YcsbConfig,
+    };
+    if !a.compare.is_empty() && !a.spawn {
+        bail!(
+            "--compare starts its stores itself: add --spawn (or give existing ones with --target)"
+        );
+    }
+    let workloads = a
+        .workload
+        .iter()
+        .map(|w| {
+            Workload::parse(w).with_context(|| format!("unknown workload {w:?}: use a-f or w"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let distribution = a
+        .distribution
+        .as_deref()
+        .map(|d| {
+            Distribution::parse(d).with_context(|| {
+                format!("unknown distribution {d:?}: zipfian, uniform, latest or hotspot")
+            })
+        })
+        .transpose()?;
+    let targets = a
+        .targets
+        .iter()
+        .map(|url| {
+            let label = url.split("://").next().unwrap_or(url).to_string();
+            Ok((label, TargetKind::parse(url)?))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut cfg = YcsbConfig {
+        workloads,
+        records: a.records,
+        operations: a.operations,
+        threads: a.threads,
+        distribution,
+        fields: a.fields,
+        field_bytes: a.field_bytes,
+        target_ops: a.target_ops,
+        targets,
+        spawn: a.compare,
+        memory_bytes: a.memory,
+        ..YcsbConfig::default()
+    };
+    if a.quick {
+        cfg.apply_quick();
+    }
+    let report = camelot_bench::ycsb::run(&cfg, &a.out, |line| eprintln!("{line}"))?;
+    print!("{}", report.table);
+    for p in &report.files {
+        println!("wrote {}", p.display());
+    }
+    if report.errors > 0 || report.mismatches > 0 {
+        bail!(
+            "{} errors and {} value mismatches (details in ycsb.json)",
+            report.errors,
+            report.mismatches
+        );
     }
     Ok(())
 }

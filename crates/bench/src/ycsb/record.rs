@@ -1,0 +1,191 @@
+//! Record contents the harness can check. Every field is a pure function of (key, field
+//! number, version): it starts with the version and a hash of the key and field, and the
+//! rest is filler from a generator seeded by the three. A read is checked field by field
+//! (right key, right field, contents exactly as written, one version across the record),
+//! and its version against the newest one acknowledged before the read began, so a torn,
+//! misplaced, corrupted or stale record is caught.
+
+/// Bytes at the start of a field that say what it is.
+pub const FIELD_HEADER_BYTES: usize = 16;
+
+/// YCSB's field names.
+pub fn field_name(i: usize) -> String {
+    format!("field{i}")
+}
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn tag(key: &str, field: usize) -> u64 {
+    fnv(key.as_bytes()) ^ (field as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// Writes field `field` of `key` at `version` into `out` (whose length is the field size,
+/// at least [`FIELD_HEADER_BYTES`]).
+pub fn fill_field(out: &mut [u8], key: &str, field: usize, version: u64) {
+    let t = tag(key, field);
+    out[..8].copy_from_slice(&version.to_le_bytes());
+    out[8..16].copy_from_slice(&t.to_le_bytes());
+    // xorshift64*: cheap, and any change of key, field or version changes every byte.
+    let mut s = (version ^ t.rotate_left(17)) | 1;
+    for chunk in out[FIELD_HEADER_BYTES..].chunks_mut(8) {
+        s ^= s >> 12;
+        s ^= s << 25;
+        s ^= s >> 27;
+        let v = s.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+}
+
+/// A whole record as one value (for targets that store a record as one blob).
+pub fn record_blob(key: &str, fields: usize, field_bytes: usize, version: u64) -> Vec<u8> {
+    let mut v = vec![0u8; fields * field_bytes];
+    for (i, chunk) in v.chunks_mut(field_bytes).enumerate() {
+        fill_field(chunk, key, i, version);
+    }
+    v
+}
+
+/// A record as (field name, value) pairs (for hash-per-record targets like Redis).
+pub fn record_fields(
+    key: &str,
+    fields: usize,
+    field_bytes: usize,
+    version: u64,
+) -> Vec<(String, Vec<u8>)> {
+    (0..fields)
+        .map(|i| {
+            let mut v = vec![0u8; field_bytes];
+            fill_field(&mut v, key, i, version);
+            (field_name(i), v)
+        })
+        .collect()
+}
+
+/// Why a read did not return what was written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mismatch {
+    Shape(String),
+    WrongKeyOrField { field: usize },
+    Corrupt { field: usize },
+    Torn { versions: (u64, u64) },
+    Stale { got: u64, newest_acknowledged: u64 },
+}
+
+fn check_field(bytes: &[u8], key: &str, field: usize) -> Result<u64, Mismatch> {
+    if bytes.len() < FIELD_HEADER_BYTES {
+        return Err(Mismatch::Shape(format!(
+            "field {field} has {} bytes",
+            bytes.len()
+        )));
+    }
+    let version = u64::from_le_bytes(bytes[..8].try_into().unwrap_or_default());
+    if bytes[8..16] != tag(key, field).to_le_bytes() {
+        return Err(Mismatch::WrongKeyOrField { field });
+    }
+    let mut expected = vec![0u8; bytes.len()];
+    fill_field(&mut expected, key, field, version);
+    if expected != bytes {
+        return Err(Mismatch::Corrupt { field });
+    }
+    Ok(version)
+}
+
+/// Checks fields given in order; returns the record's version.
+pub fn check_fields<'a>(
+    key: &str,
+    fields: impl IntoIterator<Item = &'a [u8]>,
+    expected_fields: usize,
+    newest_acknowledged: u64,
+) -> Result<u64, Mismatch> {
+    let mut version = None;
+    let mut n = 0;
+    for (i, f) in fields.into_iter().enumerate() {
+        let v = check_field(f, key, i)?;
+        match version {
+            None => version = Some(v),
+            Some(first) if first != v => {
+                return Err(Mismatch::Torn {
+                    versions: (first, v),
+                })
+            }
+            Some(_) => {}
+        }
+        n += 1;
+    }
+    if n != expected_fields {
+        return Err(Mismatch::Shape(format!(
+            "{n} fields, expected {expected_fields}"
+        )));
+    }
+    let version = version.unwrap_or(0);
+    if version < newest_acknowledged {
+        return Err(Mismatch::Stale {
+            got: version,
+            newest_acknowledged,
+        });
+    }
+    Ok(version)
+}
+
+/// Checks a record stored as one blob.
+pub fn check_blob(
+    key: &str,
+    blob: &[u8],
+    fields: usize,
+    field_bytes: usize,
+    newest_acknowledged: u64,
+) -> Result<u64, Mismatch> {
+    if blob.len() != fields * field_bytes {
+        return Err(Mismatch::Shape(format!(
+            "{} bytes, expected {}",
+            blob.len(),
+            fields * field_bytes
+        )));
+    }
+    check_fields(key, blob.chunks(field_bytes), fields, newest_acknowledged)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn what_is_written_checks_and_any_flip_is_caught(
+            key in "user[0-9]{1,19}",
+            fields in 1usize..12,
+            field_bytes in FIELD_HEADER_BYTES..200,
+            version in 1u64..u64::MAX,
+            flip in any::<usize>(),
+        ) {
+            let blob = record_blob(&key, fields, field_bytes, version);
+            prop_assert_eq!(check_blob(&key, &blob, fields, field_bytes, version), Ok(version));
+            let mut bad = blob.clone();
+            let i = flip % bad.len();
+            bad[i] ^= 0x01;
+            prop_assert!(check_blob(&key, &bad, fields, field_bytes, 0).is_err());
+            // A newer acknowledged version makes the same record stale.
+            prop_assert!(check_blob(&key, &blob, fields, field_bytes, version + 1).is_err());
+        }
+    }
+
+    #[test]
+    fn a_record_from_another_key_or_two_versions_is_caught() {
+        let a = record_blob("user1", 3, 32, 5);
+        assert!(matches!(
+            check_blob("user2", &a, 3, 32, 0),
+            Err(Mismatch::WrongKeyOrField { field: 0 })
+        ));
+        let mut torn = record_blob("user1", 3, 32, 5);
+        torn[64..].copy_from_slice(&record_blob("user1", 3, 32, 6)[64..]);
+        assert!(matches!(
+            check_blob("user1", &torn, 3, 32, 0),
+            Err(Mismatch::Torn { .. })
+        ));
+    }
+}
