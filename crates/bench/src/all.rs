@@ -4,12 +4,13 @@
 use crate::api::ApiConfig;
 use crate::hw::{cpu::CpuConfig, disk::DiskConfig, mem::MemConfig, net::NetConfig};
 use crate::threads::ThreadsConfig;
+use crate::ycsb::{Workload, YcsbConfig};
 use crate::{report, BenchError, QuickConfig};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 6] = ["cpu", "mem", "net", "disk", "threads", "api"];
+pub const BENCHES: [&str; 7] = ["cpu", "mem", "net", "disk", "threads", "api", "ycsb"];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
 /// `out/index.html`. `log` hears one line as each bench starts and ends.
@@ -55,6 +56,25 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
     })?);
     written.extend(timed("api", &|| {
         crate::api::run(&ApiConfig::defaults(quick), out).map(|(files, _table)| files)
+    })?);
+    written.extend(timed("ycsb", &|| {
+        // The comparison: A, B and C on every store, each started for the run.
+        let cfg = YcsbConfig {
+            workloads: vec![Workload::A, Workload::B, Workload::C],
+            spawn: crate::ycsb::SPAWNABLE
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            ..YcsbConfig::defaults(quick)
+        };
+        let report = crate::ycsb::run(&cfg, out, |_| {})?;
+        if report.errors > 0 || report.mismatches > 0 {
+            return Err(BenchError::Check(format!(
+                "ycsb: {} errors and {} value mismatches",
+                report.errors, report.mismatches
+            )));
+        }
+        Ok(report.files)
     })?);
     written.push(report::write_report(out)?);
     Ok(written)
