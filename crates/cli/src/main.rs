@@ -125,6 +125,8 @@ enum HwKind {
     Net,
     /// cpu, mem, net and disk.
     All,
+    /// Serve the far end of `bench hw net --peer` on --listen until SIGTERM or Ctrl-C.
+    NetServer,
 }
 
 #[derive(Args)]
@@ -140,10 +142,18 @@ struct HwArgs {
     /// Where the disk bench puts its files (removed afterwards); default: the temp dir.
     #[arg(long)]
     dir: Option<PathBuf>,
-    /// Also record the machine's limits from the results in --out into this file; other
-    /// benches read it with --limits (or find `limits.json` in their --out).
+    /// Also record the machine's limits from the results in --out into this file (without
+    /// a value: --out/limits.json); other benches read it with --limits, or find
+    /// `limits.json` in their --out (default: results/limits.json).
+    #[arg(long, num_args = 0..=1)]
+    save: Option<Option<PathBuf>>,
+    /// net, all: measure against `camelot bench hw net-server` at host:port instead of
+    /// one started here on loopback.
     #[arg(long)]
-    save: Option<PathBuf>,
+    peer: Option<String>,
+    /// net-server: the address to listen on (0.0.0.0:PORT to serve other hosts).
+    #[arg(long, default_value = "127.0.0.1:7071")]
+    listen: String,
 }
 
 #[derive(Args)]
@@ -495,8 +505,13 @@ fn bench_hw(a: HwArgs) -> Result<()> {
     use camelot_bench::{hw, QuickConfig};
     let kinds: &[HwKind] = match a.kind {
         HwKind::All => &[HwKind::Cpu, HwKind::Mem, HwKind::Net, HwKind::Disk],
+        HwKind::NetServer => return net_server(&a.listen),
         ref k => std::slice::from_ref(k),
     };
+    if a.peer.is_some() && !kinds.iter().any(|k| matches!(k, HwKind::Net)) {
+        bail!("--peer applies to `bench hw net` and `bench hw all` only");
+    }
+    let peer = a.peer.as_deref().map(resolve).transpose()?;
     for kind in kinds {
         let written = match kind {
             HwKind::Cpu => hw::cpu::run(&hw::cpu::CpuConfig::defaults(a.quick), &a.out)?,
@@ -506,18 +521,50 @@ fn bench_hw(a: HwArgs) -> Result<()> {
                 if let Some(d) = &a.dir {
                     c.dir = d.clone();
                 }
-                hw::disk::run(&c, &a.out)?
+                let written = hw::disk::run(&c, &a.out)?;
+                let result = camelot_bench::output::read_result(&a.out.join("disk.json"))?;
+                if let Some(note) = result.config["direct_note"].as_str() {
+                    println!("disk: {note}");
+                }
+                written
             }
-            HwKind::Net => hw::net::run(&hw::net::NetConfig::defaults(a.quick), &a.out)?,
-            HwKind::All => Vec::new(),
+            HwKind::Net => {
+                let c = hw::net::NetConfig {
+                    peer,
+                    ..hw::net::NetConfig::defaults(a.quick)
+                };
+                hw::net::run(&c, &a.out)?
+            }
+            HwKind::All | HwKind::NetServer => Vec::new(),
         };
         for p in written {
             println!("wrote {}", p.display());
         }
     }
     if let Some(path) = &a.save {
-        hw::limits::Limits::from_results(&a.out)?.save(path)?;
+        let path = path
+            .clone()
+            .unwrap_or_else(|| a.out.join(hw::limits::LIMITS_FILE_NAME));
+        hw::limits::Limits::from_results(&a.out)?.save(&path)?;
         println!("wrote {} (this machine's limits)", path.display());
     }
+    Ok(())
+}
+
+fn net_server(listen: &str) -> Result<()> {
+    let listen = resolve(listen)?;
+    let rt = runtime()?;
+    let mut signals = {
+        let _in_runtime = rt.enter();
+        Signals::install()?
+    };
+    let server = camelot_bench::hw::netserver::NetServer::start(listen)?;
+    println!(
+        "camelot net-server listening on {} (bench hw net --peer HOST:{})",
+        server.local_addr(),
+        server.local_addr().port()
+    );
+    rt.block_on(signals.wait());
+    drop(server);
     Ok(())
 }
