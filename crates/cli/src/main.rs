@@ -98,6 +98,9 @@ struct DemoArgs {
     /// Client threads.
     #[arg(long, default_value_t = 8)]
     threads: usize,
+    /// The machine's limits (from `bench hw all --save`); default: results/limits.json.
+    #[arg(long)]
+    limits: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -183,6 +186,9 @@ struct ApiArgs {
     /// Directory for api.json and api.png.
     #[arg(long, default_value = "results")]
     out: PathBuf,
+    /// The machine's limits (from `bench hw all --save`); default: limits.json in --out.
+    #[arg(long)]
+    limits: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -414,9 +420,11 @@ fn dev(a: DevArgs) -> Result<()> {
 }
 
 fn demo(a: DemoArgs) -> Result<()> {
+    let results = std::path::Path::new(camelot_bench::hw::limits::DEFAULT_RESULTS_DIR);
     let summary = camelot_bench::demo::run(&camelot_bench::demo::DemoConfig {
         requests: a.requests,
         threads: a.threads,
+        limits: find_limits(a.limits.as_deref(), results)?,
     })?;
     print!("{summary}");
     Ok(())
@@ -445,14 +453,8 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
         region_bytes: a.region,
         token: a.token.map(String::into_bytes),
         quick: a.quick,
-        limits: None,
+        limits: find_limits(a.limits.as_deref(), &a.out)?,
     };
-    if let Some((limits, path)) =
-        camelot_bench::hw::limits::Limits::find(a.limits.as_deref(), &a.out)?
-    {
-        println!("reading results against the limits in {}", path.display());
-        cfg.limits = Some(limits);
-    }
     if a.quick {
         cfg.apply_quick();
     }
@@ -469,11 +471,25 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
     Ok(())
 }
 
+/// The limits in `explicit` (which must exist), else in `dir/limits.json` if there is one;
+/// says which file the figures are read against.
+fn find_limits(
+    explicit: Option<&std::path::Path>,
+    dir: &std::path::Path,
+) -> Result<Option<camelot_bench::hw::limits::Limits>> {
+    let found = camelot_bench::hw::limits::Limits::find(explicit, dir)?;
+    Ok(found.map(|(limits, path)| {
+        println!("reading results against the limits in {}", path.display());
+        limits
+    }))
+}
+
 fn bench_api(a: ApiArgs) -> Result<()> {
     let mut cfg = camelot_bench::api::ApiConfig {
         requests: a.requests,
         peer_seconds: a.peer_seconds,
         rounds: a.rounds,
+        limits: find_limits(a.limits.as_deref(), &a.out)?,
         ..Default::default()
     };
     if a.quick {

@@ -309,12 +309,31 @@ fn dev_prints_its_nodes_and_stops_on_ctrl_c() {
 
 #[test]
 fn demo_runs_across_three_nodes_and_summarises() {
+    let dir = temp_dir("demo-limits");
+    let limits = dir.join("limits.json");
+    std::fs::write(
+        &limits,
+        r#"{"tcp_stream_bytes_per_sec": 4e9, "tcp_pingpong_us_p50": 50.0}"#,
+    )
+    .expect("write limits");
     let (status, out, err) = run(
-        &["demo", "--requests", "20000", "--threads", "4"],
+        &[
+            "demo",
+            "--requests",
+            "20000",
+            "--threads",
+            "4",
+            "--limits",
+            limits.to_str().expect("utf-8 path"),
+        ],
         Duration::from_secs(120),
     );
     assert!(status.success(), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
     for needle in [
+        "reading results against the limits in",
+        "of this machine's TCP stream limit",
+        "× this machine's TCP ping-pong p50",
         "3 memory servers",
         "ops/s",
         "GB/s",
@@ -448,6 +467,26 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
             &p["extra"]["fraction_of_tcp_stream"],
             "fraction of the limit",
         );
+    }
+    let api: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("api.json")).expect("api.json"))
+            .expect("valid JSON");
+    let checks = api["series"][0]["points"].as_array().expect("checks");
+    let read: Vec<&serde_json::Value> = checks
+        .iter()
+        .flat_map(|c| {
+            ["fraction_of_tcp_stream", "p50_over_tcp_pingpong_p50"]
+                .into_iter()
+                .filter_map(|k| c["extra"].get(k))
+        })
+        .collect();
+    assert_eq!(
+        read.len(),
+        2,
+        "the stream and latency checks read against limits"
+    );
+    for v in read {
+        finite_positive(v, "api check against a limit");
     }
     let html = std::fs::read_to_string(dir.join("index.html")).expect("index.html");
     assert!(out.contains("index.html"), "{out}");
