@@ -5,6 +5,7 @@
 
 use super::netctl::{self, Message, Report, Test};
 use super::netserver::NetServer;
+use super::run_together;
 use crate::latency::LatencyRecorder;
 use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
@@ -14,7 +15,6 @@ use serde_json::json;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
 use std::path::{Path, PathBuf};
-use std::sync::Barrier;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -190,21 +190,20 @@ impl Session {
     }
 }
 
-fn open_sessions(peer: SocketAddr, test: Test, streams: usize) -> Result<Vec<Session>, BenchError> {
-    (0..streams).map(|_| Session::open(peer, test)).collect()
-}
-
-/// Joins the threads of one measurement; a panic is a failed run.
-fn join_all<T>(
-    handles: Vec<thread::ScopedJoinHandle<'_, Result<T, BenchError>>>,
-) -> Result<Vec<T>, BenchError> {
-    handles
-        .into_iter()
-        .map(|h| {
-            h.join()
-                .unwrap_or_else(|_| Err(BenchError::Check("a bench thread panicked".into())))
-        })
-        .collect()
+/// Opens `streams` sessions of `test`, then runs `work` on each on its own thread, all
+/// released at once; returns what each returned and the time from first start to last end.
+fn on_sessions<T: Send>(
+    peer: SocketAddr,
+    test: Test,
+    streams: usize,
+    work: impl Fn(Session) -> Result<T, BenchError> + Sync,
+) -> Result<(Vec<T>, Duration), BenchError> {
+    let sessions = (0..streams)
+        .map(|_| Session::open(peer, test))
+        .collect::<Result<Vec<_>, _>>()?;
+    let together = run_together(sessions, |session, _start| work(session))?;
+    let outputs = together.outputs.into_iter().collect::<Result<_, _>>()?;
+    Ok((outputs, together.wall))
 }
 
 fn tcp_stream_throughput(
@@ -216,33 +215,21 @@ fn tcp_stream_throughput(
     let test = Test::TcpSink {
         buffer_bytes: size_u32(buffer)?,
     };
-    let sessions = open_sessions(peer, test, streams)?;
-    let start = Barrier::new(streams);
-    let parts = thread::scope(|s| {
-        let writers = sessions
-            .into_iter()
-            .map(|mut session| {
-                let start = &start;
-                s.spawn(move || -> Result<Received, BenchError> {
-                    let buf = vec![0x5Au8; buffer];
-                    start.wait();
-                    let end = Instant::now() + duration;
-                    while Instant::now() < end {
-                        session
-                            .control
-                            .write_all(&buf)
-                            .map_err(|e| io_err("tcp write", e))?;
-                    }
-                    // EOF tells the sink the stream is over; it answers what arrived.
-                    session
-                        .control
-                        .shutdown(std::net::Shutdown::Write)
-                        .map_err(|e| io_err("tcp shutdown", e))?;
-                    session.report()
-                })
-            })
-            .collect();
-        join_all(writers)
+    let buf = vec![0x5Au8; buffer];
+    let (parts, _) = on_sessions(peer, test, streams, |mut session| {
+        let end = Instant::now() + duration;
+        while Instant::now() < end {
+            session
+                .control
+                .write_all(&buf)
+                .map_err(|e| io_err("tcp write", e))?;
+        }
+        // EOF tells the sink the stream is over; it answers what arrived.
+        session
+            .control
+            .shutdown(std::net::Shutdown::Write)
+            .map_err(|e| io_err("tcp shutdown", e))?;
+        session.report()
     })?;
     combine(&parts).ok_or_else(|| BenchError::Check("no TCP stream measured".into()))
 }
@@ -257,34 +244,22 @@ fn udp_throughput(
     let test = Test::UdpSink {
         datagram_bytes: size_u32(datagram)?,
     };
-    let sessions = open_sessions(peer, test, streams)?;
-    let start = Barrier::new(streams);
-    let parts = thread::scope(|s| {
-        let writers = sessions
-            .into_iter()
-            .map(|mut session| {
-                let start = &start;
-                s.spawn(move || -> Result<(Received, u64), BenchError> {
-                    let tx = session.udp_socket()?;
-                    let buf = vec![0xA5u8; datagram];
-                    start.wait();
-                    let end = Instant::now() + duration;
-                    let mut sent = 0u64;
-                    while Instant::now() < end {
-                        // A full socket buffer refuses a datagram; that is loss, not failure.
-                        if tx.send(&buf).is_ok() {
-                            sent += datagram as u64;
-                        }
-                    }
-                    session
-                        .control
-                        .write_all(&netctl::encode(&Message::Stop))
-                        .map_err(|e| io_err("udp stop", e))?;
-                    Ok((session.report()?, sent))
-                })
-            })
-            .collect();
-        join_all(writers)
+    let buf = vec![0xA5u8; datagram];
+    let (parts, _) = on_sessions(peer, test, streams, |mut session| {
+        let tx = session.udp_socket()?;
+        let end = Instant::now() + duration;
+        let mut sent = 0u64;
+        while Instant::now() < end {
+            // A full socket buffer refuses a datagram; that is loss, not failure.
+            if tx.send(&buf).is_ok() {
+                sent += datagram as u64;
+            }
+        }
+        session
+            .control
+            .write_all(&netctl::encode(&Message::Stop))
+            .map_err(|e| io_err("udp stop", e))?;
+        Ok((session.report()?, sent))
     })?;
     let received: Vec<Received> = parts.iter().map(|p| p.0).collect();
     let got =
@@ -302,43 +277,29 @@ fn tcp_pingpong(
     let test = Test::TcpEcho {
         message_bytes: size_u32(message)?,
     };
-    let sessions = open_sessions(peer, test, streams)?;
-    for s in &sessions {
-        s.control
-            .set_nodelay(true)
-            .map_err(|e| io_err("nodelay", e))?;
-    }
-    let t0 = Instant::now();
-    let recorders = thread::scope(|s| {
-        let clients = sessions
-            .into_iter()
-            .map(|session| {
-                s.spawn(move || -> Result<LatencyRecorder, BenchError> {
-                    let mut c = session.control;
-                    let mut rec = LatencyRecorder::new();
-                    let out = vec![0x42u8; message];
-                    let mut back = vec![0u8; message];
-                    for _ in 0..round_trips {
-                        let t = Instant::now();
-                        c.write_all(&out).map_err(|e| io_err("ping", e))?;
-                        c.read_exact(&mut back).map_err(|e| io_err("pong", e))?;
-                        rec.record(t.elapsed());
-                    }
-                    if back != out {
-                        return Err(BenchError::Check("the echo changed the bytes".into()));
-                    }
-                    // Closing ends the server's echo.
-                    Ok(rec)
-                })
-            })
-            .collect();
-        join_all(clients)
+    let (recorders, took) = on_sessions(peer, test, streams, |session| {
+        let mut c = session.control;
+        c.set_nodelay(true).map_err(|e| io_err("nodelay", e))?;
+        let mut rec = LatencyRecorder::new();
+        let out = vec![0x42u8; message];
+        let mut back = vec![0u8; message];
+        for _ in 0..round_trips {
+            let t = Instant::now();
+            c.write_all(&out).map_err(|e| io_err("ping", e))?;
+            c.read_exact(&mut back).map_err(|e| io_err("pong", e))?;
+            rec.record(t.elapsed());
+        }
+        if back != out {
+            return Err(BenchError::Check("the echo changed the bytes".into()));
+        }
+        // Closing ends the server's echo.
+        Ok(rec)
     })?;
     let mut all = LatencyRecorder::new();
     for r in &recorders {
         all.merge(r);
     }
-    Ok((all, t0.elapsed()))
+    Ok((all, took))
 }
 
 /// UDP ping-pong; a ping unanswered within [`UDP_PING_TIMEOUT`] counts as lost.
@@ -351,42 +312,27 @@ fn udp_pingpong(
     let test = Test::UdpEcho {
         message_bytes: size_u32(message)?,
     };
-    let sessions = open_sessions(peer, test, streams)?;
-    let t0 = Instant::now();
-    let results = thread::scope(|s| {
-        let clients = sessions
-            .into_iter()
-            .map(|session| {
-                s.spawn(move || -> Result<(LatencyRecorder, u64), BenchError> {
-                    let c = session.udp_socket()?;
-                    c.set_read_timeout(Some(UDP_PING_TIMEOUT))
-                        .map_err(|e| io_err("timeout", e))?;
-                    let mut rec = LatencyRecorder::new();
-                    let mut lost = 0u64;
-                    let out = vec![0x42u8; message];
-                    let mut back = vec![0u8; message];
-                    for _ in 0..round_trips {
-                        let t = Instant::now();
-                        c.send(&out).map_err(|e| io_err("udp ping", e))?;
-                        match c.recv(&mut back) {
-                            Ok(_) => rec.record(t.elapsed()),
-                            Err(e)
-                                if matches!(
-                                    e.kind(),
-                                    ErrorKind::WouldBlock | ErrorKind::TimedOut
-                                ) =>
-                            {
-                                lost += 1
-                            }
-                            Err(e) => return Err(io_err("udp pong", e)),
-                        }
-                    }
-                    // Dropping the session's connection ends the server's echo.
-                    Ok((rec, lost))
-                })
-            })
-            .collect();
-        join_all(clients)
+    let (results, took) = on_sessions(peer, test, streams, |session| {
+        let c = session.udp_socket()?;
+        c.set_read_timeout(Some(UDP_PING_TIMEOUT))
+            .map_err(|e| io_err("timeout", e))?;
+        let mut rec = LatencyRecorder::new();
+        let mut lost = 0u64;
+        let out = vec![0x42u8; message];
+        let mut back = vec![0u8; message];
+        for _ in 0..round_trips {
+            let t = Instant::now();
+            c.send(&out).map_err(|e| io_err("udp ping", e))?;
+            match c.recv(&mut back) {
+                Ok(_) => rec.record(t.elapsed()),
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    lost += 1
+                }
+                Err(e) => return Err(io_err("udp pong", e)),
+            }
+        }
+        // Dropping the session's connection ends the server's echo.
+        Ok((rec, lost))
     })?;
     let mut all = LatencyRecorder::new();
     let mut lost = 0;
@@ -394,7 +340,7 @@ fn udp_pingpong(
         all.merge(r);
         lost += l;
     }
-    Ok((all, t0.elapsed(), lost))
+    Ok((all, took, lost))
 }
 
 fn size_u32(bytes: usize) -> Result<u32, BenchError> {
