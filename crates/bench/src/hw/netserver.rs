@@ -24,6 +24,8 @@ const CONTROL_IDLE_MAX: Duration =
     Duration::from_secs(SECONDS_PER_POINT_MAX as u64 + IO_TIMEOUT.as_secs());
 /// How often a UDP thread looks up from its socket to see whether the session ended.
 const UDP_POLL: Duration = Duration::from_millis(50);
+/// Pause after a failed accept (e.g. out of descriptors) before trying again.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 /// After `Stop`, a sink counts what is still queued for at most this long.
 const UDP_DRAIN_MAX: Duration = Duration::from_secs(1);
 
@@ -99,7 +101,9 @@ fn accept_loop(listener: &TcpListener, stop: &AtomicBool, epoch: Instant) {
             break;
         }
         let Ok(mut conn) = conn else {
-            // Out of descriptors or an aborted handshake: that client's problem.
+            // Out of descriptors or an aborted handshake: back off briefly so a
+            // persistent error cannot spin this thread.
+            thread::sleep(ACCEPT_BACKOFF);
             continue;
         };
         if active.fetch_add(1, Ordering::AcqRel) >= SESSIONS_MAX {
