@@ -55,7 +55,11 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
         crate::threads::run(&cfg, out)
     })?);
     written.extend(timed("api", &|| {
-        crate::api::run(&ApiConfig::defaults(quick), out).map(|(files, _table)| files)
+        let cfg = ApiConfig {
+            limits: Some(limits.clone()),
+            ..ApiConfig::defaults(quick)
+        };
+        crate::api::run(&cfg, out).map(|(files, _table)| files)
     })?);
     written.extend(timed("ycsb", &|| {
         // The comparison: A, B and C on every store, each started for the run.

@@ -2,6 +2,7 @@
 //! peer it is judged against (iperf3, redis-benchmark, sockperf) in the same run, because
 //! on a shared 2-core machine only a same-run ratio means anything.
 
+use crate::hw::limits::{Against, Limits};
 use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
 use crate::schema::{now_rfc3339, BenchResult, Point, Series, X};
@@ -29,6 +30,9 @@ pub struct ApiConfig {
     /// ratio is reported, so one burst of noise from a neighbour does not decide a check.
     pub rounds: usize,
     pub quick: bool,
+    /// This machine's limits: the stream and latency checks and the sweep's points then
+    /// record their fraction of them.
+    pub limits: Option<Limits>,
 }
 
 impl Default for ApiConfig {
@@ -41,6 +45,7 @@ impl Default for ApiConfig {
             sweep_requests: 400_000,
             rounds: 3,
             quick: false,
+            limits: None,
         }
     }
 }
@@ -71,6 +76,9 @@ pub struct Check {
     pub peer_command: String,
     /// The ratio of every round (the reported one is their median).
     pub round_ratios: Vec<f64>,
+    /// The machine limit the Camelot figure is read against, and the factor from the
+    /// check's unit to the limit's.
+    pub against: Option<(Against, f64)>,
 }
 
 impl Check {
@@ -118,6 +126,9 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
             p.ops_per_sec = Some(m.ops_per_sec());
             p.bytes_per_sec = Some(m.bytes_per_sec());
             p.latency_us = Some(m.latency.summary());
+            if let Some(l) = &cfg.limits {
+                l.annotate_network_point(&mut p);
+            }
             s.points.push(p);
         }
         let peak = s
@@ -141,6 +152,7 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
             at_most: false,
             peer_command: format!("peak over {:?} threads; last = {most}", cfg.sweep_threads),
             round_ratios: Vec::new(),
+            against: None,
         });
         sweeps.push(s);
     }
@@ -165,6 +177,9 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
             p.extra.insert("round_ratios".into(), json!(c.round_ratios));
         }
         p.extra.insert("index".into(), json!(i));
+        if let (Some(l), Some((against, unit))) = (&cfg.limits, c.against) {
+            l.annotate(&mut p.extra, against, c.camelot * unit);
+        }
         camelot.points.push(p);
         let mut q = Point::new(X::Label(c.name.to_owned()));
         q.extra.insert("value".into(), json!(c.peer));
@@ -184,10 +199,29 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
         "rounds": cfg.rounds,
         "servers": "dev cluster of 1 (in process)",
         "quick": cfg.quick,
+        "limits": cfg.limits,
     });
     let result = BenchResult::new("api", started, config, series);
     let written = output::write_result_with_figure(out, &result, &sweep_figure(&result))?;
-    Ok((written, table(&checks)))
+    let mut printed = table(&checks);
+    if let Some(l) = &cfg.limits {
+        printed.push_str(&limits_lines(&checks, l));
+    }
+    Ok((written, printed))
+}
+
+/// One line per check that has a machine limit to be read against.
+fn limits_lines(checks: &[Check], limits: &Limits) -> String {
+    let mut s = String::new();
+    for c in checks {
+        let Some((against, unit)) = c.against else {
+            continue;
+        };
+        if let Some(read) = limits.describe(against, c.camelot * unit) {
+            let _ = writeln!(s, "- {}: {:.2} {} = {read}", c.name, c.camelot, c.unit);
+        }
+    }
+    s
 }
 
 /// One pass over the peer/Camelot pairs, each peer measured right before its Camelot
@@ -208,14 +242,16 @@ fn one_round(
     let stream = peers::iperf3_tcp_stream(peer_time)?;
     let m = load(batched, regions, 8, 16, cfg.requests, 50, 4096)?;
     progress.inc(1);
-    checks.push(ratio_check(
+    let mut c = ratio_check(
         "4 KiB 50% reads, 8 thr × depth 16, vs iperf3 TCP stream",
         m.bytes_per_sec() / 1e9,
         stream.bytes_per_sec / 1e9,
         "GB/s",
         0.7,
         stream.command,
-    ));
+    );
+    c.against = Some((Against::TcpStream, 1e9));
+    checks.push(c);
 
     progress.set_message(&tag("redis-benchmark GET vs 64 B × 16 threads × 16"));
     let redis = peers::RedisServer::start()?;
@@ -262,6 +298,7 @@ fn one_round(
         pingpong.command,
     );
     c.at_most = true;
+    c.against = Some((Against::TcpPingpongP50, 1.0));
     checks.push(c);
     Ok(checks)
 }
@@ -334,6 +371,7 @@ fn ratio_check(
         at_most: false,
         peer_command,
         round_ratios: Vec::new(),
+        against: None,
     }
 }
 
@@ -390,4 +428,34 @@ fn sweep_figure(result: &BenchResult) -> Figure {
         panel = panel.line(&s.label, pts);
     }
     Figure::new("Request API: no collapse with threads").panel(panel)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checks_with_a_limit_are_read_against_it() {
+        let mut stream = ratio_check("stream", 0.5, 1.0, "GB/s", 0.7, "iperf3".into());
+        stream.against = Some((Against::TcpStream, 1e9));
+        let mut latency = ratio_check("p50", 30.0, 25.0, "µs p50", 1.3, "sockperf".into());
+        latency.against = Some((Against::TcpPingpongP50, 1.0));
+        let other = ratio_check("batching", 9.0, 3.0, "kops/s", 3.0, "camelot".into());
+        let limits = Limits {
+            tcp_stream_bytes_per_sec: Some(2e9),
+            tcp_pingpong_us_p50: Some(20.0),
+            ..Limits::default()
+        };
+        let lines = limits_lines(&[stream.clone(), latency, other], &limits);
+        assert_eq!(
+            lines,
+            "- stream: 0.50 GB/s = 25% of this machine's TCP stream limit\n\
+             - p50: 30.00 µs p50 = 1.50× this machine's TCP ping-pong p50\n"
+        );
+        assert_eq!(
+            limits_lines(&[stream], &Limits::default()),
+            "",
+            "unmeasured"
+        );
+    }
 }

@@ -1,6 +1,7 @@
 //! `camelot demo`: the main job on the embedded default. A 3-node cluster in this process,
 //! a short mixed workload across all three nodes, a summary a person can read.
 
+use crate::hw::limits::{Against, Limits};
 use crate::workload::{self, LoadSpec, Mix, Target};
 use crate::BenchError;
 use camelot_client::Client;
@@ -15,6 +16,8 @@ const SIZES_BYTES: [u32; 4] = [64, 1024, 4096, 16384];
 pub struct DemoConfig {
     pub requests: u64,
     pub threads: usize,
+    /// This machine's limits: the summary then reads throughput and latency against them.
+    pub limits: Option<Limits>,
 }
 
 /// Runs the demo and returns its summary. Fails if any request fails or a check does not
@@ -88,6 +91,18 @@ pub fn run(cfg: &DemoConfig) -> Result<String, BenchError> {
         "  latency    p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs",
         l.p50, l.p99, l.max
     );
+    if let Some(limits) = &cfg.limits {
+        let read = [
+            ("throughput", Against::TcpStream, m.bytes_per_sec()),
+            ("p50", Against::TcpPingpongP50, l.p50),
+        ]
+        .into_iter()
+        .filter_map(|(what, a, v)| Some(format!("{what} = {}", limits.describe(a, v)?)))
+        .collect::<Vec<_>>();
+        if !read.is_empty() {
+            let _ = writeln!(s, "  vs limits  {}", read.join("; "));
+        }
+    }
     for (i, stats) in per_node.iter().enumerate() {
         let get = |k: &str| stats.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
         let ops: u64 = stats

@@ -35,6 +35,9 @@ pub enum BenchError {
         program: &'static str,
         detail: String,
     },
+    /// A `bench hw net` peer spoke something other than the control protocol.
+    #[error("net-bench control protocol: {0}")]
+    Control(#[from] crate::hw::netctl::ControlError),
     #[error("client error: {0}")]
     Client(#[from] camelot_client::ClientError),
     #[error("server error: {0}")]

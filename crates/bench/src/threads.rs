@@ -1,6 +1,7 @@
 //! `camelot bench threads`: seed 000's experiment. Throughput and latency of the request API
 //! against the number of client threads, batched and unbatched.
 
+use crate::hw::limits::Against;
 use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
 use crate::schema::{now_rfc3339, BenchResult, Point, Series};
@@ -210,6 +211,7 @@ fn figure(result: &BenchResult, cfg: &ThreadsConfig) -> Figure {
 
 /// One line per series: its best throughput as a share of the machine's TCP stream limit.
 pub fn limits_summary(result: &BenchResult) -> Vec<String> {
+    let against = Against::TcpStream;
     result
         .series
         .iter()
@@ -217,14 +219,14 @@ pub fn limits_summary(result: &BenchResult) -> Vec<String> {
             let best = s
                 .points
                 .iter()
-                .filter_map(|p| Some((p.extra.get("fraction_of_tcp_stream")?.as_f64()?, p)))
+                .filter_map(|p| Some((p.extra.get(against.key())?.as_f64()?, p)))
                 .max_by(|a, b| a.0.total_cmp(&b.0))?;
             Some(format!(
-                "{}: best {:.0} MB/s at {} threads = {:.0}% of this machine's TCP stream limit",
+                "{}: best {:.0} MB/s at {} threads = {}",
                 s.label,
                 best.1.bytes_per_sec.unwrap_or(0.0) / 1e6,
                 best.1.x.as_f64().unwrap_or(0.0),
-                best.0 * 100.0
+                against.describe(best.0)
             ))
         })
         .collect()

@@ -103,6 +103,9 @@ struct DemoArgs {
     /// Client threads.
     #[arg(long, default_value_t = 8)]
     threads: usize,
+    /// The machine's limits (from `bench hw all --save`); default: results/limits.json.
+    #[arg(long)]
+    limits: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -133,6 +136,8 @@ enum HwKind {
     Net,
     /// cpu, mem, net and disk.
     All,
+    /// Serve the far end of `bench hw net --peer` on --listen until SIGTERM or Ctrl-C.
+    NetServer,
 }
 
 #[derive(Args)]
@@ -148,10 +153,18 @@ struct HwArgs {
     /// Where the disk bench puts its files (removed afterwards); default: the temp dir.
     #[arg(long)]
     dir: Option<PathBuf>,
-    /// Also record the machine's limits from the results in --out into this file; other
-    /// benches read it with --limits (or find `limits.json` in their --out).
+    /// Also record the machine's limits from the results in --out into this file (without
+    /// a value: --out/limits.json); other benches read it with --limits, or find
+    /// `limits.json` in their --out (default: results/limits.json).
+    #[arg(long, num_args = 0..=1)]
+    save: Option<Option<PathBuf>>,
+    /// net, all: measure against `camelot bench hw net-server` at host:port instead of
+    /// one started here on loopback.
     #[arg(long)]
-    save: Option<PathBuf>,
+    peer: Option<String>,
+    /// net-server: the address to listen on (0.0.0.0:PORT to serve other hosts).
+    #[arg(long, default_value = "127.0.0.1:7071")]
+    listen: String,
 }
 
 #[derive(Args)]
@@ -232,6 +245,9 @@ struct ApiArgs {
     /// Directory for api.json and api.png.
     #[arg(long, default_value = "results")]
     out: PathBuf,
+    /// The machine's limits (from `bench hw all --save`); default: limits.json in --out.
+    #[arg(long)]
+    limits: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -468,9 +484,11 @@ fn dev(a: DevArgs) -> Result<()> {
 }
 
 fn demo(a: DemoArgs) -> Result<()> {
+    let results = std::path::Path::new(camelot_bench::hw::limits::DEFAULT_RESULTS_DIR);
     let summary = camelot_bench::demo::run(&camelot_bench::demo::DemoConfig {
         requests: a.requests,
         threads: a.threads,
+        limits: find_limits(a.limits.as_deref(), results)?,
     })?;
     print!("{summary}");
     Ok(())
@@ -499,14 +517,8 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
         region_bytes: a.region,
         token: a.token.map(String::into_bytes),
         quick: a.quick,
-        limits: None,
+        limits: find_limits(a.limits.as_deref(), &a.out)?,
     };
-    if let Some((limits, path)) =
-        camelot_bench::hw::limits::Limits::find(a.limits.as_deref(), &a.out)?
-    {
-        println!("reading results against the limits in {}", path.display());
-        cfg.limits = Some(limits);
-    }
     if a.quick {
         cfg.apply_quick();
     }
@@ -523,11 +535,25 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
     Ok(())
 }
 
+/// The limits in `explicit` (which must exist), else in `dir/limits.json` if there is one;
+/// says which file the figures are read against.
+fn find_limits(
+    explicit: Option<&std::path::Path>,
+    dir: &std::path::Path,
+) -> Result<Option<camelot_bench::hw::limits::Limits>> {
+    let found = camelot_bench::hw::limits::Limits::find(explicit, dir)?;
+    Ok(found.map(|(limits, path)| {
+        println!("reading results against the limits in {}", path.display());
+        limits
+    }))
+}
+
 fn bench_api(a: ApiArgs) -> Result<()> {
     let mut cfg = camelot_bench::api::ApiConfig {
         requests: a.requests,
         peer_seconds: a.peer_seconds,
         rounds: a.rounds,
+        limits: find_limits(a.limits.as_deref(), &a.out)?,
         ..Default::default()
     };
     if a.quick {
@@ -624,8 +650,13 @@ fn bench_hw(a: HwArgs) -> Result<()> {
     use camelot_bench::{hw, QuickConfig};
     let kinds: &[HwKind] = match a.kind {
         HwKind::All => &[HwKind::Cpu, HwKind::Mem, HwKind::Net, HwKind::Disk],
+        HwKind::NetServer => return net_server(&a.listen),
         ref k => std::slice::from_ref(k),
     };
+    if a.peer.is_some() && !kinds.iter().any(|k| matches!(k, HwKind::Net)) {
+        bail!("--peer applies to `bench hw net` and `bench hw all` only");
+    }
+    let peer = a.peer.as_deref().map(resolve).transpose()?;
     for kind in kinds {
         let written = match kind {
             HwKind::Cpu => hw::cpu::run(&hw::cpu::CpuConfig::defaults(a.quick), &a.out)?,
@@ -635,18 +666,50 @@ fn bench_hw(a: HwArgs) -> Result<()> {
                 if let Some(d) = &a.dir {
                     c.dir = d.clone();
                 }
-                hw::disk::run(&c, &a.out)?
+                let written = hw::disk::run(&c, &a.out)?;
+                let result = camelot_bench::output::read_result(&a.out.join("disk.json"))?;
+                if let Some(note) = result.config["direct_note"].as_str() {
+                    println!("disk: {note}");
+                }
+                written
             }
-            HwKind::Net => hw::net::run(&hw::net::NetConfig::defaults(a.quick), &a.out)?,
-            HwKind::All => Vec::new(),
+            HwKind::Net => {
+                let c = hw::net::NetConfig {
+                    peer,
+                    ..hw::net::NetConfig::defaults(a.quick)
+                };
+                hw::net::run(&c, &a.out)?
+            }
+            HwKind::All | HwKind::NetServer => Vec::new(),
         };
         for p in written {
             println!("wrote {}", p.display());
         }
     }
     if let Some(path) = &a.save {
-        hw::limits::Limits::from_results(&a.out)?.save(path)?;
+        let path = path
+            .clone()
+            .unwrap_or_else(|| a.out.join(hw::limits::LIMITS_FILE_NAME));
+        hw::limits::Limits::from_results(&a.out)?.save(&path)?;
         println!("wrote {} (this machine's limits)", path.display());
     }
+    Ok(())
+}
+
+fn net_server(listen: &str) -> Result<()> {
+    let listen = resolve(listen)?;
+    let rt = runtime()?;
+    let mut signals = {
+        let _in_runtime = rt.enter();
+        Signals::install()?
+    };
+    let server = camelot_bench::hw::netserver::NetServer::start(listen)?;
+    println!(
+        "camelot net-server listening on {} (bench hw net --peer HOST:{})",
+        server.local_addr(),
+        server.local_addr().port()
+    );
+    rt.block_on(signals.wait());
+    drop(server);
     Ok(())
 }

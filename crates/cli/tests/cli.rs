@@ -309,12 +309,31 @@ fn dev_prints_its_nodes_and_stops_on_ctrl_c() {
 
 #[test]
 fn demo_runs_across_three_nodes_and_summarises() {
+    let dir = temp_dir("demo-limits");
+    let limits = dir.join("limits.json");
+    std::fs::write(
+        &limits,
+        r#"{"tcp_stream_bytes_per_sec": 4e9, "tcp_pingpong_us_p50": 50.0}"#,
+    )
+    .expect("write limits");
     let (status, out, err) = run(
-        &["demo", "--requests", "20000", "--threads", "4"],
+        &[
+            "demo",
+            "--requests",
+            "20000",
+            "--threads",
+            "4",
+            "--limits",
+            limits.to_str().expect("utf-8 path"),
+        ],
         Duration::from_secs(120),
     );
     assert!(status.success(), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
     for needle in [
+        "reading results against the limits in",
+        "of this machine's TCP stream limit",
+        "× this machine's TCP ping-pong p50",
         "3 memory servers",
         "ops/s",
         "GB/s",
@@ -449,6 +468,26 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
             "fraction of the limit",
         );
     }
+    let api: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("api.json")).expect("api.json"))
+            .expect("valid JSON");
+    let checks = api["series"][0]["points"].as_array().expect("checks");
+    let read: Vec<&serde_json::Value> = checks
+        .iter()
+        .flat_map(|c| {
+            ["fraction_of_tcp_stream", "p50_over_tcp_pingpong_p50"]
+                .into_iter()
+                .filter_map(|k| c["extra"].get(k))
+        })
+        .collect();
+    assert_eq!(
+        read.len(),
+        2,
+        "the stream and latency checks read against limits"
+    );
+    for v in read {
+        finite_positive(v, "api check against a limit");
+    }
     let html = std::fs::read_to_string(dir.join("index.html")).expect("index.html");
     assert!(out.contains("index.html"), "{out}");
     for needle in [
@@ -462,5 +501,59 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
     ] {
         assert!(html.contains(needle), "{needle} missing from the report");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_hw_net_quick_measures_against_a_net_server_process() {
+    let mut server = Proc::spawn(&["bench", "hw", "net-server", "--listen", "127.0.0.1:0"]);
+    let line = server.line_with("listening on", Duration::from_secs(30));
+    let addr = line
+        .split_whitespace()
+        .find_map(|w| w.parse::<SocketAddr>().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    assert!(addr.ip().is_loopback() && addr.port() != 0, "{addr}");
+    let dir = temp_dir("hw-net-peer");
+    let d = dir.to_str().expect("utf-8 path");
+    let peer = addr.to_string();
+    let (status, out, err) = run(
+        &[
+            "bench", "hw", "net", "--quick", "--peer", &peer, "--out", d, "--save",
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(status.success(), "{err}");
+    assert!(out.contains("limits.json"), "{out}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("net.json")).expect("net.json"))
+            .expect("valid JSON");
+    assert_eq!(json["bench"], "net");
+    assert_eq!(json["config"]["peer"], peer.as_str());
+    let series = json["series"].as_array().expect("series");
+    let labels: Vec<&str> = series.iter().filter_map(|s| s["label"].as_str()).collect();
+    for want in ["tcp ×1", "udp ×1", "tcp ping-pong", "udp ping-pong"] {
+        assert!(labels.contains(&want), "{want} missing from {labels:?}");
+    }
+    for s in series {
+        let points = s["points"].as_array().expect("points");
+        assert!(!points.is_empty(), "{}", s["label"]);
+        for p in points {
+            if s["label"].as_str().is_some_and(|l| l.contains("ping-pong")) {
+                let p50 = finite_positive(&p["latency_us"]["p50"], "p50");
+                assert!(p50 <= finite_positive(&p["latency_us"]["max"], "max"));
+                finite_positive(&p["ops_per_sec"], "round trips/s");
+            } else {
+                finite_positive(&p["bytes_per_sec"], "bytes_per_sec");
+            }
+        }
+    }
+    let limits: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("limits.json")).expect("limits.json"))
+            .expect("valid JSON");
+    finite_positive(&limits["tcp_stream_bytes_per_sec"], "tcp stream limit");
+    finite_positive(&limits["tcp_pingpong_us_p50"], "tcp ping-pong limit");
+    // The server outlives the run and stops cleanly on SIGTERM.
+    server.signal("-TERM");
+    assert!(server.wait(Duration::from_secs(10)).success());
     let _ = std::fs::remove_dir_all(&dir);
 }

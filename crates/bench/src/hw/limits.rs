@@ -6,10 +6,14 @@ use crate::schema::{BenchResult, Point};
 use crate::{output, BenchError};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// Where benches look for limits when not told: next to their own results.
+/// Where benches look for limits when not told: next to their own results, i.e.
+/// `results/limits.json` with the default `--out` (`bench hw all --save` writes it there).
 pub const LIMITS_FILE_NAME: &str = "limits.json";
+/// Where commands without an `--out` (the demo) look for limits.
+pub const DEFAULT_RESULTS_DIR: &str = "results";
 
 /// Best figures seen for each limit. Absent when the bench behind it was not run.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -142,15 +146,80 @@ impl Limits {
         }
     }
 
-    /// Records on a request-API point what fraction of the TCP stream limit it moved.
-    pub fn annotate_network_point(&self, p: &mut Point) {
-        if let (Some(limit), Some(bw)) = (self.tcp_stream_bytes_per_sec, p.bytes_per_sec) {
-            p.extra
-                .insert("fraction_of_tcp_stream".into(), json!(bw / limit));
+    /// The measured limit a figure is read against, if it was measured.
+    pub fn limit(&self, against: Against) -> Option<f64> {
+        match against {
+            Against::TcpStream => self.tcp_stream_bytes_per_sec,
+            Against::TcpPingpongP50 => self.tcp_pingpong_us_p50,
         }
-        if let (Some(limit), Some(l)) = (self.tcp_pingpong_us_p50, p.latency_us.as_ref()) {
-            p.extra
-                .insert("p50_over_tcp_pingpong_p50".into(), json!(l.p50 / limit));
+    }
+
+    /// `value` (in the limit's unit) as a fraction of the limit, if it was measured.
+    pub fn fraction(&self, against: Against, value: f64) -> Option<f64> {
+        Some(value / self.limit(against).filter(|l| *l > 0.0)?)
+    }
+
+    /// `value` read against the limit, for people, e.g. "8% of this machine's TCP
+    /// stream limit".
+    pub fn describe(&self, against: Against, value: f64) -> Option<String> {
+        Some(against.describe(self.fraction(against, value)?))
+    }
+
+    /// Records in `extra`, under `against.key()`, `value` as a fraction of the limit;
+    /// returns that fraction. Nothing when unmeasured.
+    pub fn annotate(
+        &self,
+        extra: &mut BTreeMap<String, serde_json::Value>,
+        against: Against,
+        value: f64,
+    ) -> Option<f64> {
+        let f = self.fraction(against, value)?;
+        extra.insert(against.key().into(), json!(f));
+        Some(f)
+    }
+
+    /// Records on a request-API point its throughput as a fraction of the TCP stream
+    /// limit and its p50 latency as a multiple of the TCP ping-pong p50.
+    pub fn annotate_network_point(&self, p: &mut Point) {
+        if let Some(bw) = p.bytes_per_sec {
+            self.annotate(&mut p.extra, Against::TcpStream, bw);
+        }
+        if let Some(l) = &p.latency_us {
+            self.annotate(&mut p.extra, Against::TcpPingpongP50, l.p50);
+        }
+    }
+}
+
+/// The limits a request-API figure can be read against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Against {
+    /// Bytes per second, against one-or-N-stream TCP throughput.
+    TcpStream,
+    /// Microseconds p50, against a TCP ping-pong round trip.
+    TcpPingpongP50,
+}
+
+impl Against {
+    /// The key a point's `extra` records the fraction under.
+    pub fn key(self) -> &'static str {
+        match self {
+            Against::TcpStream => "fraction_of_tcp_stream",
+            Against::TcpPingpongP50 => "p50_over_tcp_pingpong_p50",
+        }
+    }
+
+    /// How a person reads the fraction: a share of a throughput, a multiple of a latency.
+    pub fn describe(self, fraction: f64) -> String {
+        match self {
+            Against::TcpStream => {
+                format!(
+                    "{:.0}% of this machine's TCP stream limit",
+                    fraction * 100.0
+                )
+            }
+            Against::TcpPingpongP50 => {
+                format!("{fraction:.2}× this machine's TCP ping-pong p50")
+            }
         }
     }
 }
@@ -215,6 +284,32 @@ mod tests {
         p.bytes_per_sec = Some(1.5e9);
         l.annotate_network_point(&mut p);
         assert_eq!(p.extra["fraction_of_tcp_stream"], json!(0.5));
+        assert!(
+            !p.extra.contains_key(Against::TcpPingpongP50.key()),
+            "no latency, no ratio"
+        );
+        p.latency_us = Some(LatencySummary {
+            p50: 18.0,
+            p90: 20.0,
+            p99: 30.0,
+            p999: 40.0,
+            max: 50.0,
+        });
+        l.annotate_network_point(&mut p);
+        assert_eq!(p.extra["p50_over_tcp_pingpong_p50"], json!(1.5));
+        assert_eq!(
+            Limits::default().annotate(&mut p.extra, Against::TcpStream, 1.0),
+            None,
+            "an unmeasured limit records nothing"
+        );
+        assert_eq!(
+            Against::TcpStream.describe(0.084),
+            "8% of this machine's TCP stream limit"
+        );
+        assert_eq!(
+            Against::TcpPingpongP50.describe(1.5),
+            "1.50× this machine's TCP ping-pong p50"
+        );
     }
 
     #[test]

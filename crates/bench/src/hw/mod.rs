@@ -11,6 +11,8 @@ pub mod disk;
 pub mod limits;
 pub mod mem;
 pub mod net;
+pub mod netctl;
+pub mod netserver;
 
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,11 @@
-//! `camelot bench hw net`: seed 003's network experiments over loopback. TCP and UDP
-//! throughput against buffer size with one and N streams, and TCP/UDP ping-pong latency.
-//! These are the limits the request API is judged against on this machine.
+//! `camelot bench hw net`: seed 003's network experiments. TCP and UDP throughput against
+//! buffer size with one and N streams, and TCP/UDP ping-pong latency, against a
+//! `bench hw net-server` on another host (`--peer`) or, by default, one started in this
+//! process on 127.0.0.1. These are the limits the request API is judged against.
 
+use super::netctl::{self, Message, Report, Test};
+use super::netserver::NetServer;
+use super::run_together;
 use crate::latency::LatencyRecorder;
 use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
@@ -9,10 +13,8 @@ use crate::schema::{now_rfc3339, BenchResult, Point, Series};
 use crate::{output, BenchError};
 use serde_json::json;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Barrier;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -22,7 +24,7 @@ pub const BUFFER_BYTES_MAX: usize = 16 << 20;
 pub const UDP_PAYLOAD_BYTES_MAX: usize = 65_507;
 pub const STREAMS_MAX: usize = 256;
 /// How long any socket operation may block before the run is declared failed.
-const IO_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(10);
 /// A UDP ping unanswered this long counts as lost.
 const UDP_PING_TIMEOUT: Duration = Duration::from_millis(100);
 
@@ -34,6 +36,8 @@ pub struct NetConfig {
     /// Round trips per ping-pong stream.
     pub pingpong_round_trips: u64,
     pub message_bytes: usize,
+    /// A `bench hw net-server` to measure against; `None` starts one here on 127.0.0.1.
+    pub peer: Option<SocketAddr>,
     pub quick: bool,
 }
 
@@ -46,6 +50,7 @@ impl Default for NetConfig {
             seconds_per_point: 2.0,
             pingpong_round_trips: 50_000,
             message_bytes: 64,
+            peer: None,
             quick: false,
         }
     }
@@ -71,9 +76,8 @@ impl NetConfig {
         if self.streams.is_empty() || self.streams.iter().any(|s| *s == 0 || *s > STREAMS_MAX) {
             return bad(format!("streams must be 1..={STREAMS_MAX}"));
         }
-        if !(self.seconds_per_point.is_finite() && self.seconds_per_point > 0.0) {
-            return bad("seconds per point must be positive".into());
-        }
+        // The server gives a UDP session this long; past it the run would be cut off.
+        super::validate_seconds(self.seconds_per_point)?;
         if self.message_bytes == 0 || self.message_bytes > UDP_PAYLOAD_BYTES_MAX {
             return bad(format!(
                 "ping-pong messages must be 1..={UDP_PAYLOAD_BYTES_MAX} bytes"
@@ -90,25 +94,29 @@ fn io_err(what: &str, e: std::io::Error) -> BenchError {
     BenchError::Setup(format!("{what}: {e}"))
 }
 
-fn loopback() -> SocketAddr {
-    SocketAddr::from((Ipv4Addr::LOCALHOST, 0))
-}
-
-/// Bytes received and the span over which they arrived, summed over streams.
+/// Bytes that arrived at a sink and the span over which they arrived, on the sink's clock.
 #[derive(Debug, Clone, Copy)]
 pub struct Received {
     pub bytes: u64,
-    pub first: Instant,
-    pub last: Instant,
+    pub first: Duration,
+    pub last: Duration,
 }
 
 impl Received {
     pub fn bytes_per_sec(&self) -> f64 {
-        let secs = self.last.duration_since(self.first).as_secs_f64();
+        let secs = self.last.saturating_sub(self.first).as_secs_f64();
         if secs > 0.0 {
             self.bytes as f64 / secs
         } else {
             0.0
+        }
+    }
+
+    fn from_report(r: Report) -> Received {
+        Received {
+            bytes: r.bytes,
+            first: Duration::from_nanos(r.first_ns),
+            last: Duration::from_nanos(r.last_ns),
         }
     }
 }
@@ -124,298 +132,207 @@ pub fn combine(parts: &[Received]) -> Option<Received> {
     })
 }
 
+/// One test's connection to the net server, after it said Ready.
+struct Session {
+    control: TcpStream,
+    /// The server's UDP socket for UDP tests.
+    udp: Option<SocketAddr>,
+}
+
+impl Session {
+    fn open(peer: SocketAddr, test: Test) -> Result<Session, BenchError> {
+        let mut control =
+            TcpStream::connect_timeout(&peer, IO_TIMEOUT).map_err(|e| io_err("connect", e))?;
+        control
+            .set_read_timeout(Some(IO_TIMEOUT))
+            .map_err(|e| io_err("timeout", e))?;
+        control
+            .set_write_timeout(Some(IO_TIMEOUT))
+            .map_err(|e| io_err("timeout", e))?;
+        control
+            .write_all(&netctl::encode(&Message::Start(test)))
+            .map_err(|e| io_err("start a test", e))?;
+        match netctl::read_message(&mut control)? {
+            Message::Ready { udp_port } => Ok(Session {
+                udp: (udp_port != 0).then(|| SocketAddr::new(peer.ip(), udp_port)),
+                control,
+            }),
+            Message::Refused(why) => Err(BenchError::Setup(format!(
+                "the net server at {peer} refused {test:?}: {why}"
+            ))),
+            other => Err(BenchError::Check(format!(
+                "the net server at {peer} answered {other:?} to Start"
+            ))),
+        }
+    }
+
+    /// A UDP socket connected to the server's, for UDP tests.
+    fn udp_socket(&self) -> Result<UdpSocket, BenchError> {
+        let far = self
+            .udp
+            .ok_or_else(|| BenchError::Check("the net server named no UDP port".into()))?;
+        let any = match far {
+            SocketAddr::V4(_) => SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+            SocketAddr::V6(_) => SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)),
+        };
+        let s = UdpSocket::bind(any).map_err(|e| io_err("udp bind", e))?;
+        s.connect(far).map_err(|e| io_err("udp connect", e))?;
+        Ok(s)
+    }
+
+    fn report(&mut self) -> Result<Received, BenchError> {
+        match netctl::read_message(&mut self.control)? {
+            Message::Report(r) => Ok(Received::from_report(r)),
+            other => Err(BenchError::Check(format!(
+                "expected a report from the net server, got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// Opens `streams` sessions of `test`, then runs `work` on each on its own thread, all
+/// released at once; returns what each returned and the time from first start to last end.
+fn on_sessions<T: Send>(
+    peer: SocketAddr,
+    test: Test,
+    streams: usize,
+    work: impl Fn(Session) -> Result<T, BenchError> + Sync,
+) -> Result<(Vec<T>, Duration), BenchError> {
+    let sessions = (0..streams)
+        .map(|_| Session::open(peer, test))
+        .collect::<Result<Vec<_>, _>>()?;
+    let together = run_together(sessions, |session, _start| work(session))?;
+    let outputs = together.outputs.into_iter().collect::<Result<_, _>>()?;
+    Ok((outputs, together.wall))
+}
+
 fn tcp_stream_throughput(
+    peer: SocketAddr,
     streams: usize,
     buffer: usize,
     duration: Duration,
 ) -> Result<Received, BenchError> {
-    let listener = TcpListener::bind(loopback()).map_err(|e| io_err("tcp bind", e))?;
-    let addr = listener.local_addr().map_err(|e| io_err("tcp addr", e))?;
-    let mut clients = Vec::with_capacity(streams);
-    for _ in 0..streams {
-        let c = TcpStream::connect_timeout(&addr, IO_TIMEOUT).map_err(|e| io_err("connect", e))?;
-        c.set_write_timeout(Some(IO_TIMEOUT))
-            .map_err(|e| io_err("timeout", e))?;
-        clients.push(c);
-    }
-    // Every client connected already, so each accept returns at once.
-    let mut servers = Vec::with_capacity(streams);
-    for _ in 0..streams {
-        let (s, _) = listener.accept().map_err(|e| io_err("accept", e))?;
-        s.set_read_timeout(Some(IO_TIMEOUT))
-            .map_err(|e| io_err("timeout", e))?;
-        servers.push(s);
-    }
-    let start = Barrier::new(2 * streams);
-    let parts = thread::scope(|s| {
-        let readers: Vec<_> = servers
-            .into_iter()
-            .map(|mut sock| {
-                let start = &start;
-                s.spawn(move || -> Result<Received, BenchError> {
-                    let mut buf = vec![0u8; buffer.max(64 << 10)];
-                    start.wait();
-                    let mut got = 0u64;
-                    let (mut first, mut last) = (None, Instant::now());
-                    loop {
-                        match sock.read(&mut buf) {
-                            Ok(0) => break,
-                            Ok(n) => {
-                                last = Instant::now();
-                                first.get_or_insert(last);
-                                got += n as u64;
-                            }
-                            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                            Err(e) => return Err(io_err("tcp read", e)),
-                        }
-                    }
-                    Ok(Received {
-                        bytes: got,
-                        first: first.unwrap_or(last),
-                        last,
-                    })
-                })
-            })
-            .collect();
-        for mut c in clients {
-            let start = &start;
-            s.spawn(move || {
-                let buf = vec![0x5Au8; buffer];
-                start.wait();
-                let end = Instant::now() + duration;
-                while Instant::now() < end {
-                    if c.write_all(&buf).is_err() {
-                        break;
-                    }
-                }
-                // EOF tells the reader the stream is over.
-                let _ = c.shutdown(std::net::Shutdown::Write);
-            });
+    let test = Test::TcpSink {
+        buffer_bytes: size_u32(buffer)?,
+    };
+    let buf = vec![0x5Au8; buffer];
+    let (parts, _) = on_sessions(peer, test, streams, |mut session| {
+        let end = Instant::now() + duration;
+        while Instant::now() < end {
+            session
+                .control
+                .write_all(&buf)
+                .map_err(|e| io_err("tcp write", e))?;
         }
-        readers
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(BenchError::Check("a reader panicked".into())))
-            })
-            .collect::<Result<Vec<_>, _>>()
+        // EOF tells the sink the stream is over; it answers what arrived.
+        session
+            .control
+            .shutdown(std::net::Shutdown::Write)
+            .map_err(|e| io_err("tcp shutdown", e))?;
+        session.report()
     })?;
     combine(&parts).ok_or_else(|| BenchError::Check("no TCP stream measured".into()))
 }
 
-/// UDP throughput as received (loopback drops what a busy receiver cannot take).
+/// UDP throughput as received (a busy receiver drops what it cannot take), and bytes sent.
 fn udp_throughput(
+    peer: SocketAddr,
     streams: usize,
     datagram: usize,
     duration: Duration,
 ) -> Result<(Received, u64), BenchError> {
-    let mut pairs = Vec::with_capacity(streams);
-    for _ in 0..streams {
-        let rx = UdpSocket::bind(loopback()).map_err(|e| io_err("udp bind", e))?;
-        rx.set_read_timeout(Some(Duration::from_millis(50)))
-            .map_err(|e| io_err("timeout", e))?;
-        let tx = UdpSocket::bind(loopback()).map_err(|e| io_err("udp bind", e))?;
-        tx.connect(rx.local_addr().map_err(|e| io_err("udp addr", e))?)
-            .map_err(|e| io_err("udp connect", e))?;
-        pairs.push((rx, tx));
-    }
-    let sending_done = AtomicBool::new(false);
-    let start = Barrier::new(2 * streams);
-    let (parts, sent) = thread::scope(|s| {
-        let mut readers = Vec::new();
-        let mut writers = Vec::new();
-        for (rx, tx) in pairs {
-            let (start, done) = (&start, &sending_done);
-            readers.push(s.spawn(move || -> Result<Received, BenchError> {
-                let mut buf = vec![0u8; UDP_PAYLOAD_BYTES_MAX];
-                start.wait();
-                let mut got = 0u64;
-                let (mut first, mut last) = (None, Instant::now());
-                loop {
-                    match rx.recv(&mut buf) {
-                        Ok(n) => {
-                            last = Instant::now();
-                            first.get_or_insert(last);
-                            got += n as u64;
-                        }
-                        Err(e)
-                            if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
-                        {
-                            if done.load(Ordering::Acquire) {
-                                break;
-                            }
-                        }
-                        Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                        Err(e) => return Err(io_err("udp recv", e)),
-                    }
-                }
-                Ok(Received {
-                    bytes: got,
-                    first: first.unwrap_or(last),
-                    last,
-                })
-            }));
-            writers.push(s.spawn(move || {
-                let buf = vec![0xA5u8; datagram];
-                start.wait();
-                let end = Instant::now() + duration;
-                let mut sent = 0u64;
-                while Instant::now() < end {
-                    if tx.send(&buf).is_ok() {
-                        sent += datagram as u64;
-                    }
-                }
-                sent
-            }));
+    let test = Test::UdpSink {
+        datagram_bytes: size_u32(datagram)?,
+    };
+    let buf = vec![0xA5u8; datagram];
+    let (parts, _) = on_sessions(peer, test, streams, |mut session| {
+        let tx = session.udp_socket()?;
+        let end = Instant::now() + duration;
+        let mut sent = 0u64;
+        while Instant::now() < end {
+            // A full socket buffer refuses a datagram; that is loss, not failure.
+            if tx.send(&buf).is_ok() {
+                sent += datagram as u64;
+            }
         }
-        let sent: u64 = writers.into_iter().map(|w| w.join().unwrap_or(0)).sum();
-        sending_done.store(true, Ordering::Release);
-        let parts = readers
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(BenchError::Check("a reader panicked".into())))
-            })
-            .collect::<Result<Vec<_>, _>>();
-        (parts, sent)
-    });
-    let parts = parts?;
-    let got = combine(&parts).ok_or_else(|| BenchError::Check("no UDP stream measured".into()))?;
-    Ok((got, sent))
+        session
+            .control
+            .write_all(&netctl::encode(&Message::Stop))
+            .map_err(|e| io_err("udp stop", e))?;
+        Ok((session.report()?, sent))
+    })?;
+    let received: Vec<Received> = parts.iter().map(|p| p.0).collect();
+    let got =
+        combine(&received).ok_or_else(|| BenchError::Check("no UDP stream measured".into()))?;
+    Ok((got, parts.iter().map(|p| p.1).sum()))
 }
 
 /// TCP ping-pong over `streams` connections at once; latency of every round trip.
 fn tcp_pingpong(
+    peer: SocketAddr,
     streams: usize,
     message: usize,
     round_trips: u64,
 ) -> Result<(LatencyRecorder, Duration), BenchError> {
-    let listener = TcpListener::bind(loopback()).map_err(|e| io_err("tcp bind", e))?;
-    let addr = listener.local_addr().map_err(|e| io_err("tcp addr", e))?;
-    let mut pairs = Vec::with_capacity(streams);
-    for _ in 0..streams {
-        let c = TcpStream::connect_timeout(&addr, IO_TIMEOUT).map_err(|e| io_err("connect", e))?;
-        let (s, _) = listener.accept().map_err(|e| io_err("accept", e))?;
-        for sock in [&c, &s] {
-            sock.set_nodelay(true).map_err(|e| io_err("nodelay", e))?;
-            sock.set_read_timeout(Some(IO_TIMEOUT))
-                .map_err(|e| io_err("timeout", e))?;
+    let test = Test::TcpEcho {
+        message_bytes: size_u32(message)?,
+    };
+    let (recorders, took) = on_sessions(peer, test, streams, |session| {
+        let mut c = session.control;
+        c.set_nodelay(true).map_err(|e| io_err("nodelay", e))?;
+        let mut rec = LatencyRecorder::new();
+        let out = vec![0x42u8; message];
+        let mut back = vec![0u8; message];
+        for _ in 0..round_trips {
+            let t = Instant::now();
+            c.write_all(&out).map_err(|e| io_err("ping", e))?;
+            c.read_exact(&mut back).map_err(|e| io_err("pong", e))?;
+            rec.record(t.elapsed());
         }
-        pairs.push((c, s));
-    }
-    let t0 = Instant::now();
-    let recorders = thread::scope(|s| {
-        let mut clients = Vec::new();
-        for (mut c, mut srv) in pairs {
-            s.spawn(move || {
-                let mut buf = vec![0u8; message];
-                while srv.read_exact(&mut buf).is_ok() {
-                    if srv.write_all(&buf).is_err() {
-                        break;
-                    }
-                }
-            });
-            clients.push(s.spawn(move || -> Result<LatencyRecorder, BenchError> {
-                let mut rec = LatencyRecorder::new();
-                let out = vec![0x42u8; message];
-                let mut back = vec![0u8; message];
-                for _ in 0..round_trips {
-                    let t = Instant::now();
-                    c.write_all(&out).map_err(|e| io_err("ping", e))?;
-                    c.read_exact(&mut back).map_err(|e| io_err("pong", e))?;
-                    rec.record(t.elapsed());
-                }
-                if back != out {
-                    return Err(BenchError::Check("the echo changed the bytes".into()));
-                }
-                // Closing ends the echo thread.
-                Ok(rec)
-            }));
+        if back != out {
+            return Err(BenchError::Check("the echo changed the bytes".into()));
         }
-        clients
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(BenchError::Check("a client panicked".into())))
-            })
-            .collect::<Result<Vec<_>, _>>()
+        // Closing ends the server's echo.
+        Ok(rec)
     })?;
     let mut all = LatencyRecorder::new();
     for r in &recorders {
         all.merge(r);
     }
-    Ok((all, t0.elapsed()))
+    Ok((all, took))
 }
 
 /// UDP ping-pong; a ping unanswered within [`UDP_PING_TIMEOUT`] counts as lost.
 fn udp_pingpong(
+    peer: SocketAddr,
     streams: usize,
     message: usize,
     round_trips: u64,
 ) -> Result<(LatencyRecorder, Duration, u64), BenchError> {
-    let mut pairs = Vec::with_capacity(streams);
-    for _ in 0..streams {
-        let echo = UdpSocket::bind(loopback()).map_err(|e| io_err("udp bind", e))?;
-        echo.set_read_timeout(Some(Duration::from_millis(50)))
-            .map_err(|e| io_err("timeout", e))?;
-        let c = UdpSocket::bind(loopback()).map_err(|e| io_err("udp bind", e))?;
-        c.connect(echo.local_addr().map_err(|e| io_err("udp addr", e))?)
-            .map_err(|e| io_err("udp connect", e))?;
+    let test = Test::UdpEcho {
+        message_bytes: size_u32(message)?,
+    };
+    let (results, took) = on_sessions(peer, test, streams, |session| {
+        let c = session.udp_socket()?;
         c.set_read_timeout(Some(UDP_PING_TIMEOUT))
             .map_err(|e| io_err("timeout", e))?;
-        pairs.push((c, echo));
-    }
-    // One stop flag per stream, owned here so the echo threads can borrow it.
-    let stops: Vec<AtomicBool> = (0..streams).map(|_| AtomicBool::new(false)).collect();
-    let t0 = Instant::now();
-    let results = thread::scope(|s| {
-        let mut clients = Vec::new();
-        for ((c, echo), done) in pairs.into_iter().zip(&stops) {
-            s.spawn(move || {
-                let mut buf = vec![0u8; UDP_PAYLOAD_BYTES_MAX];
-                while !done.load(Ordering::Acquire) {
-                    if let Ok((n, from)) = echo.recv_from(&mut buf) {
-                        let _ = echo.send_to(&buf[..n], from);
-                    }
+        let mut rec = LatencyRecorder::new();
+        let mut lost = 0u64;
+        let out = vec![0x42u8; message];
+        let mut back = vec![0u8; message];
+        for _ in 0..round_trips {
+            let t = Instant::now();
+            c.send(&out).map_err(|e| io_err("udp ping", e))?;
+            match c.recv(&mut back) {
+                Ok(_) => rec.record(t.elapsed()),
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    lost += 1
                 }
-            });
-            clients.push(
-                s.spawn(move || -> Result<(LatencyRecorder, u64), BenchError> {
-                    let mut rec = LatencyRecorder::new();
-                    let mut lost = 0u64;
-                    let out = vec![0x42u8; message];
-                    let mut back = vec![0u8; message.max(1)];
-                    for _ in 0..round_trips {
-                        let t = Instant::now();
-                        c.send(&out).map_err(|e| io_err("udp ping", e))?;
-                        match c.recv(&mut back) {
-                            Ok(_) => rec.record(t.elapsed()),
-                            Err(e)
-                                if matches!(
-                                    e.kind(),
-                                    ErrorKind::WouldBlock | ErrorKind::TimedOut
-                                ) =>
-                            {
-                                lost += 1
-                            }
-                            Err(e) => {
-                                done.store(true, Ordering::Release);
-                                return Err(io_err("udp pong", e));
-                            }
-                        }
-                    }
-                    done.store(true, Ordering::Release);
-                    Ok((rec, lost))
-                }),
-            );
+                Err(e) => return Err(io_err("udp pong", e)),
+            }
         }
-        clients
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(BenchError::Check("a client panicked".into())))
-            })
-            .collect::<Result<Vec<_>, _>>()
+        // Dropping the session's connection ends the server's echo.
+        Ok((rec, lost))
     })?;
     let mut all = LatencyRecorder::new();
     let mut lost = 0;
@@ -423,7 +340,11 @@ fn udp_pingpong(
         all.merge(r);
         lost += l;
     }
-    Ok((all, t0.elapsed(), lost))
+    Ok((all, took, lost))
+}
+
+fn size_u32(bytes: usize) -> Result<u32, BenchError> {
+    u32::try_from(bytes).map_err(|_| BenchError::InvalidConfig(format!("{bytes} bytes")))
 }
 
 pub fn run(cfg: &NetConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
@@ -431,6 +352,19 @@ pub fn run(cfg: &NetConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
     let started = now_rfc3339();
     let duration = Duration::from_secs_f64(cfg.seconds_per_point);
     let points = cfg.streams.len() * (2 * cfg.buffer_sizes_bytes.len() + 2);
+    // The in-process server lives until the run ends.
+    let local = match cfg.peer {
+        Some(_) => None,
+        None => Some(NetServer::start(SocketAddr::from((
+            Ipv4Addr::LOCALHOST,
+            0,
+        )))?),
+    };
+    let peer = match (&local, cfg.peer) {
+        (Some(server), _) => server.local_addr(),
+        (None, Some(p)) => p,
+        (None, None) => return Err(BenchError::Setup("no net server".into())),
+    };
     let progress = Progress::new(points as u64, "net");
     let mut series = Vec::new();
     for &streams in &cfg.streams {
@@ -438,14 +372,14 @@ pub fn run(cfg: &NetConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         let mut udp = Series::new(format!("udp ×{streams}"));
         for &b in &cfg.buffer_sizes_bytes {
             progress.set_message(&format!("tcp ×{streams}, {b} B"));
-            let r = tcp_stream_throughput(streams, b, duration)?;
+            let r = tcp_stream_throughput(peer, streams, b, duration)?;
             let mut p = Point::new(b);
             p.bytes_per_sec = Some(r.bytes_per_sec());
             tcp.points.push(p);
             progress.inc(1);
             if b <= UDP_PAYLOAD_BYTES_MAX {
                 progress.set_message(&format!("udp ×{streams}, {b} B"));
-                let (r, sent) = udp_throughput(streams, b, duration)?;
+                let (r, sent) = udp_throughput(peer, streams, b, duration)?;
                 let mut p = Point::new(b);
                 p.bytes_per_sec = Some(r.bytes_per_sec());
                 let loss = if sent > 0 {
@@ -465,14 +399,15 @@ pub fn run(cfg: &NetConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
     let mut udp_pp = Series::new("udp ping-pong");
     for &streams in &cfg.streams {
         progress.set_message(&format!("tcp ping-pong ×{streams}"));
-        let (lat, took) = tcp_pingpong(streams, cfg.message_bytes, cfg.pingpong_round_trips)?;
+        let (lat, took) = tcp_pingpong(peer, streams, cfg.message_bytes, cfg.pingpong_round_trips)?;
         let mut p = Point::new(streams);
         p.ops_per_sec = Some(lat.count() as f64 / took.as_secs_f64().max(1e-9));
         p.latency_us = Some(lat.summary());
         tcp_pp.points.push(p);
         progress.inc(1);
         progress.set_message(&format!("udp ping-pong ×{streams}"));
-        let (lat, took, lost) = udp_pingpong(streams, cfg.message_bytes, cfg.pingpong_round_trips)?;
+        let (lat, took, lost) =
+            udp_pingpong(peer, streams, cfg.message_bytes, cfg.pingpong_round_trips)?;
         if lat.count() == 0 {
             return Err(BenchError::Check("every UDP ping was lost".into()));
         }
@@ -494,14 +429,19 @@ pub fn run(cfg: &NetConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "seconds_per_point": cfg.seconds_per_point,
         "pingpong_round_trips": cfg.pingpong_round_trips,
         "message_bytes": cfg.message_bytes,
-        "peer": "loopback",
+        "peer": cfg.peer.map_or_else(|| "loopback (in-process net-server on 127.0.0.1)".to_owned(), |p| p.to_string()),
         "quick": cfg.quick,
     });
     let result = BenchResult::new("net", started, config, series);
-    output::write_result_with_figure(out, &result, &figure(&result))
+    drop(local);
+    let title = match cfg.peer {
+        Some(p) => format!("Network to {p}"),
+        None => "Network over loopback".to_owned(),
+    };
+    output::write_result_with_figure(out, &result, &figure(&result, &title))
 }
 
-fn figure(result: &BenchResult) -> Figure {
+fn figure(result: &BenchResult, title: &str) -> Figure {
     let mut tcp = Panel::new("TCP throughput", "buffer (bytes)", "MB/s").log_x();
     let mut udp = Panel::new("UDP throughput (received)", "buffer (bytes)", "MB/s").log_x();
     let mut lat = Panel::new("ping-pong latency", "streams", "µs").log_y();
@@ -517,10 +457,7 @@ fn figure(result: &BenchResult) -> Figure {
             udp = udp.line(&s.label, pts);
         }
     }
-    Figure::new("Network over loopback")
-        .panel(tcp)
-        .panel(udp)
-        .panel(lat)
+    Figure::new(title).panel(tcp).panel(udp).panel(lat)
 }
 
 #[cfg(test)]
@@ -563,16 +500,15 @@ mod tests {
 
     #[test]
     fn combining_streams_sums_bytes_over_the_union_of_spans() {
-        let t = Instant::now();
         let a = Received {
             bytes: 100,
-            first: t,
-            last: t + Duration::from_secs(1),
+            first: Duration::ZERO,
+            last: Duration::from_secs(1),
         };
         let b = Received {
             bytes: 300,
-            first: t + Duration::from_millis(500),
-            last: t + Duration::from_secs(2),
+            first: Duration::from_millis(500),
+            last: Duration::from_secs(2),
         };
         let c = combine(&[a, b]).expect("two parts");
         assert_eq!(c.bytes, 400);
@@ -589,6 +525,7 @@ mod tests {
             seconds_per_point: 0.05,
             pingpong_round_trips: 200,
             message_bytes: 64,
+            peer: None,
             quick: true,
         };
         run(&cfg, &dir).expect("net bench");
@@ -621,5 +558,34 @@ mod tests {
             .map(|m| m.len() > 0)
             .unwrap_or(false));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_hostile_peer_is_refused_and_others_are_still_served() {
+        let server = NetServer::start(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).expect("start");
+        let addr = server.local_addr();
+        let mut bad = TcpStream::connect_timeout(&addr, IO_TIMEOUT).expect("connect");
+        bad.set_read_timeout(Some(IO_TIMEOUT)).expect("timeout");
+        bad.write_all(b"GET / HTTP/1.1\r\n\r\n")
+            .expect("send garbage");
+        assert!(matches!(
+            netctl::read_message(&mut bad),
+            Ok(Message::Refused(why)) if why.contains("magic")
+        ));
+        // Then closed: EOF, or a reset since our garbage was left unread; not a timeout.
+        let mut rest = Vec::new();
+        match bad.read_to_end(&mut rest) {
+            Ok(_) => assert!(rest.is_empty()),
+            Err(e) => assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}"),
+        }
+        let too_big = Session::open(
+            addr,
+            Test::TcpSink {
+                buffer_bytes: u32::MAX,
+            },
+        );
+        assert!(matches!(too_big, Err(BenchError::Setup(why)) if why.contains("outside")));
+        let got = tcp_stream_throughput(addr, 2, 4096, Duration::from_millis(20)).expect("served");
+        assert!(got.bytes > 0 && got.bytes_per_sec() > 0.0);
     }
 }
