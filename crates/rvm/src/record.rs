@@ -232,7 +232,7 @@ pub fn decode_header(bytes: &[u8]) -> Result<RecordHeader, DecodeError> {
     let mut r = Reader::new(&bytes[..RECORD_HEADER_BYTES]);
     let magic = r.u32()?;
     let version = r.u16()?;
-    let _reserved = r.u16()?;
+    let reserved = r.u16()?;
     let seq = r.u64()?;
     let body_len = r.u64()?;
     let body_crc = r.u32()?;
@@ -243,7 +243,7 @@ pub fn decode_header(bytes: &[u8]) -> Result<RecordHeader, DecodeError> {
     if crc32fast::hash(&bytes[..28]) != header_crc {
         return Err(DecodeError::Invalid("record header checksum mismatch"));
     }
-    if version != FORMAT_VERSION {
+    if version != FORMAT_VERSION || reserved != 0 {
         return Err(DecodeError::Invalid("unknown record format version"));
     }
     if body_len < 4 || body_len > (RECORD_BYTES_MAX - RECORD_HEADER_BYTES) as u64 {
