@@ -3,13 +3,23 @@
 
 use crate::api::ApiConfig;
 use crate::hw::{cpu::CpuConfig, disk::DiskConfig, mem::MemConfig, net::NetConfig};
+use crate::rvm::RvmBenchConfig;
 use crate::threads::ThreadsConfig;
 use crate::{report, BenchError, QuickConfig};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 6] = ["cpu", "mem", "net", "disk", "threads", "api"];
+pub const BENCHES: [&str; 8] = [
+    "cpu",
+    "mem",
+    "net",
+    "disk",
+    "threads",
+    "api",
+    "rvm-commit",
+    "rvm-recovery",
+];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
 /// `out/index.html`. `log` hears one line as each bench starts and ends.
@@ -55,6 +65,12 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
     })?);
     written.extend(timed("api", &|| {
         crate::api::run(&ApiConfig::defaults(quick), out).map(|(files, _table)| files)
+    })?);
+    written.extend(timed("rvm-commit", &|| {
+        crate::rvm::run_commit(&RvmBenchConfig::defaults(quick), out)
+    })?);
+    written.extend(timed("rvm-recovery", &|| {
+        crate::rvm::run_recovery(&RvmBenchConfig::defaults(quick), out)
     })?);
     written.push(report::write_report(out)?);
     Ok(written)

@@ -42,13 +42,15 @@ quick_config!(
     hw::net::NetConfig,
     hw::disk::DiskConfig,
     threads::ThreadsConfig,
-    api::ApiConfig
+    api::ApiConfig,
+    rvm::RvmBenchConfig
 );
 
 pub mod all;
 pub mod api;
 pub mod demo;
 pub mod hw;
+pub mod rvm;
 pub mod threads;
 pub mod workload;
 

@@ -467,6 +467,11 @@ impl Rvm {
         self.inner.live.read().get(tag).cloned()
     }
 
+    /// The live segment whose memory contains `addr`, and the offset of `addr` in it.
+    pub fn segment_at(&self, addr: u64) -> Option<(Segment, u64)> {
+        self.inner.segment_at(addr)
+    }
+
     /// Every live segment, by tag.
     pub fn segments(&self) -> Vec<Segment> {
         let mut v: Vec<Segment> = self.inner.live.read().values().cloned().collect();
@@ -474,9 +479,9 @@ impl Rvm {
         v
     }
 
-    pub fn begin(&self) -> Txn<'_> {
+    pub fn begin(&self) -> Txn {
         Txn {
-            inner: &self.inner,
+            inner: self.inner.clone(),
             id: self.inner.next_txn.fetch_add(1, Ordering::Relaxed),
             undo: Vec::new(),
             segs: Vec::new(),
@@ -533,6 +538,13 @@ impl Drop for Rvm {
 }
 
 impl Inner {
+    fn segment_at(&self, addr: u64) -> Option<(Segment, u64)> {
+        self.live.read().values().find_map(|s| {
+            let base = s.addr();
+            (addr >= base && addr - base < s.len()).then(|| (s.clone(), addr - base))
+        })
+    }
+
     fn check_failed(&self) -> Result<()> {
         match &*self.failed.lock() {
             Some(why) => Err(RvmError::Failed(why.clone())),
@@ -834,9 +846,10 @@ impl Inner {
     }
 }
 
-/// A transaction. Dropping it without committing aborts it.
-pub struct Txn<'a> {
-    inner: &'a Inner,
+/// A transaction. Dropping it without committing aborts it. It holds the instance
+/// alive (C callers keep it behind a pointer, with no Rust lifetime to tie it to).
+pub struct Txn {
+    inner: Arc<Inner>,
     id: TxnId,
     /// Old values of declared ranges, in declaration order.
     undo: Vec<(Segment, u64, Vec<u8>)>,
@@ -845,7 +858,7 @@ pub struct Txn<'a> {
     done: bool,
 }
 
-impl Txn<'_> {
+impl Txn {
     /// Declares `len` bytes at `offset` of `seg` about to change; their current values
     /// are kept for `abort`. Fails when another live transaction declared any of them.
     pub fn set_range(&mut self, seg: &Segment, offset: u64, len: u64) -> Result<()> {
@@ -883,6 +896,11 @@ impl Txn<'_> {
             self.segs.push(seg.clone());
         }
         Ok(())
+    }
+
+    /// The live segment containing `addr` (for callers that hold addresses, like C).
+    pub fn segment_at(&self, addr: u64) -> Option<(Segment, u64)> {
+        self.inner.segment_at(addr)
     }
 
     /// Writes into a range this transaction declared.
@@ -1051,7 +1069,7 @@ impl Txn<'_> {
     }
 }
 
-impl Drop for Txn<'_> {
+impl Drop for Txn {
     fn drop(&mut self) {
         self.rollback();
     }
