@@ -3,6 +3,7 @@
 
 use crate::api::ApiConfig;
 use crate::hw::{cpu::CpuConfig, disk::DiskConfig, mem::MemConfig, net::NetConfig};
+use crate::rvm::RvmBenchConfig;
 use crate::threads::ThreadsConfig;
 use crate::ycsb::{Workload, YcsbConfig};
 use crate::{report, BenchError, QuickConfig};
@@ -10,7 +11,17 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 7] = ["cpu", "mem", "net", "disk", "threads", "api", "ycsb"];
+pub const BENCHES: [&str; 9] = [
+    "cpu",
+    "mem",
+    "net",
+    "disk",
+    "threads",
+    "api",
+    "rvm-commit",
+    "rvm-recovery",
+    "ycsb",
+];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
 /// `out/index.html`. `log` hears one line as each bench starts and ends.
@@ -79,6 +90,12 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
             )));
         }
         Ok(report.files)
+    })?);
+    written.extend(timed("rvm-commit", &|| {
+        crate::rvm::run_commit(&RvmBenchConfig::defaults(quick), out)
+    })?);
+    written.extend(timed("rvm-recovery", &|| {
+        crate::rvm::run_recovery(&RvmBenchConfig::defaults(quick), out)
     })?);
     written.push(report::write_report(out)?);
     Ok(written)

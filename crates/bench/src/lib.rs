@@ -43,13 +43,15 @@ quick_config!(
     hw::disk::DiskConfig,
     threads::ThreadsConfig,
     api::ApiConfig,
-    ycsb::YcsbConfig
+    ycsb::YcsbConfig,
+    rvm::RvmBenchConfig
 );
 
 pub mod all;
 pub mod api;
 pub mod demo;
 pub mod hw;
+pub mod rvm;
 pub mod threads;
 pub mod workload;
 pub mod ycsb;

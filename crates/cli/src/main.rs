@@ -120,6 +120,11 @@ enum BenchCommand {
     /// YCSB's core workloads (A–F, and W: 100% update) against Camelot, its Redis port,
     /// redis-server and memcached under one harness; every read is checked.
     Ycsb(YcsbArgs),
+    /// RVM commit time against pages modified, per backend (seed 001), beside iperf3,
+    /// sockperf and redis-benchmark measured in the same run.
+    RvmCommit(RvmArgs),
+    /// RVM recovery time against pages, per backend (seed 001), beside iperf3.
+    RvmRecovery(RvmArgs),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
 }
@@ -251,6 +256,37 @@ struct ApiArgs {
 }
 
 #[derive(Args)]
+struct RvmArgs {
+    /// Backends to measure, comma-separated or repeated: pool, pool-mirrored, redis, file.
+    /// Each trial starts a fresh one (dev servers, redis-server, a temp dir).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "pool,pool-mirrored,redis,file"
+    )]
+    backend: Vec<String>,
+    /// Page counts (x axis), comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,3,10,30,100,300,1000,3000,10000"
+    )]
+    pages: Vec<u64>,
+    /// Trials per page count, each on a fresh backend.
+    #[arg(long, default_value_t = 3)]
+    trials: usize,
+    /// Seconds iperf3 and sockperf run.
+    #[arg(long, default_value_t = 3)]
+    peer_seconds: u64,
+    /// Scaled down to finish in under 30 s.
+    #[arg(long)]
+    quick: bool,
+    /// Directory for the result JSON and figures.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
+}
+
+#[derive(Args)]
 struct ThreadsArgs {
     /// Total requests per thread count.
     #[arg(long, default_value_t = 1_000_000)]
@@ -335,6 +371,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Threads(a)) => bench_threads(a),
         Command::Bench(BenchCommand::Api(a)) => bench_api(a),
         Command::Bench(BenchCommand::Ycsb(a)) => bench_ycsb(a),
+        Command::Bench(BenchCommand::RvmCommit(a)) => bench_rvm(a, true),
+        Command::Bench(BenchCommand::RvmRecovery(a)) => bench_rvm(a, false),
         Command::Bench(BenchCommand::All(a)) => bench_all(a),
         Command::Bench(BenchCommand::Hw(a)) => bench_hw(a),
         Command::Report(a) => report(a),
@@ -628,6 +666,39 @@ fn bench_ycsb(a: YcsbArgs) -> Result<()> {
             report.errors,
             report.mismatches
         );
+    }
+    Ok(())
+}
+
+fn bench_rvm(a: RvmArgs, commit: bool) -> Result<()> {
+    use camelot_bench::rvm::{RvmBackend, RvmBenchConfig};
+    let mut cfg = RvmBenchConfig {
+        backends: a
+            .backend
+            .iter()
+            .map(|b| RvmBackend::parse(b.trim()))
+            .collect::<Result<Vec<_>, _>>()?,
+        pages: a.pages,
+        trials: a.trials,
+        peer_seconds: a.peer_seconds,
+        ..RvmBenchConfig::default()
+    };
+    if a.quick {
+        cfg.apply_quick();
+    }
+    let written = if commit {
+        camelot_bench::rvm::run_commit(&cfg, &a.out)?
+    } else {
+        camelot_bench::rvm::run_recovery(&cfg, &a.out)?
+    };
+    if let Some(json) = written.first() {
+        let result = camelot_bench::output::read_result(json)?;
+        for line in camelot_bench::rvm::ratio_lines(&result) {
+            println!("{line}");
+        }
+    }
+    for p in written {
+        println!("wrote {}", p.display());
     }
     Ok(())
 }

@@ -1,0 +1,59 @@
+//! Where the log, the catalog and the segments' home copies live. One trait, three
+//! backends; the transaction logic above it is the same for all.
+
+pub mod file;
+pub mod pool;
+pub mod redis;
+mod resp;
+
+use crate::error::Result;
+use crate::record::Record;
+use bytes::Bytes;
+
+/// Bytes to copy into a segment's home copy when the log is truncated.
+#[derive(Debug, Clone)]
+pub struct HomeWrite {
+    pub seg: u64,
+    pub offset: u64,
+    pub data: Bytes,
+}
+
+/// Storage for one RVM instance. Every method returns only when what it wrote is durable
+/// (held by every replica, fsynced), because the caller builds ordering on that.
+pub trait Backend: Send + Sync {
+    /// A short description for errors and bench output.
+    fn describe(&self) -> String;
+
+    /// Appends encoded records (`seq`, bytes) after the last one, in order, in as few
+    /// round trips as the backend allows. After a crash, a prefix of them may be present.
+    fn append_log(&self, records: &[(u64, Bytes)]) -> Result<()>;
+
+    /// The valid records numbered `first_seq`, `first_seq + 1`, … up to the first missing or
+    /// invalid one; later appends go right after the last returned.
+    fn scan_log(&self, first_seq: u64) -> Result<Vec<Record>>;
+
+    /// Discards every record (their effects are in the homes and the catalog now); the next
+    /// record appended will be `next_seq`.
+    fn reset_log(&self, next_seq: u64) -> Result<()>;
+
+    /// Log bytes this backend can hold; a record larger than this can never be committed.
+    fn log_capacity_bytes(&self) -> u64;
+
+    /// Both catalog slots (absent or unreadable ones as `None`).
+    fn read_catalog_slots(&self) -> Result<[Option<Bytes>; 2]>;
+    fn write_catalog_slot(&self, slot: usize, catalog: Bytes) -> Result<()>;
+
+    /// Makes sure a home of `len` zero-initialised bytes exists for `seg` (an existing
+    /// one is kept: a crash can leave one behind that no committed record mentions).
+    fn create_home(&self, seg: u64, len: u64) -> Result<()>;
+    fn write_home(&self, writes: &[HomeWrite]) -> Result<()>;
+    /// Copies the home of `seg` into `out` (its length is the segment's).
+    fn read_home(&self, seg: u64, out: &mut [u8]) -> Result<()>;
+    fn drop_home(&self, seg: u64, len: u64) -> Result<()>;
+
+    /// After a recovery: whether replicas disagreed or one was unreachable, so the
+    /// recovered state must be written back in full to make them agree again.
+    fn needs_resync(&self) -> bool {
+        false
+    }
+}

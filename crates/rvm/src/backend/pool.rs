@@ -1,0 +1,425 @@
+//! The pool backend: log, catalog and homes in regions on Camelot memory servers. A commit
+//! is one pipelined batch of WRITEs (one round trip); with two servers every batch goes to
+//! both at once and returns when both answered, so mirroring costs about one round trip
+//! more of bandwidth, not a second round trip.
+
+use super::{Backend, HomeWrite};
+use crate::error::{Result, RvmError};
+use crate::limits::{CATALOG_BYTES_MAX, IO_CHUNK_BYTES, MIRRORS_MAX};
+use crate::record::{newest_catalog, scan_stream, Record};
+use bytes::Bytes;
+use camelot_client::proto::{ErrorCode, Op};
+use camelot_client::{reply, Client, ClientConfig, ClusterMap, Pending, Region};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// A replica that does not accept a connection within this is treated as down.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// A request unanswered this long fails the batch (a 40 MB commit takes milliseconds).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
+
+struct Replica {
+    addr: SocketAddr,
+    client: Client,
+    log: Region,
+    catalogs: [Region; 2],
+    homes: Mutex<HashMap<u64, Region>>,
+}
+
+/// What recovery learned about each replica, to pick the most advanced one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Position {
+    applied_seq: u64,
+    last_seq: u64,
+    end_bytes: u64,
+}
+
+pub struct PoolBackend {
+    ns: String,
+    /// `None` for a replica that was down when opened for recovery.
+    replicas: Vec<Option<Replica>>,
+    log_capacity_bytes: u64,
+    tail_bytes: Mutex<u64>,
+    /// Replica recovery reads from, and whether the others must be rewritten.
+    source: usize,
+    resync: bool,
+}
+
+impl PoolBackend {
+    /// Connects to one server (or two, mirrored), creating the log and catalog regions of
+    /// instance `ns` where missing. With `allow_down`, an unreachable replica is tolerated
+    /// as long as one answers (recovery); commits then fail until it is back.
+    pub fn open(
+        servers: &[SocketAddr],
+        ns: &str,
+        token: Option<Vec<u8>>,
+        log_capacity_bytes: u64,
+        allow_down: bool,
+    ) -> Result<PoolBackend> {
+        if servers.is_empty() || servers.len() > MIRRORS_MAX {
+            return Err(RvmError::InvalidArgument(format!(
+                "the pool backend takes 1 to {MIRRORS_MAX} servers, not {}",
+                servers.len()
+            )));
+        }
+        let mut replicas = Vec::new();
+        let mut last_err = None;
+        for &addr in servers {
+            match Replica::open(addr, ns, token.clone(), log_capacity_bytes) {
+                Ok(r) => replicas.push(Some(r)),
+                Err(e) if allow_down && servers.len() > 1 => {
+                    tracing::warn!("rvm: replica {addr} is down: {e}");
+                    last_err = Some(e);
+                    replicas.push(None);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if replicas.iter().all(Option::is_none) {
+            return Err(
+                last_err.unwrap_or_else(|| RvmError::Unavailable("no replica answered".into()))
+            );
+        }
+        let mut backend = PoolBackend {
+            ns: ns.to_owned(),
+            replicas,
+            log_capacity_bytes,
+            tail_bytes: Mutex::new(0),
+            source: 0,
+            resync: false,
+        };
+        backend.choose_source()?;
+        Ok(backend)
+    }
+
+    /// Picks the replica whose log reaches furthest; the others need a resync when their
+    /// position differs or they are down.
+    fn choose_source(&mut self) -> Result<()> {
+        let mut positions = Vec::new();
+        for (i, r) in self.replicas.iter().enumerate() {
+            let Some(r) = r else { continue };
+            let slots = r.read_catalog_slots()?;
+            let applied_seq = newest_catalog(&slots).map_or(0, |(_, c)| c.applied_seq);
+            let (records, end_bytes) = r.scan(applied_seq + 1, self.log_capacity_bytes)?;
+            let last_seq = records.last().map_or(applied_seq, |rec| rec.seq);
+            positions.push((
+                i,
+                Position {
+                    applied_seq,
+                    last_seq,
+                    end_bytes,
+                },
+            ));
+        }
+        let Some((source, best)) = positions
+            .iter()
+            .max_by_key(|(i, p)| (p.last_seq, std::cmp::Reverse(*i)))
+            .cloned()
+        else {
+            return Err(RvmError::Unavailable("no replica answered".into()));
+        };
+        self.source = source;
+        self.resync =
+            positions.len() < self.replicas.len() || positions.iter().any(|(_, p)| *p != best);
+        *self.tail_bytes.lock() = best.end_bytes;
+        Ok(())
+    }
+
+    fn live(&self) -> Result<Vec<&Replica>> {
+        self.replicas
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                r.as_ref().ok_or_else(|| {
+                    RvmError::Unavailable(format!(
+                        "mirror {i} of rvm instance {:?} is down; reopen with recovery once \
+                         it is back",
+                        self.ns
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    fn source(&self) -> Result<&Replica> {
+        self.replicas
+            .get(self.source)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| RvmError::Unavailable("the recovery source is gone".into()))
+    }
+
+    /// Submits `ops(replica)` on every replica, then waits for every answer: one round
+    /// trip for all of them.
+    fn on_all(
+        &self,
+        replicas: &[&Replica],
+        ops: impl Fn(&Replica) -> Result<Vec<Op>>,
+    ) -> Result<()> {
+        let mut pending: Vec<Pending> = Vec::new();
+        for r in replicas {
+            for op in ops(r)? {
+                pending.push(r.client.submit(0, op)?);
+            }
+        }
+        let mut first_err = None;
+        for p in pending {
+            if let Err(e) = reply::done(p.wait()) {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+}
+
+fn chunked_writes(region: &Region, offset: u64, data: &Bytes, ops: &mut Vec<Op>) {
+    let mut at = 0usize;
+    while at < data.len() {
+        let n = (data.len() - at).min(IO_CHUNK_BYTES);
+        ops.push(region.write_op(offset + at as u64, data.slice(at..at + n)));
+        at += n;
+    }
+}
+
+fn get_or_alloc(client: &Client, name: &str, size: u64) -> Result<Region> {
+    let rounded = size.div_ceil(crate::limits::PAGE_BYTES) * crate::limits::PAGE_BYTES;
+    match client.lookup(name) {
+        Ok(r) if r.size >= rounded => return Ok(r),
+        Ok(r) => client.free(&r)?,
+        Err(e) if e.code() == Some(ErrorCode::NameNotFound) => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(client.alloc_on(0, rounded, Some(name))?)
+}
+
+impl Replica {
+    fn open(addr: SocketAddr, ns: &str, token: Option<Vec<u8>>, log_bytes: u64) -> Result<Replica> {
+        let cfg = ClientConfig {
+            token,
+            // One connection: a commit's ops stay in order on it and share frames.
+            connections_per_node: 1,
+            connect_timeout: CONNECT_TIMEOUT,
+            request_timeout: REQUEST_TIMEOUT,
+            ..ClientConfig::default()
+        };
+        let client = Client::connect(ClusterMap::from_addrs(&[addr]), cfg)?;
+        let log = get_or_alloc(&client, &format!("rvm/{ns}/log"), log_bytes)?;
+        let cat = |i: usize| {
+            get_or_alloc(
+                &client,
+                &format!("rvm/{ns}/cat{i}"),
+                CATALOG_BYTES_MAX as u64,
+            )
+        };
+        let catalogs = [cat(0)?, cat(1)?];
+        Ok(Replica {
+            addr,
+            client: client.clone(),
+            log,
+            catalogs,
+            homes: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn home_name(ns: &str, seg: u64) -> String {
+        format!("rvm/{ns}/seg/{seg}")
+    }
+
+    fn home(&self, ns: &str, seg: u64) -> Result<Region> {
+        if let Some(r) = self.homes.lock().get(&seg) {
+            return Ok(r.clone());
+        }
+        let r = self.client.lookup(&Self::home_name(ns, seg)).map_err(|e| {
+            if e.code() == Some(ErrorCode::NameNotFound) {
+                RvmError::Corrupt(format!("segment {seg} has no home on {}", self.addr))
+            } else {
+                e.into()
+            }
+        })?;
+        self.homes.lock().insert(seg, r.clone());
+        Ok(r)
+    }
+
+    fn read_catalog_slots(&self) -> Result<[Option<Bytes>; 2]> {
+        let p: Vec<Pending> = self
+            .catalogs
+            .iter()
+            .map(|c| {
+                self.client
+                    .submit(0, c.read_op(0, CATALOG_BYTES_MAX as u32))
+            })
+            .collect::<Result<_, _>>()?;
+        let mut out = [None, None];
+        for (slot, p) in out.iter_mut().zip(p) {
+            *slot = Some(reply::data(p.wait())?);
+        }
+        Ok(out)
+    }
+
+    fn read_region(&self, region: &Region, offset: u64, out: &mut [u8]) -> Result<()> {
+        let mut pending = Vec::new();
+        for (i, chunk) in out.chunks(IO_CHUNK_BYTES).enumerate() {
+            let at = offset + (i * IO_CHUNK_BYTES) as u64;
+            pending.push(
+                self.client
+                    .submit(0, region.read_op(at, chunk.len() as u32))?,
+            );
+        }
+        for (chunk, p) in out.chunks_mut(IO_CHUNK_BYTES).zip(pending) {
+            let data = reply::data(p.wait())?;
+            if data.len() != chunk.len() {
+                return Err(RvmError::Corrupt(format!(
+                    "{} answered {} bytes for a {}-byte read",
+                    self.addr,
+                    data.len(),
+                    chunk.len()
+                )));
+            }
+            chunk.copy_from_slice(&data);
+        }
+        Ok(())
+    }
+
+    fn scan(&self, first_seq: u64, capacity: u64) -> Result<(Vec<Record>, u64)> {
+        let capacity = capacity.min(self.log.size);
+        scan_stream(capacity, first_seq, IO_CHUNK_BYTES, |off, len| {
+            let mut buf = vec![0u8; len];
+            self.read_region(&self.log, off, &mut buf)?;
+            Ok::<_, RvmError>(Bytes::from(buf))
+        })
+    }
+}
+
+impl Backend for PoolBackend {
+    fn describe(&self) -> String {
+        let addrs: Vec<String> = self
+            .replicas
+            .iter()
+            .map(|r| r.as_ref().map_or("(down)".into(), |r| r.addr.to_string()))
+            .collect();
+        format!("pool {}", addrs.join(" + "))
+    }
+
+    fn append_log(&self, records: &[(u64, Bytes)]) -> Result<()> {
+        let replicas = self.live()?;
+        let mut tail = self.tail_bytes.lock();
+        let total: u64 = records.iter().map(|(_, b)| b.len() as u64).sum();
+        if *tail + total > self.log_capacity_bytes {
+            return Err(RvmError::TooLarge {
+                what: "pool log bytes",
+                got: *tail + total,
+                max: self.log_capacity_bytes,
+            });
+        }
+        let start = *tail;
+        self.on_all(&replicas, |r| {
+            let mut ops = Vec::new();
+            let mut at = start;
+            for (_, b) in records {
+                chunked_writes(&r.log, at, b, &mut ops);
+                at += b.len() as u64;
+            }
+            Ok(ops)
+        })?;
+        *tail = start + total;
+        Ok(())
+    }
+
+    fn scan_log(&self, first_seq: u64) -> Result<Vec<Record>> {
+        let (records, end) = self.source()?.scan(first_seq, self.log_capacity_bytes)?;
+        *self.tail_bytes.lock() = end;
+        Ok(records)
+    }
+
+    fn reset_log(&self, _next_seq: u64) -> Result<()> {
+        // Old records stay in the region; recovery only accepts the next sequence number,
+        // which none of them carries.
+        *self.tail_bytes.lock() = 0;
+        Ok(())
+    }
+
+    fn log_capacity_bytes(&self) -> u64 {
+        self.log_capacity_bytes
+    }
+
+    fn read_catalog_slots(&self) -> Result<[Option<Bytes>; 2]> {
+        self.source()?.read_catalog_slots()
+    }
+
+    fn write_catalog_slot(&self, slot: usize, catalog: Bytes) -> Result<()> {
+        if catalog.len() > CATALOG_BYTES_MAX || slot > 1 {
+            return Err(RvmError::TooLarge {
+                what: "catalog bytes",
+                got: catalog.len() as u64,
+                max: CATALOG_BYTES_MAX as u64,
+            });
+        }
+        let replicas = self.live_or_alive();
+        self.on_all(&replicas, |r| {
+            Ok(vec![r.catalogs[slot].write_op(0, catalog.clone())])
+        })
+    }
+
+    fn create_home(&self, seg: u64, len: u64) -> Result<()> {
+        for r in self.live_or_alive() {
+            let region = get_or_alloc(&r.client, &Replica::home_name(&self.ns, seg), len)?;
+            r.homes.lock().insert(seg, region);
+        }
+        Ok(())
+    }
+
+    fn write_home(&self, writes: &[HomeWrite]) -> Result<()> {
+        let replicas = self.live_or_alive();
+        self.on_all(&replicas, |r| {
+            let mut ops = Vec::new();
+            for w in writes {
+                let home = r.home(&self.ns, w.seg)?;
+                chunked_writes(&home, w.offset, &w.data, &mut ops);
+            }
+            Ok(ops)
+        })
+    }
+
+    fn read_home(&self, seg: u64, out: &mut [u8]) -> Result<()> {
+        let r = self.source()?;
+        let home = r.home(&self.ns, seg)?;
+        r.read_region(&home, 0, out)
+    }
+
+    fn drop_home(&self, seg: u64, _len: u64) -> Result<()> {
+        for r in self.live_or_alive() {
+            let region = r.homes.lock().remove(&seg);
+            let region = match region {
+                Some(region) => region,
+                None => match r.client.lookup(&Replica::home_name(&self.ns, seg)) {
+                    Ok(region) => region,
+                    Err(e) if e.code() == Some(ErrorCode::NameNotFound) => continue,
+                    Err(e) => return Err(e.into()),
+                },
+            };
+            match r.client.free(&region) {
+                Ok(()) => {}
+                Err(e) if e.code() == Some(ErrorCode::NoSuchRegion) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    fn needs_resync(&self) -> bool {
+        self.resync
+    }
+}
+
+impl PoolBackend {
+    /// Home and catalog writes go to every replica that is up: after a recovery with one
+    /// down, the survivor must still be brought up to date. Log appends use [`Self::live`],
+    /// which refuses to commit without every mirror.
+    fn live_or_alive(&self) -> Vec<&Replica> {
+        self.replicas.iter().flatten().collect()
+    }
+}

@@ -1,0 +1,728 @@
+//! Log records and catalogs: their byte encoding, and decoding of whatever a backend hands
+//! back. Pure code, no I/O.
+//!
+//! Decoding never panics and never allocates more than the input's own length: bytes read
+//! back from a backend may be torn (a crash mid-commit), stale (an older record left past
+//! the log's end) or plain garbage, and each of those must end the log cleanly.
+
+use crate::limits::{RECORD_BYTES_MAX, RECORD_OPS_MAX, SEGMENTS_MAX, TAG_BYTES_MAX};
+use bytes::Bytes;
+
+const RECORD_MAGIC: u32 = 0x5256_4d31; // "RVM1"
+const CATALOG_MAGIC: u32 = 0x5256_4d43; // "RVMC"
+const FORMAT_VERSION: u16 = 1;
+/// magic u32, version u16, reserved u16, seq u64, body_len u64, body_crc u32, header_crc u32.
+pub const RECORD_HEADER_BYTES: usize = 32;
+/// magic u32, version u16, reserved u16, body_len u32, body_crc u32.
+pub const CATALOG_HEADER_BYTES: usize = 16;
+
+const OP_WRITE: u8 = 1;
+const OP_ALLOC: u8 = 2;
+const OP_FREE: u8 = 3;
+/// kind u8, seg u64, offset u64, len u32.
+const WRITE_OP_HEADER_BYTES: usize = 21;
+
+/// One change a committed transaction made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LogOp {
+    Write { seg: u64, offset: u64, data: Bytes },
+    Alloc(SegMeta),
+    Free { seg: u64 },
+}
+
+/// What the catalog and an Alloc op know of a segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegMeta {
+    pub seg: u64,
+    pub len: u64,
+    /// Virtual address the segment was mapped at, so recovery can map it there again.
+    pub addr: u64,
+    pub tag: String,
+}
+
+/// One commit: everything in it becomes durable together or not at all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub seq: u64,
+    pub ops: Vec<LogOp>,
+}
+
+/// Why bytes are not a record; the log ends at the first one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("need {0} more bytes")]
+    Short(usize),
+    #[error("{0}")]
+    Invalid(&'static str),
+}
+
+/// Builds one record straight from segment memory: each declared range is copied once,
+/// into the buffer that is shipped.
+pub struct RecordBuilder {
+    buf: Vec<u8>,
+    ops: usize,
+    /// Where each op's payload sits in `buf`, so `finish` can hand back the record with
+    /// zero-copy slices instead of parsing (and checksumming) it a second time.
+    shapes: Vec<Shape>,
+}
+
+enum Shape {
+    Write {
+        seg: u64,
+        offset: u64,
+        start: usize,
+        len: usize,
+    },
+    Alloc(SegMeta),
+    Free {
+        seg: u64,
+    },
+}
+
+impl Default for RecordBuilder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RecordBuilder {
+    pub fn new() -> RecordBuilder {
+        let buf = vec![0; RECORD_HEADER_BYTES + 4];
+        RecordBuilder {
+            buf,
+            ops: 0,
+            shapes: Vec::new(),
+        }
+    }
+
+    /// Bytes the record would have if finished now.
+    pub fn len_bytes(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn reserve(&mut self, bytes: usize) {
+        self.buf.reserve(bytes);
+    }
+
+    /// Appends a write of `len` bytes that `fill` copies into the slice it is given.
+    pub fn write_with(&mut self, seg: u64, offset: u64, len: u32, fill: impl FnOnce(&mut [u8])) {
+        self.ops += 1;
+        self.buf.push(OP_WRITE);
+        self.buf.extend_from_slice(&seg.to_le_bytes());
+        self.buf.extend_from_slice(&offset.to_le_bytes());
+        self.buf.extend_from_slice(&len.to_le_bytes());
+        let start = self.buf.len();
+        self.buf.resize(start + len as usize, 0);
+        fill(&mut self.buf[start..]);
+        self.shapes.push(Shape::Write {
+            seg,
+            offset,
+            start,
+            len: len as usize,
+        });
+    }
+
+    pub fn write(&mut self, seg: u64, offset: u64, data: &[u8]) {
+        let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
+        self.write_with(seg, offset, len, |b| b.copy_from_slice(&data[..b.len()]));
+    }
+
+    pub fn alloc(&mut self, meta: &SegMeta) {
+        self.ops += 1;
+        self.buf.push(OP_ALLOC);
+        encode_meta(&mut self.buf, meta);
+        self.shapes.push(Shape::Alloc(meta.clone()));
+    }
+
+    pub fn free(&mut self, seg: u64) {
+        self.ops += 1;
+        self.buf.push(OP_FREE);
+        self.buf.extend_from_slice(&seg.to_le_bytes());
+        self.shapes.push(Shape::Free { seg });
+    }
+
+    pub fn op_count(&self) -> usize {
+        self.ops
+    }
+
+    /// The encoded record, and the record it decodes to (payloads slice the encoding).
+    pub fn finish_with_record(self, seq: u64) -> (Bytes, Record) {
+        let mut this = self;
+        let shapes = std::mem::take(&mut this.shapes);
+        let bytes = this.finish(seq);
+        let ops = shapes
+            .into_iter()
+            .map(|s| match s {
+                Shape::Write {
+                    seg,
+                    offset,
+                    start,
+                    len,
+                } => LogOp::Write {
+                    seg,
+                    offset,
+                    data: bytes.slice(start..start + len),
+                },
+                Shape::Alloc(m) => LogOp::Alloc(m),
+                Shape::Free { seg } => LogOp::Free { seg },
+            })
+            .collect();
+        (bytes, Record { seq, ops })
+    }
+
+    /// The encoded record with its sequence number and checksums filled in.
+    pub fn finish(mut self, seq: u64) -> Bytes {
+        let body_len = (self.buf.len() - RECORD_HEADER_BYTES) as u64;
+        let ops = u32::try_from(self.ops).unwrap_or(u32::MAX);
+        self.buf[RECORD_HEADER_BYTES..RECORD_HEADER_BYTES + 4].copy_from_slice(&ops.to_le_bytes());
+        let body_crc = crc32fast::hash(&self.buf[RECORD_HEADER_BYTES..]);
+        let h = &mut self.buf[..RECORD_HEADER_BYTES];
+        h[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
+        h[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        h[6..8].copy_from_slice(&0u16.to_le_bytes());
+        h[8..16].copy_from_slice(&seq.to_le_bytes());
+        h[16..24].copy_from_slice(&body_len.to_le_bytes());
+        h[24..28].copy_from_slice(&body_crc.to_le_bytes());
+        let header_crc = crc32fast::hash(&h[..28]);
+        h[28..32].copy_from_slice(&header_crc.to_le_bytes());
+        Bytes::from(self.buf)
+    }
+}
+
+/// Encodes a record (used by tests and by callers that already hold the ops).
+pub fn encode_record(record: &Record) -> Bytes {
+    let mut b = RecordBuilder::new();
+    for op in &record.ops {
+        match op {
+            LogOp::Write { seg, offset, data } => b.write(*seg, *offset, data),
+            LogOp::Alloc(meta) => b.alloc(meta),
+            LogOp::Free { seg } => b.free(*seg),
+        }
+    }
+    b.finish(record.seq)
+}
+
+fn encode_meta(buf: &mut Vec<u8>, meta: &SegMeta) {
+    buf.extend_from_slice(&meta.seg.to_le_bytes());
+    buf.extend_from_slice(&meta.len.to_le_bytes());
+    buf.extend_from_slice(&meta.addr.to_le_bytes());
+    let tag = &meta.tag.as_bytes()[..meta.tag.len().min(TAG_BYTES_MAX)];
+    buf.extend_from_slice(&(tag.len() as u16).to_le_bytes());
+    buf.extend_from_slice(tag);
+}
+
+/// A record header that checked out: where the record claims to be and how long it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordHeader {
+    pub seq: u64,
+    pub body_len: u64,
+    body_crc: u32,
+}
+
+impl RecordHeader {
+    pub fn total_bytes(&self) -> u64 {
+        RECORD_HEADER_BYTES as u64 + self.body_len
+    }
+}
+
+pub fn decode_header(bytes: &[u8]) -> Result<RecordHeader, DecodeError> {
+    if bytes.len() < RECORD_HEADER_BYTES {
+        return Err(DecodeError::Short(RECORD_HEADER_BYTES - bytes.len()));
+    }
+    let mut r = Reader::new(&bytes[..RECORD_HEADER_BYTES]);
+    let magic = r.u32()?;
+    let version = r.u16()?;
+    let reserved = r.u16()?;
+    let seq = r.u64()?;
+    let body_len = r.u64()?;
+    let body_crc = r.u32()?;
+    let header_crc = r.u32()?;
+    if magic != RECORD_MAGIC {
+        return Err(DecodeError::Invalid("not a record (bad magic)"));
+    }
+    if crc32fast::hash(&bytes[..28]) != header_crc {
+        return Err(DecodeError::Invalid("record header checksum mismatch"));
+    }
+    if version != FORMAT_VERSION || reserved != 0 {
+        return Err(DecodeError::Invalid("unknown record format version"));
+    }
+    if body_len < 4 || body_len > (RECORD_BYTES_MAX - RECORD_HEADER_BYTES) as u64 {
+        return Err(DecodeError::Invalid("record length out of range"));
+    }
+    Ok(RecordHeader {
+        seq,
+        body_len,
+        body_crc,
+    })
+}
+
+/// Decodes one whole record from the front of `bytes`; returns it and its length.
+/// Write payloads are slices of `bytes`, not copies.
+pub fn decode_record(bytes: &Bytes) -> Result<(Record, usize), DecodeError> {
+    let h = decode_header(bytes)?;
+    let total = usize::try_from(h.total_bytes()).map_err(|_| DecodeError::Invalid("too long"))?;
+    if bytes.len() < total {
+        return Err(DecodeError::Short(total - bytes.len()));
+    }
+    let body = &bytes[RECORD_HEADER_BYTES..total];
+    if crc32fast::hash(body) != h.body_crc {
+        return Err(DecodeError::Invalid("record body checksum mismatch"));
+    }
+    let mut r = Reader::new(body);
+    let count = r.u32()? as usize;
+    if count > RECORD_OPS_MAX {
+        return Err(DecodeError::Invalid("too many ops in a record"));
+    }
+    // Each op takes at least 9 bytes, so a count the body cannot hold is rejected before
+    // anything is allocated for it.
+    if count > body.len() / 9 {
+        return Err(DecodeError::Invalid("op count exceeds the body"));
+    }
+    let mut ops = Vec::with_capacity(count);
+    for _ in 0..count {
+        match r.u8()? {
+            OP_WRITE => {
+                let seg = r.u64()?;
+                let offset = r.u64()?;
+                let len = r.u32()? as usize;
+                let start = RECORD_HEADER_BYTES + r.pos;
+                r.skip(len)?;
+                offset
+                    .checked_add(len as u64)
+                    .ok_or(DecodeError::Invalid("write range overflows"))?;
+                ops.push(LogOp::Write {
+                    seg,
+                    offset,
+                    data: bytes.slice(start..start + len),
+                });
+            }
+            OP_ALLOC => ops.push(LogOp::Alloc(decode_meta(&mut r)?)),
+            OP_FREE => ops.push(LogOp::Free { seg: r.u64()? }),
+            _ => return Err(DecodeError::Invalid("unknown op kind")),
+        }
+    }
+    if r.pos != body.len() {
+        return Err(DecodeError::Invalid("trailing bytes in a record"));
+    }
+    Ok((Record { seq: h.seq, ops }, total))
+}
+
+fn decode_meta(r: &mut Reader<'_>) -> Result<SegMeta, DecodeError> {
+    let seg = r.u64()?;
+    let len = r.u64()?;
+    let addr = r.u64()?;
+    let tag_len = r.u16()? as usize;
+    if tag_len == 0 || tag_len > TAG_BYTES_MAX {
+        return Err(DecodeError::Invalid("tag length out of range"));
+    }
+    let tag = std::str::from_utf8(r.take(tag_len)?)
+        .map_err(|_| DecodeError::Invalid("tag is not UTF-8"))?
+        .to_owned();
+    Ok(SegMeta {
+        seg,
+        len,
+        addr,
+        tag,
+    })
+}
+
+/// The durable table of segments as of `applied_seq`: what the homes hold once every
+/// record up to it has been applied.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Catalog {
+    pub applied_seq: u64,
+    pub next_seg: u64,
+    pub segs: Vec<SegMeta>,
+}
+
+pub fn encode_catalog(c: &Catalog) -> Bytes {
+    let mut body = Vec::new();
+    body.extend_from_slice(&c.applied_seq.to_le_bytes());
+    body.extend_from_slice(&c.next_seg.to_le_bytes());
+    body.extend_from_slice(&(c.segs.len() as u32).to_le_bytes());
+    for m in &c.segs {
+        encode_meta(&mut body, m);
+    }
+    let mut out = Vec::with_capacity(CATALOG_HEADER_BYTES + body.len());
+    out.extend_from_slice(&CATALOG_MAGIC.to_le_bytes());
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+    out.extend_from_slice(&body);
+    Bytes::from(out)
+}
+
+/// Decodes a catalog from the front of `bytes` (a fixed-size slot may hold more after it).
+pub fn decode_catalog(bytes: &[u8]) -> Result<Catalog, DecodeError> {
+    let mut r = Reader::new(bytes);
+    if r.u32()? != CATALOG_MAGIC {
+        return Err(DecodeError::Invalid("not a catalog (bad magic)"));
+    }
+    if r.u16()? != FORMAT_VERSION {
+        return Err(DecodeError::Invalid("unknown catalog format version"));
+    }
+    let _reserved = r.u16()?;
+    let body_len = r.u32()? as usize;
+    let crc = r.u32()?;
+    let body = r.take(body_len)?;
+    if crc32fast::hash(body) != crc {
+        return Err(DecodeError::Invalid("catalog checksum mismatch"));
+    }
+    let mut r = Reader::new(body);
+    let applied_seq = r.u64()?;
+    let next_seg = r.u64()?;
+    let count = r.u32()? as usize;
+    if count > SEGMENTS_MAX || count > body.len() / 27 {
+        return Err(DecodeError::Invalid("catalog segment count out of range"));
+    }
+    let mut segs = Vec::with_capacity(count);
+    for _ in 0..count {
+        segs.push(decode_meta(&mut r)?);
+    }
+    if r.pos != body.len() {
+        return Err(DecodeError::Invalid("trailing bytes in a catalog"));
+    }
+    Ok(Catalog {
+        applied_seq,
+        next_seg,
+        segs,
+    })
+}
+
+/// Of two catalog slots, the valid one with the higher `applied_seq` (slots are written
+/// alternately, so a torn write leaves the other intact).
+pub fn newest_catalog(slots: &[Option<Bytes>]) -> Option<(usize, Catalog)> {
+    slots
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| Some((i, decode_catalog(s.as_ref()?).ok()?)))
+        .max_by_key(|(_, c)| c.applied_seq)
+}
+
+/// Scans a byte-stream log (pool region, file) from offset 0: the records numbered
+/// `first_seq`, `first_seq + 1`, … up to the first that is missing, torn, stale or garbage.
+/// `read_at(offset, len)` returns up to `len` bytes (fewer at the end of the log).
+/// Returns the records and the offset just past the last one.
+pub fn scan_stream<E>(
+    capacity_bytes: u64,
+    first_seq: u64,
+    chunk_bytes: usize,
+    mut read_at: impl FnMut(u64, usize) -> Result<Bytes, E>,
+) -> Result<(Vec<Record>, u64), E> {
+    let mut records = Vec::new();
+    let mut offset = 0u64;
+    let mut buf = bytes::BytesMut::new();
+    let mut buf_start = 0u64;
+    let mut expected = first_seq;
+    // Reads until `buf` holds `need` bytes from `offset`; false when the log ends first.
+    let mut fill = |buf: &mut bytes::BytesMut, buf_start: u64, offset: u64, need: u64| loop {
+        let have = buf_start + buf.len() as u64;
+        if have >= offset + need {
+            return Ok(true);
+        }
+        if have >= capacity_bytes {
+            return Ok(false);
+        }
+        let want = (offset + need - have).max(chunk_bytes as u64);
+        let want = want.min(capacity_bytes - have);
+        let got = read_at(have, want as usize)?;
+        if got.is_empty() {
+            return Ok(false);
+        }
+        buf.extend_from_slice(&got);
+    };
+    loop {
+        // Drop what was consumed so the buffer holds about one chunk plus one record.
+        let consumed = (offset - buf_start) as usize;
+        if consumed > 0 {
+            let _ = buf.split_to(consumed);
+            buf_start = offset;
+        }
+        if !fill(&mut buf, buf_start, offset, RECORD_HEADER_BYTES as u64)? {
+            break;
+        }
+        let header = match decode_header(&buf[..RECORD_HEADER_BYTES]) {
+            Ok(h) if h.seq == expected => h,
+            _ => break,
+        };
+        if offset + header.total_bytes() > capacity_bytes
+            || !fill(&mut buf, buf_start, offset, header.total_bytes())?
+        {
+            break;
+        }
+        let whole = buf.clone().freeze();
+        match decode_record(&whole) {
+            Ok((record, len)) => {
+                records.push(record);
+                offset += len as u64;
+                expected += 1;
+            }
+            Err(_) => break,
+        }
+    }
+    Ok((records, offset))
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        Reader { bytes, pos: 0 }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let left = self.bytes.len() - self.pos;
+        if n > left {
+            return Err(DecodeError::Short(n - left));
+        }
+        let s = &self.bytes[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    fn skip(&mut self, n: usize) -> Result<(), DecodeError> {
+        self.take(n).map(|_| ())
+    }
+
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        let mut a = [0u8; 2];
+        a.copy_from_slice(self.take(2)?);
+        Ok(u16::from_le_bytes(a))
+    }
+
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        let mut a = [0u8; 4];
+        a.copy_from_slice(self.take(4)?);
+        Ok(u32::from_le_bytes(a))
+    }
+
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+}
+
+/// Bytes `record` takes encoded.
+pub fn encoded_len(record: &Record) -> u64 {
+    let ops: usize = record
+        .ops
+        .iter()
+        .map(|op| match op {
+            LogOp::Write { data, .. } => WRITE_OP_HEADER_BYTES + data.len(),
+            LogOp::Alloc(m) => 1 + 26 + m.tag.len().min(TAG_BYTES_MAX),
+            LogOp::Free { .. } => 9,
+        })
+        .sum();
+    (RECORD_HEADER_BYTES + 4 + ops) as u64
+}
+
+/// Bytes a write op of `len` payload bytes adds to a record.
+pub fn write_op_bytes(len: usize) -> usize {
+    WRITE_OP_HEADER_BYTES + len
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample(seq: u64) -> Record {
+        Record {
+            seq,
+            ops: vec![
+                LogOp::Alloc(SegMeta {
+                    seg: 3,
+                    len: 8192,
+                    addr: 0x7000_0000,
+                    tag: "accounts".into(),
+                }),
+                LogOp::Write {
+                    seg: 3,
+                    offset: 100,
+                    data: Bytes::from_static(b"hello"),
+                },
+                LogOp::Free { seg: 2 },
+            ],
+        }
+    }
+
+    #[test]
+    fn record_round_trips() {
+        let r = sample(7);
+        let enc = encode_record(&r);
+        let (dec, len) = decode_record(&enc).expect("decodes");
+        assert_eq!(dec, r);
+        assert_eq!(len, enc.len());
+        assert_eq!(encoded_len(&r), enc.len() as u64);
+        let mut b = RecordBuilder::new();
+        for op in &r.ops {
+            match op {
+                LogOp::Write { seg, offset, data } => b.write(*seg, *offset, data),
+                LogOp::Alloc(m) => b.alloc(m),
+                LogOp::Free { seg } => b.free(*seg),
+            }
+        }
+        let (bytes, rec) = b.finish_with_record(7);
+        assert_eq!((bytes, rec), (enc, r));
+    }
+
+    #[test]
+    fn every_single_bit_flip_is_detected() {
+        let enc = encode_record(&sample(1)).to_vec();
+        for i in 0..enc.len() {
+            for bit in 0..8 {
+                let mut bad = enc.clone();
+                bad[i] ^= 1 << bit;
+                assert!(
+                    decode_record(&Bytes::from(bad)).is_err(),
+                    "flip of bit {bit} of byte {i} went unnoticed"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_short_or_invalid() {
+        let enc = encode_record(&sample(1));
+        for n in 0..enc.len() {
+            assert!(
+                decode_record(&enc.slice(..n)).is_err(),
+                "prefix of {n} bytes"
+            );
+        }
+    }
+
+    #[test]
+    fn catalog_round_trips_and_newest_wins() {
+        let a = Catalog {
+            applied_seq: 4,
+            next_seg: 9,
+            segs: vec![SegMeta {
+                seg: 1,
+                len: 4096,
+                addr: 0,
+                tag: "t".into(),
+            }],
+        };
+        let b = Catalog {
+            applied_seq: 5,
+            ..a.clone()
+        };
+        let ea = encode_catalog(&a);
+        assert_eq!(decode_catalog(&ea).expect("decodes"), a);
+        let mut padded = ea.to_vec();
+        padded.extend_from_slice(&[0xAB; 100]);
+        assert_eq!(decode_catalog(&padded).expect("padding ignored"), a);
+        let eb = encode_catalog(&b);
+        let mut torn = eb.to_vec();
+        let last = torn.len() - 1;
+        torn[last] ^= 1;
+        let slots = [Some(ea.clone()), Some(eb.clone())];
+        assert_eq!(newest_catalog(&slots).map(|(i, _)| i), Some(1));
+        let slots = [Some(ea), Some(Bytes::from(torn))];
+        assert_eq!(
+            newest_catalog(&slots).map(|(i, c)| (i, c.applied_seq)),
+            Some((0, 4))
+        );
+        assert_eq!(newest_catalog(&[None, None]), None);
+    }
+
+    fn stream_of(records: &[Record]) -> Vec<u8> {
+        records
+            .iter()
+            .flat_map(|r| encode_record(r).to_vec())
+            .collect()
+    }
+
+    fn scan(log: &[u8], first: u64, chunk: usize) -> (Vec<u64>, u64) {
+        let (recs, end) = scan_stream::<()>(log.len() as u64, first, chunk, |off, len| {
+            let s = off as usize;
+            Ok(Bytes::copy_from_slice(&log[s..(s + len).min(log.len())]))
+        })
+        .expect("in-memory reads cannot fail");
+        (recs.iter().map(|r| r.seq).collect(), end)
+    }
+
+    #[test]
+    fn scan_stops_at_torn_stale_and_garbage() {
+        let recs: Vec<Record> = (5..9).map(sample).collect();
+        let mut log = stream_of(&recs);
+        let whole = log.len() as u64;
+        log.extend_from_slice(&[0u8; 64]);
+        assert_eq!(scan(&log, 5, 7), (vec![5, 6, 7, 8], whole));
+        // A stale record (lower seq) after the end is not replayed.
+        let mut stale = stream_of(&recs[..2]);
+        stale.extend(stream_of(&[sample(3)]));
+        assert_eq!(scan(&stale, 5, 64).0, vec![5, 6]);
+        // A torn last record ends the log before it.
+        let mut torn = stream_of(&recs);
+        torn.truncate(torn.len() - 3);
+        assert_eq!(scan(&torn, 5, 1 << 20).0, vec![5, 6, 7]);
+        // Starting at the wrong seq finds nothing.
+        assert_eq!(scan(&log, 6, 64), (vec![], 0));
+    }
+
+    fn arb_op() -> impl Strategy<Value = LogOp> {
+        prop_oneof![
+            (
+                any::<u64>(),
+                any::<u64>(),
+                proptest::collection::vec(any::<u8>(), 0..64)
+            )
+                .prop_map(|(seg, offset, d)| LogOp::Write {
+                    seg,
+                    offset: offset >> 1,
+                    data: Bytes::from(d)
+                }),
+            (any::<u64>(), any::<u64>(), any::<u64>(), "[a-z]{1,20}").prop_map(
+                |(seg, len, addr, tag)| LogOp::Alloc(SegMeta {
+                    seg,
+                    len,
+                    addr,
+                    tag
+                })
+            ),
+            any::<u64>().prop_map(|seg| LogOp::Free { seg }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let b = Bytes::from(bytes);
+            let _ = decode_record(&b);
+            let _ = decode_catalog(&b);
+            let _ = scan(&b, 0, 16);
+        }
+
+        #[test]
+        fn any_record_round_trips(seq in any::<u64>(), ops in proptest::collection::vec(arb_op(), 0..8)) {
+            let r = Record { seq, ops };
+            let enc = encode_record(&r);
+            let (dec, len) = decode_record(&enc).expect("own encoding decodes");
+            prop_assert_eq!(dec, r);
+            prop_assert_eq!(len, enc.len());
+        }
+
+        #[test]
+        fn corrupted_records_decode_or_fail_cleanly(
+            ops in proptest::collection::vec(arb_op(), 1..6),
+            at in any::<prop::sample::Index>(),
+            byte in any::<u8>(),
+        ) {
+            let mut enc = encode_record(&Record { seq: 1, ops }).to_vec();
+            let i = at.index(enc.len());
+            enc[i] = byte;
+            let _ = decode_record(&Bytes::from(enc));
+        }
+    }
+}

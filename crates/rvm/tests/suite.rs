@@ -1,0 +1,330 @@
+//! The one test suite every backend passes: pool, mirrored pool, redis and file, each on
+//! real servers (or a real directory).
+
+mod common;
+
+use camelot_rvm::{limits, Rvm, RvmError};
+use common::Fixture;
+use rand::{Rng, SeedableRng};
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    (0..len).map(|_| rng.gen()).collect()
+}
+
+fn commit_and_recover(f: &Fixture) {
+    let rvm = Rvm::open(f.config("rt", false)).expect("open");
+    let a = rvm.alloc("alpha", 5000).expect("alloc");
+    assert_eq!(a.len(), 8192, "rounded to pages");
+    assert_eq!(a.addr() % limits::PAGE_BYTES, 0, "page-aligned");
+    let b = rvm.alloc("beta", 3 << 20).expect("alloc");
+    // Spans more than one I/O chunk, so chunked writes and reads are exercised.
+    let big = pattern(1, (2 << 20) + 123);
+    let mut t = rvm.begin();
+    t.set_range(&a, 100, 16).expect("declare");
+    t.write(&a, 100, b"sixteen bytes!!!").expect("write");
+    t.set_range(&b, 4000, big.len() as u64).expect("declare");
+    t.write(&b, 4000, &big).expect("write");
+    t.commit().expect("commit");
+    // Uncommitted changes after the last commit must not survive.
+    let mut t = rvm.begin();
+    t.set_range(&a, 0, 8).expect("declare");
+    t.write_u64(&a, 0, 99).expect("write");
+    std::mem::forget(t);
+    drop(rvm);
+
+    let rvm = Rvm::open(f.config("rt", true)).expect("recover");
+    let a = rvm.segment("alpha").expect("alpha recovered");
+    let b = rvm.segment("beta").expect("beta recovered");
+    assert_eq!(a.read(100, 16).expect("read"), b"sixteen bytes!!!");
+    assert_eq!(
+        a.read_u64(0).expect("read"),
+        0,
+        "uncommitted write survived"
+    );
+    assert_eq!(b.read(4000, big.len()).expect("read"), big);
+    assert_eq!(b.read(0, 4000).expect("read"), vec![0u8; 4000]);
+    rvm.truncate().expect("truncate");
+    assert_eq!(rvm.log_bytes(), 0);
+    drop(rvm);
+    // After truncation the same state comes from the homes alone.
+    let rvm = Rvm::open(f.config("rt", true)).expect("recover");
+    let b = rvm.segment("beta").expect("beta recovered");
+    assert_eq!(b.read(4000, big.len()).expect("read"), big);
+    drop(rvm);
+    // Without recovery the instance starts empty.
+    let rvm = Rvm::open(f.config("rt", false)).expect("fresh");
+    assert!(rvm.segments().is_empty());
+    drop(rvm);
+    let rvm = Rvm::open(f.config("rt", true)).expect("recover");
+    assert!(
+        rvm.segments().is_empty(),
+        "a fresh open discards what was there"
+    );
+}
+
+fn abort_restores_exactly(f: &Fixture) {
+    let rvm = Rvm::open(f.config("abort", false)).expect("open");
+    let s = rvm.alloc("s", 4 * 4096).expect("alloc");
+    let before = pattern(2, 4 * 4096);
+    let mut t = rvm.begin();
+    t.set_range(&s, 0, before.len() as u64).expect("declare");
+    t.write(&s, 0, &before).expect("write");
+    t.commit().expect("commit");
+    let mut t = rvm.begin();
+    // Overlapping declarations by one transaction are fine and still undo exactly.
+    t.set_range(&s, 10, 5000).expect("declare");
+    t.write(&s, 10, &pattern(3, 5000)).expect("write");
+    t.set_range(&s, 4000, 9000).expect("overlap own");
+    t.write(&s, 4000, &pattern(4, 9000)).expect("write");
+    assert_ne!(s.read(0, before.len()).expect("read"), before);
+    t.abort();
+    assert_eq!(s.read(0, before.len()).expect("read"), before);
+    {
+        let mut t = rvm.begin();
+        t.set_range(&s, 0, 64).expect("declare");
+        t.write(&s, 0, &[0xEE; 64]).expect("write");
+        // Dropped without commit: aborts.
+    }
+    assert_eq!(s.read(0, before.len()).expect("read"), before);
+    drop(rvm);
+    let rvm = Rvm::open(f.config("abort", true)).expect("recover");
+    let s = rvm.segment("s").expect("recovered");
+    assert_eq!(s.read(0, before.len()).expect("read"), before);
+}
+
+fn free_takes_effect_at_commit(f: &Fixture) {
+    let rvm = Rvm::open(f.config("free", false)).expect("open");
+    let s = rvm.alloc("doomed", 4096).expect("alloc");
+    rvm.alloc("kept", 4096).expect("alloc");
+    let mut t = rvm.begin();
+    t.free("doomed").expect("free");
+    assert!(rvm.segment("doomed").is_some(), "vanished before commit");
+    t.abort();
+    assert!(rvm.segment("doomed").is_some(), "vanished after abort");
+    let mut t = rvm.begin();
+    t.free("doomed").expect("free");
+    t.commit().expect("commit");
+    assert!(rvm.segment("doomed").is_none(), "still there after commit");
+    assert!(matches!(s.read(0, 1), Err(RvmError::SegmentFreed { .. })));
+    let mut t = rvm.begin();
+    assert!(matches!(
+        t.set_range(&s, 0, 1),
+        Err(RvmError::SegmentFreed { .. })
+    ));
+    assert!(matches!(t.free("doomed"), Err(RvmError::NoSuchTag(_))));
+    drop(t);
+    drop(rvm);
+    let rvm = Rvm::open(f.config("free", true)).expect("recover");
+    assert!(rvm.segment("doomed").is_none(), "a freed tag came back");
+    assert!(rvm.segment("kept").is_some());
+    let again = rvm.alloc("doomed", 4096).expect("the tag is free again");
+    assert_eq!(again.read_u64(0).expect("read"), 0);
+    rvm.truncate().expect("truncate");
+    drop(rvm);
+    let rvm = Rvm::open(f.config("free", true)).expect("recover");
+    let tags: Vec<String> = rvm.segments().iter().map(|s| s.tag().to_owned()).collect();
+    assert_eq!(tags, vec!["doomed".to_string(), "kept".to_string()]);
+}
+
+fn concurrent_disjoint_and_overlap_conflicts(f: &Fixture) {
+    const THREADS: u64 = 4;
+    const COMMITS: u64 = 40;
+    let rvm = Rvm::open(f.config("conc", false)).expect("open");
+    let s = rvm.alloc("shared", THREADS * 4096).expect("alloc");
+    std::thread::scope(|scope| {
+        for i in 0..THREADS {
+            let (rvm, s) = (&rvm, s.clone());
+            scope.spawn(move || {
+                for n in 1..=COMMITS {
+                    let mut t = rvm.begin();
+                    t.set_range(&s, i * 4096, 16)
+                        .expect("disjoint ranges never conflict");
+                    t.write_u64(&s, i * 4096, n).expect("write");
+                    t.write_u64(&s, i * 4096 + 8, n * 1000 + i).expect("write");
+                    t.commit().expect("commit");
+                }
+            });
+        }
+    });
+    let mut t1 = rvm.begin();
+    t1.set_range(&s, 100, 50).expect("declare");
+    let mut t2 = rvm.begin();
+    assert!(matches!(
+        t2.set_range(&s, 149, 10),
+        Err(RvmError::RangeConflict { .. })
+    ));
+    t2.set_range(&s, 150, 10).expect("adjacent is fine");
+    assert!(matches!(
+        t2.free("shared"),
+        Err(RvmError::RangeConflict { .. })
+    ));
+    assert!(matches!(
+        t2.write(&s, 100, b"x"),
+        Err(RvmError::NotDeclared { .. })
+    ));
+    t1.abort();
+    t2.set_range(&s, 149, 10).expect("released by abort");
+    t2.abort();
+    drop(rvm);
+    let rvm = Rvm::open(f.config("conc", true)).expect("recover");
+    let s = rvm.segment("shared").expect("recovered");
+    for i in 0..THREADS {
+        assert_eq!(s.read_u64(i * 4096).expect("read"), COMMITS);
+        assert_eq!(s.read_u64(i * 4096 + 8).expect("read"), COMMITS * 1000 + i);
+    }
+}
+
+fn log_is_truncated(f: &Fixture) {
+    const THRESHOLD_BYTES: u64 = 64 << 10;
+    let mut cfg = f.config("trunc", false);
+    cfg.truncate_log_bytes = THRESHOLD_BYTES;
+    cfg.background_truncation = false;
+    let rvm = Rvm::open(cfg.clone()).expect("open");
+    let s = rvm.alloc("s", 64 * 4096).expect("alloc");
+    let mut log_bytes_max = 0;
+    for n in 0..300u64 {
+        let mut t = rvm.begin();
+        let off = (n % 64) * 4096;
+        t.set_range(&s, off, 1024).expect("declare");
+        t.write(&s, off, &pattern(n, 1024)).expect("write");
+        t.commit().expect("commit");
+        log_bytes_max = log_bytes_max.max(rvm.log_bytes());
+    }
+    assert!(
+        log_bytes_max < THRESHOLD_BYTES + 2048,
+        "log grew to {log_bytes_max} bytes past a {THRESHOLD_BYTES}-byte threshold"
+    );
+    drop(rvm);
+    // Background truncation: the log shrinks without anyone asking.
+    cfg.background_truncation = true;
+    cfg.recover = true;
+    let rvm = Rvm::open(cfg).expect("recover");
+    let s = rvm.segment("s").expect("recovered");
+    for n in 236..300u64 {
+        assert_eq!(
+            s.read((n % 64) * 4096, 1024).expect("read"),
+            pattern(n, 1024)
+        );
+    }
+    for n in 0..200u64 {
+        let mut t = rvm.begin();
+        t.set_range(&s, 0, 1024).expect("declare");
+        t.write(&s, 0, &pattern(n, 1024)).expect("write");
+        t.commit().expect("commit");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while rvm.log_bytes() >= THRESHOLD_BYTES {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "background truncation never ran"
+        );
+        std::thread::yield_now();
+    }
+}
+
+fn lazy_commits_flush(f: &Fixture) {
+    let rvm = Rvm::open(f.config("lazy", false)).expect("open");
+    let s = rvm.alloc("s", 4096).expect("alloc");
+    for n in 1..=10u64 {
+        let mut t = rvm.begin();
+        t.set_range(&s, 0, 8).expect("declare");
+        t.write_u64(&s, 0, n).expect("write");
+        t.commit_lazy().expect("lazy commit");
+    }
+    rvm.flush().expect("flush");
+    let mut t = rvm.begin();
+    t.set_range(&s, 8, 8).expect("declare");
+    t.write_u64(&s, 8, 77).expect("write");
+    t.commit_lazy().expect("lazy");
+    // A plain commit makes earlier lazy ones durable too (the log is in order).
+    let mut t = rvm.begin();
+    t.set_range(&s, 16, 8).expect("declare");
+    t.write_u64(&s, 16, 88).expect("write");
+    t.commit().expect("commit");
+    drop(rvm);
+    let rvm = Rvm::open(f.config("lazy", true)).expect("recover");
+    let s = rvm.segment("s").expect("recovered");
+    assert_eq!(s.read_u64(0).expect("read"), 10);
+    assert_eq!(s.read_u64(8).expect("read"), 77);
+    assert_eq!(s.read_u64(16).expect("read"), 88);
+}
+
+fn bad_arguments_are_clear_errors(f: &Fixture) {
+    let rvm = Rvm::open(f.config("bad", false)).expect("open");
+    assert!(matches!(
+        rvm.alloc("", 4096),
+        Err(RvmError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        rvm.alloc(&"t".repeat(limits::TAG_BYTES_MAX + 1), 4096),
+        Err(RvmError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        rvm.alloc("zero", 0),
+        Err(RvmError::TooLarge { .. })
+    ));
+    assert!(matches!(
+        rvm.alloc("huge", limits::SEGMENT_BYTES_MAX + 1),
+        Err(RvmError::TooLarge { .. })
+    ));
+    let s = rvm.alloc("s", 4096).expect("alloc");
+    assert!(matches!(rvm.alloc("s", 4096), Err(RvmError::TagExists(_))));
+    let mut t = rvm.begin();
+    assert!(matches!(
+        t.set_range(&s, 4090, 7),
+        Err(RvmError::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        t.set_range(&s, u64::MAX, 2),
+        Err(RvmError::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        t.set_range(&s, 0, 0),
+        Err(RvmError::InvalidArgument(_))
+    ));
+    assert!(matches!(t.free("nope"), Err(RvmError::NoSuchTag(_))));
+    let msg = t
+        .set_range(&s, 4090, 7)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("4090") && msg.contains("\"s\""),
+        "unclear message: {msg}"
+    );
+    t.abort();
+    for name in [
+        "",
+        "has space",
+        "slash/y",
+        &"n".repeat(limits::NAME_BYTES_MAX + 1),
+    ] {
+        let mut cfg = f.config("x", false);
+        cfg.name = name.to_owned();
+        assert!(
+            matches!(Rvm::open(cfg), Err(RvmError::InvalidArgument(_))),
+            "{name:?}"
+        );
+    }
+}
+
+macro_rules! suite {
+    ($($backend:ident => $kind:literal),*) => {$(
+        mod $backend {
+            use super::*;
+            fn fixture() -> Fixture { Fixture::start($kind) }
+            #[test] fn commit_and_recover() { super::commit_and_recover(&fixture()) }
+            #[test] fn abort_restores_exactly() { super::abort_restores_exactly(&fixture()) }
+            #[test] fn free_takes_effect_at_commit() { super::free_takes_effect_at_commit(&fixture()) }
+            #[test] fn concurrent_disjoint_and_overlap_conflicts() {
+                super::concurrent_disjoint_and_overlap_conflicts(&fixture())
+            }
+            #[test] fn log_is_truncated() { super::log_is_truncated(&fixture()) }
+            #[test] fn lazy_commits_flush() { super::lazy_commits_flush(&fixture()) }
+            #[test] fn bad_arguments_are_clear_errors() { super::bad_arguments_are_clear_errors(&fixture()) }
+        }
+    )*};
+}
+
+suite!(pool => "pool", pool_mirrored => "pool-mirrored", redis => "redis", file => "file");
