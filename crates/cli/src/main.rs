@@ -225,6 +225,10 @@ struct YcsbArgs {
     /// Memory cap of a spawned Camelot node and memcached.
     #[arg(long, default_value = "8G", value_parser = parse_bytes)]
     memory: u64,
+    /// Runs of each workload on each target, interleaved across targets; each figure is
+    /// the median-throughput run (every run's figure is kept in the JSON).
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Scaled down to finish in under 30 s.
     #[arg(long)]
     quick: bool,
@@ -650,6 +654,7 @@ fn bench_ycsb(a: YcsbArgs) -> Result<()> {
         targets,
         spawn: a.compare,
         memory_bytes: a.memory,
+        rounds: a.rounds,
         ..YcsbConfig::default()
     };
     if a.quick {

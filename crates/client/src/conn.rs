@@ -32,10 +32,6 @@ pub const INFLIGHT_REQUESTS_MAX: usize = 16_384;
 /// How often the reader wakes to check for a request that has waited too long.
 const WATCHDOG_TICK: Duration = Duration::from_millis(100);
 const READ_CHUNK_BYTES: usize = 256 << 10;
-/// Frames in flight below which a submitting thread writes its request itself; at or
-/// above it, requests wait for the next answer to carry them (see [`Conn::submit`]).
-/// Two keeps the server busy on one frame while the next is on its way.
-const FRAMES_AHEAD: usize = 2;
 
 pub(crate) struct Submission {
     pub id: u64,
@@ -70,6 +66,9 @@ pub(crate) struct Shared {
     writer: Mutex<Writer>,
     queue_requests_max: usize,
     batching: bool,
+    /// Frames in flight below which a submitting thread writes its request itself (see
+    /// [`crate::ClientConfig::frames_ahead`]).
+    frames_ahead: usize,
     /// Whoever holds this reads the socket: the reader thread, or a thread waiting for
     /// its own answer (see [`Shared::read_for`]).
     read_role: Mutex<ReadBuf>,
@@ -170,6 +169,7 @@ impl Conn {
             writer: Mutex::new(writer),
             queue_requests_max: config.queue_requests_max.max(1),
             batching: config.batching,
+            frames_ahead: config.frames_ahead.max(1),
             read_role: Mutex::new(ReadBuf {
                 stream: read_half,
                 buf: BytesMut::with_capacity(READ_CHUNK_BYTES),
@@ -230,7 +230,7 @@ impl Conn {
         // saw frames in flight, its flush comes after our push and takes the request.
         if !shared.batching
             || shared.dead.load(Ordering::Acquire)
-            || shared.inflight.lock().frames.len() < FRAMES_AHEAD
+            || shared.inflight.lock().frames.len() < shared.frames_ahead
         {
             shared.flush(true);
         }

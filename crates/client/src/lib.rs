@@ -58,7 +58,18 @@ pub struct ClientConfig {
     /// A request unanswered this long fails, and its connection is closed.
     pub request_timeout: Duration,
     pub queue_requests_max: usize,
+    /// Frames in flight below which a submitting thread writes its request itself; at
+    /// or above it, requests wait for the next answer frame to carry them out together.
+    /// 2 (default) keeps the server busy on one frame while the next is on its way and
+    /// batches hardest; more frames ahead trade batch size for fewer waits, which suits
+    /// many threads each with one request outstanding (the YCSB driver uses 4; measured
+    /// on YCSB C with 16 threads: about 1.5 instead of 1.9 context switches per operation
+    /// in the driver-and-server process, and less CPU per operation).
+    pub frames_ahead: usize,
 }
+
+/// Most frames a client may ask to keep in flight ahead of answers.
+pub const FRAMES_AHEAD_MAX: usize = 64;
 
 impl Default for ClientConfig {
     fn default() -> Self {
@@ -73,6 +84,7 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(10),
             queue_requests_max: QUEUE_REQUESTS_MAX_DEFAULT,
+            frames_ahead: 2,
         }
     }
 }
@@ -277,6 +289,11 @@ impl Client {
     /// Connects to every node of the map (so a wrong token or a dead node is reported now,
     /// not at the first request).
     pub fn connect(map: ClusterMap, config: ClientConfig) -> Result<Client, ClientError> {
+        if config.frames_ahead == 0 || config.frames_ahead > FRAMES_AHEAD_MAX {
+            return Err(ClientError::InvalidArgument(format!(
+                "frames_ahead must be 1 to {FRAMES_AHEAD_MAX}"
+            )));
+        }
         if config.connections_per_node == 0 {
             return Err(ClientError::InvalidArgument(
                 "connections_per_node must be at least 1".into(),

@@ -99,6 +99,10 @@ impl Target {
             TargetKind::Camelot(addrs) => {
                 let config = ClientConfig {
                     request_timeout: REQUEST_TIMEOUT,
+                    connections_per_node: std::env::var("CPN")
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(4),
                     ..ClientConfig::default()
                 };
                 let client = Client::connect(ClusterMap::from_addrs(addrs), config)
