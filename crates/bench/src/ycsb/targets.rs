@@ -99,10 +99,8 @@ impl Target {
             TargetKind::Camelot(addrs) => {
                 let config = ClientConfig {
                     request_timeout: REQUEST_TIMEOUT,
-                    connections_per_node: std::env::var("CPN")
-                        .ok()
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(4),
+                    // YCSB threads each keep one request outstanding: see frames_ahead.
+                    frames_ahead: 4,
                     ..ClientConfig::default()
                 };
                 let client = Client::connect(ClusterMap::from_addrs(addrs), config)
