@@ -282,6 +282,62 @@ fn batched_and_unbatched_paths_are_byte_identical() {
 }
 
 #[test]
+fn big_pipelined_transfers_travel_in_frames_near_the_target_size() {
+    use camelot_client::proto::limits::FRAME_BYTES_TARGET;
+    const CHUNK: usize = 1 << 20;
+    const CHUNKS: usize = 12;
+    let c = cluster(1, 16 << 20, None);
+    let cl = client(
+        &c,
+        ClientConfig {
+            connections_per_node: 1,
+            ..ClientConfig::default()
+        },
+    )
+    .expect("connect");
+    let r = cl.alloc((CHUNK * CHUNKS) as u64, None).expect("alloc");
+    let batches = || stat(&c.stats()[0], "batches");
+    // No frame may carry more than the target's worth of payload, so 12 MiB each way
+    // needs at least this many (one 12 MiB frame each way before the target existed).
+    let frames_min = (CHUNK * CHUNKS / FRAME_BYTES_TARGET) as u64;
+
+    let before = batches();
+    let writes: Vec<_> = (0..CHUNKS)
+        .map(|i| {
+            let data = pattern(i as u64, CHUNK);
+            cl.submit(r.node, r.write_op((i * CHUNK) as u64, data.into()))
+                .expect("submit write")
+        })
+        .collect();
+    for p in writes {
+        assert!(matches!(p.wait().expect("write"), Reply::Done));
+    }
+    let write_frames = batches() - before;
+    assert!(
+        write_frames >= frames_min,
+        "{CHUNKS} MiB of writes went in {write_frames} frames"
+    );
+
+    let before = batches();
+    let reads: Vec<_> = (0..CHUNKS)
+        .map(|i| {
+            cl.submit(r.node, r.read_op((i * CHUNK) as u64, CHUNK as u32))
+                .expect("submit read")
+        })
+        .collect();
+    for (i, p) in reads.into_iter().enumerate() {
+        let data = camelot_client::reply::data(p.wait()).expect("read");
+        assert_eq!(&data[..], &pattern(i as u64, CHUNK)[..], "chunk {i}");
+    }
+    let read_frames = batches() - before;
+    assert!(
+        read_frames >= frames_min,
+        "{CHUNKS} MiB of reads went in {read_frames} frames"
+    );
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
 fn named_regions_are_placed_by_the_map_and_found_again() {
     let c = cluster(3, 4 << 20, None);
     let cl = client(&c, ClientConfig::default()).expect("connect");
