@@ -1061,8 +1061,8 @@ impl Txn {
             for (seg, rs) in declared {
                 let mem = seg.0.mem.lock();
                 for (start, end) in rs {
-                    b.write_with(seg.0.id, start, (end - start) as u32, |dst| {
-                        mem.read(start as usize, dst)
+                    b.write_with(seg.0.id, start, (end - start) as u32, |buf| {
+                        mem.append_to(start as usize, (end - start) as usize, buf)
                     });
                 }
             }

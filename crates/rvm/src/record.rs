@@ -104,16 +104,25 @@ impl RecordBuilder {
         self.buf.reserve(bytes);
     }
 
-    /// Appends a write of `len` bytes that `fill` copies into the slice it is given.
-    pub fn write_with(&mut self, seg: u64, offset: u64, len: u32, fill: impl FnOnce(&mut [u8])) {
+    /// Appends a write of `len` bytes that `append` appends to the buffer it is given
+    /// (straight from segment memory, without zero-filling the room first). Should it
+    /// append a different number of bytes, the payload is cut or zero-padded to `len`, so
+    /// the record stays well-formed.
+    pub fn write_with(
+        &mut self,
+        seg: u64,
+        offset: u64,
+        len: u32,
+        append: impl FnOnce(&mut Vec<u8>),
+    ) {
         self.ops += 1;
         self.buf.push(OP_WRITE);
         self.buf.extend_from_slice(&seg.to_le_bytes());
         self.buf.extend_from_slice(&offset.to_le_bytes());
         self.buf.extend_from_slice(&len.to_le_bytes());
         let start = self.buf.len();
+        append(&mut self.buf);
         self.buf.resize(start + len as usize, 0);
-        fill(&mut self.buf[start..]);
         self.shapes.push(Shape::Write {
             seg,
             offset,
@@ -124,7 +133,9 @@ impl RecordBuilder {
 
     pub fn write(&mut self, seg: u64, offset: u64, data: &[u8]) {
         let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
-        self.write_with(seg, offset, len, |b| b.copy_from_slice(&data[..b.len()]));
+        self.write_with(seg, offset, len, |b| {
+            b.extend_from_slice(&data[..data.len().min(len as usize)])
+        });
     }
 
     pub fn alloc(&mut self, meta: &SegMeta) {
