@@ -205,6 +205,20 @@ impl ReadWord for Client {
     }
 }
 
+/// Writes `pattern(i)` into chunk `i` of `r` for every index, pipelined, then waits.
+fn write_chunks(cl: &Client, r: &Region, indices: impl Iterator<Item = usize>, chunk: usize) {
+    let pending: Vec<_> = indices
+        .map(|i| {
+            let data = pattern(i as u64, chunk);
+            cl.submit(r.node, r.write_op((i * chunk) as u64, data.into()))
+                .expect("submit write")
+        })
+        .collect();
+    for p in pending {
+        assert!(matches!(p.wait().expect("write"), Reply::Done));
+    }
+}
+
 /// Writes through one client and reads through another, many threads each, pipelined.
 fn write_then_read(writer: &Client, reader: &Client, r: &Region, chunk: usize) -> Vec<Bytes> {
     let chunks = (r.size as usize) / chunk;
@@ -213,19 +227,7 @@ fn write_then_read(writer: &Client, reader: &Client, r: &Region, chunk: usize) -
         thread::scope(|s| {
             for t in 0..threads {
                 let cl = cl.clone();
-                s.spawn(move || {
-                    let pending: Vec<_> = (t..chunks)
-                        .step_by(threads)
-                        .map(|i| {
-                            let data = pattern(i as u64, chunk);
-                            cl.submit(r.node, r.write_op((i * chunk) as u64, data.into()))
-                                .expect("submit write")
-                        })
-                        .collect();
-                    for p in pending {
-                        assert!(matches!(p.wait().expect("write"), Reply::Done));
-                    }
-                });
+                s.spawn(move || write_chunks(&cl, r, (t..chunks).step_by(threads), chunk));
             }
         })
     };
@@ -302,16 +304,7 @@ fn big_pipelined_transfers_travel_in_frames_near_the_target_size() {
     let frames_min = (CHUNK * CHUNKS / FRAME_BYTES_TARGET) as u64;
 
     let before = batches();
-    let writes: Vec<_> = (0..CHUNKS)
-        .map(|i| {
-            let data = pattern(i as u64, CHUNK);
-            cl.submit(r.node, r.write_op((i * CHUNK) as u64, data.into()))
-                .expect("submit write")
-        })
-        .collect();
-    for p in writes {
-        assert!(matches!(p.wait().expect("write"), Reply::Done));
-    }
+    write_chunks(&cl, &r, 0..CHUNKS, CHUNK);
     let write_frames = batches() - before;
     assert!(
         write_frames >= frames_min,
