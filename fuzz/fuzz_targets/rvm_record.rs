@@ -16,8 +16,9 @@ fuzz_target!(|data: &[u8]| {
         a.copy_from_slice(s);
         u64::from_le_bytes(a)
     });
-    let _ = scan_stream::<()>(data.len() as u64, first_seq, 64, |off, n| {
+    let _ = scan_stream::<()>(data.len() as u64, first_seq, 64, |off, n, buf| {
         let s = off as usize;
-        Ok(bytes.slice(s..(s + n).min(bytes.len())))
+        buf.extend_from_slice(&bytes[s..(s + n).min(bytes.len())]);
+        Ok(())
     });
 });

@@ -13,7 +13,7 @@
 use crate::completion::Completion;
 use crate::{ClientConfig, ClientError};
 use bytes::{Bytes, BytesMut};
-use camelot_proto::limits::{BATCH_OPS_MAX, FRAME_BYTES_MAX};
+use camelot_proto::limits::{BATCH_OPS_MAX, FRAME_BYTES_MAX, FRAME_BYTES_TARGET};
 use camelot_proto::{
     decode_frame, encode_frame, ErrorCode, Frame, FrameDecoder, Hello, Op, RequestBatchEncoder,
     PROTOCOL_VERSION, RESPONSES_HEADER_BYTES, RESPONSE_OK_BUDGET_BYTES,
@@ -377,12 +377,16 @@ impl Writer {
             self.out.clear();
             let mut enc = RequestBatchEncoder::begin(&mut self.out, self.epoch);
             let mut reply_bytes = RESPONSES_HEADER_BYTES;
+            let mut bulk_bytes = 0;
             while let Some(sub) = pending.peek() {
+                // Past the target a new frame starts: pipelined frames of a few MiB beat
+                // one of tens of MiB (see FRAME_BYTES_TARGET); the hard limits still hold.
                 let fits = enc.count() == 0
                     || (self.batching
                         && enc.count() < self.batch_ops_max
                         && enc.frame_len() + sub.op.encoded_len() <= FRAME_BYTES_MAX + 4
-                        && reply_bytes + sub.op.reply_len_max() <= RESPONSE_OK_BUDGET_BYTES);
+                        && reply_bytes + sub.op.reply_len_max() <= RESPONSE_OK_BUDGET_BYTES
+                        && bulk_bytes + sub.op.bulk_len() <= FRAME_BYTES_TARGET);
                 if !fits {
                     break;
                 }
@@ -390,6 +394,7 @@ impl Writer {
                 match enc.push(sub.id, &sub.op) {
                     Ok(()) => {
                         reply_bytes += sub.op.reply_len_max();
+                        bulk_bytes += sub.op.bulk_len();
                         batch.push((sub.id, sub.slot));
                     }
                     Err(e) => sub

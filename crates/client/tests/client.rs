@@ -205,6 +205,20 @@ impl ReadWord for Client {
     }
 }
 
+/// Writes `pattern(i)` into chunk `i` of `r` for every index, pipelined, then waits.
+fn write_chunks(cl: &Client, r: &Region, indices: impl Iterator<Item = usize>, chunk: usize) {
+    let pending: Vec<_> = indices
+        .map(|i| {
+            let data = pattern(i as u64, chunk);
+            cl.submit(r.node, r.write_op((i * chunk) as u64, data.into()))
+                .expect("submit write")
+        })
+        .collect();
+    for p in pending {
+        assert!(matches!(p.wait().expect("write"), Reply::Done));
+    }
+}
+
 /// Writes through one client and reads through another, many threads each, pipelined.
 fn write_then_read(writer: &Client, reader: &Client, r: &Region, chunk: usize) -> Vec<Bytes> {
     let chunks = (r.size as usize) / chunk;
@@ -213,19 +227,7 @@ fn write_then_read(writer: &Client, reader: &Client, r: &Region, chunk: usize) -
         thread::scope(|s| {
             for t in 0..threads {
                 let cl = cl.clone();
-                s.spawn(move || {
-                    let pending: Vec<_> = (t..chunks)
-                        .step_by(threads)
-                        .map(|i| {
-                            let data = pattern(i as u64, chunk);
-                            cl.submit(r.node, r.write_op((i * chunk) as u64, data.into()))
-                                .expect("submit write")
-                        })
-                        .collect();
-                    for p in pending {
-                        assert!(matches!(p.wait().expect("write"), Reply::Done));
-                    }
-                });
+                s.spawn(move || write_chunks(&cl, r, (t..chunks).step_by(threads), chunk));
             }
         })
     };
@@ -278,6 +280,53 @@ fn batched_and_unbatched_paths_are_byte_identical() {
         .map(|(_, v)| v)
         .sum();
     assert!(frames < ops, "frames {frames} vs ops {ops}");
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
+fn big_pipelined_transfers_travel_in_frames_near_the_target_size() {
+    use camelot_client::proto::limits::FRAME_BYTES_TARGET;
+    const CHUNK: usize = 1 << 20;
+    const CHUNKS: usize = 12;
+    let c = cluster(1, 16 << 20, None);
+    let cl = client(
+        &c,
+        ClientConfig {
+            connections_per_node: 1,
+            ..ClientConfig::default()
+        },
+    )
+    .expect("connect");
+    let r = cl.alloc((CHUNK * CHUNKS) as u64, None).expect("alloc");
+    let batches = || stat(&c.stats()[0], "batches");
+    // No frame may carry more than the target's worth of payload, so 12 MiB each way
+    // needs at least this many (one 12 MiB frame each way before the target existed).
+    let frames_min = (CHUNK * CHUNKS / FRAME_BYTES_TARGET) as u64;
+
+    let before = batches();
+    write_chunks(&cl, &r, 0..CHUNKS, CHUNK);
+    let write_frames = batches() - before;
+    assert!(
+        write_frames >= frames_min,
+        "{CHUNKS} MiB of writes went in {write_frames} frames"
+    );
+
+    let before = batches();
+    let reads: Vec<_> = (0..CHUNKS)
+        .map(|i| {
+            cl.submit(r.node, r.read_op((i * CHUNK) as u64, CHUNK as u32))
+                .expect("submit read")
+        })
+        .collect();
+    for (i, p) in reads.into_iter().enumerate() {
+        let data = camelot_client::reply::data(p.wait()).expect("read");
+        assert_eq!(&data[..], &pattern(i as u64, CHUNK)[..], "chunk {i}");
+    }
+    let read_frames = batches() - before;
+    assert!(
+        read_frames >= frames_min,
+        "{CHUNKS} MiB of reads went in {read_frames} frames"
+    );
     c.shutdown().expect("shutdown");
 }
 

@@ -237,6 +237,18 @@ impl Op {
         wire::request_encoded_len(self)
     }
 
+    /// Payload bytes the request moves: WRITE and PUT data it carries, READ data it asks
+    /// for. What a batcher counts against [`limits::FRAME_BYTES_TARGET`]; replies of
+    /// unknown size (GET, SCAN) count as nothing here and stay bounded by the hard limits.
+    pub fn bulk_len(&self) -> usize {
+        match self {
+            Op::Write { data, .. } => data.len(),
+            Op::Read { len, .. } => *len as usize,
+            Op::Put { value, .. } | Op::CasPut { value, .. } => value.len(),
+            _ => 0,
+        }
+    }
+
     /// Upper bound on the bytes the reply to this request occupies on the wire.
     pub fn reply_len_max(&self) -> usize {
         wire::reply_len_max(self)

@@ -4,6 +4,16 @@
 /// Largest frame body (after the 4-byte length prefix). Sized so a 16 MiB value plus
 /// headroom fits, while one connection can never pin more than this much buffer.
 pub const FRAME_BYTES_MAX: usize = 64 << 20;
+/// Not a limit but the frame size batching clients aim for: bulk bytes (WRITE and PUT
+/// payloads sent, READ data asked for) past which they start a new frame, although one
+/// frame could carry up to [`FRAME_BYTES_MAX`]. Both ends build, buffer and parse a whole
+/// frame before acting on it, so one 40 MB frame costs fresh 40 MB buffers on each side
+/// (page faults: glibc maps allocations past 32 MiB anew every time) and leaves the server
+/// idle until the last byte arrives; frames of this size are pipelined instead, each end
+/// reuses buffers of about this size, and the server executes one frame while the next
+/// is on the wire. Kept below the server's buffer-keeping size (4 MiB) so those buffers
+/// are reused rather than replaced. Requests larger than this travel alone in a frame.
+pub const FRAME_BYTES_TARGET: usize = 2 << 20;
 /// Largest number of requests (or responses) in one frame.
 pub const BATCH_OPS_MAX: usize = 4096;
 /// Largest single READ or WRITE payload.

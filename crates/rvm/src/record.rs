@@ -104,16 +104,25 @@ impl RecordBuilder {
         self.buf.reserve(bytes);
     }
 
-    /// Appends a write of `len` bytes that `fill` copies into the slice it is given.
-    pub fn write_with(&mut self, seg: u64, offset: u64, len: u32, fill: impl FnOnce(&mut [u8])) {
+    /// Appends a write of `len` bytes that `append` appends to the buffer it is given
+    /// (straight from segment memory, without zero-filling the room first). Should it
+    /// append a different number of bytes, the payload is cut or zero-padded to `len`, so
+    /// the record stays well-formed.
+    pub fn write_with(
+        &mut self,
+        seg: u64,
+        offset: u64,
+        len: u32,
+        append: impl FnOnce(&mut Vec<u8>),
+    ) {
         self.ops += 1;
         self.buf.push(OP_WRITE);
         self.buf.extend_from_slice(&seg.to_le_bytes());
         self.buf.extend_from_slice(&offset.to_le_bytes());
         self.buf.extend_from_slice(&len.to_le_bytes());
         let start = self.buf.len();
+        append(&mut self.buf);
         self.buf.resize(start + len as usize, 0);
-        fill(&mut self.buf[start..]);
         self.shapes.push(Shape::Write {
             seg,
             offset,
@@ -124,7 +133,9 @@ impl RecordBuilder {
 
     pub fn write(&mut self, seg: u64, offset: u64, data: &[u8]) {
         let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
-        self.write_with(seg, offset, len, |b| b.copy_from_slice(&data[..b.len()]));
+        self.write_with(seg, offset, len, |b| {
+            b.extend_from_slice(&data[..data.len().min(len as usize)])
+        });
     }
 
     pub fn alloc(&mut self, meta: &SegMeta) {
@@ -402,17 +413,21 @@ pub fn newest_catalog(slots: &[Option<Bytes>]) -> Option<(usize, Catalog)> {
 
 /// Scans a byte-stream log (pool region, file) from offset 0: the records numbered
 /// `first_seq`, `first_seq + 1`, … up to the first that is missing, torn, stale or garbage.
-/// `read_at(offset, len)` returns up to `len` bytes (fewer at the end of the log).
-/// Returns the records and the offset just past the last one.
+/// `read_at(offset, len, buf)` appends up to `len` bytes read at `offset` to `buf` (fewer
+/// at the end of the log, none past it): reading straight into the scan's buffer saves a
+/// copy and a record-sized allocation per read.
+/// Returns the records and the offset just past the last one. Each record's payloads are
+/// zero-copy slices of the bytes read.
 pub fn scan_stream<E>(
     capacity_bytes: u64,
     first_seq: u64,
     chunk_bytes: usize,
-    mut read_at: impl FnMut(u64, usize) -> Result<Bytes, E>,
+    mut read_at: impl FnMut(u64, usize, &mut bytes::BytesMut) -> Result<(), E>,
 ) -> Result<(Vec<Record>, u64), E> {
     let mut records = Vec::new();
     let mut offset = 0u64;
     let mut buf = bytes::BytesMut::new();
+    // The log offset of `buf[0]`.
     let mut buf_start = 0u64;
     let mut expected = first_seq;
     // Reads until `buf` holds `need` bytes from `offset`; false when the log ends first.
@@ -425,18 +440,20 @@ pub fn scan_stream<E>(
             return Ok(false);
         }
         let want = (offset + need - have).max(chunk_bytes as u64);
-        let want = want.min(capacity_bytes - have);
-        let got = read_at(have, want as usize)?;
-        if got.is_empty() {
+        let want = want.min(capacity_bytes - have) as usize;
+        let before = buf.len();
+        read_at(have, want, buf)?;
+        // A reader that returned more than asked must not make us trust bytes past it.
+        buf.truncate(before + want);
+        if buf.len() == before {
             return Ok(false);
         }
-        buf.extend_from_slice(&got);
     };
     loop {
         // Drop what was consumed so the buffer holds about one chunk plus one record.
         let consumed = (offset - buf_start) as usize;
         if consumed > 0 {
-            let _ = buf.split_to(consumed);
+            let _ = buf.split_to(consumed.min(buf.len()));
             buf_start = offset;
         }
         if !fill(&mut buf, buf_start, offset, RECORD_HEADER_BYTES as u64)? {
@@ -446,12 +463,19 @@ pub fn scan_stream<E>(
             Ok(h) if h.seq == expected => h,
             _ => break,
         };
-        if offset + header.total_bytes() > capacity_bytes
-            || !fill(&mut buf, buf_start, offset, header.total_bytes())?
-        {
+        if offset + header.total_bytes() > capacity_bytes {
             break;
         }
-        let whole = buf.clone().freeze();
+        // Fits in `capacity_bytes` (checked above), so this allocates no more than the
+        // input holds; reserving once avoids growing (and copying) a big record by halves.
+        let total = header.total_bytes() as usize;
+        buf.reserve(total.saturating_sub(buf.len()));
+        if !fill(&mut buf, buf_start, offset, header.total_bytes())? {
+            break;
+        }
+        // Split off, not copied: the record's payloads slice these bytes.
+        let whole = buf.split_to(total).freeze();
+        buf_start += total as u64;
         match decode_record(&whole) {
             Ok((record, len)) => {
                 records.push(record);
@@ -644,9 +668,10 @@ mod tests {
     }
 
     fn scan(log: &[u8], first: u64, chunk: usize) -> (Vec<u64>, u64) {
-        let (recs, end) = scan_stream::<()>(log.len() as u64, first, chunk, |off, len| {
+        let (recs, end) = scan_stream::<()>(log.len() as u64, first, chunk, |off, len, buf| {
             let s = off as usize;
-            Ok(Bytes::copy_from_slice(&log[s..(s + len).min(log.len())]))
+            buf.extend_from_slice(&log[s..(s + len).min(log.len())]);
+            Ok(())
         })
         .expect("in-memory reads cannot fail");
         (recs.iter().map(|r| r.seq).collect(), end)

@@ -110,10 +110,12 @@ impl Backend for FileBackend {
     fn scan_log(&self, first_seq: u64) -> Result<Vec<Record>> {
         let path = self.dir.join("log");
         let len = self.log.metadata().map_err(io(&path))?.len();
-        let (records, end) = scan_stream(len, first_seq, IO_CHUNK_BYTES, |off, n| {
-            let mut buf = vec![0u8; n];
-            self.log.read_exact_at(&mut buf, off).map_err(io(&path))?;
-            Ok::<_, RvmError>(Bytes::from(buf))
+        let (records, end) = scan_stream(len, first_seq, IO_CHUNK_BYTES, |off, n, buf| {
+            let at = buf.len();
+            buf.resize(at + n, 0);
+            self.log
+                .read_exact_at(&mut buf[at..], off)
+                .map_err(io(&path))
         })?;
         *self.tail_bytes.lock() = end;
         Ok(records)
@@ -191,8 +193,8 @@ impl Backend for FileBackend {
         Ok(())
     }
 
-    fn read_home(&self, seg: u64, out: &mut [u8]) -> Result<()> {
-        self.with_home(seg, |f, p| f.read_exact_at(out, 0).map_err(io(p)))
+    fn read_home(&self, seg: u64, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.with_home(seg, |f, p| f.read_exact_at(out, offset).map_err(io(p)))
     }
 
     fn drop_home(&self, seg: u64, _len: u64) -> Result<()> {

@@ -47,8 +47,9 @@ pub trait Backend: Send + Sync {
     /// one is kept: a crash can leave one behind that no committed record mentions).
     fn create_home(&self, seg: u64, len: u64) -> Result<()>;
     fn write_home(&self, writes: &[HomeWrite]) -> Result<()>;
-    /// Copies the home of `seg` into `out` (its length is the segment's).
-    fn read_home(&self, seg: u64, out: &mut [u8]) -> Result<()>;
+    /// Copies `out.len()` bytes of the home of `seg`, from `offset`, into `out`. Recovery
+    /// asks only for page-aligned ranges inside the segment.
+    fn read_home(&self, seg: u64, offset: u64, out: &mut [u8]) -> Result<()>;
     fn drop_home(&self, seg: u64, len: u64) -> Result<()>;
 
     /// After a recovery: whether replicas disagreed or one was unreachable, so the

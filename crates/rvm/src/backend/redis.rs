@@ -217,13 +217,19 @@ impl Backend for RedisBackend {
         Ok(())
     }
 
-    fn read_home(&self, seg: u64, out: &mut [u8]) -> Result<()> {
+    fn read_home(&self, seg: u64, offset: u64, out: &mut [u8]) -> Result<()> {
+        if !offset.is_multiple_of(PAGE_BYTES) {
+            return Err(RvmError::InvalidArgument(format!(
+                "home reads start on a page, not at {offset}"
+            )));
+        }
+        let first = offset / PAGE_BYTES;
         let pages = (out.len() as u64).div_ceil(PAGE_BYTES);
         let mut page = 0u64;
         while page < pages {
             let end = (page + REDIS_KEYS_PER_COMMAND_MAX as u64).min(pages);
             let command: Vec<Vec<u8>> = std::iter::once(b"MGET".to_vec())
-                .chain((page..end).map(|p| self.page_key(seg, p).into_bytes()))
+                .chain((page..end).map(|p| self.page_key(seg, first + p).into_bytes()))
                 .collect();
             let reply = self.run(&[command])?.pop();
             let Some(Reply::Array(Some(values))) = reply else {
