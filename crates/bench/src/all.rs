@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 9] = [
+pub const BENCHES: [&str; 10] = [
     "cpu",
     "mem",
     "net",
@@ -21,6 +21,7 @@ pub const BENCHES: [&str; 9] = [
     "rvm-commit",
     "rvm-recovery",
     "ycsb",
+    "resp",
 ];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
@@ -96,6 +97,10 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
     })?);
     written.extend(timed("rvm-recovery", &|| {
         crate::rvm::run_recovery(&RvmBenchConfig::defaults(quick), out)
+    })?);
+    written.extend(timed("resp", &|| {
+        crate::resp::run(&crate::resp::RespBenchConfig::defaults(quick), out)
+            .map(|(files, _)| files)
     })?);
     written.push(report::write_report(out)?);
     Ok(written)

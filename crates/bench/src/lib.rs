@@ -44,6 +44,7 @@ quick_config!(
     threads::ThreadsConfig,
     api::ApiConfig,
     ycsb::YcsbConfig,
+    resp::RespBenchConfig,
     rvm::RvmBenchConfig
 );
 
@@ -51,6 +52,7 @@ pub mod all;
 pub mod api;
 pub mod demo;
 pub mod hw;
+pub mod resp;
 pub mod rvm;
 pub mod threads;
 pub mod workload;

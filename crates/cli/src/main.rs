@@ -120,6 +120,9 @@ enum BenchCommand {
     /// YCSB's core workloads (A–F, and W: 100% update) against Camelot, its Redis port,
     /// redis-server and memcached under one harness; every read is checked.
     Ycsb(YcsbArgs),
+    /// redis-benchmark against Camelot's Redis-protocol port and a real redis-server in
+    /// the same run (get and set, with and without pipelining); the ratio is the figure.
+    Resp(RespArgs),
     /// RVM commit time against pages modified, per backend (seed 001), beside iperf3,
     /// sockperf and redis-benchmark measured in the same run.
     RvmCommit(RvmArgs),
@@ -178,6 +181,31 @@ struct AllArgs {
     #[arg(long)]
     quick: bool,
     /// Directory for every result, figure and index.html.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct RespArgs {
+    /// redis-benchmark -n: requests per run.
+    #[arg(long, default_value_t = 200_000)]
+    requests: u64,
+    /// redis-benchmark -c: parallel connections.
+    #[arg(long, default_value_t = 50)]
+    clients: u32,
+    /// redis-benchmark -d: value bytes.
+    #[arg(long, default_value_t = 100)]
+    data_bytes: u32,
+    /// redis-benchmark -P values to run, comma-separated (1 = no pipelining).
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    pipeline: Vec<u32>,
+    /// Runs of each case per server, alternating; the median ratio counts.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Scaled down to finish in under 30 s.
+    #[arg(long)]
+    quick: bool,
+    /// Directory for resp.json and its figure.
     #[arg(long, default_value = "results")]
     out: PathBuf,
 }
@@ -375,6 +403,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Threads(a)) => bench_threads(a),
         Command::Bench(BenchCommand::Api(a)) => bench_api(a),
         Command::Bench(BenchCommand::Ycsb(a)) => bench_ycsb(a),
+        Command::Bench(BenchCommand::Resp(a)) => bench_resp(a),
         Command::Bench(BenchCommand::RvmCommit(a)) => bench_rvm(a, true),
         Command::Bench(BenchCommand::RvmRecovery(a)) => bench_rvm(a, false),
         Command::Bench(BenchCommand::All(a)) => bench_all(a),
@@ -602,6 +631,26 @@ fn bench_api(a: ApiArgs) -> Result<()> {
         cfg.apply_quick();
     }
     let (written, table) = camelot_bench::api::run(&cfg, &a.out)?;
+    print!("{table}");
+    for p in written {
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+fn bench_resp(a: RespArgs) -> Result<()> {
+    let mut cfg = camelot_bench::resp::RespBenchConfig {
+        requests: a.requests,
+        clients: a.clients,
+        data_bytes: a.data_bytes,
+        pipelines: a.pipeline,
+        rounds: a.rounds,
+        quick: false,
+    };
+    if a.quick {
+        cfg.apply_quick();
+    }
+    let (written, table) = camelot_bench::resp::run(&cfg, &a.out)?;
     print!("{table}");
     for p in written {
         println!("wrote {}", p.display());

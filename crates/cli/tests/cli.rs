@@ -442,7 +442,9 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
         Duration::from_secs(300),
     );
     assert!(status.success(), "{err}");
-    for bench in ["cpu", "mem", "net", "disk", "threads", "api", "ycsb"] {
+    for bench in [
+        "cpu", "mem", "net", "disk", "threads", "api", "ycsb", "resp",
+    ] {
         assert!(err.contains(&format!("bench {bench}: done")), "{err}");
         let json: serde_json::Value = serde_json::from_slice(
             &std::fs::read(dir.join(format!("{bench}.json"))).expect("result file"),
@@ -498,6 +500,7 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
         "threads.png",
         "api.png",
         "ycsb.png",
+        "resp.png",
     ] {
         assert!(html.contains(needle), "{needle} missing from the report");
     }

@@ -77,8 +77,8 @@ pub fn parse_command(buf: &mut BytesMut) -> Result<Option<Vec<Bytes>>, RespError
         return Err(protocol("invalid multibulk length"));
     }
     let count = count as usize;
-    // First pass: are all arguments here? Only headers are read.
-    let mut spans = Vec::with_capacity(count.min(1024));
+    // First pass: are all arguments here, and well-formed? Only headers are read.
+    let first = at;
     for _ in 0..count {
         if at >= buf.len() {
             return Ok(None);
@@ -107,13 +107,22 @@ pub fn parse_command(buf: &mut BytesMut) -> Result<Option<Vec<Bytes>>, RespError
         if &buf[end..end + 2] != b"\r\n" {
             return Err(protocol("bulk string not terminated by CRLF"));
         }
-        spans.push((start, end));
         at = end + 2;
     }
+    // Second pass over the same, now known-good headers: slices of one frozen buffer, so
+    // arguments are not copied and no list of spans is allocated on the way.
     let frozen = buf.split_to(at).freeze();
-    Ok(Some(
-        spans.into_iter().map(|(s, e)| frozen.slice(s..e)).collect(),
-    ))
+    let mut args = Vec::with_capacity(count);
+    let mut at = first;
+    for _ in 0..count {
+        let Some((len, start)) = header_int(&frozen, at + 1, "bulk")? else {
+            return Err(protocol("bulk header changed under us"));
+        };
+        let end = start + len as usize;
+        args.push(frozen.slice(start..end));
+        at = end + 2;
+    }
+    Ok(Some(args))
 }
 
 fn parse_inline(buf: &mut BytesMut) -> Result<Option<Vec<Bytes>>, RespError> {
@@ -150,6 +159,25 @@ fn parse_inline(buf: &mut BytesMut) -> Result<Option<Vec<Bytes>>, RespError> {
     Ok(Some(args))
 }
 
+/// Writes `n` in decimal without allocating (this runs for every reply).
+fn put_decimal(out: &mut BytesMut, n: i64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    let mut v = n.unsigned_abs();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    if n < 0 {
+        out.put_u8(b'-');
+    }
+    out.put_slice(&digits[i..]);
+}
+
 /// Replies, written straight into the output buffer.
 pub fn simple(out: &mut BytesMut, s: &str) {
     out.put_u8(b'+');
@@ -169,13 +197,13 @@ pub fn error(out: &mut BytesMut, msg: &str) {
 
 pub fn integer(out: &mut BytesMut, n: i64) {
     out.put_u8(b':');
-    out.put_slice(n.to_string().as_bytes());
+    put_decimal(out, n);
     out.put_slice(b"\r\n");
 }
 
 pub fn bulk(out: &mut BytesMut, b: &[u8]) {
     out.put_u8(b'$');
-    out.put_slice(b.len().to_string().as_bytes());
+    put_decimal(out, b.len() as i64);
     out.put_slice(b"\r\n");
     out.put_slice(b);
     out.put_slice(b"\r\n");
@@ -187,7 +215,7 @@ pub fn null_bulk(out: &mut BytesMut) {
 
 pub fn array_header(out: &mut BytesMut, n: usize) {
     out.put_u8(b'*');
-    out.put_slice(n.to_string().as_bytes());
+    put_decimal(out, n as i64);
     out.put_slice(b"\r\n");
 }
 
@@ -245,6 +273,15 @@ mod tests {
         }
         let mut long = BytesMut::from(&vec![b'a'; INLINE_BYTES_MAX + 10][..]);
         assert!(parse_command(&mut long).is_err());
+    }
+
+    #[test]
+    fn integers_print_in_decimal() {
+        for n in [0i64, 7, -7, 10, 1_234_567, i64::MAX, i64::MIN] {
+            let mut out = BytesMut::new();
+            integer(&mut out, n);
+            assert_eq!(out, format!(":{n}\r\n").as_bytes());
+        }
     }
 
     #[test]

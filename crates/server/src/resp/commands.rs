@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 const EXPIRE_MS_MAX: i64 = 100 * 365 * 24 * 3600 * 1000;
 /// Most bytes one CAMELOT.SCAN reply carries (the native protocol's frame budget).
 const SCAN_REPLY_BYTES_MAX: usize = camelot_proto::RESPONSE_OK_BUDGET_BYTES;
+/// Longest command name we know (`zrangebyscore`), with room to spare.
+const COMMAND_NAME_BYTES_MAX: usize = 32;
 /// Most keys KEYS returns.
 const KEYS_MAX: usize = 1 << 20;
 
@@ -94,8 +96,17 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
     let Some(name) = args.first() else {
         return;
     };
-    let name_lower = String::from_utf8_lossy(name).to_ascii_lowercase();
-    let cmd = name_lower.as_str();
+    // Lower-cased on the stack: this runs for every command. Longer names are no
+    // command of ours, and fall through to the unknown-command answer.
+    let mut name_buf = [0u8; COMMAND_NAME_BYTES_MAX];
+    let cmd = match name.get(..).filter(|n| n.len() <= COMMAND_NAME_BYTES_MAX) {
+        Some(n) => {
+            name_buf[..n.len()].copy_from_slice(n);
+            name_buf[..n.len()].make_ascii_lowercase();
+            std::str::from_utf8(&name_buf[..n.len()]).unwrap_or("")
+        }
+        None => "",
+    };
     let now = Instant::now();
     if ctx.token.is_some() && !session.authenticated && !matches!(cmd, "auth" | "quit") {
         error(out, "NOAUTH Authentication required.");
@@ -193,11 +204,13 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
             session.quit = true;
         }
         "auth" => auth(ctx, session, args, out),
-        "get" => match objects.get(&args[1], now) {
-            Ok((_, v)) => bulk(out, &v),
-            Err(e) if e.code == ErrorCode::NoSuchKey => null_bulk(out),
-            Err(e) => store_error(out, &e),
-        },
+        // Copied out under the read lock: cloning the value's handle would bounce its
+        // reference count between cores on every GET of a hot key.
+        "get" => objects.read(&args[1], now, |e| match e.map(|e| &e.value) {
+            None => null_bulk(out),
+            Some(Value::Str(v)) => bulk(out, v),
+            Some(_) => error(out, WRONG_TYPE),
+        }),
         "set" => set(objects, args, now, out),
         "del" => {
             let removed = args[1..]
