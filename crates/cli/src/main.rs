@@ -631,11 +631,16 @@ fn bench_api(a: ApiArgs) -> Result<()> {
         cfg.apply_quick();
     }
     let (written, table) = camelot_bench::api::run(&cfg, &a.out)?;
+    print_outcome(&table, &written);
+    Ok(())
+}
+
+/// A bench's table, then the files it wrote.
+fn print_outcome(table: &str, written: &[std::path::PathBuf]) {
     print!("{table}");
     for p in written {
         println!("wrote {}", p.display());
     }
-    Ok(())
 }
 
 fn bench_resp(a: RespArgs) -> Result<()> {
@@ -651,10 +656,7 @@ fn bench_resp(a: RespArgs) -> Result<()> {
         cfg.apply_quick();
     }
     let (written, table) = camelot_bench::resp::run(&cfg, &a.out)?;
-    print!("{table}");
-    for p in written {
-        println!("wrote {}", p.display());
-    }
+    print_outcome(&table, &written);
     Ok(())
 }
 
@@ -710,10 +712,7 @@ fn bench_ycsb(a: YcsbArgs) -> Result<()> {
         cfg.apply_quick();
     }
     let report = camelot_bench::ycsb::run(&cfg, &a.out, |line| eprintln!("{line}"))?;
-    print!("{}", report.table);
-    for p in &report.files {
-        println!("wrote {}", p.display());
-    }
+    print_outcome(&report.table, &report.files);
     if report.errors > 0 || report.mismatches > 0 {
         bail!(
             "{} errors and {} value mismatches (details in ycsb.json)",

@@ -328,55 +328,15 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
         "hlen" => with_hash(objects, &args[1], now, out, |h, out| {
             integer(out, h.map_or(0, |h| h.len() as i64))
         }),
-        "hdel" => {
-            let r = objects.modify(
-                &args[1],
-                |_| 0,
-                now,
-                |e, clock| match e {
-                    None => Ok((0, Change::Keep)),
-                    Some(e) => {
-                        let Value::Hash(h) = &mut e.value else {
-                            return Err(wrong_type());
-                        };
-                        let removed = args[2..].iter().filter(|f| h.remove(f)).count();
-                        if removed > 0 {
-                            e.version = clock.next();
-                        }
-                        Ok((removed as i64, Change::Keep))
-                    }
-                },
-            );
-            match r {
-                Ok((removed, _)) => integer(out, removed),
-                Err(e) => store_error(out, &e),
-            }
-        }
+        "hdel" => remove_items(objects, args, out, now, |v, f| match v {
+            Value::Hash(h) => Some(h.remove(f)),
+            _ => None,
+        }),
         "zadd" => zadd(objects, args, out, now),
-        "zrem" => {
-            let r = objects.modify(
-                &args[1],
-                |_| 0,
-                now,
-                |e, clock| match e {
-                    None => Ok((0, Change::Keep)),
-                    Some(e) => {
-                        let Value::ZSet(z) = &mut e.value else {
-                            return Err(wrong_type());
-                        };
-                        let removed = args[2..].iter().filter(|m| z.remove(m)).count();
-                        if removed > 0 {
-                            e.version = clock.next();
-                        }
-                        Ok((removed as i64, Change::Keep))
-                    }
-                },
-            );
-            match r {
-                Ok((removed, _)) => integer(out, removed),
-                Err(e) => store_error(out, &e),
-            }
-        }
+        "zrem" => remove_items(objects, args, out, now, |v, m| match v {
+            Value::ZSet(z) => Some(z.remove(m)),
+            _ => None,
+        }),
         "zscore" => with_zset(objects, &args[1], now, out, |z, out| {
             match z.and_then(|z| z.score(&args[2])) {
                 Some(s) => bulk(out, format_double(s).as_bytes()),
@@ -530,6 +490,43 @@ fn config_get(ctx: &Ctx<'_>, pattern: &[u8], out: &mut BytesMut) {
     for (name, value) in matched {
         bulk(out, name.as_bytes());
         bulk(out, value.as_bytes());
+    }
+}
+
+/// HDEL and ZREM: removes `args[2..]` from the collection at `args[1]` and answers how
+/// many were there. `remove` answers `None` for a value of the wrong type (before
+/// anything is removed, since every item is asked of the same value).
+fn remove_items(
+    objects: &ObjectStore,
+    args: &[Bytes],
+    out: &mut BytesMut,
+    now: Instant,
+    remove: impl Fn(&mut Value, &[u8]) -> Option<bool>,
+) {
+    let r = objects.modify(
+        &args[1],
+        |_| 0,
+        now,
+        |e, clock| match e {
+            None => Ok((0, Change::Keep)),
+            Some(e) => {
+                let mut removed = 0;
+                for item in &args[2..] {
+                    match remove(&mut e.value, item) {
+                        None => return Err(wrong_type()),
+                        Some(found) => removed += i64::from(found),
+                    }
+                }
+                if removed > 0 {
+                    e.version = clock.next();
+                }
+                Ok((removed, Change::Keep))
+            }
+        },
+    );
+    match r {
+        Ok((removed, _)) => integer(out, removed),
+        Err(e) => store_error(out, &e),
     }
 }
 
