@@ -35,6 +35,12 @@ pub enum BenchError {
         program: &'static str,
         detail: String,
     },
+    /// It ran past its time limit and was killed.
+    #[error("the peer program `{program}` hung: {detail}")]
+    PeerTimedOut {
+        program: &'static str,
+        detail: String,
+    },
     /// A `bench hw net` peer spoke something other than the control protocol.
     #[error("net-bench control protocol: {0}")]
     Control(#[from] crate::hw::netctl::ControlError),

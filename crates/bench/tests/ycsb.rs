@@ -57,3 +57,31 @@ fn every_workload_on_every_target_reads_back_what_it_wrote() {
     assert!(report.table.contains("camelot ÷ it"));
     let _ = std::fs::remove_dir_all(&out);
 }
+
+#[test]
+fn a_target_rate_holds_the_rate_and_times_from_the_intended_start() {
+    let out = std::env::temp_dir().join(format!("camelot-ycsb-rate-{}", std::process::id()));
+    let cfg = YcsbConfig {
+        workloads: vec![Workload::C],
+        records: 500,
+        operations: 1_000,
+        threads: 4,
+        target_ops: Some(2_000.0),
+        spawn: vec!["camelot".into()],
+        memory_bytes: 256 << 20,
+        ..YcsbConfig::default()
+    };
+    let report = run(&cfg, &out, |_| {}).expect("ycsb runs");
+    assert_eq!((report.errors, report.mismatches), (0, 0));
+    let result = read_result(&out.join("ycsb.json")).expect("ycsb.json");
+    let p = &result.series[0].points[0];
+    let ops = p.ops_per_sec.expect("throughput");
+    // 1,000 operations at 2,000/s take at least half a second: the rate cannot be beaten.
+    assert!(
+        ops <= 2_000.0 * 1.05,
+        "{ops} ops/s against a 2,000 ops/s target"
+    );
+    assert!(ops >= 200.0, "{ops} ops/s: far below the target rate");
+    assert_eq!(result.config["target_ops"], 2_000.0);
+    let _ = std::fs::remove_dir_all(&out);
+}

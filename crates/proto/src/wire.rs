@@ -477,6 +477,20 @@ impl<'a> ResponseBatchEncoder<'a> {
         Ok(())
     }
 
+    /// Appends a GET reply straight from the stored bytes (no `Reply` built first).
+    pub fn push_object(&mut self, id: u64, version: u64, value: &[u8]) -> Result<(), EncodeError> {
+        self.check_count()?;
+        limit("value", value.len(), VALUE_BYTES_MAX)?;
+        self.buf.put_u64_le(id);
+        self.buf.put_u16_le(0);
+        self.buf.put_u8(TAG_OBJECT);
+        self.buf.put_u64_le(version);
+        self.buf.put_u32_le(value.len() as u32);
+        self.buf.put_slice(value);
+        self.count += 1;
+        Ok(())
+    }
+
     pub fn push_err(&mut self, id: u64, err: &ErrorReply) -> Result<(), EncodeError> {
         self.check_count()?;
         self.buf.put_u64_le(id);

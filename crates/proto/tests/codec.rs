@@ -192,6 +192,19 @@ proptest! {
     }
 
     #[test]
+    fn push_object_encodes_exactly_as_an_object_reply(id in any::<u64>(), version in any::<u64>(), value in blob(300)) {
+        let mut direct = BytesMut::new();
+        let mut enc = ResponseBatchEncoder::begin(&mut direct);
+        enc.push_object(id, version, &value).unwrap();
+        enc.finish().unwrap();
+        let mut built = BytesMut::new();
+        let mut enc = ResponseBatchEncoder::begin(&mut built);
+        enc.push_ok(id, &Reply::Object { version, value }).unwrap();
+        enc.finish().unwrap();
+        prop_assert_eq!(direct, built);
+    }
+
+    #[test]
     fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..2048)) {
         let _ = decode_frame(Bytes::from(body.clone()));
         let mut buf = BytesMut::from(&body[..]);

@@ -1,6 +1,6 @@
 //! Executes one decoded batch against the store, straight into a response frame.
 
-use crate::objects::ObjectStore;
+use crate::objects::{no_such_key, wrong_type, Entry, ObjectStore, Value};
 use crate::state::{kind_index, ServerState, OP_KINDS};
 use crate::store::RegionStore;
 use camelot_proto::limits::IO_BYTES_MAX;
@@ -15,6 +15,7 @@ use std::time::Instant;
 const OK_HEADER_BYTES: usize = 8 + 2 + 1;
 const WORD_REPLY_BYTES: usize = OK_HEADER_BYTES + 8;
 const DATA_REPLY_HEADER_BYTES: usize = OK_HEADER_BYTES + 4;
+const OBJECT_REPLY_HEADER_BYTES: usize = OK_HEADER_BYTES + 8 + 4;
 
 fn region_info_bytes(name: Option<&str>) -> usize {
     8 + 8 + 1 + name.map_or(0, str::len)
@@ -174,15 +175,7 @@ impl Exec<'_, '_, '_> {
 
     fn one(&mut self, id: u64, op: &Op) -> Result<(), EncodeError> {
         match op {
-            Op::Get { key } => {
-                let now = self.now();
-                match self.state.objects().get(key, now) {
-                    Ok((version, value)) => {
-                        self.respond_if_fits(id, Reply::Object { version, value })
-                    }
-                    Err(e) => self.enc.push_err(id, &e),
-                }
-            }
+            Op::Get { key } => self.get(id, key),
             Op::Put { key, value } => self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
                 o.put(key, value, now).map(Reply::Version)
             }),
@@ -264,6 +257,27 @@ impl Exec<'_, '_, '_> {
                 s.fetch_add(*region, *offset, *delta).map(Reply::Word)
             }),
         }
+    }
+
+    /// Copies the value into the frame under the shard's read lock: cloning its handle
+    /// instead would bounce the reference count between cores on every GET of a hot key.
+    fn get(&mut self, id: u64, key: &[u8]) -> Result<(), EncodeError> {
+        let now = self.now();
+        let state = self.state;
+        state.objects().read(key, now, |e| match e {
+            None => self.enc.push_err(id, &no_such_key()),
+            Some(Entry {
+                version,
+                value: Value::Str(v),
+                ..
+            }) => {
+                if !self.fits(OBJECT_REPLY_HEADER_BYTES + v.len()) {
+                    return self.too_large(id);
+                }
+                self.enc.push_object(id, *version, v)
+            }
+            Some(_) => self.enc.push_err(id, &wrong_type()),
+        })
     }
 
     fn read(
