@@ -618,6 +618,8 @@ impl Inner {
         }
         for m in r.segs.values() {
             let mut map = self.map(m)?;
+            // Every page is written below (home reads plus replayed writes).
+            map.advise_huge_pages();
             let writes = replayed.remove(&m.seg).unwrap_or_default();
             for (start, end) in home_reads(m.len, writes) {
                 self.backend.read_home(

@@ -470,6 +470,8 @@ pub fn scan_stream<E>(
         // input holds; reserving once avoids growing (and copying) a big record by halves.
         let total = header.total_bytes() as usize;
         buf.reserve(total.saturating_sub(buf.len()));
+        // A big record is read whole into this buffer: fault it in by huge pages.
+        crate::mem::advise_huge_pages(buf.spare_capacity_mut());
         if !fill(&mut buf, buf_start, offset, header.total_bytes())? {
             break;
         }
