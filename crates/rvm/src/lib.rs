@@ -54,6 +54,14 @@ pub mod limits {
     pub const RECORD_OPS_MAX: usize = 1 << 20;
     /// A catalog of SEGMENTS_MAX segments with the longest tags fits.
     pub const CATALOG_BYTES_MAX: usize = 1 << 20;
+    /// Network backends read this much of a catalog slot first, and the rest only when
+    /// its header says the catalog is longer: a slot is CATALOG_BYTES_MAX, a catalog of
+    /// a few segments is tens of bytes, and two 1 MiB reads were most of a one-page
+    /// recovery.
+    pub const CATALOG_FIRST_READ_BYTES: usize = 64 << 10;
+    /// A log scan's first read; each later one doubles, up to IO_CHUNK_BYTES (a log of
+    /// one small record should not cost a 1 MiB read).
+    pub const SCAN_FIRST_READ_BYTES: usize = 64 << 10;
     /// The pool log region; a commit record must fit in it.
     pub const POOL_LOG_BYTES_DEFAULT: u64 = 160 << 20;
     pub const FILE_LOG_BYTES_MAX: u64 = 1 << 30;
@@ -618,6 +626,8 @@ impl Inner {
         }
         for m in r.segs.values() {
             let mut map = self.map(m)?;
+            // Every page is written below (home reads plus replayed writes).
+            map.advise_huge_pages();
             let writes = replayed.remove(&m.seg).unwrap_or_default();
             for (start, end) in home_reads(m.len, writes) {
                 self.backend.read_home(

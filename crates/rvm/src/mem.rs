@@ -110,6 +110,19 @@ impl Mapping {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
+    /// See [`advise_huge_pages`]: for a mapping about to be written whole (recovery).
+    pub fn advise_huge_pages(&mut self) {
+        // SAFETY: the mapping is ours and alive for as long as &mut self; viewing
+        // initialised bytes as MaybeUninit is always sound, and nothing is written.
+        let region = unsafe {
+            std::slice::from_raw_parts_mut(
+                self.ptr.as_ptr().cast::<std::mem::MaybeUninit<u8>>(),
+                self.len,
+            )
+        };
+        advise_huge_pages(region);
+    }
+
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
     }
@@ -164,6 +177,37 @@ impl Mapping {
         }
     }
 }
+
+/// Asks the kernel to back `region` with transparent huge pages where it can (the
+/// 2 MiB-aligned parts of it): recovery writes every byte of a recovered segment and of
+/// its log buffer, and faulting 40 MB in 4 KiB pages took ~10,000 faults per buffer,
+/// two thirds of a 10,000-page recovery. Only a hint: regions under
+/// [`HUGE_PAGE_ADVICE_BYTES_MIN`] and kernels without THP are left as they are.
+pub fn advise_huge_pages(region: &mut [std::mem::MaybeUninit<u8>]) {
+    if region.len() < HUGE_PAGE_ADVICE_BYTES_MIN {
+        return;
+    }
+    let page = crate::limits::PAGE_BYTES as usize;
+    let start = region.as_mut_ptr() as usize;
+    let aligned = start.next_multiple_of(page);
+    let end = (start + region.len()) / page * page;
+    if end <= aligned {
+        return;
+    }
+    // SAFETY: [aligned, end) lies inside `region`, memory we hold a unique reference to;
+    // MADV_HUGEPAGE changes neither its contents nor its mapping, only how the kernel
+    // backs pages not yet faulted in. Failure (no THP support) is harmless and ignored.
+    unsafe {
+        libc::madvise(
+            aligned as *mut libc::c_void,
+            end - aligned,
+            libc::MADV_HUGEPAGE,
+        );
+    }
+}
+
+/// Smaller regions are not worth a huge page (one x86-64 huge page is 2 MiB).
+pub const HUGE_PAGE_ADVICE_BYTES_MIN: usize = 2 << 20;
 
 impl Drop for Mapping {
     fn drop(&mut self) {

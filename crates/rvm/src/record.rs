@@ -364,6 +364,20 @@ pub fn encode_catalog(c: &Catalog) -> Bytes {
     Bytes::from(out)
 }
 
+/// The encoded length of the catalog whose header `prefix` starts with (header plus
+/// body), or `None` when `prefix` does not start with a catalog header. Unchecked beyond
+/// the magic: callers bound it, and [`decode_catalog`] verifies the rest.
+pub fn catalog_encoded_len(prefix: &[u8]) -> Option<usize> {
+    let mut r = Reader::new(prefix);
+    if r.u32().ok()? != CATALOG_MAGIC {
+        return None;
+    }
+    let _version = r.u16().ok()?;
+    let _reserved = r.u16().ok()?;
+    let body_len = r.u32().ok()? as usize;
+    CATALOG_HEADER_BYTES.checked_add(body_len)
+}
+
 /// Decodes a catalog from the front of `bytes` (a fixed-size slot may hold more after it).
 pub fn decode_catalog(bytes: &[u8]) -> Result<Catalog, DecodeError> {
     let mut r = Reader::new(bytes);
@@ -430,6 +444,8 @@ pub fn scan_stream<E>(
     // The log offset of `buf[0]`.
     let mut buf_start = 0u64;
     let mut expected = first_seq;
+    // Grows from SCAN_FIRST_READ_BYTES to `chunk_bytes`: short logs cost short reads.
+    let mut chunk = chunk_bytes.min(crate::limits::SCAN_FIRST_READ_BYTES);
     // Reads until `buf` holds `need` bytes from `offset`; false when the log ends first.
     let mut fill = |buf: &mut bytes::BytesMut, buf_start: u64, offset: u64, need: u64| loop {
         let have = buf_start + buf.len() as u64;
@@ -439,7 +455,8 @@ pub fn scan_stream<E>(
         if have >= capacity_bytes {
             return Ok(false);
         }
-        let want = (offset + need - have).max(chunk_bytes as u64);
+        let want = (offset + need - have).max(chunk as u64);
+        chunk = chunk.saturating_mul(2).min(chunk_bytes);
         let want = want.min(capacity_bytes - have) as usize;
         let before = buf.len();
         read_at(have, want, buf)?;
@@ -470,6 +487,8 @@ pub fn scan_stream<E>(
         // input holds; reserving once avoids growing (and copying) a big record by halves.
         let total = header.total_bytes() as usize;
         buf.reserve(total.saturating_sub(buf.len()));
+        // A big record is read whole into this buffer: fault it in by huge pages.
+        crate::mem::advise_huge_pages(buf.spare_capacity_mut());
         if !fill(&mut buf, buf_start, offset, header.total_bytes())? {
             break;
         }
@@ -658,6 +677,25 @@ mod tests {
             Some((0, 4))
         );
         assert_eq!(newest_catalog(&[None, None]), None);
+    }
+
+    #[test]
+    fn catalog_length_comes_from_its_header() {
+        let c = Catalog {
+            applied_seq: 1,
+            next_seg: 2,
+            segs: Vec::new(),
+        };
+        let e = encode_catalog(&c);
+        assert_eq!(catalog_encoded_len(&e), Some(e.len()));
+        assert_eq!(
+            catalog_encoded_len(&e[..CATALOG_HEADER_BYTES]),
+            Some(e.len())
+        );
+        // magic, version, reserved and length are the header's first 12 bytes.
+        assert_eq!(catalog_encoded_len(&e[..12]), Some(e.len()));
+        assert_eq!(catalog_encoded_len(&e[..11]), None);
+        assert_eq!(catalog_encoded_len(&[0u8; 64]), None, "a zeroed slot");
     }
 
     fn stream_of(records: &[Record]) -> Vec<u8> {

@@ -309,6 +309,45 @@ fn bad_arguments_are_clear_errors(f: &Fixture) {
     }
 }
 
+/// A catalog longer than the pool backend's first catalog read (CATALOG_FIRST_READ_BYTES)
+/// is read whole: every segment comes back from the homes after a truncation.
+fn long_catalog_recovers(f: &Fixture) {
+    const SEGS: usize = 1200;
+    let tag = |i: usize| format!("{i:04}-{}", "t".repeat(52));
+    let rvm = Rvm::open(f.config("longcat", false)).expect("open");
+    for i in 0..SEGS {
+        let s = rvm.alloc(&tag(i), 4096).expect("alloc");
+        let mut t = rvm.begin();
+        t.set_range(&s, 0, 8).expect("declare");
+        t.write_u64(&s, 0, i as u64 + 1).expect("write");
+        t.commit_lazy().expect("commit");
+    }
+    rvm.flush().expect("flush");
+    rvm.truncate()
+        .expect("truncate: the catalog now names every segment");
+    assert!(
+        SEGS * (tag(0).len() + 24) > limits::CATALOG_FIRST_READ_BYTES,
+        "the catalog must be longer than the first read"
+    );
+    drop(rvm);
+    let rvm = Rvm::open(f.config("longcat", true)).expect("recover");
+    assert_eq!(rvm.segments().len(), SEGS);
+    for i in 0..SEGS {
+        let s = rvm.segment(&tag(i)).expect("recovered");
+        assert_eq!(s.read_u64(0).expect("read"), i as u64 + 1);
+    }
+}
+
+#[test]
+fn long_catalog_recovers_pool() {
+    long_catalog_recovers(&Fixture::start("pool"));
+}
+
+#[test]
+fn long_catalog_recovers_pool_mirrored() {
+    long_catalog_recovers(&Fixture::start("pool-mirrored"));
+}
+
 macro_rules! suite {
     ($($backend:ident => $kind:literal),*) => {$(
         mod $backend {

@@ -5,8 +5,8 @@
 
 use super::{Backend, HomeWrite};
 use crate::error::{Result, RvmError};
-use crate::limits::{CATALOG_BYTES_MAX, IO_CHUNK_BYTES, MIRRORS_MAX};
-use crate::record::{newest_catalog, scan_stream, Record};
+use crate::limits::{CATALOG_BYTES_MAX, CATALOG_FIRST_READ_BYTES, IO_CHUNK_BYTES, MIRRORS_MAX};
+use crate::record::{catalog_encoded_len, newest_catalog, scan_stream, Record};
 use bytes::Bytes;
 use camelot_client::proto::{ErrorCode, Op};
 use camelot_client::{reply, Client, ClientConfig, ClusterMap, Pending, Region};
@@ -254,18 +254,31 @@ impl Replica {
         Ok(r)
     }
 
+    /// Both slots' first CATALOG_FIRST_READ_BYTES in one round trip, then the rest of a
+    /// slot whose header says its catalog is longer (never past CATALOG_BYTES_MAX).
     fn read_catalog_slots(&self) -> Result<[Option<Bytes>; 2]> {
+        let first = CATALOG_FIRST_READ_BYTES.min(CATALOG_BYTES_MAX);
         let p: Vec<Pending> = self
             .catalogs
             .iter()
-            .map(|c| {
-                self.client
-                    .submit(0, c.read_op(0, CATALOG_BYTES_MAX as u32))
-            })
+            .map(|c| self.client.submit(0, c.read_op(0, first as u32)))
             .collect::<Result<_, _>>()?;
         let mut out = [None, None];
-        for (slot, p) in out.iter_mut().zip(p) {
-            *slot = Some(reply::data(p.wait())?);
+        for ((slot, p), region) in out.iter_mut().zip(p).zip(&self.catalogs) {
+            let head = reply::data(p.wait())?;
+            let whole = match catalog_encoded_len(&head) {
+                Some(len) if len > head.len() && len <= CATALOG_BYTES_MAX => {
+                    let mut buf = Vec::with_capacity(len);
+                    buf.extend_from_slice(&head);
+                    self.read_region_with(region, head.len() as u64, len - head.len(), |d| {
+                        buf.extend_from_slice(d)
+                    })?;
+                    Bytes::from(buf)
+                }
+                // Whole already, or not a catalog (decoding rejects it).
+                _ => head,
+            };
+            *slot = Some(whole);
         }
         Ok(out)
     }
