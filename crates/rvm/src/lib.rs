@@ -268,6 +268,27 @@ struct LogState {
     catalog_slot: usize,
 }
 
+impl LogState {
+    /// `rec` is now in the backend's log: its allocations and frees are durable, and it
+    /// waits to be applied to the homes.
+    fn note_appended(&mut self, rec: Record) {
+        for op in &rec.ops {
+            match op {
+                LogOp::Alloc(m) => {
+                    self.durable.insert(m.seg, m.clone());
+                }
+                LogOp::Free { seg } => {
+                    if let Some(m) = self.durable.remove(seg) {
+                        self.freed_homes.push((m.seg, m.len));
+                    }
+                }
+                LogOp::Write { .. } => {}
+            }
+        }
+        self.pending.push(rec);
+    }
+}
+
 struct Inner {
     backend: Box<dyn Backend>,
     truncate_log_bytes: u64,
@@ -806,20 +827,7 @@ impl Inner {
             return Err(self.fail(e));
         }
         for (_, _, rec) in batch {
-            for op in &rec.ops {
-                match op {
-                    LogOp::Alloc(m) => {
-                        log.durable.insert(m.seg, m.clone());
-                    }
-                    LogOp::Free { seg } => {
-                        if let Some(m) = log.durable.remove(seg) {
-                            log.freed_homes.push((m.seg, m.len));
-                        }
-                    }
-                    LogOp::Write { .. } => {}
-                }
-            }
-            log.pending.push(rec);
+            log.note_appended(rec);
         }
         log.pending_bytes += bytes;
         if log.pending_bytes >= self.truncate_log_bytes {
@@ -843,20 +851,7 @@ impl Inner {
                 .map_err(|e| self.fail(e))?;
             for (_, b, rec) in batch {
                 log.pending_bytes += b.len() as u64;
-                for op in &rec.ops {
-                    match op {
-                        LogOp::Alloc(m) => {
-                            log.durable.insert(m.seg, m.clone());
-                        }
-                        LogOp::Free { seg } => {
-                            if let Some(m) = log.durable.remove(seg) {
-                                log.freed_homes.push((m.seg, m.len));
-                            }
-                        }
-                        LogOp::Write { .. } => {}
-                    }
-                }
-                log.pending.push(rec);
+                log.note_appended(rec);
             }
         }
         if log.pending.is_empty() {
