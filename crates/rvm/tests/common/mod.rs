@@ -2,18 +2,12 @@
 //! child process, all on loopback ports picked at run time.
 #![allow(dead_code)]
 
+use camelot_bench::peers::RedisServer;
 use camelot_rvm::{BackendConfig, Config};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
-
-/// How long a child server may take to answer PING.
-const REDIS_START_DEADLINE: Duration = Duration::from_secs(10);
-const POLL_INTERVAL: Duration = Duration::from_millis(10);
 pub const NODE_MEMORY_BYTES: u64 = 128 << 20;
 /// Small enough that several instances share a dev node, large enough for every test.
 pub const POOL_LOG_BYTES: u64 = 8 << 20;
@@ -28,72 +22,21 @@ pub fn dev_node() -> DevCluster {
     .expect("dev cluster starts")
 }
 
+/// A real redis-server on a free loopback port: the benchmarks' own peer launcher, which
+/// retries a port another process took and kills and reaps the server on drop.
 pub struct Redis {
-    child: Child,
+    _server: RedisServer,
     pub addr: SocketAddr,
-    dir: PathBuf,
 }
 
 impl Redis {
     pub fn start() -> Redis {
-        let dir = scratch("redis");
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-            ])
-            .args(["--appendonly", "no", "--dir"])
-            .arg(&dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed (scripts/setup.sh installs it)");
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let mut r = Redis { child, addr, dir };
-        let deadline = Instant::now() + REDIS_START_DEADLINE;
-        loop {
-            if ping(addr) {
-                return r;
-            }
-            if let Ok(Some(status)) = r.child.try_wait() {
-                panic!("redis-server exited at start: {status}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not answer PING in time"
-            );
-            std::thread::sleep(POLL_INTERVAL);
+        let server =
+            RedisServer::start().expect("redis-server starts (scripts/setup.sh installs it)");
+        Redis {
+            addr: server.addr(),
+            _server: server,
         }
-    }
-}
-
-fn ping(addr: SocketAddr) -> bool {
-    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-    if s.write_all(b"PING\r\n").is_err() {
-        return false;
-    }
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line).is_ok() && line.starts_with("+PONG")
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
