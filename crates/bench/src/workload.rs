@@ -5,8 +5,8 @@ use crate::latency::LatencyRecorder;
 use crate::progress::Progress;
 use crate::BenchError;
 use bytes::Bytes;
-use camelot_client::proto::Reply;
-use camelot_client::{Client, ClientConfig, ClusterMap, Pending, Region};
+use camelot_client::proto::{Op, Reply};
+use camelot_client::{Client, ClientConfig, ClusterMap, NodeId, Pending, Region};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -290,8 +290,10 @@ fn one_thread(
     let mut unreported = 0u64;
     let reads = spec.mix.reads_percent as u32;
     let faas = reads + spec.mix.fetch_add_percent as u32;
+    let mut burst: Vec<(NodeId, Op)> = Vec::with_capacity(spec.depth);
+    let mut burst_reads: Vec<Option<u32>> = Vec::with_capacity(spec.depth);
     while issued < n || !inflight.is_empty() {
-        while issued < n && inflight.len() < spec.depth {
+        while issued < n && inflight.len() + burst.len() < spec.depth {
             let region = &regions[rng.gen_range(0..regions.len())];
             let size = spec.sizes_bytes[rng.gen_range(0..spec.sizes_bytes.len())];
             // Slots are whole multiples of the size past the counter word, so requests
@@ -315,13 +317,25 @@ fn one_thread(
             if read_len.is_none() && dice >= faas {
                 tally.bytes += size as u64;
             }
-            // Timed from before submit: submitting may itself write to the socket.
-            let sent = Instant::now();
-            let pending = client.submit(region.node, op)?;
-            inflight.push_back((pending, sent, read_len));
+            burst.push((region.node, op));
+            burst_reads.push(read_len);
             issued += 1;
         }
-        if let Some((pending, sent, read_len)) = inflight.pop_front() {
+        if !burst.is_empty() {
+            // Everything the window has room for leaves together, timed from before the
+            // submit (which may itself write to the socket).
+            let sent = Instant::now();
+            let pendings = client.submit_many(burst.drain(..))?;
+            inflight.extend(
+                pendings
+                    .into_iter()
+                    .zip(burst_reads.drain(..))
+                    .map(|(p, r)| (p, sent, r)),
+            );
+        }
+        // Take the oldest answer, waiting if need be, then every one already in: the
+        // window is refilled in one burst, not one request per wake-up.
+        while let Some((pending, sent, read_len)) = inflight.pop_front() {
             let reply = pending.wait()?;
             lat.record(sent.elapsed());
             match (read_len, reply) {
@@ -339,6 +353,9 @@ fn one_thread(
             if unreported == PROGRESS_STEP {
                 report(unreported);
                 unreported = 0;
+            }
+            if !inflight.front().is_some_and(|(p, _, _)| p.is_ready()) {
+                break;
             }
         }
     }

@@ -210,6 +210,17 @@ impl Conn {
     /// each time an answer frame arrives. Under load this clocks requests from every
     /// thread into one frame per answer, instead of one small frame per request.
     pub(crate) fn submit(&self, sub: Submission) -> Result<(), ClientError> {
+        self.submit_many(std::iter::once(sub))
+    }
+
+    /// Queues all of `subs` under one lock and flushes once, so a thread's burst goes out
+    /// as one frame instead of one write for the first request and a frame for the rest.
+    /// On error, the requests not yet queued are dropped (their slots never complete), so
+    /// callers must not wait on them.
+    pub(crate) fn submit_many(
+        &self,
+        subs: impl IntoIterator<Item = Submission>,
+    ) -> Result<(), ClientError> {
         let shared = &*self.shared;
         if self.is_dead() {
             return Err(shared.death());
@@ -217,14 +228,22 @@ impl Conn {
         {
             let mut q = shared.queue.lock();
             let deadline = Instant::now() + self.request_timeout;
-            while q.len() >= shared.queue_requests_max {
-                if shared.queue_space.wait_until(&mut q, deadline).timed_out() {
-                    return Err(ClientError::Timeout {
-                        after: self.request_timeout,
-                    });
+            for sub in subs {
+                if q.len() >= shared.queue_requests_max {
+                    // Our own burst may be what fills the queue: send it before waiting.
+                    drop(q);
+                    shared.flush(true);
+                    q = shared.queue.lock();
                 }
+                while q.len() >= shared.queue_requests_max {
+                    if shared.queue_space.wait_until(&mut q, deadline).timed_out() {
+                        return Err(ClientError::Timeout {
+                            after: self.request_timeout,
+                        });
+                    }
+                }
+                q.push(sub);
             }
-            q.push(sub);
         }
         // Checked after queueing: if the reader's last dispatch came before this check
         // saw frames in flight, its flush comes after our push and takes the request.

@@ -379,13 +379,51 @@ impl Client {
             op,
             slot: slot.clone(),
         })?;
-        Ok(Pending {
+        Ok(self.pending(slot, &conn))
+    }
+
+    fn pending(&self, slot: Arc<Completion>, conn: &Conn) -> Pending {
+        Pending {
             slot,
             conn: conn.shared().clone(),
             // The connection's watchdog answers a late request with Timeout; this margin
             // only matters if the writer itself is stuck.
             timeout: self.inner.config.request_timeout * 2 + Duration::from_secs(1),
-        })
+        }
+    }
+
+    /// Sends several requests at once and returns their answers' slots in the same order.
+    /// Requests for one node are queued together and leave in as few frames as the limits
+    /// allow, so a thread refilling its window pays one write (and later one wake-up) for
+    /// the lot rather than one per request.
+    pub fn submit_many(
+        &self,
+        ops: impl IntoIterator<Item = (NodeId, Op)>,
+    ) -> Result<Vec<Pending>, ClientError> {
+        let mut pendings = Vec::new();
+        // Few nodes per burst in practice: a short list beats a map.
+        let mut per_conn: Vec<(NodeId, Arc<Conn>, Vec<Submission>)> = Vec::new();
+        for (node, op) in ops {
+            let at = match per_conn.iter().position(|(n, _, _)| *n == node) {
+                Some(i) => i,
+                None => {
+                    per_conn.push((node, self.conn(node)?, Vec::new()));
+                    per_conn.len() - 1
+                }
+            };
+            let (_, conn, subs) = &mut per_conn[at];
+            let slot = Completion::new();
+            subs.push(Submission {
+                id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
+                op,
+                slot: slot.clone(),
+            });
+            pendings.push(self.pending(slot, conn));
+        }
+        for (_, conn, subs) in per_conn {
+            conn.submit_many(subs)?;
+        }
+        Ok(pendings)
     }
 
     /// Sends one request and blocks for its answer.

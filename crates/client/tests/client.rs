@@ -547,3 +547,60 @@ fn blocking_async_and_abandoned_requests_share_a_connection() {
     assert_eq!(cl.fetch_add(&r, 8, 0).expect("read"), 4 * 500);
     c.shutdown().expect("shutdown");
 }
+
+#[test]
+fn a_burst_over_two_nodes_answers_in_order_even_past_the_queue_limit() {
+    let c = cluster(2, 4 << 20, None);
+    // A queue of 8 while the burst holds 600: the burst must send part of itself to
+    // make room rather than wait for room only it could free.
+    let config = ClientConfig {
+        queue_requests_max: 8,
+        ..ClientConfig::default()
+    };
+    let cl = client(&c, config).expect("connect");
+    let ids: Vec<_> = cl.map().node_ids().collect();
+    let regions: Vec<Region> = ids
+        .iter()
+        .map(|&n| cl.alloc_on(n, 1 << 20, None).expect("alloc"))
+        .collect();
+    assert_ne!(regions[0].node, regions[1].node);
+    let writes = (0..300u64).map(|i| {
+        let r = &regions[(i % 2) as usize];
+        (r.node, r.write_op(i * 64, Bytes::from(pattern(i, 64))))
+    });
+    for p in cl.submit_many(writes).expect("submit writes") {
+        assert!(matches!(p.wait().expect("write"), Reply::Done));
+    }
+    // Reads and counter bumps interleaved across both nodes; each answer must be the
+    // one for its own request.
+    let ops = (0..600u64).map(|i| {
+        let r = &regions[(i % 2) as usize];
+        if i % 3 == 0 {
+            (r.node, r.fetch_add_op(1 << 19, 1))
+        } else {
+            let k = i % 300;
+            let r = &regions[(k % 2) as usize];
+            (r.node, r.read_op(k * 64, 64))
+        }
+    });
+    let pendings = cl.submit_many(ops).expect("submit burst");
+    assert_eq!(pendings.len(), 600);
+    let mut bumps = [0u64; 2];
+    for (i, p) in (0..600u64).zip(pendings) {
+        match p.wait().expect("answer") {
+            Reply::Word(before) => {
+                assert_eq!(i % 3, 0, "request {i} got a counter answer");
+                let n = (i % 2) as usize;
+                assert_eq!(before, bumps[n], "counter on node {n} out of order");
+                bumps[n] += 1;
+            }
+            Reply::Data(d) => {
+                assert_ne!(i % 3, 0, "request {i} got data");
+                assert_eq!(&d[..], &pattern(i % 300, 64)[..], "read {i}");
+            }
+            other => panic!("request {i}: unexpected {other:?}"),
+        }
+    }
+    assert_eq!(bumps, [100, 100]);
+    c.shutdown().expect("shutdown");
+}
