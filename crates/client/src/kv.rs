@@ -202,44 +202,57 @@ impl Client {
         }
         let map = self.map();
         // Every node holds some partitions, so each may hold any of the next `limit` keys.
-        let per_node = map
-            .node_ids()
-            .map(|node| self.scan_node(node, start, limit))
-            .collect::<Result<Vec<_>, _>>()?;
+        // All nodes are asked at once; only a node whose answer filled its frame is asked
+        // again.
+        let nodes: Vec<NodeId> = map.node_ids().collect();
+        let first = Bytes::copy_from_slice(start);
+        let pendings = self.submit_many(nodes.iter().map(|&node| {
+            (
+                node,
+                Op::Scan {
+                    start: first.clone(),
+                    limit: limit as u32,
+                },
+            )
+        }))?;
+        let mut per_node = Vec::with_capacity(nodes.len());
+        for (node, pending) in nodes.into_iter().zip(pendings) {
+            let items = reply::items(pending.wait())?;
+            per_node.push(self.scan_rest(node, items, limit)?);
+        }
         Ok(merge_in_key_order(per_node, limit))
     }
 
-    /// `limit` items (or all there are) from one node. A short reply either ran out of
-    /// keys or filled its frame; only asking again tells which, and an empty answer ends
-    /// it.
-    fn scan_node(
+    /// Continues one node's scan until it has `limit` items or none are left. A short
+    /// reply either ran out of keys or filled its frame; only asking again tells which,
+    /// and an empty answer ends it.
+    fn scan_rest(
         &self,
         node: NodeId,
-        start: &[u8],
+        mut items: Vec<Item>,
         limit: usize,
     ) -> Result<Vec<Item>, ClientError> {
-        let mut items: Vec<Item> = Vec::new();
-        let mut from = Bytes::copy_from_slice(start);
         while items.len() < limit {
-            let want = (limit - items.len()) as u32;
-            let got = reply::items(self.call(
-                node,
-                Op::Scan {
-                    start: from,
-                    limit: want,
-                },
-            ))?;
-            let Some(last) = got.last() else {
+            let Some(last) = items.last() else {
                 break;
             };
             // The smallest key after `last`.
             let mut next = last.key.to_vec();
             next.push(0);
-            items.extend(got);
             if next.len() > KEY_BYTES_MAX {
                 break;
             }
-            from = Bytes::from(next);
+            let got = reply::items(self.call(
+                node,
+                Op::Scan {
+                    start: Bytes::from(next),
+                    limit: (limit - items.len()) as u32,
+                },
+            ))?;
+            if got.is_empty() {
+                break;
+            }
+            items.extend(got);
         }
         Ok(items)
     }

@@ -604,3 +604,27 @@ fn a_burst_over_two_nodes_answers_in_order_even_past_the_queue_limit() {
     assert_eq!(bumps, [100, 100]);
     c.shutdown().expect("shutdown");
 }
+
+#[test]
+fn a_scan_longer_than_one_answer_frame_is_continued() {
+    let c = cluster(2, 256 << 20, None);
+    let cl = client(&c, ClientConfig::default()).expect("connect");
+    // 36 values of 4 MiB on 2 nodes: one node holds at least 18, more than fit in one
+    // answer frame (64 MiB), so the scan must ask that node again.
+    let value = Bytes::from(vec![0x5a; 4 << 20]);
+    for i in 0..36u32 {
+        cl.put(format!("big{i:02}").as_bytes(), value.clone())
+            .expect("put");
+    }
+    let got = cl.scan(b"big", 40).expect("scan");
+    let keys: Vec<String> = got
+        .iter()
+        .map(|it| String::from_utf8_lossy(&it.key).into_owned())
+        .collect();
+    let expected: Vec<String> = (0..36).map(|i| format!("big{i:02}")).collect();
+    assert_eq!(keys, expected);
+    assert!(got.iter().all(|it| it.value == value));
+    let first_ten = cl.scan(b"big", 10).expect("scan");
+    assert_eq!(first_ten.len(), 10);
+    c.shutdown().expect("shutdown");
+}
