@@ -3,7 +3,7 @@
 
 mod units;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use camelot_bench::threads::ThreadsConfig;
 use camelot_client::{Client, ClientConfig, ClusterMap};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
@@ -173,6 +173,13 @@ struct HwArgs {
     /// net-server: the address to listen on (0.0.0.0:PORT to serve other hosts).
     #[arg(long, default_value = "127.0.0.1:7071")]
     listen: String,
+    /// disk: MiB of file per thread count, split between the threads (default 256, 32 with
+    /// --quick).
+    #[arg(long)]
+    file_mib: Option<u64>,
+    /// disk: block sizes in KiB, comma-separated (default 4,64,1024).
+    #[arg(long, value_delimiter = ',')]
+    block_kib: Option<Vec<usize>>,
 }
 
 #[derive(Args)]
@@ -780,6 +787,11 @@ fn bench_hw(a: HwArgs) -> Result<()> {
     if a.peer.is_some() && !kinds.iter().any(|k| matches!(k, HwKind::Net)) {
         bail!("--peer applies to `bench hw net` and `bench hw all` only");
     }
+    if (a.file_mib.is_some() || a.block_kib.is_some())
+        && !kinds.iter().any(|k| matches!(k, HwKind::Disk))
+    {
+        bail!("--file-mib and --block-kib apply to `bench hw disk` and `bench hw all` only");
+    }
     let peer = a.peer.as_deref().map(resolve).transpose()?;
     for kind in kinds {
         let written = match kind {
@@ -789,6 +801,18 @@ fn bench_hw(a: HwArgs) -> Result<()> {
                 let mut c = hw::disk::DiskConfig::defaults(a.quick);
                 if let Some(d) = &a.dir {
                     c.dir = d.clone();
+                }
+                if let Some(mib) = a.file_mib {
+                    c.file_bytes = mib
+                        .checked_mul(1 << 20)
+                        .ok_or_else(|| anyhow!("--file-mib {mib} is too large"))?;
+                }
+                if let Some(kib) = &a.block_kib {
+                    c.block_sizes_bytes = kib
+                        .iter()
+                        .map(|k| k.checked_mul(1 << 10))
+                        .collect::<Option<Vec<usize>>>()
+                        .ok_or_else(|| anyhow!("a --block-kib size is too large"))?;
                 }
                 let written = hw::disk::run(&c, &a.out)?;
                 let result = camelot_bench::output::read_result(&a.out.join("disk.json"))?;

@@ -20,6 +20,9 @@ const DIRECT_ALIGN: usize = 4096;
 pub const BLOCK_BYTES_MIN: usize = DIRECT_ALIGN;
 pub const BLOCK_BYTES_MAX: usize = 64 << 20;
 pub const FILE_BYTES_MAX: u64 = 64 << 30;
+/// Writes that lay a file out before the timed passes: large enough that laying out the
+/// full 256 MiB takes a fraction of a second.
+const LAYOUT_BLOCK_BYTES: usize = 1 << 20;
 
 #[derive(Debug, Clone)]
 pub struct DiskConfig {
@@ -165,10 +168,24 @@ struct Aligned {
 }
 
 impl Aligned {
+    /// Filled with pseudo-random bytes, as fio fills its buffers. Writing every byte also
+    /// gives every page of the buffer its own frame: an untouched buffer maps the shared
+    /// zero page, whose 256 repeats in a 1 MiB O_DIRECT write cannot merge into fewer
+    /// than 256 segments, so the block layer split each write in two on this VM's
+    /// virtio disk (254 segments at most; /proc/diskstats counted 64–70 requests per 32
+    /// writes against 32 with a written buffer). Done here, before any timing starts.
     fn new(len: usize) -> Aligned {
-        let storage = vec![0u8; len + DIRECT_ALIGN];
+        let mut storage = vec![0u8; len + DIRECT_ALIGN];
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for chunk in storage.chunks_mut(8) {
+            let word = random_index(&mut state, u64::MAX).to_le_bytes();
+            chunk.copy_from_slice(&word[..chunk.len()]);
+        }
         let at = storage.as_ptr().align_offset(DIRECT_ALIGN);
         Aligned { storage, at, len }
+    }
+    fn len(&self) -> usize {
+        self.len
     }
     fn get(&self) -> &[u8] {
         &self.storage[self.at..self.at + self.len]
@@ -205,15 +222,17 @@ struct Done {
     bytes: u64,
 }
 
+/// One thread's pass: `blocks` blocks of `buf.len()` bytes. The caller allocates `buf`
+/// (see `Aligned::new`) so that its cost stays outside the timed region.
 fn one_thread(
     file: &File,
     op: Op,
-    block: usize,
+    buf: &mut Aligned,
     blocks: u64,
     seed: u64,
     deadline: Instant,
 ) -> Result<Done, String> {
-    let mut buf = Aligned::new(block);
+    let block = buf.len();
     let mut rng = seed | 1;
     let mut ops = 0u64;
     for i in 0..blocks {
@@ -255,6 +274,24 @@ fn one_thread(
     })
 }
 
+/// Writes the first `bytes` of `file` once and syncs them, untimed. A fresh file's first
+/// writes also allocate blocks and extend the file (journalled metadata; about 0.6× the
+/// bandwidth of an overwrite on this VM, see BENCHMARKS.md); after this every timed write
+/// overwrites written blocks, as fio's write job does after it lays out its file, and a
+/// point no longer depends on which pass or block size happened to run first.
+fn lay_out(file: &File, bytes: u64) -> Result<(), String> {
+    let mut buf = Aligned::new(LAYOUT_BLOCK_BYTES);
+    let mut offset = 0u64;
+    while offset < bytes {
+        let len = (bytes - offset).min(LAYOUT_BLOCK_BYTES as u64) as usize;
+        stamp(buf.get_mut(), offset / LAYOUT_BLOCK_BYTES as u64);
+        file.write_all_at(&buf.get()[..len], offset)
+            .map_err(|e| format!("lay out at {offset}: {e}"))?;
+        offset += len as u64;
+    }
+    file.sync_data().map_err(|e| format!("fsync: {e}"))
+}
+
 pub fn run(cfg: &DiskConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
     cfg.validate()?;
     std::fs::create_dir_all(&cfg.dir).map_err(|source| BenchError::Io {
@@ -287,21 +324,28 @@ pub fn run(cfg: &DiskConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
                 })
             })
             .collect::<Result<Vec<File>, _>>()?;
+        // Every pass's blocks lie below this: block sizes are multiples of DIRECT_ALIGN.
+        let laid_out_bytes = per_thread - per_thread % DIRECT_ALIGN as u64;
+        for f in &handles {
+            lay_out(f, laid_out_bytes).map_err(BenchError::Check)?;
+        }
         for op in Op::ALL {
             let mut s = Series::new(format!("{} ×{threads}", op.label()));
             for &block in &cfg.block_sizes_bytes {
                 progress.set_message(&format!("{} ×{threads}, {block} B", op.label()));
                 let blocks = per_thread / block as u64;
+                let mut bufs: Vec<Aligned> = handles.iter().map(|_| Aligned::new(block)).collect();
                 if !op.writes() {
                     // Reads check stamps: lay the blocks down at this size first.
-                    for f in &handles {
-                        one_thread(f, Op::SeqWrite, block, blocks, 0, far_future())
+                    for (f, buf) in handles.iter().zip(&mut bufs) {
+                        one_thread(f, Op::SeqWrite, buf, blocks, 0, far_future())
                             .map_err(BenchError::Check)?;
                     }
                 }
-                let inputs: Vec<(usize, &File)> = handles.iter().enumerate().collect();
-                let together = run_together(inputs, |(t, f), start| {
-                    one_thread(f, op, block, blocks, t as u64 + 7, start + run_time)
+                let inputs: Vec<(usize, (&File, Aligned))> =
+                    handles.iter().zip(bufs).enumerate().collect();
+                let together = run_together(inputs, |(t, (f, mut buf)), start| {
+                    one_thread(f, op, &mut buf, blocks, t as u64 + 7, start + run_time)
                 })?;
                 let done = together
                     .outputs
@@ -335,6 +379,8 @@ pub fn run(cfg: &DiskConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
             "the filesystem refused O_DIRECT; buffered I/O through the page cache (reads may be served from memory)"
         } else if direct { "O_DIRECT: the page cache is bypassed" } else { "buffered I/O by request" },
         "quick": cfg.quick,
+        "layout": "each file is written whole (1 MiB writes, then fdatasync) before the timed \
+                   passes, so every timed write overwrites written blocks",
     });
     let result = BenchResult::new("disk", started, config, series);
     output::write_result_with_figure(out, &result, &figure(&result))
@@ -405,6 +451,29 @@ mod tests {
         for _ in 0..1000 {
             assert!(random_index(&mut state, 17) < 17);
         }
+    }
+
+    #[test]
+    fn buffers_hold_data_in_every_page() {
+        // An all-zero page would be the untouched zero page the buffer exists to avoid.
+        let b = Aligned::new(1 << 20);
+        assert_eq!(b.get().as_ptr().align_offset(DIRECT_ALIGN), 0);
+        for page in b.get().chunks(4096) {
+            assert!(page.iter().any(|&x| x != 0));
+        }
+    }
+
+    #[test]
+    fn lay_out_writes_the_whole_range_with_a_partial_last_write() {
+        let base = crate::scratch_dir("disk-layout");
+        std::fs::create_dir_all(&base).expect("scratch dir");
+        let path = base.join("f.dat");
+        let bytes = 2 * LAYOUT_BLOCK_BYTES as u64 + 3 * DIRECT_ALIGN as u64;
+        let f = open(&path, direct_works(&base)).expect("open");
+        lay_out(&f, bytes).expect("lay out");
+        assert_eq!(f.metadata().expect("metadata").len(), bytes);
+        drop(f);
+        let _ = std::fs::remove_dir_all(&base);
     }
 
     #[test]
