@@ -1,6 +1,6 @@
 //! Record contents the harness can check. Every field is a pure function of (key, field
-//! number, version): it starts with the version and a hash of the key and field, and the
-//! rest is filler from a generator seeded by the three. A read is checked field by field
+//! number, version): it starts with the version and a hash of the key, field and version,
+//! and the rest is filler from a generator seeded by the three. A read is checked field by field
 //! (right key, right field, contents exactly as written, one version across the record),
 //! and its version against the newest one acknowledged before the read began, so a torn,
 //! misplaced, corrupted or stale record is caught.
@@ -21,6 +21,13 @@ fn fnv(bytes: &[u8]) -> u64 {
 
 fn tag(key: &str, field: usize) -> u64 {
     fnv(key.as_bytes()) ^ (field as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// The header's second word binds the key and field to the version, so a flipped
+/// version bit is caught even in a field too short to carry any filler (proptest found
+/// a 16-byte field whose version 1 read back as 0 unnoticed).
+fn header_check(tag: u64, version: u64) -> u64 {
+    tag ^ splitmix64(version)
 }
 
 fn splitmix64(mut z: u64) -> u64 {
@@ -53,7 +60,7 @@ fn filler(tag: u64, version: u64) -> impl Iterator<Item = [u8; 8]> {
 pub fn fill_field(out: &mut [u8], key: &str, field: usize, version: u64) {
     let t = tag(key, field);
     out[..8].copy_from_slice(&version.to_le_bytes());
-    out[8..16].copy_from_slice(&t.to_le_bytes());
+    out[8..16].copy_from_slice(&header_check(t, version).to_le_bytes());
     for (chunk, word) in out[FIELD_HEADER_BYTES..]
         .chunks_mut(8)
         .zip(filler(t, version))
@@ -106,7 +113,7 @@ fn check_field(bytes: &[u8], key: &str, field: usize) -> Result<u64, Mismatch> {
     }
     let version = u64::from_le_bytes(bytes[..8].try_into().unwrap_or_default());
     let t = tag(key, field);
-    if bytes[8..16] != t.to_le_bytes() {
+    if bytes[8..16] != header_check(t, version).to_le_bytes() {
         return Err(Mismatch::WrongKeyOrField { field });
     }
     // Compared as generated: every read is checked, so this must not allocate.
@@ -197,6 +204,18 @@ mod tests {
             prop_assert!(check_blob(&key, &bad, fields, field_bytes, 0).is_err());
             // A newer acknowledged version makes the same record stale.
             prop_assert!(check_blob(&key, &blob, fields, field_bytes, version + 1).is_err());
+        }
+    }
+
+    #[test]
+    fn a_flip_anywhere_in_a_header_only_field_is_caught() {
+        let blob = record_blob("user0", 1, FIELD_HEADER_BYTES, 1);
+        for i in 0..blob.len() {
+            for bit in 0..8 {
+                let mut bad = blob.clone();
+                bad[i] ^= 1 << bit;
+                assert!(check_blob("user0", &bad, 1, FIELD_HEADER_BYTES, 0).is_err());
+            }
         }
     }
 
