@@ -101,7 +101,7 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
         )));
     }
     let started = now_rfc3339();
-    let steps = 4 * cfg.rounds as u64 + 2 * cfg.sweep_threads.len() as u64;
+    let steps = 6 * cfg.rounds as u64 + 2 * cfg.sweep_threads.len() as u64;
     let progress = Progress::new(steps, "api");
     let target = Target::open(&[], 1, REGION_BYTES + (1 << 20), None)?;
     let batched = target.connect(true)?;
@@ -120,7 +120,15 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
         let mut s = Series::new(format!("depth {depth}"));
         for &t in &cfg.sweep_threads {
             progress.set_message(&format!("sweep: {t} threads × {depth}"));
-            let m = load(&batched, &regions, t, depth, cfg.sweep_requests, 50, 4096)?;
+            let m = load(
+                &batched,
+                &regions,
+                Drivers::Threads(t),
+                depth,
+                cfg.sweep_requests,
+                50,
+                4096,
+            )?;
             progress.inc(1);
             let mut p = Point::new(t);
             p.ops_per_sec = Some(m.ops_per_sec());
@@ -240,7 +248,15 @@ fn one_round(
 
     progress.set_message(&tag("iperf3 vs 4 KiB × 8 threads × 16"));
     let stream = peers::iperf3_tcp_stream(peer_time)?;
-    let m = load(batched, regions, 8, 16, cfg.requests, 50, 4096)?;
+    let m = load(
+        batched,
+        regions,
+        Drivers::Threads(8),
+        16,
+        cfg.requests,
+        50,
+        4096,
+    )?;
     progress.inc(1);
     let mut c = ratio_check(
         "4 KiB 50% reads, 8 thr × depth 16, vs iperf3 TCP stream",
@@ -248,7 +264,7 @@ fn one_round(
         stream.bytes_per_sec / 1e9,
         "GB/s",
         0.7,
-        stream.command,
+        stream.command.clone(),
     );
     c.against = Some((Against::TcpStream, 1e9));
     checks.push(c);
@@ -263,7 +279,15 @@ fn one_round(
         &["-t", "get", "-d", "64", "-c", "16", "-P", "16", "-n", &n],
     )?;
     drop(redis);
-    let reads_batched = load(batched, regions, 16, 16, cfg.requests * 2, 100, 64)?;
+    let reads_batched = load(
+        batched,
+        regions,
+        Drivers::Threads(16),
+        16,
+        cfg.requests * 2,
+        100,
+        64,
+    )?;
     progress.inc(1);
     checks.push(ratio_check(
         "64 B reads, 16 thr × depth 16, vs redis-benchmark GET -P 16",
@@ -271,10 +295,18 @@ fn one_round(
         get.ops_per_sec / 1e3,
         "kops/s",
         2.0,
-        get.command,
+        get.command.clone(),
     ));
     progress.set_message(&tag("64 B × 16 threads × 16, unbatched"));
-    let reads_unbatched = load(unbatched, regions, 16, 16, cfg.requests / 2, 100, 64)?;
+    let reads_unbatched = load(
+        unbatched,
+        regions,
+        Drivers::Threads(16),
+        16,
+        cfg.requests / 2,
+        100,
+        64,
+    )?;
     progress.inc(1);
     checks.push(ratio_check(
         "64 B reads, 16 thr × depth 16, batched vs unbatched",
@@ -285,9 +317,77 @@ fn one_round(
         "camelot, batching off".into(),
     ));
 
+    // The same three loads from tasks on one event-loop thread: redis-benchmark drives
+    // its 16 connections from one such thread, so this is the like-for-like client.
+    progress.set_message(&tag("64 B × 16 tasks × 16 on one event loop"));
+    let reads_loop = load(
+        batched,
+        regions,
+        Drivers::Tasks(16),
+        16,
+        cfg.requests * 2,
+        100,
+        64,
+    )?;
+    let reads_loop_unbatched = load(
+        unbatched,
+        regions,
+        Drivers::Tasks(16),
+        16,
+        cfg.requests / 2,
+        100,
+        64,
+    )?;
+    progress.inc(1);
+    checks.push(ratio_check(
+        "event loop: 64 B reads, 16 tasks × depth 16, vs redis-benchmark GET -P 16",
+        reads_loop.ops_per_sec() / 1e3,
+        get.ops_per_sec / 1e3,
+        "kops/s",
+        2.0,
+        get.command.clone(),
+    ));
+    checks.push(ratio_check(
+        "event loop: 64 B reads, 16 tasks × depth 16, batched vs unbatched",
+        reads_loop.ops_per_sec() / 1e3,
+        reads_loop_unbatched.ops_per_sec() / 1e3,
+        "kops/s",
+        3.0,
+        "camelot event loop, batching off".into(),
+    ));
+    progress.set_message(&tag("4 KiB × 8 tasks × 16 on one event loop"));
+    let bulk_loop = load(
+        batched,
+        regions,
+        Drivers::Tasks(8),
+        16,
+        cfg.requests,
+        50,
+        4096,
+    )?;
+    progress.inc(1);
+    let mut c = ratio_check(
+        "event loop: 4 KiB 50% reads, 8 tasks × depth 16, vs iperf3 TCP stream",
+        bulk_loop.bytes_per_sec() / 1e9,
+        stream.bytes_per_sec / 1e9,
+        "GB/s",
+        0.7,
+        stream.command.clone(),
+    );
+    c.against = Some((Against::TcpStream, 1e9));
+    checks.push(c);
+
     progress.set_message(&tag("sockperf ping-pong vs 64 B × 1 thread × 1"));
     let pingpong = peers::sockperf_tcp_pingpong(peer_time, 64)?;
-    let one = load(unbatched, regions, 1, 1, cfg.latency_requests, 100, 64)?;
+    let one = load(
+        unbatched,
+        regions,
+        Drivers::Threads(1),
+        1,
+        cfg.latency_requests,
+        100,
+        64,
+    )?;
     progress.inc(1);
     let mut c = ratio_check(
         "64 B reads, 1 thr × depth 1, unbatched: p50 vs sockperf TCP ping-pong",
@@ -329,15 +429,24 @@ fn median_checks(rounds: Vec<Vec<Check>>) -> Vec<Check> {
         .collect()
 }
 
+/// How a load is driven: OS threads on the threaded client, or tasks on one event-loop
+/// thread through the client's `LoopClient` face.
+#[derive(Clone, Copy, PartialEq)]
+enum Drivers {
+    Threads(usize),
+    Tasks(usize),
+}
+
 fn load(
     client: &Client,
     regions: &[Region],
-    threads: usize,
+    drivers: Drivers,
     depth: usize,
     requests: u64,
     reads_percent: u8,
     size: u32,
 ) -> Result<Measured, BenchError> {
+    let (Drivers::Threads(threads) | Drivers::Tasks(threads)) = drivers;
     let spec = LoadSpec {
         threads,
         depth,
@@ -347,7 +456,8 @@ fn load(
             fetch_add_percent: 0,
         },
         sizes_bytes: vec![size],
-        pin: true,
+        pin: matches!(drivers, Drivers::Threads(_)),
+        event_loop: matches!(drivers, Drivers::Tasks(_)),
         seed: (threads * 1000 + depth) as u64,
     };
     workload::run_load(client, regions, &spec, None)

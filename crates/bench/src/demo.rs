@@ -42,6 +42,7 @@ pub fn run(cfg: &DemoConfig) -> Result<String, BenchError> {
         },
         sizes_bytes: SIZES_BYTES.to_vec(),
         pin: false,
+        event_loop: false,
         seed: 2026,
     };
     let m = workload::run_load(&client, &regions, &spec, None)?;

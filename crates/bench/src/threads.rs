@@ -23,6 +23,8 @@ pub struct ThreadsConfig {
     pub threads: Vec<usize>,
     pub depth: usize,
     pub pin: bool,
+    /// Tasks on one event-loop thread instead of OS threads (see `LoadSpec::event_loop`).
+    pub event_loop: bool,
     /// One series per entry: `true` batched, `false` one request per frame.
     pub modes: Vec<bool>,
     /// Servers to use; empty starts a dev cluster of `dev_nodes`.
@@ -45,6 +47,7 @@ impl Default for ThreadsConfig {
             threads: vec![1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64],
             depth: 1,
             pin: true,
+            event_loop: false,
             modes: vec![true],
             servers: Vec::new(),
             dev_nodes: 1,
@@ -145,6 +148,7 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
                 },
                 sizes_bytes: vec![cfg.size_bytes],
                 pin: cfg.pin,
+                event_loop: cfg.event_loop,
                 seed: threads as u64,
             };
             let m = workload::run_load(&client, &regions, &spec, Some(&progress))?;

@@ -6,14 +6,16 @@ use crate::progress::Progress;
 use crate::BenchError;
 use bytes::Bytes;
 use camelot_client::proto::{Op, Reply};
-use camelot_client::{Client, ClientConfig, ClusterMap, NodeId, Pending, Region};
+use camelot_client::{
+    Client, ClientConfig, ClusterMap, LoopClient, LoopPending, NodeId, Pending, Region,
+};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Barrier;
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 /// Most client threads one measurement starts.
@@ -22,6 +24,8 @@ pub const THREADS_MAX: usize = 1024;
 pub const DEPTH_MAX: usize = 4096;
 /// Progress is published every this many requests, so threads do not contend on it.
 const PROGRESS_STEP: u64 = 1024;
+/// How often the event-loop driver moves the progress bar.
+const PROGRESS_TICK: Duration = Duration::from_millis(200);
 
 /// Where requests go: the servers given, or a dev cluster started for the run.
 pub struct Target {
@@ -112,6 +116,9 @@ pub struct LoadSpec {
     pub sizes_bytes: Vec<u32>,
     /// Pin thread i to core i mod cores.
     pub pin: bool,
+    /// Drive the load from `threads` tasks on one event-loop thread (the client's
+    /// [`LoopClient`] face) instead of `threads` OS threads.
+    pub event_loop: bool,
     pub seed: u64,
 }
 
@@ -207,6 +214,9 @@ pub fn run_load(
             .map(|i| (i * 31 + 7) as u8)
             .collect::<Vec<_>>(),
     );
+    if spec.event_loop {
+        return run_event_loop(client, regions, spec, payload, progress);
+    }
     let barrier = Barrier::new(spec.threads + 1);
     let progressed = AtomicU64::new(0);
     let per_thread = spec.requests / spec.threads as u64;
@@ -251,6 +261,16 @@ pub fn run_load(
         (outcomes, end.duration_since(start))
     });
 
+    measured(outcomes.into_iter().map(|(r, _)| r), elapsed)
+}
+
+type DriverOutcome = Result<(Tally, LatencyRecorder), BenchError>;
+
+/// Adds up what every driver (thread or task) saw; one failed driver fails the whole.
+fn measured(
+    outcomes: impl IntoIterator<Item = DriverOutcome>,
+    elapsed: Duration,
+) -> Result<Measured, BenchError> {
     let mut m = Measured {
         requests: 0,
         reads: 0,
@@ -260,7 +280,7 @@ pub fn run_load(
         elapsed,
         latency: LatencyRecorder::new(),
     };
-    for (r, _) in outcomes {
+    for r in outcomes {
         let (tally, lat) = r?;
         m.reads += tally.reads;
         m.writes += tally.writes;
@@ -272,6 +292,129 @@ pub fn run_load(
     Ok(m)
 }
 
+/// [`run_load`] with `spec.threads` tasks on one event-loop thread (this one), through a
+/// [`LoopClient`] with the same configuration as `client`.
+fn run_event_loop(
+    client: &Client,
+    regions: &[Region],
+    spec: &LoadSpec,
+    payload: Bytes,
+    progress: Option<&Progress>,
+) -> Result<Measured, BenchError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| BenchError::Check(format!("cannot start a runtime: {e}")))?;
+    let per_task = spec.requests / spec.threads as u64;
+    let extra = spec.requests % spec.threads as u64;
+    let regions = Arc::new(regions.to_vec());
+    let shared_spec = Arc::new(spec.clone());
+    let progressed = Arc::new(AtomicU64::new(0));
+    rt.block_on(async {
+        let lc = LoopClient::connect((*client.map()).clone(), client.config().clone()).await?;
+        let mut tasks = tokio::task::JoinSet::new();
+        let start = Instant::now();
+        for t in 0..spec.threads {
+            let n = per_task + u64::from((t as u64) < extra);
+            let seed = spec.seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            tasks.spawn(one_task(
+                lc.clone(),
+                regions.clone(),
+                shared_spec.clone(),
+                n,
+                seed,
+                payload.clone(),
+                progressed.clone(),
+            ));
+        }
+        let mut outcomes = Vec::with_capacity(spec.threads);
+        let mut shown = 0;
+        let mut tick = tokio::time::interval(PROGRESS_TICK);
+        while !tasks.is_empty() {
+            tokio::select! {
+                done = tasks.join_next() => {
+                    if let Some(done) = done {
+                        outcomes.push(done.unwrap_or_else(|_| {
+                            Err(BenchError::Check("a load task panicked".into()))
+                        }));
+                    }
+                }
+                _ = tick.tick() => {}
+            }
+            let now = progressed.load(Ordering::Relaxed);
+            if let Some(p) = progress {
+                p.inc(now - shown);
+            }
+            shown = now;
+        }
+        measured(outcomes, start.elapsed())
+    })
+}
+
+/// One load driver's request stream: which region, offset, size and kind, drawn from a
+/// seeded generator, and the tally of what it asked for.
+struct Requests<'a> {
+    rng: SmallRng,
+    regions: &'a [Region],
+    spec: &'a LoadSpec,
+    payload: &'a Bytes,
+    tally: Tally,
+}
+
+impl<'a> Requests<'a> {
+    fn new(regions: &'a [Region], spec: &'a LoadSpec, seed: u64, payload: &'a Bytes) -> Self {
+        Requests {
+            rng: SmallRng::seed_from_u64(seed),
+            regions,
+            spec,
+            payload,
+            tally: Tally::default(),
+        }
+    }
+
+    /// The next request, and for a read the bytes its answer must hold.
+    fn next(&mut self) -> (NodeId, Op, Option<u32>) {
+        let rng = &mut self.rng;
+        let region = &self.regions[rng.gen_range(0..self.regions.len())];
+        let sizes = &self.spec.sizes_bytes;
+        let size = sizes[rng.gen_range(0..sizes.len())];
+        // Slots are whole multiples of the size past the counter word, so requests
+        // never straddle it and stay aligned the way applications use regions.
+        let slots = (region.size - 8) / size as u64;
+        let offset = 8 + rng.gen_range(0..slots) * size as u64;
+        let dice = rng.gen_range(0..100u32);
+        let reads = self.spec.mix.reads_percent as u32;
+        let faas = reads + self.spec.mix.fetch_add_percent as u32;
+        let t = &mut self.tally;
+        if dice < reads {
+            t.reads += 1;
+            (region.node, region.read_op(offset, size), Some(size))
+        } else if dice < faas {
+            t.fetch_adds += 1;
+            (region.node, region.fetch_add_op(0, 1), None)
+        } else {
+            t.writes += 1;
+            t.bytes += size as u64;
+            let data = self.payload.slice(..size as usize);
+            (region.node, region.write_op(offset, data), None)
+        }
+    }
+
+    /// Checks an answer against what was asked; a read's bytes count once they arrive.
+    fn answered(&mut self, read_len: Option<u32>, reply: Reply) -> Result<(), BenchError> {
+        match (read_len, reply) {
+            (Some(len), Reply::Data(d)) if d.len() == len as usize => {
+                self.tally.bytes += len as u64;
+                Ok(())
+            }
+            (None, Reply::Done | Reply::Word(_)) => Ok(()),
+            (_, other) => Err(BenchError::Check(format!(
+                "unexpected reply {other:?} during the load"
+            ))),
+        }
+    }
+}
+
 fn one_thread(
     client: &Client,
     regions: &[Region],
@@ -281,43 +424,18 @@ fn one_thread(
     payload: &Bytes,
     mut report: impl FnMut(u64),
 ) -> Result<(Tally, LatencyRecorder), BenchError> {
-    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut requests = Requests::new(regions, spec, seed, payload);
     let mut lat = LatencyRecorder::new();
-    let mut tally = Tally::default();
     let mut inflight: VecDeque<(Pending, Instant, Option<u32>)> =
         VecDeque::with_capacity(spec.depth);
     let mut issued = 0u64;
     let mut unreported = 0u64;
-    let reads = spec.mix.reads_percent as u32;
-    let faas = reads + spec.mix.fetch_add_percent as u32;
     let mut burst: Vec<(NodeId, Op)> = Vec::with_capacity(spec.depth);
     let mut burst_reads: Vec<Option<u32>> = Vec::with_capacity(spec.depth);
     while issued < n || !inflight.is_empty() {
         while issued < n && inflight.len() + burst.len() < spec.depth {
-            let region = &regions[rng.gen_range(0..regions.len())];
-            let size = spec.sizes_bytes[rng.gen_range(0..spec.sizes_bytes.len())];
-            // Slots are whole multiples of the size past the counter word, so requests
-            // never straddle it and stay aligned the way applications use regions.
-            let slots = (region.size - 8) / size as u64;
-            let offset = 8 + rng.gen_range(0..slots) * size as u64;
-            let dice = rng.gen_range(0..100u32);
-            let (op, read_len) = if dice < reads {
-                tally.reads += 1;
-                (region.read_op(offset, size), Some(size))
-            } else if dice < faas {
-                tally.fetch_adds += 1;
-                (region.fetch_add_op(0, 1), None)
-            } else {
-                tally.writes += 1;
-                (
-                    region.write_op(offset, payload.slice(..size as usize)),
-                    None,
-                )
-            };
-            if read_len.is_none() && dice >= faas {
-                tally.bytes += size as u64;
-            }
-            burst.push((region.node, op));
+            let (node, op, read_len) = requests.next();
+            burst.push((node, op));
             burst_reads.push(read_len);
             issued += 1;
         }
@@ -338,17 +456,7 @@ fn one_thread(
         while let Some((pending, sent, read_len)) = inflight.pop_front() {
             let reply = pending.wait()?;
             lat.record(sent.elapsed());
-            match (read_len, reply) {
-                (Some(len), Reply::Data(d)) if d.len() == len as usize => {
-                    tally.bytes += len as u64;
-                }
-                (None, Reply::Done | Reply::Word(_)) => {}
-                (_, other) => {
-                    return Err(BenchError::Check(format!(
-                        "unexpected reply {other:?} during the load"
-                    )));
-                }
-            }
+            requests.answered(read_len, reply)?;
             unreported += 1;
             if unreported == PROGRESS_STEP {
                 report(unreported);
@@ -360,7 +468,48 @@ fn one_thread(
         }
     }
     report(unreported);
-    Ok((tally, lat))
+    Ok((requests.tally, lat))
+}
+
+/// [`one_thread`] as a task of the event-loop face: the same window and the same checks.
+async fn one_task(
+    client: LoopClient,
+    regions: Arc<Vec<Region>>,
+    spec: Arc<LoadSpec>,
+    n: u64,
+    seed: u64,
+    payload: Bytes,
+    progressed: Arc<AtomicU64>,
+) -> Result<(Tally, LatencyRecorder), BenchError> {
+    let mut requests = Requests::new(&regions, &spec, seed, &payload);
+    let mut lat = LatencyRecorder::new();
+    let mut inflight: VecDeque<(LoopPending, Instant, Option<u32>)> =
+        VecDeque::with_capacity(spec.depth);
+    let mut issued = 0u64;
+    let mut unreported = 0u64;
+    while issued < n || !inflight.is_empty() {
+        while issued < n && inflight.len() < spec.depth {
+            let (node, op, read_len) = requests.next();
+            let sent = Instant::now();
+            inflight.push_back((client.submit(node, op).await?, sent, read_len));
+            issued += 1;
+        }
+        while let Some((pending, sent, read_len)) = inflight.pop_front() {
+            let reply = pending.await?;
+            lat.record(sent.elapsed());
+            requests.answered(read_len, reply)?;
+            unreported += 1;
+            if unreported == PROGRESS_STEP {
+                progressed.fetch_add(unreported, Ordering::Relaxed);
+                unreported = 0;
+            }
+            if !inflight.front().is_some_and(|(p, _, _)| p.is_ready()) {
+                break;
+            }
+        }
+    }
+    progressed.fetch_add(unreported, Ordering::Relaxed);
+    Ok((requests.tally, lat))
 }
 
 /// Allocates one region of `bytes` on every node of the client's map.

@@ -349,6 +349,10 @@ struct ThreadsArgs {
     /// Do not pin threads to cores (default: pinned round-robin).
     #[arg(long)]
     no_pin: bool,
+    /// Drive each thread count's load from that many tasks on one event-loop thread
+    /// (the client's LoopClient face) instead of that many OS threads.
+    #[arg(long)]
+    event_loop: bool,
     /// Batching off: one request per frame.
     #[arg(long, conflicts_with = "compare_batching")]
     no_batching: bool,
@@ -585,6 +589,7 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
         threads: a.threads,
         depth: a.depth,
         pin: !a.no_pin,
+        event_loop: a.event_loop,
         modes: if a.compare_batching {
             vec![true, false]
         } else {

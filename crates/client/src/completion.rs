@@ -35,6 +35,24 @@ impl Completion {
         matches!(*self.state.lock(), State::Done(_) | State::Taken)
     }
 
+    /// The answer if it is in; otherwise `cx`'s waker is kept to be woken with it.
+    pub(crate) fn poll_answer(&self, cx: &mut Context<'_>) -> Poll<Result<Reply, ClientError>> {
+        let mut st = self.state.lock();
+        match std::mem::replace(&mut *st, State::Taken) {
+            State::Done(r) => Poll::Ready(r),
+            State::Taken => Poll::Ready(Err(ClientError::AlreadyTaken)),
+            State::Waiting(w) => {
+                // Keep the old waker when it would wake the same task: cloning one is not free.
+                let waker = match w {
+                    Some(w) if w.will_wake(cx.waker()) => w,
+                    _ => cx.waker().clone(),
+                };
+                *st = State::Waiting(Some(waker));
+                Poll::Pending
+            }
+        }
+    }
+
     pub(crate) fn complete(&self, result: Result<Reply, ClientError>) {
         let waker = {
             let mut st = self.state.lock();
@@ -113,17 +131,11 @@ impl Future for Pending {
     type Output = Result<Reply, ClientError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut st = self.slot.state.lock();
-        match std::mem::replace(&mut *st, State::Taken) {
-            State::Done(r) => Poll::Ready(r),
-            State::Taken => Poll::Ready(Err(ClientError::AlreadyTaken)),
-            State::Waiting(_) => {
-                *st = State::Waiting(Some(cx.waker().clone()));
-                drop(st);
-                // An awaiting task never reads the socket itself: make sure someone does.
-                self.conn.poke();
-                Poll::Pending
-            }
+        let polled = self.slot.poll_answer(cx);
+        if polled.is_pending() {
+            // An awaiting task never reads the socket itself: make sure someone does.
+            self.conn.poke();
         }
+        polled
     }
 }

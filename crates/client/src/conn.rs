@@ -310,15 +310,7 @@ fn handshake(
         addr,
         source: Arc::new(e),
     };
-    let mut buf = BytesMut::new();
-    encode_frame(
-        &Frame::Hello(Hello {
-            version: PROTOCOL_VERSION,
-            token: Bytes::from(config.token.clone().unwrap_or_default()),
-        }),
-        &mut buf,
-    )
-    .map_err(|e| ClientError::InvalidArgument(format!("token: {e}")))?;
+    let buf = hello_frame(config)?;
     stream
         .set_write_timeout(Some(config.connect_timeout))
         .map_err(io)?;
@@ -338,9 +330,7 @@ fn handshake(
         }
     })?;
     let n = u32::from_le_bytes(len) as usize;
-    // A handshake answer is tiny; refuse to buffer a big one from something that is not
-    // a Camelot server.
-    if n == 0 || n > 4096 {
+    if n == 0 || n > HELLO_ANSWER_BYTES_MAX {
         return Err(ClientError::Handshake {
             addr,
             reason: format!("not a Camelot server (handshake frame of {n} bytes)"),
@@ -348,7 +338,30 @@ fn handshake(
     }
     let mut body = vec![0u8; n];
     (&*stream).read_exact(&mut body).map_err(io)?;
-    match decode_frame(Bytes::from(body)) {
+    hello_answer(addr, Bytes::from(body))
+}
+
+/// A HELLO frame for `config`'s token.
+pub(crate) fn hello_frame(config: &ClientConfig) -> Result<BytesMut, ClientError> {
+    let mut buf = BytesMut::new();
+    encode_frame(
+        &Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            token: Bytes::from(config.token.clone().unwrap_or_default()),
+        }),
+        &mut buf,
+    )
+    .map_err(|e| ClientError::InvalidArgument(format!("token: {e}")))?;
+    Ok(buf)
+}
+
+/// A handshake answer is tiny; a bigger one is not from a Camelot server, and is refused
+/// before anything is buffered for it.
+pub(crate) const HELLO_ANSWER_BYTES_MAX: usize = 4096;
+
+/// The cluster epoch from the server's answer to HELLO (its body, length removed).
+pub(crate) fn hello_answer(addr: SocketAddr, body: Bytes) -> Result<u64, ClientError> {
+    match decode_frame(body) {
         Ok(Frame::HelloOk(ok)) => Ok(ok.epoch),
         Ok(Frame::Fatal(e)) if e.code == ErrorCode::AuthFailed => Err(ClientError::Auth {
             addr,
@@ -379,12 +392,76 @@ struct Writer {
     spare: Vec<Submission>,
 }
 
+/// How requests are packed into frames; shared by the threaded and event-loop writers.
+pub(crate) struct FrameLimits {
+    pub batching: bool,
+    pub batch_ops_max: usize,
+    pub epoch: u64,
+}
+
+impl FrameLimits {
+    /// Encodes into `out` (cleared first) one frame of as many of `pending`'s requests as
+    /// the limits allow (one when not batching), moving their slots into `batch`. A
+    /// request that cannot be encoded is failed on its slot. False when no request made
+    /// it into the frame (nothing to send).
+    pub(crate) fn encode_next(
+        &self,
+        out: &mut BytesMut,
+        pending: &mut std::iter::Peekable<impl Iterator<Item = Submission>>,
+        batch: &mut Vec<(u64, Arc<Completion>)>,
+    ) -> bool {
+        out.clear();
+        let mut enc = RequestBatchEncoder::begin(out, self.epoch);
+        let mut reply_bytes = RESPONSES_HEADER_BYTES;
+        let mut bulk_bytes = 0;
+        while let Some(sub) = pending.peek() {
+            // Past the target a new frame starts: pipelined frames of a few MiB beat
+            // one of tens of MiB (see FRAME_BYTES_TARGET); the hard limits still hold.
+            let fits = enc.count() == 0
+                || (self.batching
+                    && enc.count() < self.batch_ops_max
+                    && enc.frame_len() + sub.op.encoded_len() <= FRAME_BYTES_MAX + 4
+                    && reply_bytes + sub.op.reply_len_max() <= RESPONSE_OK_BUDGET_BYTES
+                    && bulk_bytes + sub.op.bulk_len() <= FRAME_BYTES_TARGET);
+            if !fits {
+                break;
+            }
+            let Some(sub) = pending.next() else { break };
+            match enc.push(sub.id, &sub.op) {
+                Ok(()) => {
+                    reply_bytes += sub.op.reply_len_max();
+                    bulk_bytes += sub.op.bulk_len();
+                    batch.push((sub.id, sub.slot));
+                }
+                Err(e) => sub
+                    .slot
+                    .complete(Err(ClientError::InvalidArgument(e.to_string()))),
+            }
+        }
+        if enc.count() == 0 {
+            return false;
+        }
+        if let Err(e) = enc.finish() {
+            for (_, slot) in batch.drain(..) {
+                slot.complete(Err(ClientError::InvalidArgument(e.to_string())));
+            }
+            return false;
+        }
+        true
+    }
+}
+
 impl Writer {
     /// Writes `subs` (emptying it): as few frames as the limits allow when batching, one
     /// frame and one write per request when not.
     fn write(&mut self, shared: &Shared, subs: &mut Vec<Submission>, may_wait: bool) {
         let mut batch: Vec<(u64, Arc<Completion>)> = Vec::new();
         let mut pending = subs.drain(..).peekable();
+        let limits = FrameLimits {
+            batching: self.batching,
+            batch_ops_max: self.batch_ops_max,
+            epoch: self.epoch,
+        };
         while pending.peek().is_some() {
             if shared.dead.load(Ordering::Acquire) {
                 let err = shared.death();
@@ -393,41 +470,7 @@ impl Writer {
                 }
                 return;
             }
-            self.out.clear();
-            let mut enc = RequestBatchEncoder::begin(&mut self.out, self.epoch);
-            let mut reply_bytes = RESPONSES_HEADER_BYTES;
-            let mut bulk_bytes = 0;
-            while let Some(sub) = pending.peek() {
-                // Past the target a new frame starts: pipelined frames of a few MiB beat
-                // one of tens of MiB (see FRAME_BYTES_TARGET); the hard limits still hold.
-                let fits = enc.count() == 0
-                    || (self.batching
-                        && enc.count() < self.batch_ops_max
-                        && enc.frame_len() + sub.op.encoded_len() <= FRAME_BYTES_MAX + 4
-                        && reply_bytes + sub.op.reply_len_max() <= RESPONSE_OK_BUDGET_BYTES
-                        && bulk_bytes + sub.op.bulk_len() <= FRAME_BYTES_TARGET);
-                if !fits {
-                    break;
-                }
-                let Some(sub) = pending.next() else { break };
-                match enc.push(sub.id, &sub.op) {
-                    Ok(()) => {
-                        reply_bytes += sub.op.reply_len_max();
-                        bulk_bytes += sub.op.bulk_len();
-                        batch.push((sub.id, sub.slot));
-                    }
-                    Err(e) => sub
-                        .slot
-                        .complete(Err(ClientError::InvalidArgument(e.to_string()))),
-                }
-            }
-            if enc.count() == 0 {
-                continue;
-            }
-            if let Err(e) = enc.finish() {
-                for (_, slot) in batch.drain(..) {
-                    slot.complete(Err(ClientError::InvalidArgument(e.to_string())));
-                }
+            if !limits.encode_next(&mut self.out, &mut pending, &mut batch) {
                 continue;
             }
             if !self.register(shared, &mut batch, may_wait) {
@@ -623,28 +666,39 @@ impl Shared {
             f
         };
         self.space.notify_all();
-        if frame.requests.len() != batch.responses.len() {
-            let n = batch.responses.len();
-            let err = protocol(format!(
-                "{} answers to {} requests",
-                n,
-                frame.requests.len()
-            ));
-            for (_, slot) in frame.requests {
-                slot.complete(Err(err.clone()));
-            }
-            return Err(err);
-        }
-        for ((id, slot), resp) in frame.requests.into_iter().zip(batch.responses) {
-            if resp.id != id {
-                slot.complete(Err(protocol(format!(
-                    "answer id {} for request {id}",
-                    resp.id
-                ))));
-                continue;
-            }
-            slot.complete(resp.result.map_err(ClientError::Server));
-        }
-        Ok(())
+        complete_frame(addr, frame.requests, batch)
     }
+}
+
+/// Hands each answer of `batch` to the request it answers, by position, checking ids.
+/// Err (after failing every request of the frame) when the counts differ: the stream is
+/// out of step and the connection must end.
+pub(crate) fn complete_frame(
+    addr: SocketAddr,
+    requests: Vec<(u64, Arc<Completion>)>,
+    batch: camelot_proto::ResponseBatch,
+) -> Result<(), ClientError> {
+    let protocol = |reason: String| ClientError::Protocol { addr, reason };
+    if requests.len() != batch.responses.len() {
+        let err = protocol(format!(
+            "{} answers to {} requests",
+            batch.responses.len(),
+            requests.len()
+        ));
+        for (_, slot) in requests {
+            slot.complete(Err(err.clone()));
+        }
+        return Err(err);
+    }
+    for ((id, slot), resp) in requests.into_iter().zip(batch.responses) {
+        if resp.id != id {
+            slot.complete(Err(protocol(format!(
+                "answer id {} for request {id}",
+                resp.id
+            ))));
+            continue;
+        }
+        slot.complete(resp.result.map_err(ClientError::Server));
+    }
+    Ok(())
 }

@@ -17,11 +17,13 @@
 
 mod completion;
 mod conn;
+mod event_loop;
 pub mod kv;
 pub mod map;
 
 pub use completion::Pending;
 pub use conn::INFLIGHT_REQUESTS_MAX;
+pub use event_loop::{LoopClient, LoopPending};
 pub use kv::{CasOutcome, Versioned};
 pub use map::{partition_of, ClusterMap, NodeId, NodeInfo, PARTITIONS};
 

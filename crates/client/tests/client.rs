@@ -2,7 +2,7 @@
 
 use bytes::Bytes;
 use camelot_client::proto::{ErrorCode, Op, Reply};
-use camelot_client::{Client, ClientConfig, ClientError, ClusterMap, Region};
+use camelot_client::{Client, ClientConfig, ClientError, ClusterMap, LoopClient, Region};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
 use std::sync::{Arc, Barrier};
 use std::thread;
@@ -627,4 +627,136 @@ fn a_scan_longer_than_one_answer_frame_is_continued() {
     let first_ten = cl.scan(b"big", 10).expect("scan");
     assert_eq!(first_ten.len(), 10);
     c.shutdown().expect("shutdown");
+}
+
+fn current_thread_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// The event-loop face on a one-thread runtime: many tasks' requests share frames, every
+/// answer is the right one, and atomics from tasks and threads add up exactly.
+#[test]
+fn the_event_loop_face_answers_many_tasks_correctly() {
+    let c = cluster(2, 8 << 20, None);
+    let threaded = client(&c, ClientConfig::default()).expect("connect");
+    let ids: Vec<_> = threaded.map().node_ids().collect();
+    let regions: Vec<Region> = ids
+        .iter()
+        .map(|&n| threaded.alloc_on(n, 1 << 20, None).expect("alloc"))
+        .collect();
+    let rt = current_thread_runtime();
+    rt.block_on(async {
+        let lc = LoopClient::connect(ClusterMap::from_addrs(c.addrs()), ClientConfig::default())
+            .await
+            .expect("connect");
+        let mut tasks = tokio::task::JoinSet::new();
+        for t in 0..16u64 {
+            let (lc, regions) = (lc.clone(), regions.clone());
+            tasks.spawn(async move {
+                let r = &regions[(t % 2) as usize];
+                // Each task owns its own 1 KiB slice of the region: write, then read back
+                // with 16 requests in flight at a time.
+                let base = 4096 + t * 1024;
+                for round in 0..20u64 {
+                    let mut pending = Vec::new();
+                    for k in 0..16u64 {
+                        let data = Bytes::from(pattern(t * 1000 + round * 16 + k, 64));
+                        let p = lc
+                            .submit(r.node, r.write_op(base + k * 64, data))
+                            .await
+                            .expect("submit");
+                        pending.push(p);
+                    }
+                    for p in pending {
+                        assert!(matches!(p.await.expect("write"), Reply::Done));
+                    }
+                    let mut reads = Vec::new();
+                    for k in 0..16u64 {
+                        reads.push(
+                            lc.submit(r.node, r.read_op(base + k * 64, 64))
+                                .await
+                                .expect("submit"),
+                        );
+                    }
+                    for (k, p) in (0..16u64).zip(reads) {
+                        match p.await.expect("read") {
+                            Reply::Data(d) => {
+                                assert_eq!(&d[..], &pattern(t * 1000 + round * 16 + k, 64)[..])
+                            }
+                            other => panic!("unexpected {other:?}"),
+                        }
+                    }
+                    lc.fetch_add(r, 0, 1).await.expect("fetch_add");
+                }
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            done.expect("task");
+        }
+    });
+    let total: u64 = regions
+        .iter()
+        .map(|r| threaded.fetch_add(r, 0, 0).expect("read counter"))
+        .sum();
+    assert_eq!(total, 16 * 20);
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
+fn the_event_loop_face_times_out_and_fails_on_a_dead_node() {
+    let (addr, server) = silent_server();
+    let rt = current_thread_runtime();
+    rt.block_on(async {
+        let lc = LoopClient::connect(
+            ClusterMap::from_addrs(&[addr]),
+            ClientConfig {
+                request_timeout: Duration::from_millis(500),
+                ..ClientConfig::default()
+            },
+        )
+        .await
+        .expect("handshake");
+        let t = Instant::now();
+        match lc.call(0, Op::Ping).await {
+            Err(ClientError::Timeout { .. }) => {}
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        let waited = t.elapsed();
+        assert!(
+            waited >= Duration::from_millis(400) && waited < Duration::from_secs(5),
+            "{waited:?}"
+        );
+    });
+    server.join().expect("silent server");
+
+    // A node that goes away: requests fail with an error instead of hanging, and a wrong
+    // token is refused at connect.
+    let c = cluster(1, 1 << 20, Some("sesame"));
+    let map = ClusterMap::from_addrs(c.addrs());
+    let lc = rt.block_on(async {
+        match LoopClient::connect(map.clone(), ClientConfig::default()).await {
+            Err(ClientError::Auth { .. }) => {}
+            other => panic!("expected an auth error, got {:?}", other.err()),
+        }
+        let lc = LoopClient::connect(
+            map,
+            ClientConfig {
+                token: Some(b"sesame".to_vec()),
+                ..ClientConfig::default()
+            },
+        )
+        .await
+        .expect("connect");
+        assert!(matches!(lc.call(0, Op::Ping).await, Ok(Reply::Pong)));
+        lc
+    });
+    c.shutdown().expect("shutdown");
+    rt.block_on(async {
+        let t = Instant::now();
+        assert!(lc.call(0, Op::Ping).await.is_err());
+        assert!(t.elapsed() < Duration::from_secs(5));
+    });
 }
