@@ -92,7 +92,14 @@ fn is(arg: &[u8], word: &str) -> bool {
 }
 
 /// Runs one command and appends its reply to `out`.
-pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut BytesMut) {
+/// `now` is the time expiries are judged against.
+pub fn execute(
+    ctx: &Ctx<'_>,
+    session: &mut Session,
+    args: &[&[u8]],
+    now: Instant,
+    out: &mut BytesMut,
+) {
     let Some(name) = args.first() else {
         return;
     };
@@ -107,7 +114,6 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
         }
         None => "",
     };
-    let now = Instant::now();
     if ctx.token.is_some() && !session.authenticated && !matches!(cmd, "auth" | "quit") {
         error(out, "NOAUTH Authentication required.");
         return;
@@ -354,7 +360,7 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
     }
 }
 
-fn auth(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut BytesMut) {
+fn auth(ctx: &Ctx<'_>, session: &mut Session, args: &[&[u8]], out: &mut BytesMut) {
     let Some(token) = ctx.token else {
         error(
             out,
@@ -419,7 +425,7 @@ fn info(ctx: &Ctx<'_>, out: &mut BytesMut) {
 /// version; `CAMELOT.CAS key expected value` → new version, or nil on a conflict (expected
 /// 0: only if absent); `CAMELOT.DEL key` → the removed version or nil; `CAMELOT.SCAN start
 /// count` → `[key, version, value, …]` in key order.
-fn versioned(objects: &ObjectStore, cmd: &str, args: &[Bytes], out: &mut BytesMut, now: Instant) {
+fn versioned(objects: &ObjectStore, cmd: &str, args: &[&[u8]], out: &mut BytesMut, now: Instant) {
     let result = match cmd {
         "camelot.get" => objects.get(&args[1], now).map(|(version, value)| {
             array_header(out, 2);
@@ -498,7 +504,7 @@ fn config_get(ctx: &Ctx<'_>, pattern: &[u8], out: &mut BytesMut) {
 /// anything is removed, since every item is asked of the same value).
 fn remove_items(
     objects: &ObjectStore,
-    args: &[Bytes],
+    args: &[&[u8]],
     out: &mut BytesMut,
     now: Instant,
     remove: impl Fn(&mut Value, &[u8]) -> Option<bool>,
@@ -546,7 +552,7 @@ fn delete_any(objects: &ObjectStore, key: &[u8], now: Instant) -> bool {
         .unwrap_or(false)
 }
 
-fn set(objects: &ObjectStore, args: &[Bytes], now: Instant, out: &mut BytesMut) {
+fn set(objects: &ObjectStore, args: &[&[u8]], now: Instant, out: &mut BytesMut) {
     let (key, value) = (&args[1], &args[2]);
     let mut expires_at = None;
     let mut only_if_absent = false;
@@ -743,7 +749,7 @@ fn with_zset(
     })
 }
 
-fn hset(objects: &ObjectStore, cmd: &str, args: &[Bytes], out: &mut BytesMut, now: Instant) {
+fn hset(objects: &ObjectStore, cmd: &str, args: &[&[u8]], out: &mut BytesMut, now: Instant) {
     let pairs = &args[2..];
     if !pairs.len().is_multiple_of(2) {
         arity(out, cmd);
@@ -800,7 +806,7 @@ fn hset(objects: &ObjectStore, cmd: &str, args: &[Bytes], out: &mut BytesMut, no
     }
 }
 
-fn zadd(objects: &ObjectStore, args: &[Bytes], out: &mut BytesMut, now: Instant) {
+fn zadd(objects: &ObjectStore, args: &[&[u8]], out: &mut BytesMut, now: Instant) {
     let mut i = 2;
     let (mut nx, mut xx, mut ch) = (false, false, false);
     while i < args.len() {
@@ -887,7 +893,7 @@ fn zadd(objects: &ObjectStore, args: &[Bytes], out: &mut BytesMut, now: Instant)
     }
 }
 
-fn zrangebyscore(objects: &ObjectStore, args: &[Bytes], out: &mut BytesMut, now: Instant) {
+fn zrangebyscore(objects: &ObjectStore, args: &[&[u8]], out: &mut BytesMut, now: Instant) {
     let (Some(min), Some(max)) = (parse_bound(&args[2]), parse_bound(&args[3])) else {
         error(out, "ERR min or max is not a float");
         return;
@@ -952,16 +958,13 @@ mod tests {
         }
 
         fn run(&mut self, line: &str) -> String {
-            let args: Vec<Bytes> = line
-                .split_whitespace()
-                .map(|w| Bytes::copy_from_slice(w.as_bytes()))
-                .collect();
+            let args: Vec<&[u8]> = line.split_whitespace().map(str::as_bytes).collect();
             let ctx = Ctx {
                 state: &self.state,
                 token: self.token.as_deref(),
             };
             let mut out = BytesMut::new();
-            execute(&ctx, &mut self.session, &args, &mut out);
+            execute(&ctx, &mut self.session, &args, Instant::now(), &mut out);
             String::from_utf8_lossy(&out).into_owned()
         }
     }
