@@ -3,10 +3,11 @@
 //! (hostile arguments get error replies).
 #![no_main]
 use bytes::BytesMut;
-use camelot_server::resp::codec::parse_command;
+use camelot_server::resp::codec::{parse_command, Parsed};
 use camelot_server::resp::commands::{execute, Ctx, Session};
 use camelot_server::{MemoryBudget, ServerState};
 use libfuzzer_sys::fuzz_target;
+use std::time::Instant;
 
 fuzz_target!(|data: &[u8]| {
     let state = ServerState::new(MemoryBudget::new(1 << 20), 0);
@@ -15,10 +16,14 @@ fuzz_target!(|data: &[u8]| {
         token: None,
     };
     let mut session = Session::default();
-    let mut buf = BytesMut::from(data);
     let mut out = BytesMut::new();
-    while let Ok(Some(args)) = parse_command(&mut buf) {
-        execute(&ctx, &mut session, &args, &mut out);
+    let mut args = Vec::new();
+    let mut at = 0;
+    while let Ok(Parsed::Command(len)) = parse_command(&data[at..], &mut args) {
+        // Every command takes at least one byte, so this loop ends.
+        assert!(len > 0 && at + len <= data.len());
+        at += len;
+        execute(&ctx, &mut session, &args, Instant::now(), &mut out);
         if session.quit {
             break;
         }

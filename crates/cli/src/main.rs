@@ -70,6 +70,10 @@ struct ServerArgs {
     /// token, clients must AUTH with it.
     #[arg(long, value_name = "ADDR")]
     resp_listen: Option<String>,
+    /// Event-loop threads for the Redis port, each single-threaded like Redis's own;
+    /// 0 serves it on the worker pool the native port uses.
+    #[arg(long, default_value_t = camelot_server::RESP_THREADS_DEFAULT)]
+    resp_threads: usize,
 }
 
 #[derive(Args)]
@@ -472,6 +476,7 @@ fn server(a: ServerArgs) -> Result<()> {
         cfg.token = a.token.map(String::into_bytes);
         cfg.connections_max = a.connections_max;
         cfg.resp_listen = a.resp_listen.as_deref().map(resolve).transpose()?;
+        cfg.resp_threads = a.resp_threads;
         let handle = ServerHandle::start(cfg)
             .await
             .with_context(|| format!("cannot start a server on {listen}"))?;

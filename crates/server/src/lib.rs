@@ -48,6 +48,12 @@ pub struct ServerConfig {
     pub handshake_timeout: Duration,
     /// Where to serve the Redis protocol over the same objects (`None`: not at all).
     pub resp_listen: Option<SocketAddr>,
+    /// Threads serving the Redis port, each an event loop of its own (a single-threaded
+    /// runtime) sharing the listening socket; 0 serves it on the caller's runtime, like
+    /// the native port. Redis clients send small commands on many connections, where a
+    /// work-stealing runtime spends more on waking its idle workers than the work is
+    /// worth: measured with redis-benchmark on two cores, see BENCHMARKS.md.
+    pub resp_threads: usize,
 }
 
 impl ServerConfig {
@@ -61,9 +67,15 @@ impl ServerConfig {
             shutdown_grace: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(5),
             resp_listen: None,
+            resp_threads: RESP_THREADS_DEFAULT,
         }
     }
 }
+
+/// The Redis port's event-loop threads unless configured otherwise.
+pub const RESP_THREADS_DEFAULT: usize = 1;
+/// Most event-loop threads the Redis port may be given.
+pub const RESP_THREADS_MAX: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -86,6 +98,8 @@ pub enum ServerError {
     AcceptLoop(#[source] JoinError),
     #[error("cannot start the async runtime: {0}")]
     Runtime(#[source] std::io::Error),
+    #[error("a Redis-protocol thread ended without reporting (it panicked)")]
+    RespThreadLost,
 }
 
 /// A running server. Dropping it without [`ServerHandle::shutdown`] also stops the server,
@@ -96,7 +110,8 @@ pub struct ServerHandle {
     state: Arc<ServerState>,
     stop: watch::Sender<bool>,
     accept: JoinHandle<Result<(), ServerError>>,
-    resp_accept: Option<JoinHandle<Result<(), ServerError>>>,
+    /// One per accept loop of the Redis port.
+    resp_accept: Vec<JoinHandle<Result<(), ServerError>>>,
 }
 
 /// Which protocol a listener speaks.
@@ -162,20 +177,29 @@ impl ServerHandle {
         );
         let (stop, stop_rx) = watch::channel(false);
         let resp_addr = resp.as_ref().map(|(_, a)| *a);
-        let resp_accept = resp.map(|(listener, addr)| {
-            info!(%addr, "Redis-protocol port listening");
+        let mut resp_accept = Vec::new();
+        if let Some((listener, addr)) = resp {
+            info!(%addr, threads = config.resp_threads, "Redis-protocol port listening");
             let face = Face::Resp(Arc::new(resp::RespShared {
                 state: Arc::clone(&state),
                 token: config.token.clone(),
             }));
-            tokio::spawn(accept_loop(
-                listener,
-                face,
-                stop_rx.clone(),
-                config.connections_max,
-                config.shutdown_grace,
-            ))
-        });
+            let limits = AcceptLimits {
+                connections_max: config.connections_max,
+                grace: config.shutdown_grace,
+            };
+            if config.resp_threads == 0 {
+                resp_accept.push(tokio::spawn(accept_loop(
+                    listener,
+                    face,
+                    stop_rx.clone(),
+                    limits,
+                )));
+            } else {
+                resp_accept =
+                    spawn_event_loops(listener, face, &stop_rx, limits, config.resp_threads)?;
+            }
+        }
         tokio::spawn(sweep_loop(Arc::clone(&state), stop_rx.clone()));
         let face = Face::Native(Arc::new(Shared {
             state: Arc::clone(&state),
@@ -186,8 +210,10 @@ impl ServerHandle {
             listener,
             face,
             stop_rx,
-            config.connections_max,
-            config.shutdown_grace,
+            AcceptLimits {
+                connections_max: config.connections_max,
+                grace: config.shutdown_grace,
+            },
         ));
         Ok(ServerHandle {
             local_addr,
@@ -229,11 +255,12 @@ impl ServerHandle {
     pub async fn shutdown(self) -> Result<(), ServerError> {
         self.stop.send_replace(true);
         let native = self.accept.await.map_err(ServerError::AcceptLoop)?;
-        let resp = match self.resp_accept {
-            Some(h) => h.await.map_err(ServerError::AcceptLoop)?,
-            None => Ok(()),
-        };
-        native.and(resp)
+        let mut result = native;
+        for h in self.resp_accept {
+            let resp = h.await.map_err(ServerError::AcceptLoop)?;
+            result = result.and(resp);
+        }
+        result
     }
 }
 
@@ -253,13 +280,66 @@ async fn sweep_loop(state: Arc<ServerState>, mut stop: watch::Receiver<bool>) {
     }
 }
 
+/// Starts `threads` event loops for one listening socket, each a thread running a
+/// single-threaded runtime with its own accept loop (the kernel hands each connection to
+/// one of them). Each loop's outcome is reported through a task on the caller's runtime,
+/// so shutdown awaits them like any other accept loop.
+fn spawn_event_loops(
+    listener: TcpListener,
+    face: Face,
+    stop: &watch::Receiver<bool>,
+    limits: AcceptLimits,
+    threads: usize,
+) -> Result<Vec<JoinHandle<Result<(), ServerError>>>, ServerError> {
+    if threads > RESP_THREADS_MAX {
+        return Err(ServerError::Config(format!(
+            "the Redis port takes at most {RESP_THREADS_MAX} threads, not {threads}"
+        )));
+    }
+    let listener = listener.into_std().map_err(ServerError::Runtime)?;
+    let mut loops = Vec::with_capacity(threads);
+    for i in 0..threads {
+        let listener = listener.try_clone().map_err(ServerError::Runtime)?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(ServerError::Runtime)?;
+        let (face, stop) = (face.clone(), stop.clone());
+        let (done, outcome) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name(format!("camelot-resp-{i}"))
+            .spawn(move || {
+                let result = runtime.block_on(async move {
+                    let listener = TcpListener::from_std(listener).map_err(ServerError::Runtime)?;
+                    accept_loop(listener, face, stop, limits).await
+                });
+                // Nobody listening means the handle was dropped: nothing to report to.
+                let _ = done.send(result);
+            })
+            .map_err(ServerError::Runtime)?;
+        loops.push(tokio::spawn(async move {
+            outcome.await.unwrap_or(Err(ServerError::RespThreadLost))
+        }));
+    }
+    Ok(loops)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct AcceptLimits {
+    connections_max: usize,
+    grace: Duration,
+}
+
 async fn accept_loop(
     listener: TcpListener,
     face: Face,
     mut stop: watch::Receiver<bool>,
-    connections_max: usize,
-    grace: Duration,
+    limits: AcceptLimits,
 ) -> Result<(), ServerError> {
+    let AcceptLimits {
+        connections_max,
+        grace,
+    } = limits;
     let mut conns = JoinSet::new();
     loop {
         tokio::select! {

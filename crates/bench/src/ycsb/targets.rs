@@ -5,9 +5,9 @@
 //! record is one value; no scans).
 
 use super::memcached::Memcached;
-use super::record::{check_blob, check_fields, record_blob, record_fields, Mismatch};
+use super::record::{check_blob, check_fields, fill_record, record_blob, record_fields, Mismatch};
 use crate::BenchError;
-use bytes::Bytes;
+use bytes::BytesMut;
 use camelot_client::{Client, ClientConfig, ClusterMap};
 use redis::Commands;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -119,6 +119,7 @@ impl Target {
             Target::Camelot { client } => Box::new(CamelotDb {
                 client: client.clone(),
                 shape,
+                record: BytesMut::new(),
             }),
             Target::Redis { url } => {
                 let c = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
@@ -140,13 +141,22 @@ impl Target {
 struct CamelotDb {
     client: Client,
     shape: Shape,
+    /// Records are built here and split off for the client, which lets go of them
+    /// once sent, so the next write reuses the allocation.
+    record: BytesMut,
 }
 
 impl Db for CamelotDb {
     fn write(&mut self, key: &str, version: u64, _insert: bool) -> Result<(), String> {
-        let blob = record_blob(key, self.shape.fields, self.shape.field_bytes, version);
+        fill_record(
+            &mut self.record,
+            key,
+            self.shape.fields,
+            self.shape.field_bytes,
+            version,
+        );
         self.client
-            .put(key.as_bytes(), Bytes::from(blob))
+            .put(key.as_bytes(), self.record.split().freeze())
             .map(|_| ())
             .map_err(|e| e.to_string())
     }

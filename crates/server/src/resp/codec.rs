@@ -7,7 +7,7 @@
 //! contents are skipped by length), so a 16 MiB value in many reads costs no quadratic
 //! work.
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{BufMut, BytesMut};
 use camelot_proto::limits::VALUE_BYTES_MAX;
 
 /// Most arguments in one command (MSET with this many keys is already a bulk load).
@@ -32,65 +32,92 @@ fn protocol(msg: impl Into<String>) -> RespError {
 
 /// Finds `\r\n` at or after `from`; returns the index of `\r`.
 fn find_crlf(buf: &[u8], from: usize) -> Option<usize> {
-    buf.get(from..)?
-        .windows(2)
-        .position(|w| w == b"\r\n")
-        .map(|i| from + i)
+    let mut at = from;
+    loop {
+        at += buf.get(at..)?.iter().position(|&b| b == b'\r')?;
+        if buf.get(at + 1) == Some(&b'\n') {
+            return Some(at);
+        }
+        at += 1;
+    }
 }
 
-/// Reads the decimal integer on the line starting at `at` (after the type byte).
-/// `Ok(None)` when the line is not complete yet.
+/// Reads the decimal integer on the line starting at `at` (after the type byte), as
+/// Redis's `string2ll` does: an optional `-`, then digits, nothing else. `Ok(None)` when
+/// the line is not complete yet. This runs for every header of every command, so it
+/// neither validates UTF-8 nor goes through `str::parse`.
 fn header_int(buf: &[u8], at: usize, what: &str) -> Result<Option<(i64, usize)>, RespError> {
     let Some(end) = find_crlf(buf, at) else {
-        if buf.len() - at > INLINE_BYTES_MAX {
+        if buf.len() - at.min(buf.len()) > INLINE_BYTES_MAX {
             return Err(protocol(format!("too big {what} header")));
         }
         return Ok(None);
     };
-    let text = std::str::from_utf8(&buf[at..end])
-        .map_err(|_| protocol(format!("invalid {what} length")))?;
-    let n: i64 = text
-        .parse()
-        .map_err(|_| protocol(format!("invalid {what} length")))?;
-    Ok(Some((n, end + 2)))
+    let bad = || protocol(format!("invalid {what} length"));
+    let text = &buf[at..end];
+    let (negative, digits) = match text.split_first() {
+        Some((b'-', rest)) => (true, rest),
+        _ => (false, text),
+    };
+    // 18 digits cannot overflow an i64; every limit we check against is far smaller.
+    if digits.is_empty() || digits.len() > 18 {
+        return Err(bad());
+    }
+    let mut n: i64 = 0;
+    for &d in digits {
+        if !d.is_ascii_digit() {
+            return Err(bad());
+        }
+        n = n * 10 + i64::from(d - b'0');
+    }
+    Ok(Some((if negative { -n } else { n }, end + 2)))
 }
 
-/// Splits one complete command off the front of `buf`: `Ok(None)` when more bytes are
-/// needed, `Err` when the stream cannot be trusted any more (the caller replies with the
-/// error and closes, as Redis does). An empty array or blank inline line yields an
-/// empty command, which callers skip.
-pub fn parse_command(buf: &mut BytesMut) -> Result<Option<Vec<Bytes>>, RespError> {
-    if buf.is_empty() {
-        return Ok(None);
-    }
-    if buf[0] != b'*' {
-        return parse_inline(buf);
+/// What [`parse_command`] found at the front of the buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Parsed {
+    /// One whole command, this many bytes long; its arguments were pushed. No arguments
+    /// (an empty array or a blank inline line) is a command callers skip.
+    Command(usize),
+    /// The command is not all here; it will be at least this many bytes long, so the
+    /// caller can make room for a big value before it arrives.
+    Incomplete(usize),
+}
+
+/// Parses the command at the front of `buf`, pushing its arguments onto `args` (cleared
+/// first) as slices of `buf`: nothing is copied or reference-counted, and `args` is the
+/// caller's to reuse. `Err` when the stream cannot be trusted any more (the caller
+/// replies with the error and closes, as Redis does). A command that is still arriving
+/// is re-scanned header by header next time (bulk contents are skipped by length), so
+/// a 16 MiB value in many reads costs no quadratic work.
+pub fn parse_command<'a>(buf: &'a [u8], args: &mut Vec<&'a [u8]>) -> Result<Parsed, RespError> {
+    args.clear();
+    match buf.first() {
+        None => return Ok(Parsed::Incomplete(1)),
+        Some(b'*') => {}
+        Some(_) => return parse_inline(buf, args),
     }
     let Some((count, mut at)) = header_int(buf, 1, "multibulk")? else {
-        return Ok(None);
+        return Ok(Parsed::Incomplete(buf.len() + 1));
     };
     if count <= 0 {
-        buf.advance(at);
-        return Ok(Some(Vec::new()));
+        return Ok(Parsed::Command(at));
     }
     if count as u64 > ARGS_MAX as u64 {
         return Err(protocol("invalid multibulk length"));
     }
-    let count = count as usize;
-    // First pass: are all arguments here, and well-formed? Only headers are read.
-    let first = at;
     for _ in 0..count {
-        if at >= buf.len() {
-            return Ok(None);
-        }
-        if buf[at] != b'$' {
+        let Some(&kind) = buf.get(at) else {
+            return Ok(Parsed::Incomplete(at + 1));
+        };
+        if kind != b'$' {
             return Err(protocol(format!(
                 "expected '$', got '{}'",
-                char::from(buf[at]).escape_default()
+                char::from(kind).escape_default()
             )));
         }
         let Some((len, start)) = header_int(buf, at + 1, "bulk")? else {
-            return Ok(None);
+            return Ok(Parsed::Incomplete(buf.len() + 1));
         };
         if len < 0 || len as u64 > ARG_BYTES_MAX as u64 {
             return Err(protocol("invalid bulk length"));
@@ -99,64 +126,40 @@ pub fn parse_command(buf: &mut BytesMut) -> Result<Option<Vec<Bytes>>, RespError
         if end + 2 > COMMAND_BYTES_MAX {
             return Err(protocol("command too large"));
         }
-        if buf.len() < end + 2 {
-            // Reserve for this argument now so a big value arrives without regrowths.
-            buf.reserve(end + 2 - buf.len());
-            return Ok(None);
-        }
-        if &buf[end..end + 2] != b"\r\n" {
+        let Some(arg_and_crlf) = buf.get(start..end + 2) else {
+            return Ok(Parsed::Incomplete(end + 2));
+        };
+        let (arg, crlf) = arg_and_crlf.split_at(len as usize);
+        if crlf != b"\r\n" {
             return Err(protocol("bulk string not terminated by CRLF"));
         }
+        args.push(arg);
         at = end + 2;
     }
-    // Second pass over the same, now known-good headers: slices of one frozen buffer, so
-    // arguments are not copied and no list of spans is allocated on the way.
-    let frozen = buf.split_to(at).freeze();
-    let mut args = Vec::with_capacity(count);
-    let mut at = first;
-    for _ in 0..count {
-        let Some((len, start)) = header_int(&frozen, at + 1, "bulk")? else {
-            return Err(protocol("bulk header changed under us"));
-        };
-        let end = start + len as usize;
-        args.push(frozen.slice(start..end));
-        at = end + 2;
-    }
-    Ok(Some(args))
+    Ok(Parsed::Command(at))
 }
 
-fn parse_inline(buf: &mut BytesMut) -> Result<Option<Vec<Bytes>>, RespError> {
+fn parse_inline<'a>(buf: &'a [u8], args: &mut Vec<&'a [u8]>) -> Result<Parsed, RespError> {
     let Some(end) = find_crlf(buf, 0).or_else(|| buf.iter().position(|&b| b == b'\n')) else {
         if buf.len() > INLINE_BYTES_MAX {
             return Err(protocol("too big inline request"));
         }
-        return Ok(None);
+        return Ok(Parsed::Incomplete(buf.len() + 1));
     };
+    if end > INLINE_BYTES_MAX {
+        return Err(protocol("too big inline request"));
+    }
     let line_end = if buf.get(end) == Some(&b'\r') {
         end + 2
     } else {
         end + 1
     };
-    let line = buf.split_to(line_end.min(buf.len())).freeze();
-    let text = &line[..end];
-    if text.len() > INLINE_BYTES_MAX {
-        return Err(protocol("too big inline request"));
-    }
-    let mut args = Vec::new();
-    let mut i = 0;
-    while i < text.len() {
-        while i < text.len() && text[i].is_ascii_whitespace() {
-            i += 1;
-        }
-        let start = i;
-        while i < text.len() && !text[i].is_ascii_whitespace() {
-            i += 1;
-        }
-        if start < i {
-            args.push(line.slice(start..i));
-        }
-    }
-    Ok(Some(args))
+    args.extend(
+        buf[..end]
+            .split(u8::is_ascii_whitespace)
+            .filter(|w| !w.is_empty()),
+    );
+    Ok(Parsed::Command(line_end.min(buf.len())))
 }
 
 /// Writes `n` in decimal without allocating (this runs for every reply).
@@ -236,6 +239,27 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Parses the front of `buf` and takes the command off it, as the connection does.
+    fn take(buf: &mut BytesMut) -> Result<Option<Vec<Vec<u8>>>, RespError> {
+        let mut args = Vec::new();
+        match parse_command(buf, &mut args)? {
+            Parsed::Incomplete(needed) => {
+                assert!(
+                    needed > buf.len(),
+                    "asked for {needed} with {} here",
+                    buf.len()
+                );
+                Ok(None)
+            }
+            Parsed::Command(len) => {
+                assert!(len > 0 && len <= buf.len());
+                let owned = args.iter().map(|a| a.to_vec()).collect();
+                let _ = buf.split_to(len);
+                Ok(Some(owned))
+            }
+        }
+    }
+
     fn encode(args: &[Vec<u8>]) -> Vec<u8> {
         let mut out = BytesMut::new();
         array_header(&mut out, args.len());
@@ -248,14 +272,35 @@ mod tests {
     #[test]
     fn inline_commands_split_on_whitespace() {
         let mut buf = BytesMut::from(&b"SET  k   v\r\nPING\n"[..]);
-        let a = parse_command(&mut buf).unwrap().unwrap();
-        assert_eq!(
-            a,
-            vec![Bytes::from("SET"), Bytes::from("k"), Bytes::from("v")]
-        );
-        let b = parse_command(&mut buf).unwrap().unwrap();
-        assert_eq!(b, vec![Bytes::from("PING")]);
+        let a = take(&mut buf).unwrap().unwrap();
+        assert_eq!(a, vec![b"SET".to_vec(), b"k".to_vec(), b"v".to_vec()]);
+        let b = take(&mut buf).unwrap().unwrap();
+        assert_eq!(b, vec![b"PING".to_vec()]);
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn headers_are_strict_decimal() {
+        for good in [&b"*1\r\n$3\r\nabc\r\n"[..], b"*01\r\n$003\r\nabc\r\n"] {
+            let mut buf = BytesMut::from(good);
+            assert_eq!(take(&mut buf).unwrap(), Some(vec![b"abc".to_vec()]));
+        }
+        for empty in [&b"*0\r\n"[..], b"*-1\r\n"] {
+            let mut buf = BytesMut::from(empty);
+            assert_eq!(take(&mut buf).unwrap(), Some(vec![]));
+            assert!(buf.is_empty());
+        }
+        for bad in [
+            &b"*+1\r\n"[..],
+            b"*\r\n",
+            b"*1 \r\n",
+            b"*-\r\n",
+            b"*1\r\n$3x\r\nabc\r\n",
+            b"*1\r\n$9999999999999999999\r\n",
+        ] {
+            let mut buf = BytesMut::from(bad);
+            assert!(take(&mut buf).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
@@ -269,10 +314,10 @@ mod tests {
             b"*1\r\n$3\r\nabcXY",
         ] {
             let mut buf = BytesMut::from(bad);
-            assert!(parse_command(&mut buf).is_err(), "{bad:?}");
+            assert!(take(&mut buf).is_err(), "{bad:?}");
         }
         let mut long = BytesMut::from(&vec![b'a'; INLINE_BYTES_MAX + 10][..]);
-        assert!(parse_command(&mut long).is_err());
+        assert!(take(&mut long).is_err());
     }
 
     #[test]
@@ -302,11 +347,10 @@ mod tests {
             let cut = cut % (bytes.len() + 1);
             let mut buf = BytesMut::from(&bytes[..cut]);
             if cut < bytes.len() {
-                prop_assert_eq!(parse_command(&mut buf).unwrap(), None);
+                prop_assert_eq!(take(&mut buf).unwrap(), None);
                 buf.extend_from_slice(&bytes[cut..]);
             }
-            let parsed = parse_command(&mut buf).unwrap().unwrap();
-            let parsed: Vec<Vec<u8>> = parsed.iter().map(|b| b.to_vec()).collect();
+            let parsed = take(&mut buf).unwrap().unwrap();
             prop_assert_eq!(parsed, args);
             prop_assert!(buf.is_empty());
         }
@@ -315,7 +359,7 @@ mod tests {
         fn arbitrary_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..512)) {
             let mut buf = BytesMut::from(&data[..]);
             // Every Ok(Some) consumes bytes, so this loop ends.
-            while let Ok(Some(_)) = parse_command(&mut buf) {}
+            while let Ok(Some(_)) = take(&mut buf) {}
         }
     }
 }

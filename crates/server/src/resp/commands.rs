@@ -92,7 +92,14 @@ fn is(arg: &[u8], word: &str) -> bool {
 }
 
 /// Runs one command and appends its reply to `out`.
-pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut BytesMut) {
+/// `now` is the time expiries are judged against.
+pub fn execute(
+    ctx: &Ctx<'_>,
+    session: &mut Session,
+    args: &[&[u8]],
+    now: Instant,
+    out: &mut BytesMut,
+) {
     let Some(name) = args.first() else {
         return;
     };
@@ -107,7 +114,6 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
         }
         None => "",
     };
-    let now = Instant::now();
     if ctx.token.is_some() && !session.authenticated && !matches!(cmd, "auth" | "quit") {
         error(out, "NOAUTH Authentication required.");
         return;
@@ -167,11 +173,11 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
     match cmd {
         "ping" => match n {
             1 => simple(out, "PONG"),
-            2 => bulk(out, &args[1]),
+            2 => bulk(out, args[1]),
             _ => arity(out, cmd),
         },
-        "echo" => bulk(out, &args[1]),
-        "select" => match parse_i64(&args[1]) {
+        "echo" => bulk(out, args[1]),
+        "select" => match parse_i64(args[1]) {
             Some(0) => simple(out, "OK"),
             Some(_) => error(out, "ERR DB index is out of range"),
             None => error(out, NOT_INTEGER),
@@ -184,16 +190,16 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
         }
         // Enough for redis-cli and redis-benchmark, which only want to know it answers.
         "command" => {
-            if n >= 2 && is(&args[1], "count") {
+            if n >= 2 && is(args[1], "count") {
                 integer(out, 0);
             } else {
                 array_header(out, 0);
             }
         }
         "config" => {
-            if is(&args[1], "get") && n == 3 {
-                config_get(ctx, &args[2], out);
-            } else if is(&args[1], "get") {
+            if is(args[1], "get") && n == 3 {
+                config_get(ctx, args[2], out);
+            } else if is(args[1], "get") {
                 arity(out, "config|get");
             } else {
                 error(out, "ERR CONFIG subcommand not supported by Camelot");
@@ -206,7 +212,7 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
         "auth" => auth(ctx, session, args, out),
         // Copied out under the read lock: cloning the value's handle would bounce its
         // reference count between cores on every GET of a hot key.
-        "get" => objects.read(&args[1], now, |e| match e.map(|e| &e.value) {
+        "get" => objects.read(args[1], now, |e| match e.map(|e| &e.value) {
             None => null_bulk(out),
             Some(Value::Str(v)) => bulk(out, v),
             Some(_) => error(out, WRONG_TYPE),
@@ -242,35 +248,35 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
                 return;
             }
             for pair in args[1..].chunks_exact(2) {
-                if let Err(e) = objects.put(&pair[0], &pair[1], now) {
+                if let Err(e) = objects.put(pair[0], pair[1], now) {
                     store_error(out, &e);
                     return;
                 }
             }
             simple(out, "OK");
         }
-        "incr" => incr_by(objects, &args[1], Some(1), out, now),
-        "decr" => incr_by(objects, &args[1], Some(-1), out, now),
-        "incrby" => incr_by(objects, &args[1], parse_i64(&args[2]), out, now),
+        "incr" => incr_by(objects, args[1], Some(1), out, now),
+        "decr" => incr_by(objects, args[1], Some(-1), out, now),
+        "incrby" => incr_by(objects, args[1], parse_i64(args[2]), out, now),
         "decrby" => incr_by(
             objects,
-            &args[1],
-            parse_i64(&args[2]).and_then(i64::checked_neg),
+            args[1],
+            parse_i64(args[2]).and_then(i64::checked_neg),
             out,
             now,
         ),
-        "append" => append(objects, &args[1], &args[2], out, now),
-        "strlen" => match objects.get(&args[1], now) {
+        "append" => append(objects, args[1], args[2], out, now),
+        "strlen" => match objects.get(args[1], now) {
             Ok((_, v)) => integer(out, v.len() as i64),
             Err(e) if e.code == ErrorCode::NoSuchKey => integer(out, 0),
             Err(e) => store_error(out, &e),
         },
         "type" => {
-            let t = objects.read(&args[1], now, |e| e.map_or("none", |e| e.value.type_name()));
+            let t = objects.read(args[1], now, |e| e.map_or("none", |e| e.value.type_name()));
             simple(out, t);
         }
         "ttl" | "pttl" => {
-            let ms = objects.read(&args[1], now, |e| match e {
+            let ms = objects.read(args[1], now, |e| match e {
                 None => -2,
                 Some(Entry {
                     expires_at: None, ..
@@ -288,7 +294,7 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
             integer(out, v);
         }
         "keys" => {
-            if &args[1][..] != b"*" {
+            if args[1] != b"*" {
                 error(out, "ERR KEYS supports only the pattern '*' in Camelot");
                 return;
             }
@@ -299,14 +305,14 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
             }
         }
         "hset" | "hmset" => hset(objects, cmd, args, out, now),
-        "hget" => with_hash(objects, &args[1], now, out, |h, out| match h {
-            Some(h) => match h.get(&args[2]) {
+        "hget" => with_hash(objects, args[1], now, out, |h, out| match h {
+            Some(h) => match h.get(args[2]) {
                 Some(v) => bulk(out, v),
                 None => null_bulk(out),
             },
             None => null_bulk(out),
         }),
-        "hmget" => with_hash(objects, &args[1], now, out, |h, out| {
+        "hmget" => with_hash(objects, args[1], now, out, |h, out| {
             array_header(out, n - 2);
             for f in &args[2..] {
                 match h.and_then(|h| h.get(f)) {
@@ -315,7 +321,7 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
                 }
             }
         }),
-        "hgetall" => with_hash(objects, &args[1], now, out, |h, out| match h {
+        "hgetall" => with_hash(objects, args[1], now, out, |h, out| match h {
             Some(h) => {
                 array_header(out, 2 * h.len());
                 for (f, v) in h.iter() {
@@ -325,7 +331,7 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
             }
             None => array_header(out, 0),
         }),
-        "hlen" => with_hash(objects, &args[1], now, out, |h, out| {
+        "hlen" => with_hash(objects, args[1], now, out, |h, out| {
             integer(out, h.map_or(0, |h| h.len() as i64))
         }),
         "hdel" => remove_items(objects, args, out, now, |v, f| match v {
@@ -337,13 +343,13 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
             Value::ZSet(z) => Some(z.remove(m)),
             _ => None,
         }),
-        "zscore" => with_zset(objects, &args[1], now, out, |z, out| {
-            match z.and_then(|z| z.score(&args[2])) {
+        "zscore" => with_zset(objects, args[1], now, out, |z, out| {
+            match z.and_then(|z| z.score(args[2])) {
                 Some(s) => bulk(out, format_double(s).as_bytes()),
                 None => null_bulk(out),
             }
         }),
-        "zcard" => with_zset(objects, &args[1], now, out, |z, out| {
+        "zcard" => with_zset(objects, args[1], now, out, |z, out| {
             integer(out, z.map_or(0, |z| z.len() as i64))
         }),
         "zrangebyscore" => zrangebyscore(objects, args, out, now),
@@ -354,7 +360,7 @@ pub fn execute(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut B
     }
 }
 
-fn auth(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut BytesMut) {
+fn auth(ctx: &Ctx<'_>, session: &mut Session, args: &[&[u8]], out: &mut BytesMut) {
     let Some(token) = ctx.token else {
         error(
             out,
@@ -366,7 +372,7 @@ fn auth(ctx: &Ctx<'_>, session: &mut Session, args: &[Bytes], out: &mut BytesMut
     // AUTH password, or AUTH default password.
     let password = match args.len() {
         2 => &args[1],
-        3 if &args[1][..] == b"default" => &args[2],
+        3 if args[1] == b"default" => &args[2],
         3 => {
             error(
                 out,
@@ -419,22 +425,22 @@ fn info(ctx: &Ctx<'_>, out: &mut BytesMut) {
 /// version; `CAMELOT.CAS key expected value` → new version, or nil on a conflict (expected
 /// 0: only if absent); `CAMELOT.DEL key` → the removed version or nil; `CAMELOT.SCAN start
 /// count` → `[key, version, value, …]` in key order.
-fn versioned(objects: &ObjectStore, cmd: &str, args: &[Bytes], out: &mut BytesMut, now: Instant) {
+fn versioned(objects: &ObjectStore, cmd: &str, args: &[&[u8]], out: &mut BytesMut, now: Instant) {
     let result = match cmd {
-        "camelot.get" => objects.get(&args[1], now).map(|(version, value)| {
+        "camelot.get" => objects.get(args[1], now).map(|(version, value)| {
             array_header(out, 2);
             integer(out, version as i64);
             bulk(out, &value);
         }),
         "camelot.put" => objects
-            .put(&args[1], &args[2], now)
+            .put(args[1], args[2], now)
             .map(|v| integer(out, v as i64)),
         "camelot.cas" => {
-            let Some(expected) = parse_i64(&args[2]).filter(|v| *v >= 0) else {
+            let Some(expected) = parse_i64(args[2]).filter(|v| *v >= 0) else {
                 error(out, NOT_INTEGER);
                 return;
             };
-            match objects.cas_put(&args[1], expected as u64, &args[3], now) {
+            match objects.cas_put(args[1], expected as u64, args[3], now) {
                 Err(e) if e.code == ErrorCode::VersionConflict => {
                     null_bulk(out);
                     Ok(())
@@ -442,18 +448,16 @@ fn versioned(objects: &ObjectStore, cmd: &str, args: &[Bytes], out: &mut BytesMu
                 r => r.map(|v| integer(out, v as i64)),
             }
         }
-        "camelot.del" => objects
-            .delete(&args[1], now)
-            .map(|v| integer(out, v as i64)),
+        "camelot.del" => objects.delete(args[1], now).map(|v| integer(out, v as i64)),
         _ => {
             let Some(count) =
-                parse_i64(&args[2]).filter(|c| (0..=SCAN_ITEMS_MAX as i64).contains(c))
+                parse_i64(args[2]).filter(|c| (0..=SCAN_ITEMS_MAX as i64).contains(c))
             else {
                 error(out, &format!("ERR count must be 0 to {SCAN_ITEMS_MAX}"));
                 return;
             };
             objects
-                .scan(&args[1], count as usize, SCAN_REPLY_BYTES_MAX, now)
+                .scan(args[1], count as usize, SCAN_REPLY_BYTES_MAX, now)
                 .map(|items| {
                     array_header(out, 3 * items.len());
                     for it in items {
@@ -498,13 +502,13 @@ fn config_get(ctx: &Ctx<'_>, pattern: &[u8], out: &mut BytesMut) {
 /// anything is removed, since every item is asked of the same value).
 fn remove_items(
     objects: &ObjectStore,
-    args: &[Bytes],
+    args: &[&[u8]],
     out: &mut BytesMut,
     now: Instant,
     remove: impl Fn(&mut Value, &[u8]) -> Option<bool>,
 ) {
     let r = objects.modify(
-        &args[1],
+        args[1],
         |_| 0,
         now,
         |e, clock| match e {
@@ -546,7 +550,7 @@ fn delete_any(objects: &ObjectStore, key: &[u8], now: Instant) -> bool {
         .unwrap_or(false)
 }
 
-fn set(objects: &ObjectStore, args: &[Bytes], now: Instant, out: &mut BytesMut) {
+fn set(objects: &ObjectStore, args: &[&[u8]], now: Instant, out: &mut BytesMut) {
     let (key, value) = (&args[1], &args[2]);
     let mut expires_at = None;
     let mut only_if_absent = false;
@@ -559,7 +563,7 @@ fn set(objects: &ObjectStore, args: &[Bytes], now: Instant, out: &mut BytesMut) 
         } else if is(a, "xx") {
             only_if_present = true;
         } else if (is(a, "ex") || is(a, "px")) && i + 1 < args.len() && expires_at.is_none() {
-            let Some(t) = parse_i64(&args[i + 1]) else {
+            let Some(t) = parse_i64(args[i + 1]) else {
                 error(out, NOT_INTEGER);
                 return;
             };
@@ -743,7 +747,7 @@ fn with_zset(
     })
 }
 
-fn hset(objects: &ObjectStore, cmd: &str, args: &[Bytes], out: &mut BytesMut, now: Instant) {
+fn hset(objects: &ObjectStore, cmd: &str, args: &[&[u8]], out: &mut BytesMut, now: Instant) {
     let pairs = &args[2..];
     if !pairs.len().is_multiple_of(2) {
         arity(out, cmd);
@@ -759,10 +763,10 @@ fn hset(objects: &ObjectStore, cmd: &str, args: &[Bytes], out: &mut BytesMut, no
     let owned = || {
         pairs
             .chunks_exact(2)
-            .map(|p| (Bytes::copy_from_slice(&p[0]), Bytes::copy_from_slice(&p[1])))
+            .map(|p| (Bytes::copy_from_slice(p[0]), Bytes::copy_from_slice(p[1])))
     };
     let r = objects.modify(
-        &args[1],
+        args[1],
         |_| growth,
         now,
         |e, clock| match e {
@@ -800,15 +804,15 @@ fn hset(objects: &ObjectStore, cmd: &str, args: &[Bytes], out: &mut BytesMut, no
     }
 }
 
-fn zadd(objects: &ObjectStore, args: &[Bytes], out: &mut BytesMut, now: Instant) {
+fn zadd(objects: &ObjectStore, args: &[&[u8]], out: &mut BytesMut, now: Instant) {
     let mut i = 2;
     let (mut nx, mut xx, mut ch) = (false, false, false);
     while i < args.len() {
-        if is(&args[i], "nx") {
+        if is(args[i], "nx") {
             nx = true;
-        } else if is(&args[i], "xx") {
+        } else if is(args[i], "xx") {
             xx = true;
-        } else if is(&args[i], "ch") {
+        } else if is(args[i], "ch") {
             ch = true;
         } else {
             break;
@@ -829,11 +833,11 @@ fn zadd(objects: &ObjectStore, args: &[Bytes], out: &mut BytesMut, now: Instant)
     }
     let mut members = Vec::with_capacity(rest.len() / 2);
     for p in rest.chunks_exact(2) {
-        let Some(score) = parse_f64(&p[0]) else {
+        let Some(score) = parse_f64(p[0]) else {
             error(out, NOT_FLOAT);
             return;
         };
-        members.push((score, Bytes::copy_from_slice(&p[1])));
+        members.push((score, Bytes::copy_from_slice(p[1])));
     }
     let growth: u64 = ENTRY_OVERHEAD_BYTES
         + args[1].len() as u64
@@ -856,7 +860,7 @@ fn zadd(objects: &ObjectStore, args: &[Bytes], out: &mut BytesMut, now: Instant)
         Ok(counted)
     };
     let r = objects.modify(
-        &args[1],
+        args[1],
         |_| growth,
         now,
         |e, clock| match e {
@@ -887,8 +891,8 @@ fn zadd(objects: &ObjectStore, args: &[Bytes], out: &mut BytesMut, now: Instant)
     }
 }
 
-fn zrangebyscore(objects: &ObjectStore, args: &[Bytes], out: &mut BytesMut, now: Instant) {
-    let (Some(min), Some(max)) = (parse_bound(&args[2]), parse_bound(&args[3])) else {
+fn zrangebyscore(objects: &ObjectStore, args: &[&[u8]], out: &mut BytesMut, now: Instant) {
+    let (Some(min), Some(max)) = (parse_bound(args[2]), parse_bound(args[3])) else {
         error(out, "ERR min or max is not a float");
         return;
     };
@@ -897,11 +901,11 @@ fn zrangebyscore(objects: &ObjectStore, args: &[Bytes], out: &mut BytesMut, now:
     let mut count = usize::MAX;
     let mut i = 4;
     while i < args.len() {
-        if is(&args[i], "withscores") {
+        if is(args[i], "withscores") {
             with_scores = true;
             i += 1;
-        } else if is(&args[i], "limit") && i + 2 < args.len() {
-            let (Some(o), Some(c)) = (parse_i64(&args[i + 1]), parse_i64(&args[i + 2])) else {
+        } else if is(args[i], "limit") && i + 2 < args.len() {
+            let (Some(o), Some(c)) = (parse_i64(args[i + 1]), parse_i64(args[i + 2])) else {
                 error(out, NOT_INTEGER);
                 return;
             };
@@ -919,7 +923,7 @@ fn zrangebyscore(objects: &ObjectStore, args: &[Bytes], out: &mut BytesMut, now:
             return;
         }
     }
-    with_zset(objects, &args[1], now, out, |z, out| {
+    with_zset(objects, args[1], now, out, |z, out| {
         let found = z.map_or_else(Vec::new, |z| z.range_by_score(min, max, offset, count));
         array_header(out, found.len() * if with_scores { 2 } else { 1 });
         for (m, s) in found {
@@ -952,16 +956,13 @@ mod tests {
         }
 
         fn run(&mut self, line: &str) -> String {
-            let args: Vec<Bytes> = line
-                .split_whitespace()
-                .map(|w| Bytes::copy_from_slice(w.as_bytes()))
-                .collect();
+            let args: Vec<&[u8]> = line.split_whitespace().map(str::as_bytes).collect();
             let ctx = Ctx {
                 state: &self.state,
                 token: self.token.as_deref(),
             };
             let mut out = BytesMut::new();
-            execute(&ctx, &mut self.session, &args, &mut out);
+            execute(&ctx, &mut self.session, &args, Instant::now(), &mut out);
             String::from_utf8_lossy(&out).into_owned()
         }
     }

@@ -1,14 +1,15 @@
 //! One Redis-protocol connection: read what arrived, run every complete command in it,
 //! write all the replies in one go (so pipelined clients get pipelined answers).
 
-use super::codec::{self, parse_command};
+use super::codec::{self, parse_command, Parsed};
 use super::commands::{execute, Ctx, Session};
 use crate::conn::{peer_went_away, wait_shutdown, OpenConnection};
 use crate::state::ServerState;
-use bytes::BytesMut;
+use bytes::{Buf, BytesMut};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Instant;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -102,22 +103,36 @@ async fn run_buffered(
     stream: &mut TcpStream,
 ) -> io::Result<Option<End>> {
     let mut commands = 0u64;
+    // Bytes of `inbuf` already run; taken off once at the end, so every command's
+    // arguments can be plain slices of it.
+    let mut done = 0;
+    let mut needed = 0;
+    let mut args: Vec<&[u8]> = Vec::new();
+    // One clock read for the commands of one read, as Redis reads its clock once per
+    // command rather than per key: they arrived together and run within microseconds.
+    // Re-read after every wait for the socket.
+    let mut now = Instant::now();
     let result = loop {
-        match parse_command(inbuf) {
-            Ok(Some(args)) => {
+        match parse_command(&inbuf[done..], &mut args) {
+            Ok(Parsed::Command(len)) => {
+                done += len;
                 if args.is_empty() {
                     continue;
                 }
                 commands += 1;
-                execute(ctx, session, &args, out);
+                execute(ctx, session, &args, now, out);
                 if session.quit {
                     break Some(End::Quit);
                 }
                 if out.len() >= OUT_FLUSH_BYTES {
                     write_out(stream, out, ctx.state).await?;
+                    now = Instant::now();
                 }
             }
-            Ok(None) => break None,
+            Ok(Parsed::Incomplete(len)) => {
+                needed = len;
+                break None;
+            }
             Err(e) => {
                 // As Redis does: say why, then close, since the stream is out of step.
                 codec::error(out, &format!("ERR {e}"));
@@ -125,6 +140,13 @@ async fn run_buffered(
             }
         }
     };
+    drop(args);
+    inbuf.advance(done);
+    // Make room for the rest of a command that is still arriving, so a big value comes
+    // in without regrowths (the parser has checked it against the limits).
+    if result.is_none() && needed > inbuf.len() {
+        inbuf.reserve(needed - inbuf.len());
+    }
     ctx.state.stats().add_resp_commands(commands);
     if !out.is_empty() {
         write_out(stream, out, ctx.state).await?;
