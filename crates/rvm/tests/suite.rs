@@ -309,6 +309,50 @@ fn bad_arguments_are_clear_errors(f: &Fixture) {
     }
 }
 
+/// A commit of whole pages big enough that the pool backend's recovery reads it straight
+/// into segment memory (`PLACE_WRITE_BYTES_MIN`), between small writes into the same
+/// bytes before and after it: recovery keeps log order, and a truncation after recovery
+/// writes the committed bytes to the home, not what an open transaction put in memory.
+fn placed_writes_keep_log_order(f: &Fixture) {
+    const MIB: u64 = 1 << 20;
+    let big = pattern(2, 2 * MIB as usize);
+    let rvm = Rvm::open(f.config("placed", false)).expect("open");
+    let s = rvm.alloc("s", 4 * MIB).expect("alloc");
+    let write = |off: u64, data: &[u8]| {
+        let mut t = rvm.begin();
+        t.set_range(&s, off, data.len() as u64).expect("declare");
+        t.write(&s, off, data).expect("write");
+        t.commit().expect("commit");
+    };
+    write(MIB + 300 * 4096 + 10, b"older");
+    write(5, b"outside");
+    write(MIB, &big);
+    write(MIB + 100, b"newest");
+    drop(s);
+    drop(rvm);
+    let mut want = big.clone();
+    want[100..106].copy_from_slice(b"newest");
+    let check = |rvm: &Rvm| {
+        let s = rvm.segment("s").expect("recovered");
+        assert_eq!(s.read(MIB, want.len()).expect("read"), want);
+        assert_eq!(s.read(5, 7).expect("read"), b"outside");
+        assert_eq!(s.read(3 * MIB, 4096).expect("read"), vec![0; 4096]);
+    };
+    let rvm = Rvm::open(f.config("placed", true)).expect("recover");
+    check(&rvm);
+    let s = rvm.segment("s").expect("recovered");
+    let mut open_txn = rvm.begin();
+    open_txn.set_range(&s, MIB + 8192, 8).expect("declare");
+    open_txn.write_u64(&s, MIB + 8192, 0xbad).expect("write");
+    rvm.truncate().expect("truncate");
+    open_txn.abort();
+    drop(s);
+    drop(rvm);
+    // From the homes alone now.
+    let rvm = Rvm::open(f.config("placed", true)).expect("recover after truncation");
+    check(&rvm);
+}
+
 /// A catalog longer than the pool backend's first catalog read (CATALOG_FIRST_READ_BYTES)
 /// is read whole: every segment comes back from the homes after a truncation.
 fn long_catalog_recovers(f: &Fixture) {
@@ -360,6 +404,9 @@ macro_rules! suite {
                 super::concurrent_disjoint_and_overlap_conflicts(&fixture())
             }
             #[test] fn log_is_truncated() { super::log_is_truncated(&fixture()) }
+            #[test] fn placed_writes_keep_log_order() {
+                super::placed_writes_keep_log_order(&fixture())
+            }
             #[test] fn lazy_commits_flush() { super::lazy_commits_flush(&fixture()) }
             #[test] fn bad_arguments_are_clear_errors() { super::bad_arguments_are_clear_errors(&fixture()) }
         }

@@ -6,7 +6,9 @@
 use super::{Backend, HomeWrite};
 use crate::error::{Result, RvmError};
 use crate::limits::{CATALOG_BYTES_MAX, CATALOG_FIRST_READ_BYTES, IO_CHUNK_BYTES, MIRRORS_MAX};
-use crate::record::{catalog_encoded_len, newest_catalog, scan_stream, Record};
+use crate::record::{
+    catalog_encoded_len, newest_catalog, scan_stream, scan_stream_placing, Placer, Record,
+};
 use bytes::Bytes;
 use camelot_client::proto::{ErrorCode, Op};
 use camelot_client::{reply, Client, ClientConfig, ClusterMap, Pending, Region};
@@ -102,6 +104,11 @@ impl PoolBackend {
     /// Picks the replica whose log reaches furthest; the others need a resync when their
     /// position differs or they are down.
     fn choose_source(&mut self) -> Result<()> {
+        if self.replicas.len() == 1 {
+            // Nothing to choose between: the scan is left to `scan_log[_placing]`, which
+            // can then read big payloads straight into segment memory.
+            return Ok(());
+        }
         let mut positions = Vec::new();
         let mut scans = Vec::new();
         for (i, r) in self.replicas.iter().enumerate() {
@@ -375,6 +382,47 @@ impl Backend for PoolBackend {
         };
         *self.tail_bytes.lock() = end;
         Ok(records)
+    }
+
+    fn scan_log_placing(
+        &self,
+        first_seq: u64,
+        placer: &mut dyn Placer,
+    ) -> Result<Option<Vec<Record>>> {
+        if self.replicas.len() != 1 {
+            // Mirrors were scanned whole to choose the source (`choose_source`).
+            return Ok(None);
+        }
+        let r = self.source()?;
+        let capacity = self.log_capacity_bytes.min(r.log.size);
+        let (records, end, clean) = scan_stream_placing(
+            capacity,
+            first_seq,
+            IO_CHUNK_BYTES,
+            |off, len, buf| {
+                r.read_region_with(&r.log, off, len, |data| buf.extend_from_slice(data))
+            },
+            |off, out| r.read_region(&r.log, off, out),
+            placer,
+        )?;
+        if !clean {
+            return Ok(None);
+        }
+        *self.tail_bytes.lock() = end;
+        Ok(Some(records))
+    }
+
+    fn read_log(&self, offset: u64, len: u64) -> Result<Bytes> {
+        let r = self.source()?;
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|_| offset.checked_add(len).is_some_and(|e| e <= r.log.size))
+            .ok_or_else(|| {
+                RvmError::Corrupt(format!("log range {offset}+{len} is outside the log"))
+            })?;
+        let mut buf = Vec::with_capacity(len);
+        r.read_region_with(&r.log, offset, len, |d| buf.extend_from_slice(d))?;
+        Ok(Bytes::from(buf))
     }
 
     fn reset_log(&self, _next_seq: u64) -> Result<()> {
