@@ -550,7 +550,7 @@ pub trait Placer {
 }
 
 /// [`scan_stream`], except that in records of at least `PLACE_WRITE_BYTES_MIN` bytes each
-/// Write payload that `placer` accepts is read with `read_into(offset, out)` straight into
+/// Write payload that `placer` accepts is read with `read_into(offset, out, filled)` straight into
 /// the memory it hands out, and comes back as [`LogOp::Placed`]. The body checksum covers
 /// placed bytes too; the third value is false when a record with placed bytes turned out
 /// torn or corrupt — placed memory then holds garbage and the caller must scan again
@@ -560,7 +560,7 @@ pub fn scan_stream_placing<E>(
     first_seq: u64,
     chunk_bytes: usize,
     read_at: impl FnMut(u64, usize, &mut bytes::BytesMut) -> Result<(), E>,
-    mut read_into: impl FnMut(u64, &mut [u8]) -> Result<(), E>,
+    mut read_into: impl FnMut(u64, &mut [u8], &mut dyn FnMut(&[u8])) -> Result<(), E>,
     placer: &mut dyn Placer,
 ) -> Result<(Vec<Record>, u64, bool), E> {
     scan_inner(
@@ -573,7 +573,10 @@ pub fn scan_stream_placing<E>(
 }
 
 /// Reads log bytes at an offset into a slice (a placed payload's destination).
-type ReadInto<'a, E> = dyn FnMut(u64, &mut [u8]) -> Result<(), E> + 'a;
+/// `filled` sees each piece of the slice, in order, as soon as it holds its bytes: the
+/// checksum is computed while the piece is still in cache, not in a second pass over
+/// megabytes.
+type ReadInto<'a, E> = dyn FnMut(u64, &mut [u8], &mut dyn FnMut(&[u8])) -> Result<(), E> + 'a;
 type Placing<'a, E> = (&'a mut dyn Placer, &'a mut ReadInto<'a, E>);
 
 fn scan_inner<E>(
@@ -744,9 +747,17 @@ where
                         scan.consume_to(pos);
                         let buffered = scan.buf.len().min(len as usize);
                         dst[..buffered].copy_from_slice(&scan.buf[..buffered]);
+                        crc.update(&dst[..buffered]);
                         scan.consume_to(pos + buffered as u64);
-                        read_into(pos + buffered as u64, &mut dst[buffered..])?;
-                        crc.update(dst);
+                        let mut seen = 0usize;
+                        read_into(pos + buffered as u64, &mut dst[buffered..], &mut |piece| {
+                            seen += piece.len();
+                            crc.update(piece)
+                        })?;
+                        if seen != len as usize - buffered {
+                            // A reader that skipped `filled` cannot have its bytes trusted.
+                            return Ok(Streamed::Invalid { placed });
+                        }
                         ops.push(LogOp::Placed {
                             seg,
                             offset: off,
@@ -1096,8 +1107,14 @@ mod tests {
                 buf.extend_from_slice(&log[off as usize..end]);
                 Ok(())
             },
-            |off, out| {
-                out.copy_from_slice(&log[off as usize..off as usize + out.len()]);
+            |off, out, filled| {
+                // In two pieces, as a network reader hands them over.
+                let half = out.len() / 2;
+                for (at, piece) in [(0, half), (half, out.len())] {
+                    let o = off as usize;
+                    out[at..piece].copy_from_slice(&log[o + at..o + piece]);
+                    filled(&out[at..piece]);
+                }
                 Ok(())
             },
             &mut placer,

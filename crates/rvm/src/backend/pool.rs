@@ -402,7 +402,15 @@ impl Backend for PoolBackend {
             |off, len, buf| {
                 r.read_region_with(&r.log, off, len, |data| buf.extend_from_slice(data))
             },
-            |off, out| r.read_region(&r.log, off, out),
+            |off, out, filled| {
+                let mut at = 0;
+                r.read_region_with(&r.log, off, out.len(), |data| {
+                    let piece = &mut out[at..at + data.len()];
+                    piece.copy_from_slice(data);
+                    filled(piece);
+                    at += data.len();
+                })
+            },
             placer,
         )?;
         if !clean {
