@@ -5,7 +5,9 @@
 
 use super::{Backend, HomeWrite};
 use crate::error::{Result, RvmError};
-use crate::limits::{CATALOG_BYTES_MAX, CATALOG_FIRST_READ_BYTES, IO_CHUNK_BYTES, MIRRORS_MAX};
+use crate::limits::{
+    CATALOG_BYTES_MAX, CATALOG_FIRST_READ_BYTES, IO_CHUNK_BYTES, MIRRORS_MAX, READ_WINDOW_BYTES,
+};
 use crate::record::{
     catalog_encoded_len, newest_catalog, scan_stream, scan_stream_placing, Placer, Record,
 };
@@ -300,6 +302,9 @@ impl Replica {
 
     /// Reads `len` bytes at `offset` as pipelined READs of at most `IO_CHUNK_BYTES`, and
     /// hands each chunk, in order, to `sink` (which copies it where it belongs: one copy).
+    /// At most `READ_WINDOW_BYTES` are asked for ahead of what `sink` has taken: with a
+    /// 40 MB read all in flight at once, the client buffered all 40 MB in fresh memory
+    /// before `sink` copied any of it.
     fn read_region_with(
         &self,
         region: &Region,
@@ -307,17 +312,21 @@ impl Replica {
         len: usize,
         mut sink: impl FnMut(&[u8]),
     ) -> Result<()> {
-        let mut pending = Vec::with_capacity(len.div_ceil(IO_CHUNK_BYTES));
+        let window = (READ_WINDOW_BYTES / IO_CHUNK_BYTES).max(1);
+        let mut pending = std::collections::VecDeque::with_capacity(window);
         let mut at = 0;
-        while at < len {
-            let n = (len - at).min(IO_CHUNK_BYTES);
-            let p = self
-                .client
-                .submit(0, region.read_op(offset + at as u64, n as u32))?;
-            pending.push((n, p));
-            at += n;
-        }
-        for (n, p) in pending {
+        loop {
+            while at < len && pending.len() < window {
+                let n = (len - at).min(IO_CHUNK_BYTES);
+                let p = self
+                    .client
+                    .submit(0, region.read_op(offset + at as u64, n as u32))?;
+                pending.push_back((n, p));
+                at += n;
+            }
+            let Some((n, p)) = pending.pop_front() else {
+                return Ok(());
+            };
             let data = reply::data(p.wait())?;
             if data.len() != n {
                 return Err(RvmError::Corrupt(format!(
@@ -328,7 +337,6 @@ impl Replica {
             }
             sink(&data);
         }
-        Ok(())
     }
 
     fn scan(&self, first_seq: u64, capacity: u64) -> Result<(Vec<Record>, u64)> {
