@@ -70,6 +70,19 @@ pub mod limits {
     pub const TRUNCATE_LOG_BYTES_DEFAULT: u64 = 32 << 20;
     /// Reads and writes are split into pieces of this size (below the wire's per-op cap).
     pub const IO_CHUNK_BYTES: usize = 1 << 20;
+    /// The pool backend keeps at most this many bytes of one long read in flight. With all
+    /// of a 40 MB read asked for at once, the client buffered it whole in fresh memory
+    /// before any was copied out; two 1 MiB reads ahead keep the wire busy and let the
+    /// client reuse its buffers (10,000-page recovery harness: minor faults per open
+    /// 1,290–2,610 → 390–500, median open 25–48 ms → 21–31 ms; 4 and 8 MiB windows sat in
+    /// between, 1 MiB lost the pipelining).
+    pub const READ_WINDOW_BYTES: usize = 2 << 20;
+    /// Recovery reads a logged write of at least this many bytes (page-aligned) straight
+    /// into the segment's memory instead of keeping a copy in the scanned record: for a
+    /// 10,000-page commit that copy was a second fresh 40 MB to fault in and fill. Equal to
+    /// the smallest home run recovery skips, so a placed write is never overwritten by a
+    /// home read.
+    pub const PLACE_WRITE_BYTES_MIN: u64 = IO_CHUNK_BYTES as u64;
     /// A mirrored pool backend writes to this many servers at most.
     pub const MIRRORS_MAX: usize = 2;
     pub const REDIS_BULK_BYTES_MAX: usize = 512 << 20;
@@ -282,7 +295,7 @@ impl LogState {
                         self.freed_homes.push((m.seg, m.len));
                     }
                 }
-                LogOp::Write { .. } => {}
+                LogOp::Write { .. } | LogOp::Placed { .. } => {}
             }
         }
         self.pending.push(rec);
@@ -411,6 +424,101 @@ fn home_reads(len: u64, mut writes: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     reads
 }
 
+/// The segment and byte range a Write or Placed op writes.
+fn write_range(op: &LogOp) -> Option<(u64, u64, u64)> {
+    match op {
+        LogOp::Write { seg, offset, data } => {
+            Some((*seg, *offset, offset.saturating_add(data.len() as u64)))
+        }
+        LogOp::Placed {
+            seg, offset, len, ..
+        } => Some((*seg, *offset, offset.saturating_add(*len))),
+        LogOp::Alloc(_) | LogOp::Free { .. } => None,
+    }
+}
+
+/// Mappings a recovery scan read log payloads into ([`record::Placer`]), made as the
+/// scan meets the first placed write of each segment.
+struct Placer {
+    fixed_addresses: bool,
+    /// Segments as of the records accepted so far.
+    segs: BTreeMap<u64, SegMeta>,
+    maps: BTreeMap<u64, Mapping>,
+}
+
+impl record::Placer for Placer {
+    fn place(&mut self, seg: u64, offset: u64, len: u64) -> Option<&mut [u8]> {
+        // Whole pages only: home reads skip whole covered pages, so nothing read later
+        // overwrites placed bytes (see `home_reads`).
+        if !offset.is_multiple_of(PAGE_BYTES)
+            || !len.is_multiple_of(PAGE_BYTES)
+            || len < PLACE_WRITE_BYTES_MIN
+        {
+            return None;
+        }
+        let meta = self.segs.get(&seg)?;
+        if offset.checked_add(len)? > meta.len {
+            return None;
+        }
+        if !self.maps.contains_key(&seg) {
+            // A mapping that cannot be made now fails the same way in `restore`.
+            let mut map = map_segment(self.fixed_addresses, meta).ok()?;
+            map.advise_huge_pages();
+            self.maps.insert(seg, map);
+        }
+        let map = self.maps.get_mut(&seg)?;
+        map.as_mut_slice()
+            .get_mut(offset as usize..(offset + len) as usize)
+    }
+
+    fn accepted(&mut self, record: &Record) {
+        for op in &record.ops {
+            match op {
+                LogOp::Alloc(m) => {
+                    self.segs.insert(m.seg, m.clone());
+                }
+                LogOp::Free { seg } => {
+                    self.segs.remove(seg);
+                    // Unmapped now: a later segment may be mapped at its address.
+                    self.maps.remove(seg);
+                }
+                LogOp::Write { .. } | LogOp::Placed { .. } => {}
+            }
+        }
+    }
+}
+
+fn map_segment(fixed_addresses: bool, meta: &SegMeta) -> Result<Mapping> {
+    if fixed_addresses && meta.addr != 0 {
+        Mapping::at(meta.addr, meta.len)
+    } else {
+        Mapping::anywhere(meta.len)
+    }
+}
+
+/// The parts of `[start, end)` outside every range of `covered`, in order.
+fn uncovered(start: u64, end: u64, mut covered: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    covered.sort_unstable();
+    let mut out = Vec::new();
+    let mut at = start;
+    for (a, b) in covered {
+        if b <= at || a >= end {
+            continue;
+        }
+        if a > at {
+            out.push((at, a));
+        }
+        at = at.max(b);
+        if at >= end {
+            break;
+        }
+    }
+    if at < end {
+        out.push((at, end));
+    }
+    out
+}
+
 fn replay_meta(catalog: Catalog, records: Vec<Record>, catalog_slot: usize) -> Result<Replayed> {
     let mut segs: BTreeMap<u64, SegMeta> = catalog.segs.into_iter().map(|m| (m.seg, m)).collect();
     let mut next_seg = catalog.next_seg;
@@ -434,11 +542,12 @@ fn replay_meta(catalog: Catalog, records: Vec<Record>, catalog_slot: usize) -> R
                     })?;
                     freed.push((m.seg, m.len));
                 }
-                LogOp::Write { seg, offset, data } => {
-                    let m = segs.get(seg).ok_or_else(|| {
+                LogOp::Write { .. } | LogOp::Placed { .. } => {
+                    let (seg, start, end) = write_range(op).unwrap_or_default();
+                    let m = segs.get(&seg).ok_or_else(|| {
                         RvmError::Corrupt(format!("record {} writes unknown segment {seg}", r.seq))
                     })?;
-                    if offset + data.len() as u64 > m.len {
+                    if start > end || end > m.len {
                         return Err(RvmError::Corrupt(format!(
                             "record {} writes past the end of segment {seg}",
                             r.seq
@@ -473,7 +582,26 @@ impl Rvm {
         let slots = backend.read_catalog_slots()?;
         // With no catalog yet, pretend slot 1 holds one so the first goes to slot 0.
         let (slot, catalog) = record::newest_catalog(&slots).unwrap_or((1, Catalog::default()));
-        let records = backend.scan_log(catalog.applied_seq + 1)?;
+        let first_seq = catalog.applied_seq + 1;
+        let mut placer = Placer {
+            fixed_addresses: config.fixed_addresses,
+            segs: catalog.segs.iter().map(|m| (m.seg, m.clone())).collect(),
+            maps: BTreeMap::new(),
+        };
+        let placed = if config.recover {
+            backend.scan_log_placing(first_seq, &mut placer)?
+        } else {
+            None
+        };
+        let (records, placed_maps) = match placed {
+            Some(records) => (records, placer.maps),
+            None => {
+                // Nothing placed, or placed memory that must not be trusted: unmap it
+                // before `restore` maps segments again (possibly at the same addresses).
+                drop(placer);
+                (backend.scan_log(first_seq)?, BTreeMap::new())
+            }
+        };
         let replayed = replay_meta(catalog, records, slot)?;
 
         let inner = Arc::new(Inner {
@@ -499,7 +627,7 @@ impl Rvm {
             failed: Mutex::new(None),
         });
         if config.recover {
-            inner.restore(replayed)?;
+            inner.restore(replayed, placed_maps)?;
         } else {
             inner.discard(replayed)?;
         }
@@ -627,29 +755,39 @@ impl Inner {
     }
 
     fn map(&self, meta: &SegMeta) -> Result<Mapping> {
-        if self.fixed_addresses && meta.addr != 0 {
-            Mapping::at(meta.addr, meta.len)
-        } else {
-            Mapping::anywhere(meta.len)
-        }
+        map_segment(self.fixed_addresses, meta)
     }
 
-    fn restore(&self, r: Replayed) -> Result<()> {
+    /// `placed` holds the mappings the log scan already read placed writes into.
+    fn restore(&self, r: Replayed, mut placed: BTreeMap<u64, Mapping>) -> Result<()> {
         let mut maps: BTreeMap<u64, Mapping> = BTreeMap::new();
         let mut replayed: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
-        for rec in &r.records {
+        // Per segment: the ranges placed writes filled, with the index of their record.
+        let mut placed_ranges: HashMap<u64, Vec<(usize, u64, u64)>> = HashMap::new();
+        for (i, rec) in r.records.iter().enumerate() {
             for op in &rec.ops {
-                if let LogOp::Write { seg, offset, data } = op {
-                    let ranges = replayed.entry(*seg).or_default();
-                    ranges.push((*offset, offset + data.len() as u64));
+                if let Some((seg, start, end)) = write_range(op) {
+                    replayed.entry(seg).or_default().push((start, end));
+                    if matches!(op, LogOp::Placed { .. }) {
+                        placed_ranges.entry(seg).or_default().push((i, start, end));
+                    }
                 }
             }
         }
+        placed.retain(|seg, _| r.segs.contains_key(seg));
         for m in r.segs.values() {
-            let mut map = self.map(m)?;
-            // Every page is written below (home reads plus replayed writes).
-            map.advise_huge_pages();
+            let mut map = match placed.remove(&m.seg) {
+                Some(map) => map,
+                None => {
+                    let mut map = self.map(m)?;
+                    // Every page is written below (home reads plus replayed writes).
+                    map.advise_huge_pages();
+                    map
+                }
+            };
             let writes = replayed.remove(&m.seg).unwrap_or_default();
+            // Placed ranges are whole pages in covered runs of at least
+            // PLACE_WRITE_BYTES_MIN, which these reads skip.
             for (start, end) in home_reads(m.len, writes) {
                 self.backend.read_home(
                     m.seg,
@@ -660,13 +798,29 @@ impl Inner {
             maps.insert(m.seg, map);
         }
         let mut bytes = 0;
-        for rec in &r.records {
+        for (i, rec) in r.records.iter().enumerate() {
             bytes += record::encoded_len(rec);
             for op in &rec.ops {
                 if let LogOp::Write { seg, offset, data } = op {
                     // A segment freed later in the log is gone; its writes do not matter.
-                    if let Some(map) = maps.get_mut(seg) {
-                        map.write(*offset as usize, data);
+                    let Some(map) = maps.get_mut(seg) else {
+                        continue;
+                    };
+                    // Bytes a later record's placed write already filled are newer.
+                    let later: Vec<(u64, u64)> = placed_ranges
+                        .get(seg)
+                        .map(|v| {
+                            v.iter()
+                                .filter(|(j, _, _)| *j > i)
+                                .map(|(_, a, b)| (*a, *b))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    for (start, end) in uncovered(*offset, *offset + data.len() as u64, later) {
+                        map.write(
+                            start as usize,
+                            &data[(start - offset) as usize..(end - offset) as usize],
+                        );
                     }
                 }
             }
@@ -858,18 +1012,42 @@ impl Inner {
             return Ok(());
         }
         let mut writes = Vec::new();
+        let mut placed_err = None;
         for rec in &log.pending {
             for op in &rec.ops {
-                if let LogOp::Write { seg, offset, data } = op {
-                    if log.durable.contains_key(seg) {
+                match op {
+                    LogOp::Write { seg, offset, data } if log.durable.contains_key(seg) => {
                         writes.push(HomeWrite {
                             seg: *seg,
                             offset: *offset,
                             data: data.clone(),
                         });
                     }
+                    // Recovery read these into segment memory, which transactions may
+                    // have changed since (even uncommitted): the log still holds them.
+                    LogOp::Placed {
+                        seg,
+                        offset,
+                        len,
+                        log_offset,
+                    } if log.durable.contains_key(seg) => {
+                        match self.backend.read_log(*log_offset, *len) {
+                            Ok(data) => writes.push(HomeWrite {
+                                seg: *seg,
+                                offset: *offset,
+                                data,
+                            }),
+                            Err(e) => {
+                                placed_err.get_or_insert(e);
+                            }
+                        }
+                    }
+                    _ => {}
                 }
             }
+        }
+        if let Some(e) = placed_err {
+            return Err(self.fail(e));
         }
         let r = self
             .backend

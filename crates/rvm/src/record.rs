@@ -25,9 +25,24 @@ const WRITE_OP_HEADER_BYTES: usize = 21;
 /// One change a committed transaction made.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LogOp {
-    Write { seg: u64, offset: u64, data: Bytes },
+    Write {
+        seg: u64,
+        offset: u64,
+        data: Bytes,
+    },
     Alloc(SegMeta),
-    Free { seg: u64 },
+    Free {
+        seg: u64,
+    },
+    /// A Write whose `len` payload bytes recovery read straight into the segment's memory
+    /// ([`scan_stream_placing`]); they stay in the backend's log at `log_offset` until the
+    /// log is reset, which is where truncation takes them from. Decoding never yields it.
+    Placed {
+        seg: u64,
+        offset: u64,
+        len: u64,
+        log_offset: u64,
+    },
 }
 
 /// What the catalog and an Alloc op know of a segment.
@@ -208,6 +223,15 @@ pub fn encode_record(record: &Record) -> Bytes {
             LogOp::Write { seg, offset, data } => b.write(*seg, *offset, data),
             LogOp::Alloc(meta) => b.alloc(meta),
             LogOp::Free { seg } => b.free(*seg),
+            // Its bytes are in a segment, not here: encoded as zeros of the right length.
+            LogOp::Placed {
+                seg, offset, len, ..
+            } => b.write_with(
+                *seg,
+                *offset,
+                u32::try_from(*len).unwrap_or(u32::MAX),
+                |_| {},
+            ),
         }
     }
     b.finish(record.seq)
@@ -425,6 +449,73 @@ pub fn newest_catalog(slots: &[Option<Bytes>]) -> Option<(usize, Catalog)> {
         .max_by_key(|(_, c)| c.applied_seq)
 }
 
+/// The scan's read-ahead buffer over a byte-stream log.
+struct Scan<R> {
+    read_at: R,
+    buf: bytes::BytesMut,
+    /// The log offset of `buf[0]`.
+    buf_start: u64,
+    /// Grows from SCAN_FIRST_READ_BYTES to `chunk_max`: short logs cost short reads.
+    chunk: usize,
+    chunk_max: usize,
+    capacity_bytes: u64,
+}
+
+impl<R, E> Scan<R>
+where
+    R: FnMut(u64, usize, &mut bytes::BytesMut) -> Result<(), E>,
+{
+    /// Reads until `buf` holds `need` bytes from `offset`; false when the log ends first.
+    fn fill(&mut self, offset: u64, need: u64) -> Result<bool, E> {
+        loop {
+            let have = self.buf_start + self.buf.len() as u64;
+            if have >= offset + need {
+                return Ok(true);
+            }
+            if have >= self.capacity_bytes {
+                return Ok(false);
+            }
+            let want = (offset + need - have).max(self.chunk as u64);
+            self.chunk = self.chunk.saturating_mul(2).min(self.chunk_max);
+            let want = want.min(self.capacity_bytes - have) as usize;
+            let before = self.buf.len();
+            (self.read_at)(have, want, &mut self.buf)?;
+            // A reader that returned more than asked must not make us trust bytes past it.
+            self.buf.truncate(before + want);
+            if self.buf.len() == before {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Forgets the bytes before `offset` (all of them, and the read-ahead, when `offset`
+    /// lies past what is buffered).
+    fn consume_to(&mut self, offset: u64) {
+        let consumed = offset.saturating_sub(self.buf_start);
+        if consumed == 0 {
+            return;
+        }
+        if consumed >= self.buf.len() as u64 {
+            self.buf.clear();
+        } else {
+            let _ = self.buf.split_to(consumed as usize);
+        }
+        self.buf_start = offset;
+    }
+
+    /// The `n` bytes at `offset` (split off the buffer, not copied); `None` when the log
+    /// ends first.
+    fn take(&mut self, offset: u64, n: u64) -> Result<Option<Bytes>, E> {
+        self.consume_to(offset);
+        if !self.fill(offset, n)? {
+            return Ok(None);
+        }
+        let b = self.buf.split_to(n as usize).freeze();
+        self.buf_start += n;
+        Ok(Some(b))
+    }
+}
+
 /// Scans a byte-stream log (pool region, file) from offset 0: the records numbered
 /// `first_seq`, `first_seq + 1`, … up to the first that is missing, torn, stale or garbage.
 /// `read_at(offset, len, buf)` appends up to `len` bytes read at `offset` to `buf` (fewer
@@ -436,67 +527,120 @@ pub fn scan_stream<E>(
     capacity_bytes: u64,
     first_seq: u64,
     chunk_bytes: usize,
-    mut read_at: impl FnMut(u64, usize, &mut bytes::BytesMut) -> Result<(), E>,
+    read_at: impl FnMut(u64, usize, &mut bytes::BytesMut) -> Result<(), E>,
 ) -> Result<(Vec<Record>, u64), E> {
+    let (records, end, _) = scan_inner(
+        capacity_bytes,
+        first_seq,
+        chunk_bytes,
+        read_at,
+        None::<Placing<'_, E>>,
+    )?;
+    Ok((records, end))
+}
+
+/// Where recovery wants a Write payload to go instead of into the scanned record.
+pub trait Placer {
+    /// For a Write of `len` bytes at `offset` of `seg` in a record being scanned: the
+    /// `len`-byte slice of memory its payload is to be read into, or `None` to keep it in
+    /// the record. Nothing placed may be used before the scan says it was clean.
+    fn place(&mut self, seg: u64, offset: u64, len: u64) -> Option<&mut [u8]>;
+    /// `record` checked out and is part of the log (its Allocs and Frees now count).
+    fn accepted(&mut self, record: &Record);
+}
+
+/// [`scan_stream`], except that in records of at least `PLACE_WRITE_BYTES_MIN` bytes each
+/// Write payload that `placer` accepts is read with `read_into(offset, out, filled)` straight into
+/// the memory it hands out, and comes back as [`LogOp::Placed`]. The body checksum covers
+/// placed bytes too; the third value is false when a record with placed bytes turned out
+/// torn or corrupt — placed memory then holds garbage and the caller must scan again
+/// without placing (the records returned stop before that one either way).
+pub fn scan_stream_placing<E>(
+    capacity_bytes: u64,
+    first_seq: u64,
+    chunk_bytes: usize,
+    read_at: impl FnMut(u64, usize, &mut bytes::BytesMut) -> Result<(), E>,
+    mut read_into: impl FnMut(u64, &mut [u8], &mut dyn FnMut(&[u8])) -> Result<(), E>,
+    placer: &mut dyn Placer,
+) -> Result<(Vec<Record>, u64, bool), E> {
+    scan_inner(
+        capacity_bytes,
+        first_seq,
+        chunk_bytes,
+        read_at,
+        Some((placer, &mut read_into as &mut ReadInto<'_, E>)),
+    )
+}
+
+/// Reads log bytes at an offset into a slice (a placed payload's destination).
+/// `filled` sees each piece of the slice, in order, as soon as it holds its bytes: the
+/// checksum is computed while the piece is still in cache, not in a second pass over
+/// megabytes.
+type ReadInto<'a, E> = dyn FnMut(u64, &mut [u8], &mut dyn FnMut(&[u8])) -> Result<(), E> + 'a;
+type Placing<'a, E> = (&'a mut dyn Placer, &'a mut ReadInto<'a, E>);
+
+fn scan_inner<E>(
+    capacity_bytes: u64,
+    first_seq: u64,
+    chunk_bytes: usize,
+    read_at: impl FnMut(u64, usize, &mut bytes::BytesMut) -> Result<(), E>,
+    mut placing: Option<Placing<'_, E>>,
+) -> Result<(Vec<Record>, u64, bool), E> {
     let mut records = Vec::new();
     let mut offset = 0u64;
-    let mut buf = bytes::BytesMut::new();
-    // The log offset of `buf[0]`.
-    let mut buf_start = 0u64;
-    let mut expected = first_seq;
-    // Grows from SCAN_FIRST_READ_BYTES to `chunk_bytes`: short logs cost short reads.
-    let mut chunk = chunk_bytes.min(crate::limits::SCAN_FIRST_READ_BYTES);
-    // Reads until `buf` holds `need` bytes from `offset`; false when the log ends first.
-    let mut fill = |buf: &mut bytes::BytesMut, buf_start: u64, offset: u64, need: u64| loop {
-        let have = buf_start + buf.len() as u64;
-        if have >= offset + need {
-            return Ok(true);
-        }
-        if have >= capacity_bytes {
-            return Ok(false);
-        }
-        let want = (offset + need - have).max(chunk as u64);
-        chunk = chunk.saturating_mul(2).min(chunk_bytes);
-        let want = want.min(capacity_bytes - have) as usize;
-        let before = buf.len();
-        read_at(have, want, buf)?;
-        // A reader that returned more than asked must not make us trust bytes past it.
-        buf.truncate(before + want);
-        if buf.len() == before {
-            return Ok(false);
-        }
+    let mut scan = Scan {
+        read_at,
+        buf: bytes::BytesMut::new(),
+        buf_start: 0,
+        chunk: chunk_bytes.min(crate::limits::SCAN_FIRST_READ_BYTES),
+        chunk_max: chunk_bytes,
+        capacity_bytes,
     };
+    let mut expected = first_seq;
     loop {
         // Drop what was consumed so the buffer holds about one chunk plus one record.
-        let consumed = (offset - buf_start) as usize;
-        if consumed > 0 {
-            let _ = buf.split_to(consumed.min(buf.len()));
-            buf_start = offset;
-        }
-        if !fill(&mut buf, buf_start, offset, RECORD_HEADER_BYTES as u64)? {
+        scan.consume_to(offset);
+        if !scan.fill(offset, RECORD_HEADER_BYTES as u64)? {
             break;
         }
-        let header = match decode_header(&buf[..RECORD_HEADER_BYTES]) {
+        let header = match decode_header(&scan.buf[..RECORD_HEADER_BYTES]) {
             Ok(h) if h.seq == expected => h,
             _ => break,
         };
         if offset + header.total_bytes() > capacity_bytes {
             break;
         }
+        let total = header.total_bytes() as usize;
+        if let Some((placer, read_into)) = placing.as_mut() {
+            if header.total_bytes() >= crate::limits::PLACE_WRITE_BYTES_MIN {
+                match stream_record(&mut scan, &mut **read_into, &mut **placer, offset, &header)? {
+                    Streamed::Record(record) => {
+                        placer.accepted(&record);
+                        records.push(record);
+                        offset += total as u64;
+                        expected += 1;
+                        continue;
+                    }
+                    Streamed::Invalid { placed } => return Ok((records, offset, !placed)),
+                }
+            }
+        }
         // Fits in `capacity_bytes` (checked above), so this allocates no more than the
         // input holds; reserving once avoids growing (and copying) a big record by halves.
-        let total = header.total_bytes() as usize;
-        buf.reserve(total.saturating_sub(buf.len()));
+        scan.buf.reserve(total.saturating_sub(scan.buf.len()));
         // A big record is read whole into this buffer: fault it in by huge pages.
-        crate::mem::advise_huge_pages(buf.spare_capacity_mut());
-        if !fill(&mut buf, buf_start, offset, header.total_bytes())? {
+        crate::mem::advise_huge_pages(scan.buf.spare_capacity_mut());
+        if !scan.fill(offset, header.total_bytes())? {
             break;
         }
         // Split off, not copied: the record's payloads slice these bytes.
-        let whole = buf.split_to(total).freeze();
-        buf_start += total as u64;
+        let whole = scan.buf.split_to(total).freeze();
+        scan.buf_start += total as u64;
         match decode_record(&whole) {
             Ok((record, len)) => {
+                if let Some((placer, _)) = placing.as_mut() {
+                    placer.accepted(&record);
+                }
                 records.push(record);
                 offset += len as u64;
                 expected += 1;
@@ -504,7 +648,160 @@ pub fn scan_stream<E>(
             Err(_) => break,
         }
     }
-    Ok((records, offset))
+    Ok((records, offset, true))
+}
+
+enum Streamed {
+    Record(Record),
+    /// Torn, corrupt or garbage; `placed` when some of its bytes went to placed memory.
+    Invalid {
+        placed: bool,
+    },
+}
+
+/// The body bytes `[*pos, *pos + n)` of a record ending at `end`, hashed and consumed;
+/// `None` when they would overrun the record or the log.
+fn take_body<R, E>(
+    scan: &mut Scan<R>,
+    crc: &mut crc32fast::Hasher,
+    pos: &mut u64,
+    end: u64,
+    n: u64,
+) -> Result<Option<Bytes>, E>
+where
+    R: FnMut(u64, usize, &mut bytes::BytesMut) -> Result<(), E>,
+{
+    if pos.checked_add(n).is_none_or(|e| e > end) {
+        return Ok(None);
+    }
+    let Some(b) = scan.take(*pos, n)? else {
+        return Ok(None);
+    };
+    crc.update(&b);
+    *pos += n;
+    Ok(Some(b))
+}
+
+fn le_u64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(a)
+}
+
+/// Reads and checks the record at `offset` (header already checked) op by op, so that
+/// a placed Write's payload goes from the network straight to the placer's memory. Checks
+/// the same things as [`decode_record`].
+fn stream_record<R, E>(
+    scan: &mut Scan<R>,
+    read_into: &mut ReadInto<'_, E>,
+    placer: &mut dyn Placer,
+    offset: u64,
+    header: &RecordHeader,
+) -> Result<Streamed, E>
+where
+    R: FnMut(u64, usize, &mut bytes::BytesMut) -> Result<(), E>,
+{
+    let end = offset + header.total_bytes();
+    let mut pos = offset + RECORD_HEADER_BYTES as u64;
+    let mut crc = crc32fast::Hasher::new();
+    let mut placed = false;
+    macro_rules! take {
+        ($n:expr) => {
+            match take_body(scan, &mut crc, &mut pos, end, $n)? {
+                Some(b) => b,
+                None => return Ok(Streamed::Invalid { placed }),
+            }
+        };
+    }
+    let count_bytes = take!(4);
+    let count = u32::from_le_bytes([
+        count_bytes[0],
+        count_bytes[1],
+        count_bytes[2],
+        count_bytes[3],
+    ]) as usize;
+    if count > RECORD_OPS_MAX || count as u64 > header.body_len / 9 {
+        return Ok(Streamed::Invalid { placed });
+    }
+    let mut ops = Vec::with_capacity(count);
+    for _ in 0..count {
+        let kind = take!(1)[0];
+        match kind {
+            OP_WRITE => {
+                let f = take!(20);
+                let seg = le_u64(&f[0..8]);
+                let off = le_u64(&f[8..16]);
+                let len = u32::from_le_bytes([f[16], f[17], f[18], f[19]]) as u64;
+                if off.checked_add(len).is_none() || pos + len > end {
+                    return Ok(Streamed::Invalid { placed });
+                }
+                let target = if len >= crate::limits::PLACE_WRITE_BYTES_MIN {
+                    placer.place(seg, off, len)
+                } else {
+                    None
+                };
+                match target {
+                    Some(dst) if dst.len() as u64 == len => {
+                        placed = true;
+                        // Part of the payload may already be in the read-ahead.
+                        scan.consume_to(pos);
+                        let buffered = scan.buf.len().min(len as usize);
+                        dst[..buffered].copy_from_slice(&scan.buf[..buffered]);
+                        crc.update(&dst[..buffered]);
+                        scan.consume_to(pos + buffered as u64);
+                        let mut seen = 0usize;
+                        read_into(pos + buffered as u64, &mut dst[buffered..], &mut |piece| {
+                            seen += piece.len();
+                            crc.update(piece)
+                        })?;
+                        if seen != len as usize - buffered {
+                            // A reader that skipped `filled` cannot have its bytes trusted.
+                            return Ok(Streamed::Invalid { placed });
+                        }
+                        ops.push(LogOp::Placed {
+                            seg,
+                            offset: off,
+                            len,
+                            log_offset: pos,
+                        });
+                        pos += len;
+                        scan.consume_to(pos);
+                    }
+                    _ => {
+                        let data = take!(len);
+                        ops.push(LogOp::Write {
+                            seg,
+                            offset: off,
+                            data,
+                        });
+                    }
+                }
+            }
+            OP_ALLOC => {
+                let fixed = take!(26);
+                let tag_len = u16::from_le_bytes([fixed[24], fixed[25]]) as u64;
+                let tag = take!(tag_len);
+                let mut meta = Vec::with_capacity(fixed.len() + tag.len());
+                meta.extend_from_slice(&fixed);
+                meta.extend_from_slice(&tag);
+                match decode_meta(&mut Reader::new(&meta)) {
+                    Ok(m) => ops.push(LogOp::Alloc(m)),
+                    Err(_) => return Ok(Streamed::Invalid { placed }),
+                }
+            }
+            OP_FREE => ops.push(LogOp::Free {
+                seg: le_u64(&take!(8)),
+            }),
+            _ => return Ok(Streamed::Invalid { placed }),
+        }
+    }
+    if pos != end || crc.finalize() != header.body_crc {
+        return Ok(Streamed::Invalid { placed });
+    }
+    Ok(Streamed::Record(Record {
+        seq: header.seq,
+        ops,
+    }))
 }
 
 struct Reader<'a> {
@@ -561,6 +858,7 @@ pub fn encoded_len(record: &Record) -> u64 {
         .iter()
         .map(|op| match op {
             LogOp::Write { data, .. } => WRITE_OP_HEADER_BYTES + data.len(),
+            LogOp::Placed { len, .. } => WRITE_OP_HEADER_BYTES + *len as usize,
             LogOp::Alloc(m) => 1 + 26 + m.tag.len().min(TAG_BYTES_MAX),
             LogOp::Free { .. } => 9,
         })
@@ -612,6 +910,7 @@ mod tests {
                 LogOp::Write { seg, offset, data } => b.write(*seg, *offset, data),
                 LogOp::Alloc(m) => b.alloc(m),
                 LogOp::Free { seg } => b.free(*seg),
+                LogOp::Placed { .. } => unreachable!("samples hold no placed writes"),
             }
         }
         let (bytes, rec) = b.finish_with_record(7);
@@ -732,6 +1031,156 @@ mod tests {
         assert_eq!(scan(&torn, 5, 1 << 20).0, vec![5, 6, 7]);
         // Starting at the wrong seq finds nothing.
         assert_eq!(scan(&log, 6, 64), (vec![], 0));
+    }
+
+    /// Segment memory for `scan_stream_placing`: made when an Alloc is accepted.
+    #[derive(Default)]
+    struct TestPlacer {
+        mem: std::collections::HashMap<u64, Vec<u8>>,
+    }
+
+    impl Placer for TestPlacer {
+        fn place(&mut self, seg: u64, offset: u64, len: u64) -> Option<&mut [u8]> {
+            self.mem
+                .get_mut(&seg)?
+                .get_mut(offset as usize..(offset + len) as usize)
+        }
+        fn accepted(&mut self, record: &Record) {
+            for op in &record.ops {
+                if let LogOp::Alloc(m) = op {
+                    self.mem.insert(m.seg, vec![0; m.len as usize]);
+                }
+            }
+        }
+    }
+
+    /// An Alloc of segment 1 (4 MiB), a record with a placeable 2 MiB write between
+    /// small ones, and a small record after it.
+    fn placing_log() -> (Vec<Record>, Vec<u8>) {
+        let meta = SegMeta {
+            seg: 1,
+            len: 4 << 20,
+            addr: 0,
+            tag: "s".into(),
+        };
+        let big: Vec<u8> = (0..2u32 << 20).map(|i| (i % 251) as u8).collect();
+        let recs = vec![
+            Record {
+                seq: 5,
+                ops: vec![LogOp::Alloc(meta)],
+            },
+            Record {
+                seq: 6,
+                ops: vec![
+                    LogOp::Write {
+                        seg: 1,
+                        offset: 3,
+                        data: Bytes::from_static(b"before"),
+                    },
+                    LogOp::Write {
+                        seg: 1,
+                        offset: 1 << 20,
+                        data: Bytes::from(big),
+                    },
+                    LogOp::Free { seg: 9 },
+                    LogOp::Write {
+                        seg: 1,
+                        offset: 7,
+                        data: Bytes::from_static(b"after"),
+                    },
+                ],
+            },
+            sample(7),
+        ];
+        let log = stream_of(&recs);
+        (recs, log)
+    }
+
+    fn scan_placing(log: &[u8], chunk: usize) -> (Vec<Record>, u64, bool, TestPlacer) {
+        let mut placer = TestPlacer::default();
+        let (recs, end, clean) = scan_stream_placing::<()>(
+            log.len() as u64,
+            5,
+            chunk,
+            |off, len, buf| {
+                let end = (off as usize + len).min(log.len());
+                buf.extend_from_slice(&log[off as usize..end]);
+                Ok(())
+            },
+            |off, out, filled| {
+                // In two pieces, as a network reader hands them over.
+                let half = out.len() / 2;
+                for (at, piece) in [(0, half), (half, out.len())] {
+                    let o = off as usize;
+                    out[at..piece].copy_from_slice(&log[o + at..o + piece]);
+                    filled(&out[at..piece]);
+                }
+                Ok(())
+            },
+            &mut placer,
+        )
+        .expect("in-memory reads cannot fail");
+        (recs, end, clean, placer)
+    }
+
+    #[test]
+    fn placing_scan_reads_big_writes_into_place_and_checks_them() {
+        let (recs, log) = placing_log();
+        for chunk in [64, 4096, 1 << 20] {
+            let (got, end, clean, placer) = scan_placing(&log, chunk);
+            assert!(clean);
+            assert_eq!(end, log.len() as u64);
+            assert_eq!(got.len(), 3);
+            assert_eq!((&got[0], &got[2]), (&recs[0], &recs[2]));
+            let LogOp::Write { data: big, .. } = &recs[1].ops[1] else {
+                unreachable!()
+            };
+            let mut want = recs[1].ops.clone();
+            want[1] = LogOp::Placed {
+                seg: 1,
+                offset: 1 << 20,
+                len: big.len() as u64,
+                // Record header, op count, the first write (21 + 6), the op header.
+                log_offset: stream_of(&recs[..1]).len() as u64 + 32 + 4 + 27 + 21,
+            };
+            assert_eq!(got[1].ops, want, "chunk {chunk}");
+            assert_eq!(encoded_len(&got[1]), encoded_len(&recs[1]));
+            let LogOp::Placed { log_offset, .. } = want[1] else {
+                unreachable!()
+            };
+            let at = log_offset as usize;
+            assert_eq!(
+                &log[at..at + big.len()],
+                &big[..],
+                "log_offset points at the payload"
+            );
+            assert_eq!(&placer.mem[&1][1 << 20..(1 << 20) + big.len()], &big[..]);
+        }
+    }
+
+    #[test]
+    fn placing_scan_reports_placed_bytes_of_a_corrupt_record() {
+        let (_, log) = placing_log();
+        let first = stream_of(&placing_log().0[..1]).len();
+        // A flipped bit inside the placed payload: only the checksum can tell.
+        let mut bad = log.clone();
+        bad[first + 32 + 4 + 27 + 21 + 1000] ^= 1;
+        let (got, end, clean, _) = scan_placing(&bad, 4096);
+        assert!(!clean, "placed memory holds bytes of a corrupt record");
+        assert_eq!((got.len(), end), (1, first as u64));
+        // A bad op after the placed write, same verdict.
+        let mut bad = log.clone();
+        let free_at = first + 32 + 4 + 27 + 21 + (2 << 20);
+        bad[free_at] = 0x7f;
+        assert!(!scan_placing(&bad, 4096).2);
+        // Torn before its end: never streamed, so nothing was placed.
+        let (got, _, clean, placer) = scan_placing(&log[..log.len() - 100], 4096);
+        assert!(clean);
+        assert_eq!(got.len(), 2, "the torn last record is dropped");
+        assert!(placer.mem[&1].iter().any(|b| *b != 0));
+        let (got, _, clean, placer) = scan_placing(&log[..first + 5000], 4096);
+        assert!(clean && got.len() == 1);
+        assert!(placer.mem[&1].iter().all(|b| *b == 0));
     }
 
     fn arb_op() -> impl Strategy<Value = LogOp> {

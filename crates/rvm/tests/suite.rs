@@ -309,6 +309,132 @@ fn bad_arguments_are_clear_errors(f: &Fixture) {
     }
 }
 
+/// A commit of whole pages big enough that the pool backend's recovery reads it straight
+/// into segment memory (`PLACE_WRITE_BYTES_MIN`), between small writes into the same
+/// bytes before and after it: recovery keeps log order, and a truncation after recovery
+/// writes the committed bytes to the home, not what an open transaction put in memory.
+fn placed_writes_keep_log_order(f: &Fixture) {
+    const MIB: u64 = 1 << 20;
+    let big = pattern(2, 2 * MIB as usize);
+    let rvm = Rvm::open(f.config("placed", false)).expect("open");
+    let s = rvm.alloc("s", 4 * MIB).expect("alloc");
+    let write = |off: u64, data: &[u8]| {
+        let mut t = rvm.begin();
+        t.set_range(&s, off, data.len() as u64).expect("declare");
+        t.write(&s, off, data).expect("write");
+        t.commit().expect("commit");
+    };
+    write(MIB + 300 * 4096 + 10, b"older");
+    write(5, b"outside");
+    write(MIB, &big);
+    write(MIB + 100, b"newest");
+    drop(s);
+    drop(rvm);
+    let mut want = big.clone();
+    want[100..106].copy_from_slice(b"newest");
+    let check = |rvm: &Rvm| {
+        let s = rvm.segment("s").expect("recovered");
+        assert_eq!(s.read(MIB, want.len()).expect("read"), want);
+        assert_eq!(s.read(5, 7).expect("read"), b"outside");
+        assert_eq!(s.read(3 * MIB, 4096).expect("read"), vec![0; 4096]);
+    };
+    let rvm = Rvm::open(f.config("placed", true)).expect("recover");
+    check(&rvm);
+    let s = rvm.segment("s").expect("recovered");
+    let mut open_txn = rvm.begin();
+    open_txn.set_range(&s, MIB + 8192, 8).expect("declare");
+    open_txn.write_u64(&s, MIB + 8192, 0xbad).expect("write");
+    rvm.truncate().expect("truncate");
+    open_txn.abort();
+    drop(s);
+    drop(rvm);
+    // From the homes alone now.
+    let rvm = Rvm::open(f.config("placed", true)).expect("recover after truncation");
+    check(&rvm);
+}
+
+/// A big record whose payload is corrupt in the log (as a commit torn by a crash leaves
+/// it) after recovery has read part of it straight into segment memory, over the same
+/// pages an earlier good record placed: recovery falls back to scanning without placing,
+/// and the segment shows the earlier record's bytes, not the corrupt one's.
+#[test]
+fn corrupt_placed_record_is_not_published_pool() {
+    use camelot_client::{reply, Client, ClientConfig, ClusterMap};
+    use camelot_rvm::record::decode_header;
+    const MIB: u64 = 1 << 20;
+    let f = Fixture::start("pool");
+    let rvm = Rvm::open(f.config("torn", false)).expect("open");
+    let s = rvm.alloc("s", 4 * MIB).expect("alloc");
+    let write = |off: u64, data: &[u8]| {
+        let mut t = rvm.begin();
+        t.set_range(&s, off, data.len() as u64).expect("declare");
+        t.write(&s, off, data).expect("write");
+        t.commit().expect("commit");
+    };
+    write(0, b"before");
+    let good = pattern(3, 2 * MIB as usize);
+    write(MIB, &good);
+    write(MIB, &pattern(4, 2 * MIB as usize));
+    drop(s);
+    drop(rvm);
+
+    // Flip one payload byte of the last (big) record in the server's log region.
+    let Fixture::Pool(node) = &f else {
+        unreachable!()
+    };
+    let client = Client::connect(
+        ClusterMap::from_addrs(node.addrs()),
+        ClientConfig::default(),
+    )
+    .expect("connect");
+    let log = client.lookup("rvm/torn/log").expect("log region");
+    let read = |off: u64, len: u32| {
+        reply::data(
+            client
+                .submit(0, log.read_op(off, len))
+                .expect("submit")
+                .wait(),
+        )
+        .expect("read")
+    };
+    let mut at = 0u64;
+    let mut starts = Vec::new();
+    while let Ok(h) = decode_header(&read(at, 32)) {
+        starts.push(at);
+        at += h.total_bytes();
+    }
+    let last = *starts.last().expect("records in the log");
+    assert!(at - last > 2 * MIB, "the big record is last");
+    let victim = last + 32 + 4 + 21 + 4096;
+    let mut byte = read(victim, 1).to_vec();
+    byte[0] ^= 0x40;
+    reply::done(
+        client
+            .submit(0, log.write_op(victim, bytes::Bytes::from(byte)))
+            .expect("submit")
+            .wait(),
+    )
+    .expect("write");
+
+    let rvm = Rvm::open(f.config("torn", true)).expect("recover");
+    let s = rvm.segment("s").expect("recovered");
+    assert_eq!(s.read(0, 6).expect("read"), b"before");
+    assert!(
+        s.read(MIB, good.len()).expect("read") == good,
+        "bytes of a record that fails its checksum were published"
+    );
+    // The instance goes on from the last good record.
+    let mut t = rvm.begin();
+    t.set_range(&s, 0, 5).expect("declare");
+    t.write(&s, 0, b"after").expect("write");
+    t.commit().expect("commit");
+    drop(s);
+    drop(rvm);
+    let rvm = Rvm::open(f.config("torn", true)).expect("recover again");
+    let s = rvm.segment("s").expect("recovered");
+    assert_eq!(s.read(0, 6).expect("read"), b"aftere");
+}
+
 /// A catalog longer than the pool backend's first catalog read (CATALOG_FIRST_READ_BYTES)
 /// is read whole: every segment comes back from the homes after a truncation.
 fn long_catalog_recovers(f: &Fixture) {
@@ -360,6 +486,9 @@ macro_rules! suite {
                 super::concurrent_disjoint_and_overlap_conflicts(&fixture())
             }
             #[test] fn log_is_truncated() { super::log_is_truncated(&fixture()) }
+            #[test] fn placed_writes_keep_log_order() {
+                super::placed_writes_keep_log_order(&fixture())
+            }
             #[test] fn lazy_commits_flush() { super::lazy_commits_flush(&fixture()) }
             #[test] fn bad_arguments_are_clear_errors() { super::bad_arguments_are_clear_errors(&fixture()) }
         }

@@ -6,8 +6,8 @@ pub mod pool;
 pub mod redis;
 mod resp;
 
-use crate::error::Result;
-use crate::record::Record;
+use crate::error::{Result, RvmError};
+use crate::record::{Placer, Record};
 use bytes::Bytes;
 
 /// Bytes to copy into a segment's home copy when the log is truncated.
@@ -31,6 +31,27 @@ pub trait Backend: Send + Sync {
     /// The valid records numbered `first_seq`, `first_seq + 1`, … up to the first missing or
     /// invalid one; later appends go right after the last returned.
     fn scan_log(&self, first_seq: u64) -> Result<Vec<Record>>;
+
+    /// [`Backend::scan_log`] for recovery, reading big Write payloads straight into the
+    /// memory `placer` hands out (they come back as `LogOp::Placed`, and
+    /// [`Backend::read_log`] must then be able to read them again until the log is reset).
+    /// `None` when this backend does not place, or when a record with placed bytes was
+    /// torn or corrupt: the caller discards what was placed and calls `scan_log`.
+    fn scan_log_placing(
+        &self,
+        _first_seq: u64,
+        _placer: &mut dyn Placer,
+    ) -> Result<Option<Vec<Record>>> {
+        Ok(None)
+    }
+
+    /// `len` bytes of the log at `offset`: the payload of a placed write, for truncation.
+    fn read_log(&self, _offset: u64, _len: u64) -> Result<Bytes> {
+        Err(RvmError::Corrupt(format!(
+            "{} cannot read its log back, yet a placed write needs it",
+            self.describe()
+        )))
+    }
 
     /// Discards every record (their effects are in the homes and the catalog now); the next
     /// record appended will be `next_seq`.

@@ -5,8 +5,12 @@
 
 use super::{Backend, HomeWrite};
 use crate::error::{Result, RvmError};
-use crate::limits::{CATALOG_BYTES_MAX, CATALOG_FIRST_READ_BYTES, IO_CHUNK_BYTES, MIRRORS_MAX};
-use crate::record::{catalog_encoded_len, newest_catalog, scan_stream, Record};
+use crate::limits::{
+    CATALOG_BYTES_MAX, CATALOG_FIRST_READ_BYTES, IO_CHUNK_BYTES, MIRRORS_MAX, READ_WINDOW_BYTES,
+};
+use crate::record::{
+    catalog_encoded_len, newest_catalog, scan_stream, scan_stream_placing, Placer, Record,
+};
 use bytes::Bytes;
 use camelot_client::proto::{ErrorCode, Op};
 use camelot_client::{reply, Client, ClientConfig, ClusterMap, Pending, Region};
@@ -102,6 +106,11 @@ impl PoolBackend {
     /// Picks the replica whose log reaches furthest; the others need a resync when their
     /// position differs or they are down.
     fn choose_source(&mut self) -> Result<()> {
+        if self.replicas.len() == 1 {
+            // Nothing to choose between: the scan is left to `scan_log[_placing]`, which
+            // can then read big payloads straight into segment memory.
+            return Ok(());
+        }
         let mut positions = Vec::new();
         let mut scans = Vec::new();
         for (i, r) in self.replicas.iter().enumerate() {
@@ -293,6 +302,9 @@ impl Replica {
 
     /// Reads `len` bytes at `offset` as pipelined READs of at most `IO_CHUNK_BYTES`, and
     /// hands each chunk, in order, to `sink` (which copies it where it belongs: one copy).
+    /// At most `READ_WINDOW_BYTES` are asked for ahead of what `sink` has taken: with a
+    /// 40 MB read all in flight at once, the client buffered all 40 MB in fresh memory
+    /// before `sink` copied any of it.
     fn read_region_with(
         &self,
         region: &Region,
@@ -300,17 +312,21 @@ impl Replica {
         len: usize,
         mut sink: impl FnMut(&[u8]),
     ) -> Result<()> {
-        let mut pending = Vec::with_capacity(len.div_ceil(IO_CHUNK_BYTES));
+        let window = (READ_WINDOW_BYTES / IO_CHUNK_BYTES).max(1);
+        let mut pending = std::collections::VecDeque::with_capacity(window);
         let mut at = 0;
-        while at < len {
-            let n = (len - at).min(IO_CHUNK_BYTES);
-            let p = self
-                .client
-                .submit(0, region.read_op(offset + at as u64, n as u32))?;
-            pending.push((n, p));
-            at += n;
-        }
-        for (n, p) in pending {
+        loop {
+            while at < len && pending.len() < window {
+                let n = (len - at).min(IO_CHUNK_BYTES);
+                let p = self
+                    .client
+                    .submit(0, region.read_op(offset + at as u64, n as u32))?;
+                pending.push_back((n, p));
+                at += n;
+            }
+            let Some((n, p)) = pending.pop_front() else {
+                return Ok(());
+            };
             let data = reply::data(p.wait())?;
             if data.len() != n {
                 return Err(RvmError::Corrupt(format!(
@@ -321,7 +337,6 @@ impl Replica {
             }
             sink(&data);
         }
-        Ok(())
     }
 
     fn scan(&self, first_seq: u64, capacity: u64) -> Result<(Vec<Record>, u64)> {
@@ -375,6 +390,55 @@ impl Backend for PoolBackend {
         };
         *self.tail_bytes.lock() = end;
         Ok(records)
+    }
+
+    fn scan_log_placing(
+        &self,
+        first_seq: u64,
+        placer: &mut dyn Placer,
+    ) -> Result<Option<Vec<Record>>> {
+        if self.replicas.len() != 1 {
+            // Mirrors were scanned whole to choose the source (`choose_source`).
+            return Ok(None);
+        }
+        let r = self.source()?;
+        let capacity = self.log_capacity_bytes.min(r.log.size);
+        let (records, end, clean) = scan_stream_placing(
+            capacity,
+            first_seq,
+            IO_CHUNK_BYTES,
+            |off, len, buf| {
+                r.read_region_with(&r.log, off, len, |data| buf.extend_from_slice(data))
+            },
+            |off, out, filled| {
+                let mut at = 0;
+                r.read_region_with(&r.log, off, out.len(), |data| {
+                    let piece = &mut out[at..at + data.len()];
+                    piece.copy_from_slice(data);
+                    filled(piece);
+                    at += data.len();
+                })
+            },
+            placer,
+        )?;
+        if !clean {
+            return Ok(None);
+        }
+        *self.tail_bytes.lock() = end;
+        Ok(Some(records))
+    }
+
+    fn read_log(&self, offset: u64, len: u64) -> Result<Bytes> {
+        let r = self.source()?;
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|_| offset.checked_add(len).is_some_and(|e| e <= r.log.size))
+            .ok_or_else(|| {
+                RvmError::Corrupt(format!("log range {offset}+{len} is outside the log"))
+            })?;
+        let mut buf = Vec::with_capacity(len);
+        r.read_region_with(&r.log, offset, len, |d| buf.extend_from_slice(d))?;
+        Ok(Bytes::from(buf))
     }
 
     fn reset_log(&self, _next_seq: u64) -> Result<()> {
