@@ -414,6 +414,7 @@ fn bench_api_quick_measures_every_target_beside_its_peer() {
         "redis-benchmark",
         "sockperf",
         "batched vs unbatched",
+        "event loop",
         "collapse",
     ] {
         assert!(out.contains(needle), "{needle:?} missing from:\n{out}");
@@ -424,8 +425,10 @@ fn bench_api_quick_measures_every_target_beside_its_peer() {
     let series = json["series"].as_array().expect("series");
     let camelot = &series[0]["points"];
     let peer = &series[1]["points"];
-    assert_eq!(camelot.as_array().map(Vec::len), Some(6));
-    for i in 0..6 {
+    // Three threaded checks, the same three on the event-loop face, latency, and two
+    // no-collapse checks.
+    assert_eq!(camelot.as_array().map(Vec::len), Some(9));
+    for i in 0..9 {
         finite_positive(&camelot[i]["extra"]["value"], "camelot value");
         finite_positive(&camelot[i]["extra"]["ratio"], "ratio");
         finite_positive(&peer[i]["extra"]["value"], "peer value");
@@ -484,8 +487,8 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
         .collect();
     assert_eq!(
         read.len(),
-        2,
-        "the stream and latency checks read against limits"
+        3,
+        "the two stream checks (threads, event loop) and the latency check read against limits"
     );
     for v in read {
         finite_positive(v, "api check against a limit");

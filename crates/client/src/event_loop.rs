@@ -27,7 +27,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -192,6 +192,8 @@ impl LoopClient {
 struct LoopConn {
     addr: SocketAddr,
     state: Mutex<State>,
+    /// Mirrors `State::dead` for the per-submit check, without taking the lock.
+    dead: AtomicBool,
     /// Whoever holds this writes everything queued: the writer task, or a submitter that
     /// found [`EAGER_FLUSH_OPS`] requests queued.
     write_side: tokio::sync::Mutex<WriteSide>,
@@ -270,6 +272,7 @@ impl LoopConn {
         let (rd, wr) = stream.into_split();
         let conn = Arc::new(LoopConn {
             addr,
+            dead: AtomicBool::new(false),
             write_side: tokio::sync::Mutex::new(WriteSide {
                 wr,
                 out: BytesMut::with_capacity(64 << 10),
@@ -299,15 +302,17 @@ impl LoopConn {
     }
 
     fn is_dead(&self) -> bool {
-        self.state.lock().dead.is_some()
+        self.dead.load(Ordering::Acquire)
     }
 
     async fn enqueue(&self, sub: Submission, timeout: Duration) -> Result<(), ClientError> {
-        let deadline = Instant::now() + timeout;
         let mut sub = Some(sub);
-        let eager = loop {
-            // Made before looking, so a notification between the look and the wait counts.
-            let room = self.room.notified();
+        // Set once the queue was found full; only then is a room notification armed (made
+        // before looking, so a notification between the look and the wait counts) and the
+        // clock read: the common case pays for neither.
+        let mut waiting_since: Option<Instant> = None;
+        let (queued_before, eager) = loop {
+            let room = waiting_since.map(|_| self.room.notified());
             {
                 let mut st = self.state.lock();
                 if let Some(e) = &st.dead {
@@ -317,19 +322,29 @@ impl LoopConn {
                     return Err(ClientError::ConnectionLost { addr: self.addr });
                 }
                 if st.queue.len() < self.queue_requests_max {
+                    let before = st.queue.len();
                     if let Some(s) = sub.take() {
                         st.queue.push(s);
                     }
-                    break st.queue.len() >= EAGER_FLUSH_OPS;
+                    break (before, st.queue.len() >= EAGER_FLUSH_OPS);
                 }
             }
-            if tokio::time::timeout_at(deadline, room).await.is_err() {
-                return Err(ClientError::Timeout { after: timeout });
+            if let (Some(since), Some(room)) = (waiting_since, room) {
+                if tokio::time::timeout_at(since + timeout, room)
+                    .await
+                    .is_err()
+                {
+                    return Err(ClientError::Timeout { after: timeout });
+                }
+            } else {
+                waiting_since = Some(Instant::now());
             }
         };
         if eager {
             self.flush().await;
-        } else {
+        } else if queued_before == 0 {
+            // A non-empty queue already has the writer called: it takes the whole queue
+            // at once, so one call per batch is enough.
             self.work.notify_one();
         }
         Ok(())
@@ -347,6 +362,7 @@ impl LoopConn {
             if st.dead.is_none() {
                 st.dead = Some(err.clone());
             }
+            self.dead.store(true, Ordering::Release);
             st.inflight_requests = 0;
             (
                 std::mem::take(&mut st.inflight),
