@@ -248,7 +248,7 @@ fn one_round(
 
     progress.set_message(&tag("iperf3 vs 4 KiB × 8 threads × 16"));
     let stream = peers::iperf3_tcp_stream(peer_time)?;
-    let m = load(
+    let bulk = load(
         batched,
         regions,
         Drivers::Threads(8),
@@ -258,16 +258,11 @@ fn one_round(
         4096,
     )?;
     progress.inc(1);
-    let mut c = ratio_check(
+    checks.push(stream_check(
         "4 KiB 50% reads, 8 thr × depth 16, vs iperf3 TCP stream",
-        m.bytes_per_sec() / 1e9,
-        stream.bytes_per_sec / 1e9,
-        "GB/s",
-        0.7,
-        stream.command.clone(),
-    );
-    c.against = Some((Against::TcpStream, 1e9));
-    checks.push(c);
+        &bulk,
+        &stream,
+    ));
 
     progress.set_message(&tag("redis-benchmark GET vs 64 B × 16 threads × 16"));
     let redis = peers::RedisServer::start()?;
@@ -279,81 +274,40 @@ fn one_round(
         &["-t", "get", "-d", "64", "-c", "16", "-P", "16", "-n", &n],
     )?;
     drop(redis);
-    let reads_batched = load(
-        batched,
-        regions,
-        Drivers::Threads(16),
-        16,
-        cfg.requests * 2,
-        100,
-        64,
-    )?;
+    let small = |client, drivers, requests| load(client, regions, drivers, 16, requests, 100, 64);
+    let reads_batched = small(batched, Drivers::Threads(16), cfg.requests * 2)?;
     progress.inc(1);
-    checks.push(ratio_check(
+    checks.push(redis_check(
         "64 B reads, 16 thr × depth 16, vs redis-benchmark GET -P 16",
-        reads_batched.ops_per_sec() / 1e3,
-        get.ops_per_sec / 1e3,
-        "kops/s",
-        2.0,
-        get.command.clone(),
+        &reads_batched,
+        &get,
     ));
     progress.set_message(&tag("64 B × 16 threads × 16, unbatched"));
-    let reads_unbatched = load(
-        unbatched,
-        regions,
-        Drivers::Threads(16),
-        16,
-        cfg.requests / 2,
-        100,
-        64,
-    )?;
+    let reads_unbatched = small(unbatched, Drivers::Threads(16), cfg.requests / 2)?;
     progress.inc(1);
-    checks.push(ratio_check(
+    checks.push(batching_check(
         "64 B reads, 16 thr × depth 16, batched vs unbatched",
-        reads_batched.ops_per_sec() / 1e3,
-        reads_unbatched.ops_per_sec() / 1e3,
-        "kops/s",
-        3.0,
-        "camelot, batching off".into(),
+        &reads_batched,
+        &reads_unbatched,
+        "camelot, batching off",
     ));
 
     // The same three loads from tasks on one event-loop thread: redis-benchmark drives
     // its 16 connections from one such thread, so this is the like-for-like client.
     progress.set_message(&tag("64 B × 16 tasks × 16 on one event loop"));
-    let reads_loop = load(
-        batched,
-        regions,
-        Drivers::Tasks(16),
-        16,
-        cfg.requests * 2,
-        100,
-        64,
-    )?;
-    let reads_loop_unbatched = load(
-        unbatched,
-        regions,
-        Drivers::Tasks(16),
-        16,
-        cfg.requests / 2,
-        100,
-        64,
-    )?;
+    let reads_loop = small(batched, Drivers::Tasks(16), cfg.requests * 2)?;
+    let reads_loop_unbatched = small(unbatched, Drivers::Tasks(16), cfg.requests / 2)?;
     progress.inc(1);
-    checks.push(ratio_check(
+    checks.push(redis_check(
         "event loop: 64 B reads, 16 tasks × depth 16, vs redis-benchmark GET -P 16",
-        reads_loop.ops_per_sec() / 1e3,
-        get.ops_per_sec / 1e3,
-        "kops/s",
-        2.0,
-        get.command.clone(),
+        &reads_loop,
+        &get,
     ));
-    checks.push(ratio_check(
+    checks.push(batching_check(
         "event loop: 64 B reads, 16 tasks × depth 16, batched vs unbatched",
-        reads_loop.ops_per_sec() / 1e3,
-        reads_loop_unbatched.ops_per_sec() / 1e3,
-        "kops/s",
-        3.0,
-        "camelot event loop, batching off".into(),
+        &reads_loop,
+        &reads_loop_unbatched,
+        "camelot event loop, batching off",
     ));
     progress.set_message(&tag("4 KiB × 8 tasks × 16 on one event loop"));
     let bulk_loop = load(
@@ -366,16 +320,11 @@ fn one_round(
         4096,
     )?;
     progress.inc(1);
-    let mut c = ratio_check(
+    checks.push(stream_check(
         "event loop: 4 KiB 50% reads, 8 tasks × depth 16, vs iperf3 TCP stream",
-        bulk_loop.bytes_per_sec() / 1e9,
-        stream.bytes_per_sec / 1e9,
-        "GB/s",
-        0.7,
-        stream.command.clone(),
-    );
-    c.against = Some((Against::TcpStream, 1e9));
-    checks.push(c);
+        &bulk_loop,
+        &stream,
+    ));
 
     progress.set_message(&tag("sockperf ping-pong vs 64 B × 1 thread × 1"));
     let pingpong = peers::sockperf_tcp_pingpong(peer_time, 64)?;
@@ -401,6 +350,44 @@ fn one_round(
     c.against = Some((Against::TcpPingpongP50, 1.0));
     checks.push(c);
     Ok(checks)
+}
+
+/// A load's payload rate against iperf3's stream (target ≥ 0.7), read against the limit.
+fn stream_check(name: &'static str, m: &Measured, stream: &peers::PeerStream) -> Check {
+    let mut c = ratio_check(
+        name,
+        m.bytes_per_sec() / 1e9,
+        stream.bytes_per_sec / 1e9,
+        "GB/s",
+        0.7,
+        stream.command.clone(),
+    );
+    c.against = Some((Against::TcpStream, 1e9));
+    c
+}
+
+/// A load's request rate against redis-benchmark's GETs (target ≥ 2).
+fn redis_check(name: &'static str, m: &Measured, get: &peers::PeerRate) -> Check {
+    ratio_check(
+        name,
+        m.ops_per_sec() / 1e3,
+        get.ops_per_sec / 1e3,
+        "kops/s",
+        2.0,
+        get.command.clone(),
+    )
+}
+
+/// Batching on against off (target ≥ 3).
+fn batching_check(name: &'static str, on: &Measured, off: &Measured, peer: &str) -> Check {
+    ratio_check(
+        name,
+        on.ops_per_sec() / 1e3,
+        off.ops_per_sec() / 1e3,
+        "kops/s",
+        3.0,
+        peer.into(),
+    )
 }
 
 /// Most rounds one run may ask for.

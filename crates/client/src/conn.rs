@@ -651,11 +651,7 @@ impl Shared {
     fn dispatch(&self, body: Bytes) -> Result<(), ClientError> {
         let addr = self.addr;
         let protocol = |reason: String| ClientError::Protocol { addr, reason };
-        let batch = match decode_frame(body).map_err(|e| protocol(e.to_string()))? {
-            Frame::Responses(b) => b,
-            Frame::Fatal(e) => return Err(ClientError::Server(e)),
-            other => return Err(protocol(format!("unexpected frame {other:?}"))),
-        };
+        let batch = decode_answer(addr, body)?;
         let frame = {
             let mut inf = self.inflight.lock();
             let f = inf
@@ -667,6 +663,20 @@ impl Shared {
         };
         self.space.notify_all();
         complete_frame(addr, frame.requests, batch)
+    }
+}
+
+/// An answer frame's responses; a FATAL from the server or any other frame is an error
+/// that ends the connection.
+pub(crate) fn decode_answer(
+    addr: SocketAddr,
+    body: Bytes,
+) -> Result<camelot_proto::ResponseBatch, ClientError> {
+    let protocol = |reason: String| ClientError::Protocol { addr, reason };
+    match decode_frame(body).map_err(|e| protocol(e.to_string()))? {
+        Frame::Responses(b) => Ok(b),
+        Frame::Fatal(e) => Err(ClientError::Server(e)),
+        other => Err(protocol(format!("unexpected frame {other:?}"))),
     }
 }
 

@@ -15,13 +15,13 @@
 
 use crate::completion::Completion;
 use crate::conn::{
-    complete_frame, hello_answer, hello_frame, FrameLimits, Submission, HELLO_ANSWER_BYTES_MAX,
-    INFLIGHT_REQUESTS_MAX,
+    complete_frame, decode_answer, hello_answer, hello_frame, FrameLimits, Submission,
+    HELLO_ANSWER_BYTES_MAX, INFLIGHT_REQUESTS_MAX,
 };
 use crate::{reply, ClientConfig, ClientError, ClusterMap, NodeId, Region};
 use bytes::{Bytes, BytesMut};
 use camelot_proto::limits::BATCH_OPS_MAX;
-use camelot_proto::{decode_frame, Frame, FrameDecoder, Op, Reply};
+use camelot_proto::{FrameDecoder, Op, Reply};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -524,11 +524,7 @@ impl LoopConn {
     fn dispatch(&self, body: Bytes) -> Result<(), ClientError> {
         let addr = self.addr;
         let protocol = |reason: String| ClientError::Protocol { addr, reason };
-        let batch = match decode_frame(body).map_err(|e| protocol(e.to_string()))? {
-            Frame::Responses(b) => b,
-            Frame::Fatal(e) => return Err(ClientError::Server(e)),
-            other => return Err(protocol(format!("unexpected frame {other:?}"))),
-        };
+        let batch = decode_answer(addr, body)?;
         let requests = {
             let mut st = self.state.lock();
             let (_, requests) = st
