@@ -27,24 +27,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# A loopback port nobody listens on, from the kernel's ephemeral range.
-free_port() {
-  local p
-  for _ in $(seq 1 50); do
-    p=$((20000 + RANDOM % 20000))
-    if ! ss -ltnH "sport = :$p" | grep -q .; then echo "$p"; return; fi
-  done
-  echo "crosscheck: no free port found" >&2; exit 1
-}
-
-# Waits (at most 10 s) until something listens on TCP port $1.
-wait_listening() {
-  for _ in $(seq 1 200); do
-    ss -ltnH "sport = :$1" | grep -q . && return 0
-    sleep 0.05
-  done
-  echo "crosscheck: nothing listens on port $1 after 10 s" >&2; exit 1
-}
+script_name=crosscheck
+# shellcheck source=lib/ports.sh
+source scripts/lib/ports.sh
 
 # Each tool runs right after the camelot bench it checks, in ROUNDS alternating rounds, and
 # the median ratio is reported: on a shared, noisy machine two figures taken minutes apart

@@ -23,21 +23,16 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() {
-  local p
-  for _ in $(seq 1 50); do
-    p=$((20000 + RANDOM % 20000))
-    if ! ss -ltnH "sport = :$p" | grep -q .; then echo "$p"; return; fi
-  done
-  echo "ycsb-1mb: no free port found" >&2; exit 1
-}
+script_name=ycsb-1mb
+# shellcheck source=lib/ports.sh
+source scripts/lib/ports.sh
 
 # One 5 s iperf3 loopback stream (default 128 KiB writes); prints bytes/s.
 stream() {
   local port
   port=$(free_port)
   iperf3 -s -1 -B 127.0.0.1 -p "$port" >/dev/null 2>&1 & pids+=($!)
-  for _ in $(seq 1 200); do ss -ltnH "sport = :$port" | grep -q . && break; sleep 0.05; done
+  wait_listening "$port"
   iperf3 -c 127.0.0.1 -p "$port" -t 5 -J | jq '.end.sum_received.bits_per_second / 8'
 }
 
