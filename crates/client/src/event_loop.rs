@@ -134,12 +134,21 @@ impl LoopClient {
             .ok_or(ClientError::UnknownNode(node))?
             .addr;
         let conn = LoopConn::connect(addr, &self.inner.config).await?;
-        // Two tasks may have reconnected at once; the loser's connection is closed, and
-        // requests already queued on it are still answered.
-        if let Some(old) = self.inner.nodes.lock().insert(node, conn.clone()) {
-            old.close();
+        let mut nodes = self.inner.nodes.lock();
+        match nodes.get(&node) {
+            // Another task reconnected while we did: use its connection, close ours
+            // (nothing was queued on it yet).
+            Some(live) if !live.is_dead() => {
+                let live = live.clone();
+                drop(nodes);
+                conn.close();
+                Ok(live)
+            }
+            _ => {
+                nodes.insert(node, conn.clone());
+                Ok(conn)
+            }
         }
-        Ok(conn)
     }
 
     /// Queues one request to `node`; the answer comes by awaiting what this returns.

@@ -760,3 +760,71 @@ fn the_event_loop_face_times_out_and_fails_on_a_dead_node() {
         assert!(t.elapsed() < Duration::from_secs(5));
     });
 }
+
+/// After a restart, many tasks find the connection dead at once and reconnect together;
+/// each must end up served, and all on one connection (the others' are closed).
+#[test]
+fn the_event_loop_face_reconnects_after_a_server_restart() {
+    let c = cluster(1, 1 << 20, None);
+    let addr = c.addrs()[0];
+    let rt = current_thread_runtime();
+    let lc = rt.block_on(async {
+        let lc = LoopClient::connect(ClusterMap::from_addrs(&[addr]), ClientConfig::default())
+            .await
+            .expect("connect");
+        assert!(matches!(lc.call(0, Op::Ping).await, Ok(Reply::Pong)));
+        lc
+    });
+    c.shutdown().expect("shutdown");
+    let restarted = DevCluster::start(DevClusterConfig {
+        nodes: 1,
+        memory_bytes_per_node: 1 << 20,
+        base_port: Some(addr.port()),
+        worker_threads: 1,
+        ..DevClusterConfig::default()
+    })
+    .expect("restart on the same port");
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..16 {
+            let lc = lc.clone();
+            tasks.spawn(async move {
+                loop {
+                    match lc.call(0, Op::Ping).await {
+                        Ok(Reply::Pong) => return,
+                        Ok(other) => panic!("unexpected {other:?}"),
+                        Err(e) if Instant::now() < deadline => assert!(
+                            matches!(
+                                e,
+                                ClientError::ConnectionLost { .. }
+                                    | ClientError::Io { .. }
+                                    | ClientError::Connect { .. }
+                            ),
+                            "unexpected error while reconnecting: {e}"
+                        ),
+                        Err(e) => panic!("no reconnect within 10 s: {e}"),
+                    }
+                }
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            done.expect("task");
+        }
+    });
+    // The race's losers close theirs; the server sees those closes a moment later.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let open = stat(&restarted.stats()[0], "connections_current");
+        if open == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{open} connections still open after the reconnect race"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    drop(lc);
+    restarted.shutdown().expect("shutdown");
+}
