@@ -248,15 +248,9 @@ fn one_round(
 
     progress.set_message(&tag("iperf3 vs 4 KiB × 8 threads × 16"));
     let stream = peers::iperf3_tcp_stream(peer_time)?;
-    let bulk = load(
-        batched,
-        regions,
-        Drivers::Threads(8),
-        16,
-        cfg.requests,
-        50,
-        4096,
-    )?;
+    // 4 KiB, half reads, 8 drivers × 16: the iperf3 comparison's load.
+    let bulk_load = |drivers| load(batched, regions, drivers, 16, cfg.requests, 50, 4096);
+    let bulk = bulk_load(Drivers::Threads(8))?;
     progress.inc(1);
     checks.push(stream_check(
         "4 KiB 50% reads, 8 thr × depth 16, vs iperf3 TCP stream",
@@ -310,15 +304,7 @@ fn one_round(
         "camelot event loop, batching off",
     ));
     progress.set_message(&tag("4 KiB × 8 tasks × 16 on one event loop"));
-    let bulk_loop = load(
-        batched,
-        regions,
-        Drivers::Tasks(8),
-        16,
-        cfg.requests,
-        50,
-        4096,
-    )?;
+    let bulk_loop = bulk_load(Drivers::Tasks(8))?;
     progress.inc(1);
     checks.push(stream_check(
         "event loop: 4 KiB 50% reads, 8 tasks × depth 16, vs iperf3 TCP stream",

@@ -31,6 +31,26 @@ fn stat(stats: &[(String, u64)], name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no stat {name} in {stats:?}"))
 }
 
+/// A one-node dev cluster on `addr`'s port, as after a server restart.
+fn restart_on(addr: std::net::SocketAddr) -> DevCluster {
+    DevCluster::start(DevClusterConfig {
+        nodes: 1,
+        memory_bytes_per_node: 1 << 20,
+        base_port: Some(addr.port()),
+        worker_threads: 1,
+        ..DevClusterConfig::default()
+    })
+    .expect("restart on the same port")
+}
+
+/// What a request may meet between a server's restart and the client's reconnect.
+fn is_reconnect_error(e: &ClientError) -> bool {
+    matches!(
+        e,
+        ClientError::ConnectionLost { .. } | ClientError::Io { .. } | ClientError::Connect { .. }
+    )
+}
+
 /// Deterministic bytes that differ by position and seed, so misplaced data shows.
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -367,26 +387,14 @@ fn the_client_reconnects_after_a_server_restart() {
 
     // The first request after the restart may fail on the dead connection; a later one
     // must succeed on a new connection without rebuilding the client.
-    let restarted = DevCluster::start(DevClusterConfig {
-        nodes: 1,
-        memory_bytes_per_node: 1 << 20,
-        base_port: Some(addr.port()),
-        worker_threads: 1,
-        ..DevClusterConfig::default()
-    })
-    .expect("restart on the same port");
+    let restarted = restart_on(addr);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         match cl.ping(0) {
             Ok(_) => break,
             Err(e) if Instant::now() < deadline => {
                 assert!(
-                    matches!(
-                        e,
-                        ClientError::ConnectionLost { .. }
-                            | ClientError::Io { .. }
-                            | ClientError::Connect { .. }
-                    ),
+                    is_reconnect_error(&e),
                     "unexpected error while reconnecting: {e}"
                 );
             }
@@ -776,14 +784,7 @@ fn the_event_loop_face_reconnects_after_a_server_restart() {
         lc
     });
     c.shutdown().expect("shutdown");
-    let restarted = DevCluster::start(DevClusterConfig {
-        nodes: 1,
-        memory_bytes_per_node: 1 << 20,
-        base_port: Some(addr.port()),
-        worker_threads: 1,
-        ..DevClusterConfig::default()
-    })
-    .expect("restart on the same port");
+    let restarted = restart_on(addr);
     rt.block_on(async {
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut tasks = tokio::task::JoinSet::new();
@@ -795,12 +796,7 @@ fn the_event_loop_face_reconnects_after_a_server_restart() {
                         Ok(Reply::Pong) => return,
                         Ok(other) => panic!("unexpected {other:?}"),
                         Err(e) if Instant::now() < deadline => assert!(
-                            matches!(
-                                e,
-                                ClientError::ConnectionLost { .. }
-                                    | ClientError::Io { .. }
-                                    | ClientError::Connect { .. }
-                            ),
+                            is_reconnect_error(&e),
                             "unexpected error while reconnecting: {e}"
                         ),
                         Err(e) => panic!("no reconnect within 10 s: {e}"),
