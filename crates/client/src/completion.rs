@@ -54,17 +54,34 @@ impl Completion {
     }
 
     pub(crate) fn complete(&self, result: Result<Reply, ClientError>) {
-        let waker = {
-            let mut st = self.state.lock();
-            match std::mem::replace(&mut *st, State::Done(result)) {
-                State::Waiting(w) => w,
-                // Completed twice (cannot happen by construction); keep the first answer.
-                old => {
-                    *st = old;
-                    return;
-                }
+        let waker = self.fill(result);
+        self.wake(waker);
+    }
+
+    /// Stores the answer without waking anyone; the caller then calls [`Completion::wake`]
+    /// with what this returns. Splitting the two lets a whole answer frame be stored
+    /// before the first waiter runs, so a thread woken for its oldest answer finds the
+    /// rest of that frame's answers already in and does not block again for each.
+    pub(crate) fn fill(&self, result: Result<Reply, ClientError>) -> Option<Waker> {
+        let mut st = self.state.lock();
+        match std::mem::replace(&mut *st, State::Done(result)) {
+            State::Waiting(w) => w,
+            // Completed twice (cannot happen by construction); keep the first answer.
+            old => {
+                *st = old;
+                None
             }
-        };
+        }
+    }
+
+    /// Wakes a thread blocked on this slot without giving it an answer (it then tries
+    /// to read the socket itself). False if no thread was blocked on it.
+    pub(crate) fn nudge(&self) -> bool {
+        self.ready.notify_one()
+    }
+
+    /// Wakes whoever waits on this slot (a blocked thread, and `waker`'s task if any).
+    pub(crate) fn wake(&self, waker: Option<Waker>) {
         self.ready.notify_one();
         if let Some(w) = waker {
             w.wake();
@@ -108,7 +125,10 @@ impl Pending {
                                     after: self.timeout,
                                 });
                             }
+                            // Woken with no answer: the reader handed reading to us
+                            // (see `Shared::hand_over_reading`), so read.
                             *st = State::Waiting(None);
+                            tried_reading = false;
                             continue;
                         }
                     }

@@ -32,6 +32,9 @@ pub const INFLIGHT_REQUESTS_MAX: usize = 16_384;
 /// How often the reader wakes to check for a request that has waited too long.
 const WATCHDOG_TICK: Duration = Duration::from_millis(100);
 const READ_CHUNK_BYTES: usize = 256 << 10;
+/// How many of the oldest owed answers a thread that stops reading looks through for a
+/// blocked waiter to hand reading to (bounded: it holds the in-flight lock meanwhile).
+const HAND_OVER_SCAN_SLOTS: usize = 64;
 
 pub(crate) struct Submission {
     pub id: u64,
@@ -583,11 +586,29 @@ impl Shared {
             }
         }
         drop(rb);
-        // Answers still owed to others: hand reading back to the reader thread.
-        if self.inflight.lock().requests > 0 {
+        self.hand_over_reading();
+        true
+    }
+
+    /// Called by a waiting thread that stops reading. While answers are owed someone
+    /// must read: preferably a thread already blocked on the next answer to arrive,
+    /// which would have to be woken for it anyway, so the hand-over costs no extra
+    /// wake-up; the connection's reader thread only when no such thread is found.
+    fn hand_over_reading(&self) {
+        let handed = {
+            let inf = self.inflight.lock();
+            if inf.requests == 0 {
+                return;
+            }
+            inf.frames
+                .iter()
+                .flat_map(|f| f.requests.iter())
+                .take(HAND_OVER_SCAN_SLOTS)
+                .any(|(_, slot)| slot.nudge())
+        };
+        if !handed {
             self.poke();
         }
-        true
     }
 
     /// One read from the socket (blocking at most a watchdog tick), then every complete
@@ -700,15 +721,23 @@ pub(crate) fn complete_frame(
         }
         return Err(err);
     }
-    for ((id, slot), resp) in requests.into_iter().zip(batch.responses) {
-        if resp.id != id {
-            slot.complete(Err(protocol(format!(
-                "answer id {} for request {id}",
-                resp.id
-            ))));
-            continue;
-        }
-        slot.complete(resp.result.map_err(ClientError::Server));
+    // Every answer is stored before anyone is woken (see `Completion::fill`).
+    let mut wakers = Vec::new();
+    for ((id, slot), resp) in requests.iter().zip(batch.responses) {
+        let result = if resp.id == *id {
+            resp.result.map_err(ClientError::Server)
+        } else {
+            Err(protocol(format!("answer id {} for request {id}", resp.id)))
+        };
+        // Only awaiting tasks leave a waker, so a frame of blocking threads' answers
+        // allocates nothing here.
+        wakers.extend(slot.fill(result));
+    }
+    for (_, slot) in &requests {
+        slot.wake(None);
+    }
+    for w in wakers {
+        w.wake();
     }
     Ok(())
 }
