@@ -305,6 +305,50 @@ pub enum Change {
 
 type Shard = BTreeMap<Bytes, Entry>;
 
+/// Shards' entries, each shard's already in key order, merged into one key order. A key
+/// lives in exactly one shard, so (key, shard) orders the heads totally.
+struct KeyOrder<'a, T, I: Iterator<Item = (&'a Bytes, T)>> {
+    iters: Vec<I>,
+    heads: BinaryHeap<Reverse<(&'a Bytes, usize)>>,
+    current: Vec<Option<T>>,
+}
+
+impl<'a, T, I: Iterator<Item = (&'a Bytes, T)>> KeyOrder<'a, T, I> {
+    fn merge(shards: impl IntoIterator<Item = I>) -> Self {
+        let mut merged = KeyOrder {
+            iters: shards.into_iter().collect(),
+            heads: BinaryHeap::with_capacity(SHARDS),
+            current: Vec::with_capacity(SHARDS),
+        };
+        for i in 0..merged.iters.len() {
+            let head = merged.iters[i].next();
+            let current = merged.advance(i, head);
+            merged.current.push(current);
+        }
+        merged
+    }
+
+    /// Keeps `head` as shard `i`'s current entry (its key goes on the heap).
+    fn advance(&mut self, i: usize, head: Option<(&'a Bytes, T)>) -> Option<T> {
+        head.map(|(k, t)| {
+            self.heads.push(Reverse((k, i)));
+            t
+        })
+    }
+}
+
+impl<'a, T, I: Iterator<Item = (&'a Bytes, T)>> Iterator for KeyOrder<'a, T, I> {
+    type Item = (&'a Bytes, T);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let Reverse((k, i)) = self.heads.pop()?;
+        let head = self.iters[i].next();
+        let next = self.advance(i, head);
+        let t = std::mem::replace(&mut self.current[i], next)?;
+        Some((k, t))
+    }
+}
+
 pub struct ObjectStore {
     shards: Box<[RwLock<Shard>]>,
     budget: Arc<MemoryBudget>,
@@ -565,35 +609,16 @@ impl ObjectStore {
         // moment and writers (which take one shard each) cannot deadlock with us.
         let guards: Vec<RwLockReadGuard<'_, Shard>> =
             self.shards.iter().map(|s| s.read()).collect();
-        let mut iters: Vec<_> = guards
-            .iter()
-            .map(|g| {
-                g.range::<[u8], _>((Bound::Included(start), Bound::Unbounded))
-                    .filter_map(|(k, e)| match &e.value {
-                        Value::Str(v) if e.is_live(now) => Some((k, e.version, v)),
-                        _ => None,
-                    })
-            })
-            .collect();
-        // A key lives in exactly one shard, so (key, shard) orders the heads totally.
-        let mut heads = BinaryHeap::with_capacity(SHARDS);
-        let mut current = Vec::with_capacity(SHARDS);
-        for (i, it) in iters.iter_mut().enumerate() {
-            let head = it.next();
-            if let Some((k, _, _)) = head {
-                heads.push(Reverse((k, i)));
-            }
-            current.push(head);
-        }
+        let merged = KeyOrder::merge(guards.iter().map(|g| {
+            g.range::<[u8], _>((Bound::Included(start), Bound::Unbounded))
+                .filter_map(|(k, e)| match &e.value {
+                    Value::Str(v) if e.is_live(now) => Some((k, (e.version, v))),
+                    _ => None,
+                })
+        }));
         let mut items = Vec::new();
         let mut bytes = 0usize;
-        while items.len() < limit {
-            let Some(Reverse((_, i))) = heads.pop() else {
-                break;
-            };
-            let Some((k, version, v)) = current[i] else {
-                break;
-            };
+        for (k, (version, v)) in merged.take(limit) {
             let item_bytes = ITEM_OVERHEAD_BYTES + k.len() + v.len();
             if bytes + item_bytes > reply_bytes_max {
                 if items.is_empty() {
@@ -611,30 +636,24 @@ impl ObjectStore {
                 version,
                 value: v.clone(),
             });
-            current[i] = iters[i].next();
-            if let Some((k, _, _)) = current[i] {
-                heads.push(Reverse((k, i)));
-            }
         }
         Ok(items)
     }
 
     /// Every key, in order (for KEYS-like tools and tests); bounded by `limit`.
     pub fn keys(&self, limit: usize, now: Instant) -> Vec<Bytes> {
-        let mut out: Vec<Bytes> = self
-            .shards
-            .iter()
-            .flat_map(|s| {
-                s.read()
-                    .iter()
-                    .filter(|(_, e)| e.is_live(now))
-                    .map(|(k, _)| k.clone())
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        out.sort();
-        out.truncate(limit);
-        out
+        // Merged in order so that only `limit` keys are ever held, whatever the store
+        // holds; read locks as in `scan`.
+        let guards: Vec<RwLockReadGuard<'_, Shard>> =
+            self.shards.iter().map(|s| s.read()).collect();
+        KeyOrder::merge(guards.iter().map(|g| {
+            g.iter()
+                .filter(|(_, e)| e.is_live(now))
+                .map(|(k, _)| (k, ()))
+        }))
+        .take(limit)
+        .map(|(k, ())| k.clone())
+        .collect()
     }
 
     /// Removes every object.
@@ -764,6 +783,22 @@ mod tests {
         assert!(budget.used() < before);
         drop(s);
         assert_eq!(budget.used(), 0);
+    }
+
+    #[test]
+    fn keys_come_in_order_and_stop_at_the_limit() {
+        let (s, _) = store(1 << 24);
+        let now = Instant::now();
+        for i in (0..300).rev() {
+            s.put(format!("k{i:04}").as_bytes(), b"v", now).unwrap();
+        }
+        let name = |i: usize| Bytes::from(format!("k{i:04}"));
+        assert_eq!(s.keys(7, now), (0..7).map(name).collect::<Vec<_>>());
+        assert_eq!(
+            s.keys(usize::MAX, now),
+            (0..300).map(name).collect::<Vec<_>>()
+        );
+        assert!(s.keys(0, now).is_empty());
     }
 
     #[test]
