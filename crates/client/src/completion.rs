@@ -6,6 +6,7 @@ use camelot_proto::Reply;
 use parking_lot::{Condvar, Mutex};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -18,6 +19,9 @@ enum State {
 
 pub(crate) struct Completion {
     state: Mutex<State>,
+    /// Set once an answer is stored, so "is it in yet?" — asked for every answer a
+    /// waiter sweeps up, and in the reading loop — needs no lock.
+    answered: AtomicBool,
     // parking_lot's notify does no syscall when nobody waits, which is the common case:
     // a batch of 256 answers completes 256 slots, and only the waiter's own slot blocks.
     ready: Condvar,
@@ -27,12 +31,13 @@ impl Completion {
     pub(crate) fn new() -> Arc<Completion> {
         Arc::new(Completion {
             state: Mutex::new(State::Waiting(None)),
+            answered: AtomicBool::new(false),
             ready: Condvar::new(),
         })
     }
 
     pub(crate) fn is_done(&self) -> bool {
-        matches!(*self.state.lock(), State::Done(_) | State::Taken)
+        self.answered.load(Ordering::Acquire)
     }
 
     /// The answer if it is in; otherwise `cx`'s waker is kept to be woken with it.
@@ -65,7 +70,10 @@ impl Completion {
     pub(crate) fn fill(&self, result: Result<Reply, ClientError>) -> Option<Waker> {
         let mut st = self.state.lock();
         match std::mem::replace(&mut *st, State::Done(result)) {
-            State::Waiting(w) => w,
+            State::Waiting(w) => {
+                self.answered.store(true, Ordering::Release);
+                w
+            }
             // Completed twice (cannot happen by construction); keep the first answer.
             old => {
                 *st = old;
@@ -143,7 +151,7 @@ impl Pending {
 
     /// True once the answer has arrived (never blocks).
     pub fn is_ready(&self) -> bool {
-        matches!(*self.slot.state.lock(), State::Done(_))
+        self.slot.is_done()
     }
 }
 

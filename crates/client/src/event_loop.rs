@@ -23,7 +23,7 @@ use bytes::{Bytes, BytesMut};
 use camelot_proto::limits::BATCH_OPS_MAX;
 use camelot_proto::{FrameDecoder, Op, Reply};
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -61,13 +61,14 @@ pub struct LoopClient {
 struct Inner {
     config: ClientConfig,
     map: ClusterMap,
-    nodes: Mutex<HashMap<NodeId, Arc<LoopConn>>>,
+    /// A short list: maps have few nodes, and this is looked up on every submit.
+    nodes: Mutex<Vec<(NodeId, Arc<LoopConn>)>>,
     next_id: AtomicU64,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        for conn in self.nodes.get_mut().values() {
+        for (_, conn) in self.nodes.get_mut().iter() {
             conn.close();
         }
     }
@@ -106,7 +107,7 @@ impl LoopClient {
             inner: Arc::new(Inner {
                 config,
                 map,
-                nodes: Mutex::new(HashMap::new()),
+                nodes: Mutex::new(Vec::new()),
                 next_id: AtomicU64::new(1),
             }),
         };
@@ -122,7 +123,7 @@ impl LoopClient {
 
     /// The node's live connection, connecting anew if there is none or it died.
     async fn conn(&self, node: NodeId) -> Result<Arc<LoopConn>, ClientError> {
-        if let Some(c) = self.inner.nodes.lock().get(&node) {
+        if let Some((_, c)) = self.inner.nodes.lock().iter().find(|(n, _)| *n == node) {
             if !c.is_dead() {
                 return Ok(c.clone());
             }
@@ -135,17 +136,21 @@ impl LoopClient {
             .addr;
         let conn = LoopConn::connect(addr, &self.inner.config).await?;
         let mut nodes = self.inner.nodes.lock();
-        match nodes.get(&node) {
+        match nodes.iter_mut().find(|(n, _)| *n == node) {
             // Another task reconnected while we did: use its connection, close ours
             // (nothing was queued on it yet).
-            Some(live) if !live.is_dead() => {
+            Some((_, live)) if !live.is_dead() => {
                 let live = live.clone();
                 drop(nodes);
                 conn.close();
                 Ok(live)
             }
-            _ => {
-                nodes.insert(node, conn.clone());
+            Some((_, dead)) => {
+                *dead = conn.clone();
+                Ok(conn)
+            }
+            None => {
+                nodes.push((node, conn.clone()));
                 Ok(conn)
             }
         }
