@@ -98,11 +98,7 @@ impl LoopClient {
     /// Connects to every node of the map (so a wrong token or a dead node shows now).
     /// Must run inside a tokio runtime with I/O and timers enabled.
     pub async fn connect(map: ClusterMap, config: ClientConfig) -> Result<LoopClient, ClientError> {
-        if config.batch_ops_max == 0 {
-            return Err(ClientError::InvalidArgument(
-                "batch_ops_max must be at least 1".into(),
-            ));
-        }
+        config.validate()?;
         let client = LoopClient {
             inner: Arc::new(Inner {
                 config,

@@ -73,6 +73,24 @@ pub struct ClientConfig {
 /// Most frames a client may ask to keep in flight ahead of answers.
 pub const FRAMES_AHEAD_MAX: usize = 64;
 
+impl ClientConfig {
+    /// The same checks for both client faces, so a setting one refuses the other does
+    /// not silently clamp.
+    pub(crate) fn validate(&self) -> Result<(), ClientError> {
+        let invalid = |what: String| Err(ClientError::InvalidArgument(what));
+        if self.frames_ahead == 0 || self.frames_ahead > FRAMES_AHEAD_MAX {
+            return invalid(format!("frames_ahead must be 1 to {FRAMES_AHEAD_MAX}"));
+        }
+        if self.connections_per_node == 0 {
+            return invalid("connections_per_node must be at least 1".into());
+        }
+        if self.batch_ops_max == 0 {
+            return invalid("batch_ops_max must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
 impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
@@ -291,16 +309,7 @@ impl Client {
     /// Connects to every node of the map (so a wrong token or a dead node is reported now,
     /// not at the first request).
     pub fn connect(map: ClusterMap, config: ClientConfig) -> Result<Client, ClientError> {
-        if config.frames_ahead == 0 || config.frames_ahead > FRAMES_AHEAD_MAX {
-            return Err(ClientError::InvalidArgument(format!(
-                "frames_ahead must be 1 to {FRAMES_AHEAD_MAX}"
-            )));
-        }
-        if config.connections_per_node == 0 {
-            return Err(ClientError::InvalidArgument(
-                "connections_per_node must be at least 1".into(),
-            ));
-        }
+        config.validate()?;
         let client = Client {
             inner: Arc::new(Inner {
                 config,

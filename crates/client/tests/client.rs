@@ -824,3 +824,40 @@ fn the_event_loop_face_reconnects_after_a_server_restart() {
     drop(lc);
     restarted.shutdown().expect("shutdown");
 }
+
+#[test]
+fn both_faces_refuse_the_same_impossible_settings() {
+    let map = ClusterMap {
+        epoch: 0,
+        nodes: vec![],
+    };
+    let bad = [
+        ClientConfig {
+            frames_ahead: 0,
+            ..ClientConfig::default()
+        },
+        ClientConfig {
+            frames_ahead: camelot_client::FRAMES_AHEAD_MAX + 1,
+            ..ClientConfig::default()
+        },
+        ClientConfig {
+            connections_per_node: 0,
+            ..ClientConfig::default()
+        },
+        ClientConfig {
+            batch_ops_max: 0,
+            ..ClientConfig::default()
+        },
+    ];
+    let rt = current_thread_runtime();
+    for config in bad {
+        let threads = Client::connect(map.clone(), config.clone()).err();
+        let tasks = rt.block_on(LoopClient::connect(map.clone(), config)).err();
+        for refused in [threads, tasks] {
+            assert!(
+                matches!(refused, Some(ClientError::InvalidArgument(_))),
+                "{refused:?}"
+            );
+        }
+    }
+}
