@@ -432,7 +432,7 @@ impl LoopConn {
             self.room.notify_waiters();
             let mut pending = subs.drain(..).peekable();
             while pending.peek().is_some() {
-                if !self.limits.encode_next(out, &mut pending, batch) {
+                if !self.limits.encode_next(out, None, &mut pending, batch) {
                     continue;
                 }
                 if let Err(err) = self.register(batch).await {

@@ -304,6 +304,59 @@ fn batched_and_unbatched_paths_are_byte_identical() {
 }
 
 #[test]
+fn frames_mixing_small_and_big_payloads_arrive_intact() {
+    // Big payloads leave the client by vectored write, small ones are copied into the
+    // frame: a pipelined burst of both kinds puts both in the same frames.
+    const SLOT: usize = 128 << 10;
+    let sizes = [100usize, 70_000, 1, SLOT, 65_535, 65_536, 4096, 100_000];
+    let c = cluster(1, 8 << 20, None);
+    let cl = client(
+        &c,
+        ClientConfig {
+            connections_per_node: 1,
+            ..ClientConfig::default()
+        },
+    )
+    .expect("connect");
+    let r = cl
+        .alloc((SLOT * sizes.len() * 4) as u64, None)
+        .expect("alloc");
+    let slots: Vec<(usize, usize)> = (0..sizes.len() * 4)
+        .map(|i| (i, sizes[i % sizes.len()]))
+        .collect();
+    let pending: Vec<_> = slots
+        .iter()
+        .map(|&(i, len)| {
+            let op = r.write_op((i * SLOT) as u64, pattern(i as u64, len).into());
+            cl.submit(r.node, op).expect("submit write")
+        })
+        .collect();
+    for p in pending {
+        assert!(matches!(p.wait().expect("write"), Reply::Done));
+    }
+    for &(i, len) in &slots {
+        let data = cl.read(&r, (i * SLOT) as u64, len as u32).expect("read");
+        assert_eq!(
+            &data[..],
+            &pattern(i as u64, len)[..],
+            "slot {i}, {len} bytes"
+        );
+    }
+    for (i, len) in sizes.iter().enumerate() {
+        let key = format!("k{i}");
+        cl.put(key.as_bytes(), pattern(100 + i as u64, *len))
+            .expect("put");
+        let got = cl.get(key.as_bytes()).expect("get").expect("present");
+        assert_eq!(
+            &got.value[..],
+            &pattern(100 + i as u64, *len)[..],
+            "{len}-byte value"
+        );
+    }
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
 fn big_pipelined_transfers_travel_in_frames_near_the_target_size() {
     use camelot_client::proto::limits::FRAME_BYTES_TARGET;
     const CHUNK: usize = 1 << 20;

@@ -128,7 +128,25 @@ fn put_value(buf: &mut BytesMut, value: &[u8]) -> Result<(), EncodeError> {
     Ok(())
 }
 
-fn encode_op(buf: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
+/// Where a request's WRITE data or PUT value goes: copied into the frame buffer, or, when
+/// it is at least `min_bytes` long and the caller collects them, left out of the buffer
+/// and recorded as (offset in the buffer where it belongs, payload).
+struct Payloads<'a> {
+    deferred: Option<(&'a mut Vec<(usize, Bytes)>, usize)>,
+}
+
+impl Payloads<'_> {
+    fn put(&mut self, buf: &mut BytesMut, data: &Bytes) {
+        match &mut self.deferred {
+            Some((out, min_bytes)) if data.len() >= *min_bytes => {
+                out.push((buf.len(), data.clone()));
+            }
+            _ => buf.put_slice(data),
+        }
+    }
+}
+
+fn encode_op(buf: &mut BytesMut, op: &Op, payloads: &mut Payloads<'_>) -> Result<(), EncodeError> {
     buf.put_u8(op.kind() as u8);
     match op {
         Op::Ping | Op::Stats | Op::List => {}
@@ -173,7 +191,7 @@ fn encode_op(buf: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
             buf.put_u64_le(*region);
             buf.put_u64_le(*offset);
             buf.put_u32_le(data.len() as u32);
-            buf.put_slice(data);
+            payloads.put(buf, data);
         }
         Op::Cas {
             region,
@@ -198,7 +216,9 @@ fn encode_op(buf: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
         Op::Get { key } | Op::Delete { key } => put_key(buf, key, "key")?,
         Op::Put { key, value } => {
             put_key(buf, key, "key")?;
-            put_value(buf, value)?;
+            limit("value", value.len(), VALUE_BYTES_MAX)?;
+            buf.put_u32_le(value.len() as u32);
+            payloads.put(buf, value);
         }
         Op::CasPut {
             key,
@@ -207,7 +227,9 @@ fn encode_op(buf: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
         } => {
             put_key(buf, key, "key")?;
             buf.put_u64_le(*expected_version);
-            put_value(buf, value)?;
+            limit("value", value.len(), VALUE_BYTES_MAX)?;
+            buf.put_u32_le(value.len() as u32);
+            payloads.put(buf, value);
         }
         Op::Scan { start, limit: n } => {
             limit("scan limit", *n as usize, SCAN_ITEMS_MAX)?;
@@ -312,7 +334,16 @@ fn begin_frame(buf: &mut BytesMut, kind: u8) -> usize {
 }
 
 fn end_frame(buf: &mut BytesMut, start: usize) -> Result<(), EncodeError> {
-    let body = buf.len() - start - 4;
+    end_frame_with(buf, start, 0)
+}
+
+/// `outside_bytes`: payload bytes that belong to the frame but are sent from elsewhere.
+fn end_frame_with(
+    buf: &mut BytesMut,
+    start: usize,
+    outside_bytes: usize,
+) -> Result<(), EncodeError> {
+    let body = buf.len() - start - 4 + outside_bytes;
     if let Err(e) = limit("frame bytes", body, FRAME_BYTES_MAX) {
         buf.truncate(start);
         return Err(e);
@@ -377,6 +408,8 @@ pub struct RequestBatchEncoder<'a> {
     buf: &'a mut BytesMut,
     start: usize,
     count: usize,
+    /// Payload bytes left out of `buf` by [`Self::push_deferring`].
+    deferred_bytes: usize,
 }
 
 impl<'a> RequestBatchEncoder<'a> {
@@ -388,15 +421,58 @@ impl<'a> RequestBatchEncoder<'a> {
             buf,
             start,
             count: 0,
+            deferred_bytes: 0,
         }
     }
 
     /// Appends a request. On error nothing is appended.
     pub fn push(&mut self, id: u64, op: &Op) -> Result<(), EncodeError> {
+        self.push_with(id, op, &mut Payloads { deferred: None })
+    }
+
+    /// Appends a request, except that a WRITE data or PUT/CAS_PUT value of at least
+    /// `min_bytes` is not copied into the buffer: it is pushed onto `deferred` with the
+    /// buffer offset where it belongs, and the frame's length counts it. The frame on the
+    /// wire is then the buffer with each deferred payload inserted at its offset (in
+    /// order), so a caller can send big payloads with a vectored write instead of copying
+    /// them. On error nothing is appended to either.
+    pub fn push_deferring(
+        &mut self,
+        id: u64,
+        op: &Op,
+        min_bytes: usize,
+        deferred: &mut Vec<(usize, Bytes)>,
+    ) -> Result<(), EncodeError> {
+        let before = deferred.len();
+        let res = self.push_with(
+            id,
+            op,
+            &mut Payloads {
+                deferred: Some((&mut *deferred, min_bytes)),
+            },
+        );
+        match res {
+            Ok(()) => {
+                self.deferred_bytes += deferred[before..]
+                    .iter()
+                    .map(|(_, d)| d.len())
+                    .sum::<usize>();
+            }
+            Err(_) => deferred.truncate(before),
+        }
+        res
+    }
+
+    fn push_with(
+        &mut self,
+        id: u64,
+        op: &Op,
+        payloads: &mut Payloads<'_>,
+    ) -> Result<(), EncodeError> {
         limit("requests per batch", self.count + 1, BATCH_OPS_MAX)?;
         let at = self.buf.len();
         self.buf.put_u64_le(id);
-        if let Err(e) = encode_op(self.buf, op) {
+        if let Err(e) = encode_op(self.buf, op, payloads) {
             self.buf.truncate(at);
             return Err(e);
         }
@@ -408,16 +484,17 @@ impl<'a> RequestBatchEncoder<'a> {
         self.count
     }
 
-    /// Frame bytes so far, length prefix included.
+    /// Frame bytes so far, length prefix and deferred payloads included.
     pub fn frame_len(&self) -> usize {
-        self.buf.len() - self.start
+        self.buf.len() - self.start + self.deferred_bytes
     }
 
-    /// Patches the length and count. On error the frame is removed from the buffer.
+    /// Patches the length and count. On error the frame is removed from the buffer (the
+    /// caller drops what it deferred).
     pub fn finish(self) -> Result<(), EncodeError> {
         let count_at = self.start + 4 + 1 + 8;
         self.buf[count_at..count_at + 2].copy_from_slice(&(self.count as u16).to_le_bytes());
-        end_frame(self.buf, self.start)
+        end_frame_with(self.buf, self.start, self.deferred_bytes)
     }
 }
 

@@ -170,6 +170,40 @@ proptest! {
     }
 
     #[test]
+    fn deferred_payloads_reassemble_to_the_copied_frame(
+        ops in proptest::collection::vec(op(), 1..12),
+        min_bytes in 0usize..200,
+    ) {
+        let mut copied = BytesMut::new();
+        let mut enc = RequestBatchEncoder::begin(&mut copied, 7);
+        for (id, o) in ops.iter().enumerate() {
+            enc.push(id as u64, o).unwrap();
+        }
+        let copied_len = enc.frame_len();
+        enc.finish().unwrap();
+
+        let mut head = BytesMut::new();
+        let mut deferred = Vec::new();
+        let mut enc = RequestBatchEncoder::begin(&mut head, 7);
+        for (id, o) in ops.iter().enumerate() {
+            enc.push_deferring(id as u64, o, min_bytes, &mut deferred).unwrap();
+        }
+        prop_assert_eq!(enc.frame_len(), copied_len);
+        enc.finish().unwrap();
+        prop_assert!(deferred.iter().all(|(_, d)| d.len() >= min_bytes));
+        let mut wire = Vec::new();
+        let mut at = 0;
+        for (offset, data) in &deferred {
+            prop_assert!(*offset >= at);
+            wire.extend_from_slice(&head[at..*offset]);
+            wire.extend_from_slice(data);
+            at = *offset;
+        }
+        wire.extend_from_slice(&head[at..]);
+        prop_assert_eq!(&wire[..], &copied[..]);
+    }
+
+    #[test]
     fn reply_len_max_bounds_the_reply(id in any::<u64>(), r in reply()) {
         // For the ops whose reply size is fixed by the request, the bound must hold.
         let op = match &r {
@@ -270,6 +304,32 @@ fn huge_counts_are_refused_without_allocating() {
         decode_frame(Bytes::from(body)),
         Err(DecodeError::LimitExceeded { .. })
     ));
+}
+
+#[test]
+fn a_refused_request_defers_nothing() {
+    let mut buf = BytesMut::new();
+    let mut deferred = Vec::new();
+    let mut enc = RequestBatchEncoder::begin(&mut buf, 0);
+    let before = enc.frame_len();
+    let too_long_key = Op::Put {
+        key: Bytes::from(vec![0u8; KEY_BYTES_MAX + 1]),
+        value: Bytes::from(vec![1u8; 4096]),
+    };
+    assert!(enc
+        .push_deferring(1, &too_long_key, 1, &mut deferred)
+        .is_err());
+    let too_long_value = Op::Write {
+        region: 1,
+        offset: 0,
+        data: Bytes::from(vec![1u8; IO_BYTES_MAX + 1]),
+    };
+    assert!(enc
+        .push_deferring(2, &too_long_value, 1, &mut deferred)
+        .is_err());
+    assert!(deferred.is_empty());
+    assert_eq!(enc.frame_len(), before);
+    assert_eq!(enc.count(), 0);
 }
 
 #[test]

@@ -474,6 +474,52 @@ fn long_catalog_recovers_pool_mirrored() {
     long_catalog_recovers(&Fixture::start("pool-mirrored"));
 }
 
+/// A commit big enough that the second mirror is fed from a thread of its own
+/// (`MIRROR_THREAD_BYTES_MIN`, 4 MiB) is whole on each mirror: either server alone, as a
+/// single-server pool, recovers every byte of it.
+#[test]
+fn a_big_mirrored_commit_is_whole_on_each_mirror() {
+    const MIB: u64 = 1 << 20;
+    // Room for both commits' records (the suite's 8 MiB log holds neither).
+    const LOG_BYTES: u64 = 24 * MIB;
+    let f = Fixture::start("pool-mirrored");
+    let Fixture::Mirrored(a, b) = &f else {
+        unreachable!("a mirrored fixture")
+    };
+    let config = |servers: Vec<std::net::SocketAddr>, recover: bool| {
+        let backend = camelot_rvm::BackendConfig::Pool {
+            servers,
+            token: None,
+            log_bytes: LOG_BYTES,
+        };
+        camelot_rvm::Config::new(backend, "bigmirror").recover(recover)
+    };
+    let (a, b) = (a.addrs()[0], b.addrs()[0]);
+    let first = pattern(3, (9 * MIB) as usize + 123);
+    let second = pattern(4, (5 * MIB) as usize);
+    let rvm = Rvm::open(config(vec![a, b], false)).expect("open");
+    let s = rvm.alloc("s", 10 * MIB).expect("alloc");
+    for (off, data) in [(7, &first), (MIB / 2, &second)] {
+        let mut t = rvm.begin();
+        t.set_range(&s, off, data.len() as u64).expect("declare");
+        t.write(&s, off, data).expect("write");
+        t.commit().expect("commit");
+    }
+    drop(s);
+    drop(rvm);
+    let mut want = vec![0u8; (10 * MIB) as usize];
+    want[7..7 + first.len()].copy_from_slice(&first);
+    want[(MIB / 2) as usize..(MIB / 2) as usize + second.len()].copy_from_slice(&second);
+    for server in [a, b] {
+        let rvm = Rvm::open(config(vec![server], true)).expect("recover from one mirror");
+        let s = rvm.segment("s").expect("recovered");
+        assert!(
+            s.read(0, want.len()).expect("read") == want,
+            "{server} does not hold both commits whole"
+        );
+    }
+}
+
 macro_rules! suite {
     ($($backend:ident => $kind:literal),*) => {$(
         mod $backend {

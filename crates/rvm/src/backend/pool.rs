@@ -170,28 +170,85 @@ impl PoolBackend {
     }
 
     /// Submits `ops(replica)` on every replica, then waits for every answer: one round
-    /// trip for all of them.
+    /// trip for all of them. A batch of at least `MIRROR_THREAD_BYTES_MIN` is fed to each
+    /// further mirror by a thread of its own: one thread writing both, the second
+    /// mirror's queued frames waited until the whole first batch was written.
     fn on_all(
         &self,
         replicas: &[&Replica],
         ops: impl Fn(&Replica) -> Result<Vec<Op>>,
     ) -> Result<()> {
-        let mut pending: Vec<Pending> = Vec::new();
-        for r in replicas {
-            for op in ops(r)? {
-                pending.push(r.client.submit(0, op)?);
+        let batches: Vec<Vec<Op>> = replicas.iter().map(|r| ops(r)).collect::<Result<_>>()?;
+        let bulk_bytes: usize = batches
+            .first()
+            .map_or(0, |b| b.iter().map(Op::bulk_len).sum());
+        if replicas.len() < 2 || bulk_bytes < MIRROR_THREAD_BYTES_MIN {
+            let pending = replicas
+                .iter()
+                .zip(batches)
+                .map(|(r, batch)| submit_all(r, batch))
+                .collect::<Result<Vec<_>>>()?;
+            return wait_all(pending.into_iter().flatten());
+        }
+        std::thread::scope(|scope| {
+            let mut helpers = Vec::new();
+            let mut batches = batches.into_iter();
+            let first = batches.next().unwrap_or_default();
+            for (r, batch) in replicas[1..].iter().zip(batches) {
+                let spawned = std::thread::Builder::new()
+                    .name("rvm-mirror".into())
+                    .spawn_scoped(scope, move || submit_all(r, batch).and_then(wait_all));
+                match spawned {
+                    Ok(h) => helpers.push(Ok(h)),
+                    // No thread to be had: this mirror is fed from here, after the first.
+                    Err(_) => helpers.push(Err(*r)),
+                }
             }
-        }
-        let mut first_err = None;
-        for p in pending {
-            if let Err(e) = reply::done(p.wait()) {
-                first_err.get_or_insert(e);
+            let mut result = submit_all(replicas[0], first).and_then(wait_all);
+            for h in helpers {
+                let r = match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| {
+                        Err(RvmError::Unavailable(
+                            "a mirror's writer thread panicked".into(),
+                        ))
+                    }),
+                    Err(r) => ops(r)
+                        .and_then(|batch| submit_all(r, batch))
+                        .and_then(wait_all),
+                };
+                if let (Ok(()), Err(e)) = (&result, r) {
+                    result = Err(e);
+                }
             }
+            result
+        })
+    }
+}
+
+/// Bytes of WRITE payload per replica from which [`PoolBackend::on_all`] feeds each
+/// further mirror from a thread of its own; below it a thread start costs more than a
+/// transfer (a 4 MiB write takes milliseconds, starting a thread tens of microseconds).
+const MIRROR_THREAD_BYTES_MIN: usize = 4 << 20;
+
+fn submit_all(r: &Replica, batch: Vec<Op>) -> Result<Vec<Pending>> {
+    batch
+        .into_iter()
+        .map(|op| r.client.submit(0, op).map_err(Into::into))
+        .collect()
+}
+
+/// Waits for every answer (even after a failure, so nothing is left in flight) and
+/// returns the first error.
+fn wait_all(pending: impl IntoIterator<Item = Pending>) -> Result<()> {
+    let mut first_err = None;
+    for p in pending {
+        if let Err(e) = reply::done(p.wait()) {
+            first_err.get_or_insert(e);
         }
-        match first_err {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
-        }
+    }
+    match first_err {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
     }
 }
 
