@@ -3,8 +3,8 @@
 //! its CPU.
 //!
 //! Why: a client's request to a sleeping loop pays for waking it (in the client's own
-//! `send`, `sock_def_readable` → `try_to_wake_up`: 7% of redis-benchmark's time in
-//! `perf record`, BENCHMARKS.md), and the answer waits for the scheduler to run the
+//! `send`, `sock_def_readable` → `try_to_wake_up`: 7–11% of redis-benchmark's time in
+//! `perf record` against redis-server, BENCHMARKS.md), and the answer waits for the scheduler to run the
 //! loop again. While requests keep coming, a loop that is still polling takes them
 //! without either cost. The spin stops `SPIN_IDLE` after the last command, so an idle
 //! server sleeps as before.
@@ -14,8 +14,8 @@
 //! counts the time a thread sat runnable without a CPU (`run_delay`,
 //! `/proc/thread-self/schedstat`): with redis-benchmark alone on the machine it is 1–4%
 //! of the wall clock, next to three busy programs 35–40% (BENCHMARKS.md). The loop
-//! reads it every `CHECK_PERIOD` and only spins while it stays under
-//! `CONTENDED_PER_MILLE`.
+//! reads it every `CHECK_PERIOD` and stops spinning after `CONTENDED_PERIODS` in a row
+//! over `CONTENDED_PER_MILLE`; one quiet period starts it again.
 //!
 //! Only on the port's own event-loop threads (`--resp-threads` ≥ 1): on the shared
 //! worker pool a spinning task would hold a worker the native port needs.
@@ -37,6 +37,8 @@ const CHECK_PERIOD: Duration = Duration::from_millis(20);
 /// Run delay, in thousandths of the wall clock, above which the loop does not spin:
 /// far from both the quiet (10–40) and the contended (350–400) figures.
 const CONTENDED_PER_MILLE: u128 = 150;
+/// Contended periods in a row that stop the spin.
+const CONTENDED_PERIODS: u32 = 2;
 /// `/proc/thread-self/schedstat` is three numbers; anything longer is not that file.
 const SCHEDSTAT_BYTES_MAX: usize = 128;
 
@@ -114,6 +116,16 @@ fn check(stat: &mut SchedStat, mark: &mut Mark, wall: Instant) -> Option<Option<
     Some(Some(contended))
 }
 
+/// Counts contended periods in a row and says whether the loop may spin.
+fn settle(contended_run: &mut u32, contended: bool) -> bool {
+    *contended_run = if contended {
+        contended_run.saturating_add(1)
+    } else {
+        0
+    };
+    *contended_run < CONTENDED_PERIODS
+}
+
 /// Runs for the life of one single-threaded event loop. Each `yield_now` hands the
 /// thread back to tokio, which, with nothing else runnable, polls its I/O driver without
 /// blocking before running this task again: that is the spin. Returns (and the loop
@@ -127,6 +139,9 @@ pub(crate) async fn spin_loop() {
         return;
     };
     let mut spin = true;
+    // Contended check periods in a row; one alone (a compiler starting, the client
+    // landing on this CPU for a moment) does not stop the spin.
+    let mut contended_run = 0u32;
     let mut seen = ACTIVITY.with(Cell::get);
     loop {
         // Asleep until a connection reports work.
@@ -146,7 +161,7 @@ pub(crate) async fn spin_loop() {
         // machine is quiet.
         match check(&mut stat, &mut mark, last_work) {
             None => return,
-            Some(Some(contended)) => spin = !contended,
+            Some(Some(contended)) => spin = settle(&mut contended_run, contended),
             Some(None) => {}
         }
         while spin {
@@ -161,7 +176,7 @@ pub(crate) async fn spin_loop() {
             }
             match check(&mut stat, &mut mark, wall) {
                 None => return,
-                Some(Some(contended)) => spin = !contended,
+                Some(Some(contended)) => spin = settle(&mut contended_run, contended),
                 Some(None) => {}
             }
         }
@@ -204,6 +219,20 @@ mod tests {
         assert!(mark.contended(&after(20, 7_000_000)));
         // A clock that did not move is never contention (no division by zero).
         assert!(!mark.contended(&after(0, 0)));
+    }
+
+    #[test]
+    fn one_contended_period_alone_does_not_stop_the_spin() {
+        let mut run = 0;
+        assert!(settle(&mut run, true), "a single period is tolerated");
+        assert!(settle(&mut run, false));
+        assert!(
+            settle(&mut run, true),
+            "the count restarted after a quiet period"
+        );
+        assert!(!settle(&mut run, true), "two in a row stop it");
+        assert!(!settle(&mut run, true));
+        assert!(settle(&mut run, false), "a quiet period starts it again");
     }
 
     #[test]
