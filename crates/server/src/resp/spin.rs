@@ -4,10 +4,10 @@
 //!
 //! Why: a client's request to a sleeping loop pays for waking it (in the client's own
 //! `send`, `sock_def_readable` → `try_to_wake_up`: 7–11% of redis-benchmark's time in
-//! `perf record` against redis-server, BENCHMARKS.md), and the answer waits for the scheduler to run the
-//! loop again. While requests keep coming, a loop that is still polling takes them
-//! without either cost. The spin stops `SPIN_IDLE` after the last command, so an idle
-//! server sleeps as before.
+//! `perf record` against redis-server, BENCHMARKS.md), and the answer waits for the
+//! scheduler to run the loop again. While requests keep coming, a loop that is still
+//! polling takes them without either cost. The spin stops `SPIN_IDLE` after the last
+//! command, so an idle server sleeps as before.
 //!
 //! On a CPU other programs want, polling is a loss: the loop uses up its share on
 //! nothing, then the client and the loop both wait behind those programs. The kernel
