@@ -12,8 +12,8 @@
 //! On a CPU other programs want, polling is a loss: the loop uses up its share on
 //! nothing, then the client and the loop both wait behind those programs. The kernel
 //! counts the time a thread sat runnable without a CPU (`run_delay`,
-//! `/proc/thread-self/schedstat`): with redis-benchmark alone on the machine it is 1–4%
-//! of the wall clock, next to three busy programs 35–40% (BENCHMARKS.md). The loop
+//! `/proc/thread-self/schedstat`): with redis-benchmark alone on the machine it is 1.5–4.5%
+//! of the wall clock, next to three busy programs 35–45% (BENCHMARKS.md). The loop
 //! reads it every `CHECK_PERIOD` and stops spinning after `CONTENDED_PERIODS` in a row
 //! over `CONTENDED_PER_MILLE`; one quiet period starts it again.
 //!
@@ -35,7 +35,7 @@ pub const SPIN_IDLE: Duration = Duration::from_micros(100);
 /// another program's time slices, short enough to stop spinning soon after they start.
 const CHECK_PERIOD: Duration = Duration::from_millis(20);
 /// Run delay, in thousandths of the wall clock, above which the loop does not spin:
-/// far from both the quiet (10–40) and the contended (350–400) figures.
+/// far from both the quiet (15–45) and the contended (350–450) figures.
 const CONTENDED_PER_MILLE: u128 = 150;
 /// Contended periods in a row that stop the spin.
 const CONTENDED_PERIODS: u32 = 2;
