@@ -311,6 +311,8 @@ fn spawn_event_loops(
             .spawn(move || {
                 let result = runtime.block_on(async move {
                     let listener = TcpListener::from_std(listener).map_err(ServerError::Runtime)?;
+                    // Dropped with the runtime once the accept loop has drained.
+                    tokio::spawn(resp::spin_loop());
                     accept_loop(listener, face, stop, limits).await
                 });
                 // Nobody listening means the handle was dropped: nothing to report to.

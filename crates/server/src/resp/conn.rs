@@ -148,6 +148,9 @@ async fn run_buffered(
         inbuf.reserve(needed - inbuf.len());
     }
     ctx.state.stats().add_resp_commands(commands);
+    if commands > 0 {
+        super::spin::note_activity();
+    }
     if !out.is_empty() {
         write_out(stream, out, ctx.state).await?;
     }

@@ -4,5 +4,7 @@
 pub mod codec;
 pub mod commands;
 mod conn;
+mod spin;
 
 pub(crate) use conn::{refuse, serve, RespShared};
+pub(crate) use spin::spin_loop;
