@@ -74,6 +74,11 @@ struct ServerArgs {
     /// 0 serves it on the worker pool the native port uses.
     #[arg(long, default_value_t = camelot_server::RESP_THREADS_DEFAULT)]
     resp_threads: usize,
+    /// Microseconds each Redis-port event loop keeps polling after its last command, so
+    /// a busy client's next request needs no wake-up; it stops by itself while other
+    /// programs want the CPU. 0: sleep at once, as Redis does. At most 10000.
+    #[arg(long, value_name = "US", default_value_t = camelot_server::resp::SPIN_IDLE_DEFAULT.as_micros() as u64)]
+    resp_poll_us: u64,
 }
 
 #[derive(Args)]
@@ -477,6 +482,7 @@ fn server(a: ServerArgs) -> Result<()> {
         cfg.connections_max = a.connections_max;
         cfg.resp_listen = a.resp_listen.as_deref().map(resolve).transpose()?;
         cfg.resp_threads = a.resp_threads;
+        cfg.resp_poll = std::time::Duration::from_micros(a.resp_poll_us);
         let handle = ServerHandle::start(cfg)
             .await
             .with_context(|| format!("cannot start a server on {listen}"))?;

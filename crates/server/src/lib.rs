@@ -54,6 +54,10 @@ pub struct ServerConfig {
     /// work-stealing runtime spends more on waking its idle workers than the work is
     /// worth: measured with redis-benchmark on two cores, see BENCHMARKS.md.
     pub resp_threads: usize,
+    /// How long each of those event loops keeps polling after its last command, while
+    /// its CPU is not wanted by others (see `resp::spin`); zero: sleep at once, as
+    /// Redis does. At most [`resp::SPIN_IDLE_MAX`].
+    pub resp_poll: Duration,
 }
 
 impl ServerConfig {
@@ -68,6 +72,7 @@ impl ServerConfig {
             handshake_timeout: Duration::from_secs(5),
             resp_listen: None,
             resp_threads: RESP_THREADS_DEFAULT,
+            resp_poll: resp::SPIN_IDLE_DEFAULT,
         }
     }
 }
@@ -159,6 +164,13 @@ impl ServerHandle {
                 )));
             }
         }
+        if config.resp_poll > resp::SPIN_IDLE_MAX {
+            return Err(ServerError::Config(format!(
+                "the Redis port polls at most {:?} after its last command, not {:?}",
+                resp::SPIN_IDLE_MAX,
+                config.resp_poll
+            )));
+        }
         let (listener, local_addr) = bind(config.listen).await?;
         let resp = match config.resp_listen {
             Some(addr) => Some(bind(addr).await?),
@@ -196,8 +208,14 @@ impl ServerHandle {
                     limits,
                 )));
             } else {
-                resp_accept =
-                    spawn_event_loops(listener, face, &stop_rx, limits, config.resp_threads)?;
+                resp_accept = spawn_event_loops(
+                    listener,
+                    face,
+                    &stop_rx,
+                    limits,
+                    config.resp_threads,
+                    config.resp_poll,
+                )?;
             }
         }
         tokio::spawn(sweep_loop(Arc::clone(&state), stop_rx.clone()));
@@ -290,12 +308,14 @@ fn spawn_event_loops(
     stop: &watch::Receiver<bool>,
     limits: AcceptLimits,
     threads: usize,
+    poll: Duration,
 ) -> Result<Vec<JoinHandle<Result<(), ServerError>>>, ServerError> {
     if threads > RESP_THREADS_MAX {
         return Err(ServerError::Config(format!(
             "the Redis port takes at most {RESP_THREADS_MAX} threads, not {threads}"
         )));
     }
+
     let listener = listener.into_std().map_err(ServerError::Runtime)?;
     let mut loops = Vec::with_capacity(threads);
     for i in 0..threads {
@@ -312,7 +332,7 @@ fn spawn_event_loops(
                 let result = runtime.block_on(async move {
                     let listener = TcpListener::from_std(listener).map_err(ServerError::Runtime)?;
                     // Dropped with the runtime once the accept loop has drained.
-                    tokio::spawn(resp::spin_loop());
+                    tokio::spawn(resp::spin_loop(poll));
                     accept_loop(listener, face, stop, limits).await
                 });
                 // Nobody listening means the handle was dropped: nothing to report to.

@@ -90,3 +90,20 @@ async fn resp_loop_stops_polling_once_idle() {
     drop(conn);
     server.shutdown().await.expect("clean shutdown");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polling_window_past_the_limit_is_refused_before_listening() {
+    let mut config = ServerConfig::new("127.0.0.1:0".parse().unwrap(), 64 << 20);
+    config.resp_listen = Some("127.0.0.1:0".parse().unwrap());
+    config.resp_poll = camelot_server::resp::SPIN_IDLE_MAX + Duration::from_micros(1);
+    let refused = timeout(WAIT, ServerHandle::start(config))
+        .await
+        .expect("start timed out");
+    match refused {
+        Err(camelot_server::ServerError::Config(message)) => {
+            assert!(message.contains("polls at most"), "{message}")
+        }
+        Err(other) => panic!("refused for another reason: {other}"),
+        Ok(_) => panic!("a polling window past the limit was accepted"),
+    }
+}

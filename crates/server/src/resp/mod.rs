@@ -8,3 +8,4 @@ mod spin;
 
 pub(crate) use conn::{refuse, serve, RespShared};
 pub(crate) use spin::spin_loop;
+pub use spin::{SPIN_IDLE_DEFAULT, SPIN_IDLE_MAX};

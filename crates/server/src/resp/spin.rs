@@ -6,7 +6,7 @@
 //! `send`, `sock_def_readable` → `try_to_wake_up`: 7–11% of redis-benchmark's time in
 //! `perf record` against redis-server, BENCHMARKS.md), and the answer waits for the
 //! scheduler to run the loop again. While requests keep coming, a loop that is still
-//! polling takes them without either cost. The spin stops `SPIN_IDLE` after the last
+//! polling takes them without either cost. The spin stops `spin_idle` after the last
 //! command, so an idle server sleeps as before.
 //!
 //! On a CPU other programs want, polling is a loss: the loop uses up its share on
@@ -27,10 +27,13 @@ use std::os::unix::fs::FileExt;
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
-/// How long a loop keeps polling after its last command. Long enough to cover the gap
-/// between a reply and the next request of a busy client over loopback (tens of µs),
-/// short enough that a lone slow client costs little CPU.
-pub const SPIN_IDLE: Duration = Duration::from_micros(100);
+/// How long a loop keeps polling after its last command unless configured otherwise
+/// (`ServerConfig::resp_poll`). Long enough to cover the gap between a reply and the
+/// next request of a busy client over loopback (tens of µs), short enough that a lone
+/// slow client costs little CPU.
+pub const SPIN_IDLE_DEFAULT: Duration = Duration::from_micros(100);
+/// The longest polling window accepted: past this a "poll" is a busy core.
+pub const SPIN_IDLE_MAX: Duration = Duration::from_millis(10);
 /// How often the loop re-reads its run delay: long enough to average over a few of
 /// another program's time slices, short enough to stop spinning soon after they start.
 const CHECK_PERIOD: Duration = Duration::from_millis(20);
@@ -131,7 +134,10 @@ fn settle(contended_run: &mut u32, contended: bool) -> bool {
 /// blocking before running this task again: that is the spin. Returns (and the loop
 /// never spins) where the run delay cannot be read, since it could not tell when
 /// spinning hurts.
-pub(crate) async fn spin_loop() {
+pub(crate) async fn spin_loop(spin_idle: Duration) {
+    if spin_idle.is_zero() {
+        return;
+    }
     let Some(mut stat) = SchedStat::open() else {
         return;
     };
@@ -171,7 +177,7 @@ pub(crate) async fn spin_loop() {
             if now != seen {
                 seen = now;
                 last_work = wall;
-            } else if wall.saturating_duration_since(last_work) >= SPIN_IDLE {
+            } else if wall.saturating_duration_since(last_work) >= spin_idle {
                 break;
             }
             match check(&mut stat, &mut mark, wall) {
