@@ -82,12 +82,6 @@ impl Completion {
         }
     }
 
-    /// Wakes a thread blocked on this slot without giving it an answer (it then tries
-    /// to read the socket itself). False if no thread was blocked on it.
-    pub(crate) fn nudge(&self) -> bool {
-        self.ready.notify_one()
-    }
-
     /// Wakes whoever waits on this slot (a blocked thread, and `waker`'s task if any).
     pub(crate) fn wake(&self, waker: Option<Waker>) {
         self.ready.notify_one();
@@ -133,10 +127,7 @@ impl Pending {
                                     after: self.timeout,
                                 });
                             }
-                            // Woken with no answer: the reader handed reading to us
-                            // (see `Shared::hand_over_reading`), so read.
                             *st = State::Waiting(None);
-                            tried_reading = false;
                             continue;
                         }
                     }
