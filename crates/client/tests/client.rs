@@ -23,6 +23,19 @@ fn client(c: &DevCluster, config: ClientConfig) -> Result<Client, ClientError> {
     Client::connect(ClusterMap::from_addrs(c.addrs()), config)
 }
 
+/// A client whose requests to a node all share one connection, so frame counts and
+/// frame contents can be reasoned about.
+fn one_connection_client(c: &DevCluster) -> Client {
+    client(
+        c,
+        ClientConfig {
+            connections_per_node: 1,
+            ..ClientConfig::default()
+        },
+    )
+    .expect("connect")
+}
+
 fn stat(stats: &[(String, u64)], name: &str) -> u64 {
     stats
         .iter()
@@ -310,14 +323,7 @@ fn frames_mixing_small_and_big_payloads_arrive_intact() {
     const SLOT: usize = 128 << 10;
     let sizes = [100usize, 70_000, 1, SLOT, 65_535, 65_536, 4096, 100_000];
     let c = cluster(1, 8 << 20, None);
-    let cl = client(
-        &c,
-        ClientConfig {
-            connections_per_node: 1,
-            ..ClientConfig::default()
-        },
-    )
-    .expect("connect");
+    let cl = one_connection_client(&c);
     let r = cl
         .alloc((SLOT * sizes.len() * 4) as u64, None)
         .expect("alloc");
@@ -362,14 +368,7 @@ fn big_pipelined_transfers_travel_in_frames_near_the_target_size() {
     const CHUNK: usize = 1 << 20;
     const CHUNKS: usize = 12;
     let c = cluster(1, 16 << 20, None);
-    let cl = client(
-        &c,
-        ClientConfig {
-            connections_per_node: 1,
-            ..ClientConfig::default()
-        },
-    )
-    .expect("connect");
+    let cl = one_connection_client(&c);
     let r = cl.alloc((CHUNK * CHUNKS) as u64, None).expect("alloc");
     let batches = || stat(&c.stats()[0], "batches");
     // No frame may carry more than the target's worth of payload, so 12 MiB each way
