@@ -3,13 +3,21 @@
 
 mod common;
 
-use camelot_rvm::{limits, Rvm, RvmError};
+use camelot_rvm::{limits, Rvm, RvmError, Segment};
 use common::Fixture;
 use rand::{Rng, SeedableRng};
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
     (0..len).map(|_| rng.gen()).collect()
+}
+
+/// Commits `data` at `off` of `s` as a transaction of its own.
+fn commit_one_write(rvm: &Rvm, s: &Segment, off: u64, data: &[u8]) {
+    let mut t = rvm.begin();
+    t.set_range(s, off, data.len() as u64).expect("declare");
+    t.write(s, off, data).expect("write");
+    t.commit().expect("commit");
 }
 
 fn commit_and_recover(f: &Fixture) {
@@ -318,12 +326,7 @@ fn placed_writes_keep_log_order(f: &Fixture) {
     let big = pattern(2, 2 * MIB as usize);
     let rvm = Rvm::open(f.config("placed", false)).expect("open");
     let s = rvm.alloc("s", 4 * MIB).expect("alloc");
-    let write = |off: u64, data: &[u8]| {
-        let mut t = rvm.begin();
-        t.set_range(&s, off, data.len() as u64).expect("declare");
-        t.write(&s, off, data).expect("write");
-        t.commit().expect("commit");
-    };
+    let write = |off: u64, data: &[u8]| commit_one_write(&rvm, &s, off, data);
     write(MIB + 300 * 4096 + 10, b"older");
     write(5, b"outside");
     write(MIB, &big);
@@ -365,12 +368,7 @@ fn corrupt_placed_record_is_not_published_pool() {
     let f = Fixture::start("pool");
     let rvm = Rvm::open(f.config("torn", false)).expect("open");
     let s = rvm.alloc("s", 4 * MIB).expect("alloc");
-    let write = |off: u64, data: &[u8]| {
-        let mut t = rvm.begin();
-        t.set_range(&s, off, data.len() as u64).expect("declare");
-        t.write(&s, off, data).expect("write");
-        t.commit().expect("commit");
-    };
+    let write = |off: u64, data: &[u8]| commit_one_write(&rvm, &s, off, data);
     write(0, b"before");
     let good = pattern(3, 2 * MIB as usize);
     write(MIB, &good);
@@ -500,10 +498,7 @@ fn a_big_mirrored_commit_is_whole_on_each_mirror() {
     let rvm = Rvm::open(config(vec![a, b], false)).expect("open");
     let s = rvm.alloc("s", 10 * MIB).expect("alloc");
     for (off, data) in [(7, &first), (MIB / 2, &second)] {
-        let mut t = rvm.begin();
-        t.set_range(&s, off, data.len() as u64).expect("declare");
-        t.write(&s, off, data).expect("write");
-        t.commit().expect("commit");
+        commit_one_write(&rvm, &s, off, data);
     }
     drop(s);
     drop(rvm);
