@@ -22,7 +22,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -81,7 +81,12 @@ pub(crate) struct Shared {
     poked: Mutex<bool>,
     poke: Condvar,
     request_timeout: Duration,
+    /// The CPU the reader thread should run on (`NO_CPU`: anywhere): where the first
+    /// pinned thread to use this connection runs (see `affinity.rs`).
+    reader_cpu: AtomicUsize,
 }
+
+const NO_CPU: usize = usize::MAX;
 
 pub(crate) struct ReadBuf {
     stream: TcpStream,
@@ -186,6 +191,7 @@ impl Conn {
             poked: Mutex::new(false),
             poke: Condvar::new(),
             request_timeout: config.request_timeout,
+            reader_cpu: AtomicUsize::new(NO_CPU),
         });
         std::thread::Builder::new()
             .name(format!("camelot-r-{addr}"))
@@ -607,8 +613,31 @@ impl Shared {
     /// The connection's own reader: reads whenever answers are owed and no waiting
     /// thread is reading, and otherwise sleeps until poked or for one watchdog tick (so
     /// late answers are still timed out and unclaimed answers still collected).
+    /// Asks the reader thread to run on `cpu` from now on, unless an earlier pinned user
+    /// already chose (one atomic load once chosen: this is on every request's path).
+    pub(crate) fn prefer_reader_cpu(&self, cpu: usize) {
+        if self.reader_cpu.load(Ordering::Relaxed) == NO_CPU
+            && self
+                .reader_cpu
+                .compare_exchange(NO_CPU, cpu, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.poke();
+        }
+    }
+
     fn reader_thread(&self) {
+        let mut pinned = false;
         loop {
+            if !pinned {
+                let cpu = self.reader_cpu.load(Ordering::Relaxed);
+                if cpu != NO_CPU {
+                    if !crate::affinity::pin_current(cpu) {
+                        tracing::debug!(addr = %self.addr, cpu, "could not pin a reader thread");
+                    }
+                    pinned = true;
+                }
+            }
             if self.dead.load(Ordering::Acquire) {
                 return;
             }

@@ -15,6 +15,7 @@
 //! # Ok::<(), ClientError>(())
 //! ```
 
+mod affinity;
 mod completion;
 mod conn;
 mod event_loop;
@@ -68,6 +69,11 @@ pub struct ClientConfig {
     /// on YCSB C with 16 threads: about 1.5 instead of 1.9 context switches per operation
     /// in the driver-and-server process, and less CPU per operation).
     pub frames_ahead: usize,
+    /// Threads pinned to one CPU share connections only with threads pinned to the same
+    /// CPU, and a connection's reader thread is pinned where its pinned users are, so
+    /// answering them wakes no other CPU (see `affinity.rs`). Unpinned threads are
+    /// unaffected. Off: every thread is spread by arrival order, for comparison.
+    pub cpu_local: bool,
 }
 
 /// Most frames a client may ask to keep in flight ahead of answers.
@@ -105,6 +111,7 @@ impl Default for ClientConfig {
             request_timeout: Duration::from_secs(10),
             queue_requests_max: QUEUE_REQUESTS_MAX_DEFAULT,
             frames_ahead: 2,
+            cpu_local: true,
         }
     }
 }
@@ -277,6 +284,7 @@ struct Node {
 
 struct Inner {
     config: ClientConfig,
+    cpus: affinity::CpuClasses,
     map: RwLock<Arc<ClusterMap>>,
     nodes: RwLock<HashMap<NodeId, Arc<Node>>>,
     next_id: AtomicU64,
@@ -290,18 +298,19 @@ pub struct Client {
 }
 
 thread_local! {
-    // Spreads application threads over a node's connections without a shared counter on
-    // the hot path.
-    static THREAD_SLOT: Cell<usize> = const { Cell::new(usize::MAX) };
+    // Which connection a thread uses is decided once, at its first request, so its
+    // requests stay in order and the hot path asks the OS nothing.
+    static THREAD_PLACE: Cell<Option<affinity::ThreadPlace>> = const { Cell::new(None) };
 }
-static NEXT_THREAD_SLOT: AtomicUsize = AtomicUsize::new(0);
 
-fn thread_slot() -> usize {
-    THREAD_SLOT.with(|s| {
-        if s.get() == usize::MAX {
-            s.set(NEXT_THREAD_SLOT.fetch_add(1, Ordering::Relaxed));
+fn thread_place() -> affinity::ThreadPlace {
+    THREAD_PLACE.with(|p| match p.get() {
+        Some(place) => place,
+        None => {
+            let place = affinity::place_current_thread();
+            p.set(Some(place));
+            place
         }
-        s.get()
     })
 }
 
@@ -313,6 +322,7 @@ impl Client {
         let client = Client {
             inner: Arc::new(Inner {
                 config,
+                cpus: affinity::CpuClasses::of_current_thread(),
                 map: RwLock::new(Arc::new(ClusterMap {
                     epoch: 0,
                     nodes: vec![],
@@ -367,16 +377,24 @@ impl Client {
             .get(&node)
             .cloned()
             .ok_or(ClientError::UnknownNode(node))?;
-        let slot = &n.slots[thread_slot() % n.slots.len()];
-        let mut guard = slot.lock();
-        if let Some(c) = guard.as_ref() {
-            if !c.is_dead() {
-                return Ok(c.clone());
+        let place = thread_place();
+        let config = &self.inner.config;
+        let index =
+            affinity::connection_index(place, n.slots.len(), &self.inner.cpus, config.cpu_local);
+        let mut guard = n.slots[index].lock();
+        let conn = match guard.as_ref() {
+            Some(c) if !c.is_dead() => c.clone(),
+            _ => {
+                let (conn, _epoch) = Conn::connect(n.addr, config)?;
+                let conn = Arc::new(conn);
+                *guard = Some(conn.clone());
+                conn
             }
+        };
+        drop(guard);
+        if let Some(p) = place.pinned.filter(|_| config.cpu_local) {
+            conn.shared().prefer_reader_cpu(p.cpu);
         }
-        let (conn, _epoch) = Conn::connect(n.addr, &self.inner.config)?;
-        let conn = Arc::new(conn);
-        *guard = Some(conn.clone());
         Ok(conn)
     }
 

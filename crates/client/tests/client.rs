@@ -204,16 +204,48 @@ fn out_of_bounds_and_unaligned_accesses_are_refused() {
 
 #[test]
 fn concurrent_cas_loops_and_fetch_adds_reach_the_exact_sum() {
+    cas_loops_and_fetch_adds_race(Pinning::None);
+}
+
+/// The same race with threads pinned round-robin over the CPUs (so connections are
+/// shared only by threads of one CPU and their readers are pinned there), and with
+/// pinned and free threads mixed on the same connections.
+#[test]
+fn pinned_threads_reach_the_exact_sum_alone_and_mixed_with_free_ones() {
+    cas_loops_and_fetch_adds_race(Pinning::All);
+    cas_loops_and_fetch_adds_race(Pinning::Half);
+}
+
+#[derive(Clone, Copy)]
+enum Pinning {
+    None,
+    All,
+    Half,
+}
+
+fn cas_loops_and_fetch_adds_race(pinning: Pinning) {
     const THREADS: u64 = 8;
     const PER_THREAD: u64 = 10_000;
     let c = cluster(1, 1 << 20, None);
     let cl = client(&c, ClientConfig::default()).expect("connect");
     let r = cl.alloc(4096, None).expect("alloc");
     let barrier = Arc::new(Barrier::new(THREADS as usize));
-    let handles: Vec<_> = (0..THREADS)
-        .map(|_| {
+    let cores = core_affinity::get_core_ids().unwrap_or_default();
+    if !matches!(pinning, Pinning::None) {
+        assert!(!cores.is_empty(), "this machine's CPUs could not be listed");
+    }
+    let handles: Vec<_> = (0..THREADS as usize)
+        .map(|t| {
             let (cl, r, barrier) = (cl.clone(), r.clone(), barrier.clone());
+            let core = match pinning {
+                Pinning::All => Some(cores[t % cores.len()]),
+                Pinning::Half if t % 2 == 0 => Some(cores[(t / 2) % cores.len()]),
+                _ => None,
+            };
             thread::spawn(move || {
+                if let Some(core) = core {
+                    assert!(core_affinity::set_for_current(core), "pin to {core:?}");
+                }
                 barrier.wait();
                 let mut retries = 0u64;
                 for _ in 0..PER_THREAD {
