@@ -23,6 +23,8 @@ pub struct ThreadsConfig {
     pub threads: Vec<usize>,
     pub depth: usize,
     pub pin: bool,
+    /// Pinned threads share connections only within their CPU (`ClientConfig::cpu_local`).
+    pub cpu_local: bool,
     /// Tasks on one event-loop thread instead of OS threads (see `LoadSpec::event_loop`).
     pub event_loop: bool,
     /// One series per entry: `true` batched, `false` one request per frame.
@@ -47,6 +49,7 @@ impl Default for ThreadsConfig {
             threads: vec![1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64],
             depth: 1,
             pin: true,
+            cpu_local: true,
             event_loop: false,
             modes: vec![true],
             servers: Vec::new(),
@@ -133,7 +136,11 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
     let progress = Progress::new(total, "threads");
     let mut series = Vec::new();
     for &batched in &cfg.modes {
-        let client = target.connect(batched)?;
+        let client = target.connect_with(camelot_client::ClientConfig {
+            batching: batched,
+            cpu_local: cfg.cpu_local,
+            ..Default::default()
+        })?;
         let regions = workload::regions_on_every_node(&client, cfg.region_bytes)?;
         let mut s = Series::new(mode_label(batched));
         for &threads in &cfg.threads {
@@ -180,6 +187,7 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
         "threads": cfg.threads,
         "depth": cfg.depth,
         "pinned": cfg.pin,
+        "cpu_local": cfg.cpu_local,
         "modes": cfg.modes.iter().map(|b| mode_label(*b)).collect::<Vec<_>>(),
         "servers": if embedded { json!(format!("dev cluster of {} (in process)", cfg.dev_nodes)) }
                    else { json!(cfg.servers.iter().map(|a| a.to_string()).collect::<Vec<_>>()) },

@@ -72,10 +72,17 @@ impl Target {
     }
 
     pub fn connect(&self, batching: bool) -> Result<Client, BenchError> {
-        let config = ClientConfig {
-            token: self.token.clone(),
+        self.connect_with(ClientConfig {
             batching,
             ..ClientConfig::default()
+        })
+    }
+
+    /// A client with `config` (its token replaced by the target's).
+    pub fn connect_with(&self, config: ClientConfig) -> Result<Client, BenchError> {
+        let config = ClientConfig {
+            token: self.token.clone(),
+            ..config
         };
         Ok(Client::connect(
             ClusterMap::from_addrs(&self.addrs),

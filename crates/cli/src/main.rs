@@ -358,6 +358,11 @@ struct ThreadsArgs {
     /// Do not pin threads to cores (default: pinned round-robin).
     #[arg(long)]
     no_pin: bool,
+    /// Let pinned threads share connections with threads of other CPUs (by arrival
+    /// order, as unpinned threads do). Default: a pinned thread's connection is shared
+    /// only with threads of its own CPU, whose wake-ups then never cross CPUs.
+    #[arg(long)]
+    no_cpu_local: bool,
     /// Drive each thread count's load from that many tasks on one event-loop thread
     /// (the client's LoopClient face) instead of that many OS threads.
     #[arg(long)]
@@ -600,6 +605,7 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
         threads: a.threads,
         depth: a.depth,
         pin: !a.no_pin,
+        cpu_local: !a.no_cpu_local,
         event_loop: a.event_loop,
         modes: if a.compare_batching {
             vec![true, false]

@@ -610,9 +610,6 @@ impl Shared {
         self.poke.notify_one();
     }
 
-    /// The connection's own reader: reads whenever answers are owed and no waiting
-    /// thread is reading, and otherwise sleeps until poked or for one watchdog tick (so
-    /// late answers are still timed out and unclaimed answers still collected).
     /// Asks the reader thread to run on `cpu` from now on, unless an earlier pinned user
     /// already chose (one atomic load once chosen: this is on every request's path).
     pub(crate) fn prefer_reader_cpu(&self, cpu: usize) {
@@ -626,6 +623,9 @@ impl Shared {
         }
     }
 
+    /// The connection's own reader: reads whenever answers are owed and no waiting
+    /// thread is reading, and otherwise sleeps until poked or for one watchdog tick (so
+    /// late answers are still timed out and unclaimed answers still collected).
     fn reader_thread(&self) {
         let mut pinned = false;
         loop {
