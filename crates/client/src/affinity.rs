@@ -30,21 +30,33 @@ pub(crate) struct Pinned {
     pub rank: usize,
 }
 
-/// The CPUs the client's threads may run on, as seen when the client was created; a
-/// pinned thread's class is its CPU's position here.
+/// The machine's online CPUs, as seen when the client was created; a pinned thread's
+/// class is its CPU's position here.
 #[derive(Clone, Debug)]
 pub(crate) struct CpuClasses {
     cpus: Vec<usize>,
 }
 
+/// Most CPUs read from the OS's list; past this the rest share classes (still correct).
+const CPUS_MAX: usize = 4096;
+
 impl CpuClasses {
-    pub(crate) fn of_current_thread() -> CpuClasses {
-        let mut cpus: Vec<usize> = core_affinity::get_core_ids()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|c| c.id)
-            .collect();
-        cpus.sort_unstable();
+    /// From `/sys/devices/system/cpu/online`: every CPU a thread can be pinned to, whatever
+    /// the calling thread's own affinity. Where that cannot be read, the calling thread's
+    /// affinity mask stands in.
+    pub(crate) fn of_this_machine() -> CpuClasses {
+        let online = std::fs::read_to_string("/sys/devices/system/cpu/online")
+            .ok()
+            .and_then(|list| parse_cpu_list(&list));
+        let cpus = online.unwrap_or_else(|| {
+            let mut cpus: Vec<usize> = core_affinity::get_core_ids()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|c| c.id)
+                .collect();
+            cpus.sort_unstable();
+            cpus
+        });
         CpuClasses { cpus }
     }
 
@@ -89,6 +101,39 @@ pub(crate) fn connection_index(
             class + groups * (rank % members)
         }
     }
+}
+
+/// Whether a connection's pinned users all run on one CPU, so its reader may be pinned
+/// there: only when every CPU class has connections of its own. With fewer connections
+/// than CPUs a connection serves several CPUs, and pinning its reader to one of them
+/// would make it wait behind that CPU's threads.
+pub(crate) fn reader_may_follow(connections: usize, cpus: &CpuClasses) -> bool {
+    connections >= cpus.count()
+}
+
+/// A kernel CPU list such as `0-3,8,10-11` (sorted, without repeats); None if it is not
+/// one. At most [`CPUS_MAX`] CPUs are taken.
+fn parse_cpu_list(list: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',') {
+        let (lo, hi) = match part.split_once('-') {
+            Some((lo, hi)) => (lo.parse::<usize>().ok()?, hi.parse::<usize>().ok()?),
+            None => {
+                let one = part.parse::<usize>().ok()?;
+                (one, one)
+            }
+        };
+        if lo > hi {
+            return None;
+        }
+        // Bounded by CPUS_MAX whatever the range says.
+        for cpu in (lo..=hi).take(CPUS_MAX.saturating_sub(cpus.len())) {
+            cpus.push(cpu);
+        }
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    (!cpus.is_empty()).then_some(cpus)
 }
 
 /// The one CPU the calling thread may run on, if its affinity allows exactly one.
@@ -172,7 +217,55 @@ mod tests {
         assert!(j < 4);
     }
 
+    #[test]
+    fn cpu_lists_as_the_kernel_writes_them() {
+        assert_eq!(parse_cpu_list("0-1\n"), Some(vec![0, 1]));
+        assert_eq!(parse_cpu_list("0"), Some(vec![0]));
+        assert_eq!(
+            parse_cpu_list("0-2,8,10-11"),
+            Some(vec![0, 1, 2, 8, 10, 11])
+        );
+        assert_eq!(parse_cpu_list(""), None);
+        assert_eq!(parse_cpu_list("3-1"), None);
+        assert_eq!(parse_cpu_list("x"), None);
+        assert_eq!(
+            parse_cpu_list(&format!("0-{}", usize::MAX)).map(|c| c.len()),
+            Some(CPUS_MAX)
+        );
+    }
+
+    #[test]
+    fn this_machine_lists_at_least_the_cpu_we_run_on() {
+        let cpus = CpuClasses::of_this_machine();
+        assert!(cpus.count() >= 1);
+        if let Some(ids) = core_affinity::get_core_ids() {
+            for id in ids {
+                assert!(
+                    cpus.cpus.binary_search(&id.id).is_ok(),
+                    "cpu {} missing",
+                    id.id
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn readers_follow_their_users_only_when_no_connection_spans_cpus() {
+        let two = CpuClasses::new(vec![0, 1]);
+        assert!(reader_may_follow(4, &two));
+        assert!(reader_may_follow(2, &two));
+        assert!(!reader_may_follow(1, &two));
+    }
+
     proptest! {
+        #[test]
+        fn any_text_parses_or_is_refused_within_the_limit(list in ".{0,64}") {
+            if let Some(cpus) = parse_cpu_list(&list) {
+                prop_assert!(!cpus.is_empty() && cpus.len() <= CPUS_MAX);
+                prop_assert!(cpus.windows(2).all(|w| w[0] < w[1]));
+            }
+        }
+
         #[test]
         fn index_is_in_range_and_cpus_share_only_when_they_must(
             n_cpus in 1usize..12,

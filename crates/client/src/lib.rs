@@ -322,7 +322,7 @@ impl Client {
         let client = Client {
             inner: Arc::new(Inner {
                 config,
-                cpus: affinity::CpuClasses::of_current_thread(),
+                cpus: affinity::CpuClasses::of_this_machine(),
                 map: RwLock::new(Arc::new(ClusterMap {
                     epoch: 0,
                     nodes: vec![],
@@ -393,7 +393,9 @@ impl Client {
         };
         drop(guard);
         if let Some(p) = place.pinned.filter(|_| config.cpu_local) {
-            conn.shared().prefer_reader_cpu(p.cpu);
+            if affinity::reader_may_follow(n.slots.len(), &self.inner.cpus) {
+                conn.shared().prefer_reader_cpu(p.cpu);
+            }
         }
         Ok(conn)
     }
