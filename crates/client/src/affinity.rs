@@ -5,14 +5,14 @@
 //! machines this runs on, a futex hand-off between two threads on one vCPU costs about
 //! 1.7 µs of CPU, and to a thread on the other (idle) vCPU about 15 µs (IPI and halt
 //! exits; BENCHMARKS.md). With a connection's users and its reader thread on one CPU,
-//! those wake-ups stay local: 16 pinned threads × depth 16 went from ~1.24M to ~1.40M
-//! reads/s, and 8 threads of 4 KiB requests from 0.67 to 0.80 of the iperf3 stream.
+//! those wake-ups stay local: 16 pinned threads × depth 16 of 64 B reads went from
+//! 1.17–1.27M to 1.38–1.48M reads/s in three alternating pairs (BENCHMARKS.md).
 //!
 //! The placement is pure ([`connection_index`]); the OS is asked only which CPU a thread
 //! is pinned to ([`pinned_cpu`]) and to pin a reader ([`pin_current`]).
 
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Where the calling thread stands, fixed at its first request.
@@ -152,17 +152,14 @@ pub(crate) fn pin_current(cpu: usize) -> bool {
 
 /// How many threads have been seen pinned to each CPU: a pinned thread's rank. Touched
 /// once per thread, at its first request.
-static PINNED_SEEN: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
+static PINNED_SEEN: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
 static THREADS_SEEN: AtomicUsize = AtomicUsize::new(0);
 
 /// The calling thread's place, decided now (callers cache it per thread).
 pub(crate) fn place_current_thread() -> ThreadPlace {
     let pinned = pinned_cpu().map(|cpu| {
         let mut seen = PINNED_SEEN.lock();
-        let n = seen
-            .get_or_insert_with(HashMap::new)
-            .entry(cpu)
-            .or_insert(0);
+        let n = seen.entry(cpu).or_insert(0);
         let rank = *n;
         *n += 1;
         Pinned { cpu, rank }
@@ -177,6 +174,7 @@ pub(crate) fn place_current_thread() -> ThreadPlace {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::HashMap;
 
     #[test]
     fn two_cpus_four_connections_never_share_a_connection_across_cpus() {

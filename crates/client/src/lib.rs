@@ -285,6 +285,9 @@ struct Node {
 struct Inner {
     config: ClientConfig,
     cpus: affinity::CpuClasses,
+    /// `cpu_local` is on and no connection serves two CPUs: a pinned thread's connection
+    /// may pin its reader to that thread's CPU. Fixed for the client's life.
+    readers_follow: bool,
     map: RwLock<Arc<ClusterMap>>,
     nodes: RwLock<HashMap<NodeId, Arc<Node>>>,
     next_id: AtomicU64,
@@ -319,10 +322,14 @@ impl Client {
     /// not at the first request).
     pub fn connect(map: ClusterMap, config: ClientConfig) -> Result<Client, ClientError> {
         config.validate()?;
+        let cpus = affinity::CpuClasses::of_this_machine();
+        let readers_follow =
+            config.cpu_local && affinity::reader_may_follow(config.connections_per_node, &cpus);
         let client = Client {
             inner: Arc::new(Inner {
                 config,
-                cpus: affinity::CpuClasses::of_this_machine(),
+                cpus,
+                readers_follow,
                 map: RwLock::new(Arc::new(ClusterMap {
                     epoch: 0,
                     nodes: vec![],
@@ -392,10 +399,8 @@ impl Client {
             }
         };
         drop(guard);
-        if let Some(p) = place.pinned.filter(|_| config.cpu_local) {
-            if affinity::reader_may_follow(n.slots.len(), &self.inner.cpus) {
-                conn.shared().prefer_reader_cpu(p.cpu);
-            }
+        if let Some(p) = place.pinned.filter(|_| self.inner.readers_follow) {
+            conn.shared().prefer_reader_cpu(p.cpu);
         }
         Ok(conn)
     }
