@@ -6,7 +6,8 @@ use crate::hw::{cpu::CpuConfig, disk::DiskConfig, mem::MemConfig, net::NetConfig
 use crate::rvm::RvmBenchConfig;
 use crate::threads::ThreadsConfig;
 use crate::ycsb::{Workload, YcsbConfig};
-use crate::{report, BenchError, QuickConfig};
+use crate::{BenchError, QuickConfig};
+use camelot_results::report;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -102,6 +103,9 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
         crate::resp::run(&crate::resp::RespBenchConfig::defaults(quick), out)
             .map(|(files, _)| files)
     })?);
-    written.push(report::write_report(out)?);
+    written.push(report::write_report(
+        out,
+        &[crate::hw::limits::LIMITS_FILE_NAME],
+    )?);
     Ok(written)
 }

@@ -3,12 +3,13 @@
 //! on a shared 2-core machine only a same-run ratio means anything.
 
 use crate::hw::limits::{Against, Limits};
-use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
-use crate::schema::{now_rfc3339, BenchResult, Point, Series, X};
 use crate::workload::{self, LoadSpec, Measured, Mix, Target};
-use crate::{output, peers, BenchError};
+use crate::{peers, BenchError};
 use camelot_client::{Client, Region};
+use camelot_results::output;
+use camelot_results::plot::{series_points, Figure, Panel};
+use camelot_results::schema::{now_rfc3339, BenchResult, Point, Series, X};
 use serde_json::json;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -259,7 +260,7 @@ fn one_round(
     ));
 
     progress.set_message(&tag("redis-benchmark GET vs 64 B × 16 threads × 16"));
-    let redis = peers::RedisServer::start()?;
+    let redis = camelot_testkit::RedisServer::start()?;
     // GET of a missing key answers nil: set the key first so GETs return 64 bytes.
     peers::redis_benchmark(redis.addr(), &["-t", "set", "-d", "64", "-n", "1000"])?;
     let n = (cfg.requests * 2).to_string();

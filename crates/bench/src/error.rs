@@ -12,6 +12,8 @@ pub enum BenchError {
     /// A correctness check inside a benchmark failed: the figures of that run mean nothing.
     #[error("correctness check failed: {0}")]
     Check(String),
+    #[error(transparent)]
+    Results(#[from] camelot_results::ResultsError),
     #[error("I/O error on {}: {source}", path.display())]
     Io {
         path: PathBuf,
@@ -20,30 +22,12 @@ pub enum BenchError {
     },
     #[error("JSON error: {0}")]
     Json(#[from] serde_json::Error),
-    #[error("cannot draw the figure: {0}")]
-    Plot(String),
-    #[error(
-        "the peer program `{program}` is not installed: run scripts/setup.sh \
-         or `apt install {package}`"
-    )]
-    PeerMissing {
-        program: &'static str,
-        package: &'static str,
-    },
-    #[error("the peer program `{program}` failed: {detail}")]
-    PeerFailed {
-        program: &'static str,
-        detail: String,
-    },
-    /// It ran past its time limit and was killed.
-    #[error("the peer program `{program}` hung: {detail}")]
-    PeerTimedOut {
-        program: &'static str,
-        detail: String,
-    },
+    /// A peer program (or a camelot server process) could not be started, failed or hung.
+    #[error(transparent)]
+    Peer(#[from] camelot_testkit::TestkitError),
     /// A `bench hw net` peer spoke something other than the control protocol.
     #[error("net-bench control protocol: {0}")]
-    Control(#[from] crate::hw::netctl::ControlError),
+    Control(#[from] crate::netctl::ControlError),
     #[error("client error: {0}")]
     Client(#[from] camelot_client::ClientError),
     #[error("server error: {0}")]

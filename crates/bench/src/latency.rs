@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 
-use crate::schema::LatencySummary;
+use camelot_results::schema::LatencySummary;
 
 const LATENCY_NS_LOW: u64 = 1;
 /// 100 s: no single operation of a benchmark may legitimately take longer.

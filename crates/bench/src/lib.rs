@@ -1,15 +1,12 @@
-//! Shared machinery of the Camelot benchmarks: the JSON result schema, latency recording,
-//! figures, progress display and the peer programs the benchmarks compare against.
+//! The experiments behind `camelot bench …`: workloads, the machine's limits, the peer
+//! programs each comparison runs against, and the demo. What a run produces is a
+//! `camelot_results::schema::BenchResult`; figures and the report live in that crate.
 
 pub mod error;
 pub mod latency;
-pub mod machine;
-pub mod output;
+pub mod netctl;
 pub mod peers;
-pub mod plot;
 pub mod progress;
-pub mod report;
-pub mod schema;
 
 pub use error::BenchError;
 

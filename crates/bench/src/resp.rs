@@ -2,13 +2,14 @@
 //! against a real redis-server, in the same run, alternating, so the ratio is the figure.
 
 use crate::hw::median;
-use crate::output::write_result_with_figure;
-use crate::peers::{redis_benchmark, RedisServer};
-use crate::plot::{Figure, Panel};
+use crate::peers::redis_benchmark;
 use crate::progress::Progress;
-use crate::schema::{now_rfc3339, BenchResult, Point, Series};
 use crate::BenchError;
+use camelot_results::output::write_result_with_figure;
+use camelot_results::plot::{Figure, Panel};
+use camelot_results::schema::{now_rfc3339, BenchResult, Point, Series};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
+use camelot_testkit::RedisServer;
 use serde_json::json;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

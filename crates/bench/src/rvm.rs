@@ -8,13 +8,15 @@
 //! directory), as the seed restarted its server between trials.
 
 use crate::latency::LatencyRecorder;
-use crate::peers::{self, RedisServer};
-use crate::plot::{series_points, Figure, Panel};
+use crate::peers;
 use crate::progress::Progress;
-use crate::schema::{now_rfc3339, BenchResult, Point, Series};
-use crate::{output, BenchError};
+use crate::BenchError;
+use camelot_results::output;
+use camelot_results::plot::{series_points, Figure, Panel};
+use camelot_results::schema::{now_rfc3339, BenchResult, Point, Series};
 use camelot_rvm::{BackendConfig, Config, Rvm, RvmError};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
+use camelot_testkit::RedisServer;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -477,7 +479,11 @@ fn run(cfg: &RvmBenchConfig, out: &Path, what: Experiment) -> Result<Vec<PathBuf
         "ratios": ratios(&series, &peers, what),
     });
     let result = BenchResult::new(name, started, config, series);
-    output::write_result_with_figure(out, &result, &figure(&result, what))
+    Ok(output::write_result_with_figure(
+        out,
+        &result,
+        &figure(&result, what),
+    )?)
 }
 
 fn figure(result: &BenchResult, what: Experiment) -> Figure {

@@ -2,11 +2,12 @@
 //! against the number of client threads, batched and unbatched.
 
 use crate::hw::limits::Against;
-use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
-use crate::schema::{now_rfc3339, BenchResult, Point, Series};
 use crate::workload::{self, LoadSpec, Mix, Target, DEPTH_MAX, THREADS_MAX};
-use crate::{output, BenchError};
+use crate::BenchError;
+use camelot_results::output;
+use camelot_results::plot::{series_points, Figure, Panel};
+use camelot_results::schema::{now_rfc3339, BenchResult, Point, Series};
 use serde_json::json;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -199,7 +200,11 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
         config["tcp_stream_limit_bytes_per_sec"] = json!(limit);
     }
     let result = BenchResult::new("threads", started, config, series);
-    output::write_result_with_figure(out, &result, &figure(&result, cfg))
+    Ok(output::write_result_with_figure(
+        out,
+        &result,
+        &figure(&result, cfg),
+    )?)
 }
 
 /// Seed 000's figure: latency and throughput against threads, one line per mode.

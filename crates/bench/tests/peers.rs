@@ -3,10 +3,9 @@
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use camelot_bench::peers::{
-    iperf3_tcp_stream, redis_benchmark, sockperf_tcp_pingpong, RedisServer,
-};
+use camelot_bench::peers::{iperf3_tcp_stream, redis_benchmark, sockperf_tcp_pingpong};
 use camelot_bench::BenchError;
+use camelot_testkit::RedisServer;
 
 #[test]
 fn iperf3_streams_over_loopback() -> Result<(), BenchError> {

@@ -2,8 +2,8 @@
 //! memcached started by the harness: zero errors and zero value mismatches, and a result
 //! file in the schema.
 
-use camelot_bench::output::read_result;
 use camelot_bench::ycsb::{run, Workload, YcsbConfig};
+use camelot_results::output::read_result;
 
 #[test]
 fn every_workload_on_every_target_reads_back_what_it_wrote() {

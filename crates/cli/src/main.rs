@@ -624,7 +624,7 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
     }
     let written = camelot_bench::threads::run(&cfg, &a.out)?;
     if cfg.limits.is_some() {
-        let result = camelot_bench::output::read_result(&a.out.join("threads.json"))?;
+        let result = camelot_results::output::read_result(&a.out.join("threads.json"))?;
         for line in camelot_bench::threads::limits_summary(&result) {
             println!("{line}");
         }
@@ -774,7 +774,7 @@ fn bench_rvm(a: RvmArgs, commit: bool) -> Result<()> {
         camelot_bench::rvm::run_recovery(&cfg, &a.out)?
     };
     if let Some(json) = written.first() {
-        let result = camelot_bench::output::read_result(json)?;
+        let result = camelot_results::output::read_result(json)?;
         for line in camelot_bench::rvm::ratio_lines(&result) {
             println!("{line}");
         }
@@ -786,7 +786,10 @@ fn bench_rvm(a: RvmArgs, commit: bool) -> Result<()> {
 }
 
 fn report(a: ReportArgs) -> Result<()> {
-    let path = camelot_bench::report::write_report(&a.dir)?;
+    let path = camelot_results::report::write_report(
+        &a.dir,
+        &[camelot_bench::hw::limits::LIMITS_FILE_NAME],
+    )?;
     println!("wrote {}", path.display());
     Ok(())
 }
@@ -837,7 +840,7 @@ fn bench_hw(a: HwArgs) -> Result<()> {
                         .ok_or_else(|| anyhow!("a --block-kib size is too large"))?;
                 }
                 let written = hw::disk::run(&c, &a.out)?;
-                let result = camelot_bench::output::read_result(&a.out.join("disk.json"))?;
+                let result = camelot_results::output::read_result(&a.out.join("disk.json"))?;
                 if let Some(note) = result.config["direct_note"].as_str() {
                     println!("disk: {note}");
                 }

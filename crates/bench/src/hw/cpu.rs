@@ -13,10 +13,11 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::{best_of, median, run_together, validate_seconds, validate_threads, REPEATS};
-use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
-use crate::schema::{now_rfc3339, BenchResult, Point, Series};
-use crate::{output, BenchError};
+use crate::BenchError;
+use camelot_results::output;
+use camelot_results::plot::{series_points, Figure, Panel};
+use camelot_results::schema::{now_rfc3339, BenchResult, Point, Series};
 
 /// Independent chains per thread. 24 f64 lanes are 12 SSE2 registers, leaving room for the
 /// two constants in the 16 a baseline x86-64 build has, so nothing spills; 12 chains of a
@@ -134,7 +135,11 @@ pub fn run(cfg: &CpuConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "quick": cfg.quick,
     });
     let result = BenchResult::new("cpu", started, config, series);
-    output::write_result_with_figure(out, &result, &figure(&result))
+    Ok(output::write_result_with_figure(
+        out,
+        &result,
+        &figure(&result),
+    )?)
 }
 
 /// Seed 003 reads its CPU figure as "how close to N× on N threads": the ratio to the

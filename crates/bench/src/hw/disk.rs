@@ -4,10 +4,11 @@
 //! mode that fsyncs after every write. Every read checks the block it got.
 
 use super::{default_threads, run_together, validate_threads};
-use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
-use crate::schema::{now_rfc3339, BenchResult, Point, Series};
-use crate::{output, BenchError};
+use crate::BenchError;
+use camelot_results::output;
+use camelot_results::plot::{series_points, Figure, Panel};
+use camelot_results::schema::{now_rfc3339, BenchResult, Point, Series};
 use serde_json::json;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -383,7 +384,11 @@ pub fn run(cfg: &DiskConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
                    passes, so every timed write overwrites written blocks",
     });
     let result = BenchResult::new("disk", started, config, series);
-    output::write_result_with_figure(out, &result, &figure(&result))
+    Ok(output::write_result_with_figure(
+        out,
+        &result,
+        &figure(&result),
+    )?)
 }
 
 fn far_future() -> Instant {

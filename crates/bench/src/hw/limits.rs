@@ -2,8 +2,9 @@
 //! (`bench hw … --save FILE`, and `limits.json` in `bench all`'s directory), so every other
 //! bench can state its figures as a fraction of what this machine allows.
 
-use crate::schema::{BenchResult, Point};
-use crate::{output, BenchError};
+use crate::BenchError;
+use camelot_results::output;
+use camelot_results::schema::{BenchResult, Point};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -227,7 +228,7 @@ impl Against {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schema::{LatencySummary, Series};
+    use camelot_results::schema::{LatencySummary, Series};
 
     fn result(bench: &str, series: Vec<Series>) -> BenchResult {
         BenchResult::new(bench, "t".into(), json!({}), series)

@@ -18,10 +18,11 @@ use serde_json::json;
 
 use super::{best_of, median, run_together, validate_seconds, validate_threads, REPEATS};
 use crate::latency::LatencyRecorder;
-use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
-use crate::schema::{now_rfc3339, BenchResult, Point, Series};
-use crate::{output, BenchError};
+use crate::BenchError;
+use camelot_results::output;
+use camelot_results::plot::{series_points, Figure, Panel};
+use camelot_results::schema::{now_rfc3339, BenchResult, Point, Series};
 
 /// 4 GiB is far past any last-level cache; more would only risk pushing a shared machine
 /// into swap.
@@ -226,7 +227,11 @@ pub fn run(cfg: &MemConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "quick": cfg.quick,
     });
     let result = BenchResult::new("mem", started, config, series.concat());
-    output::write_result_with_figure(out, &result, &figure(&result))
+    Ok(output::write_result_with_figure(
+        out,
+        &result,
+        &figure(&result),
+    )?)
 }
 
 fn allocate(bytes: usize) -> Result<Vec<u8>, BenchError> {

@@ -3,14 +3,15 @@
 //! `bench hw net-server` on another host (`--peer`) or, by default, one started in this
 //! process on 127.0.0.1. These are the limits the request API is judged against.
 
-use super::netctl::{self, Message, Report, Test};
+use crate::netctl::{self, Message, Report, Test};
 use super::netserver::NetServer;
 use super::run_together;
 use crate::latency::LatencyRecorder;
-use crate::plot::{series_points, Figure, Panel};
 use crate::progress::Progress;
-use crate::schema::{now_rfc3339, BenchResult, Point, Series};
-use crate::{output, BenchError};
+use crate::BenchError;
+use camelot_results::output;
+use camelot_results::plot::{series_points, Figure, Panel};
+use camelot_results::schema::{now_rfc3339, BenchResult, Point, Series};
 use serde_json::json;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
@@ -18,13 +19,10 @@ use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// Largest buffer one write may carry.
-pub const BUFFER_BYTES_MAX: usize = 16 << 20;
-/// Largest UDP payload over IPv4; bigger buffers are not measured for UDP (not faked).
-pub const UDP_PAYLOAD_BYTES_MAX: usize = 65_507;
-pub const STREAMS_MAX: usize = 256;
-/// How long any socket operation may block before the run is declared failed.
-pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(10);
+// The protocol's limits bound the experiment too; they live with the protocol so that
+// the server and the decoder need nothing from this module.
+use crate::netctl::IO_TIMEOUT;
+pub use crate::netctl::{BUFFER_BYTES_MAX, STREAMS_MAX, UDP_PAYLOAD_BYTES_MAX};
 /// A UDP ping unanswered this long counts as lost.
 const UDP_PING_TIMEOUT: Duration = Duration::from_millis(100);
 
@@ -438,7 +436,11 @@ pub fn run(cfg: &NetConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         Some(p) => format!("Network to {p}"),
         None => "Network over loopback".to_owned(),
     };
-    output::write_result_with_figure(out, &result, &figure(&result, &title))
+    Ok(output::write_result_with_figure(
+        out,
+        &result,
+        &figure(&result, &title),
+    )?)
 }
 
 fn figure(result: &BenchResult, title: &str) -> Figure {

@@ -6,8 +6,7 @@
 //! [`netctl`]). A peer that sends garbage, asks for too much or goes silent gets a refusal
 //! or a closed connection; other sessions never notice.
 
-use super::net::{IO_TIMEOUT, STREAMS_MAX, UDP_PAYLOAD_BYTES_MAX};
-use super::netctl::{self, Message, Report, Test};
+use crate::netctl::{self, Message, Report, Test, IO_TIMEOUT, STREAMS_MAX, UDP_PAYLOAD_BYTES_MAX};
 use super::SECONDS_PER_POINT_MAX;
 use crate::BenchError;
 use std::io::{ErrorKind, Read, Write};
@@ -188,7 +187,7 @@ fn session(mut conn: TcpStream, epoch: Instant) -> Result<(), BenchError> {
         }
         Err(e) => {
             let _ = send(&mut conn, &Message::Refused(e.to_string()));
-            return Err(e);
+            return Err(e.into());
         }
     };
     match test {
@@ -259,7 +258,7 @@ fn udp_session(mut conn: TcpStream, test: Test, epoch: Instant) -> Result<(), Be
             tally
         });
         let ended = send(&mut conn, &Message::Ready { udp_port })
-            .and_then(|()| netctl::read_message(&mut conn));
+            .and_then(|()| Ok(netctl::read_message(&mut conn)?));
         done.store(true, Ordering::Release);
         let tally = worker
             .join()

@@ -17,13 +17,13 @@ pub mod record;
 pub mod targets;
 
 use crate::latency::LatencyRecorder;
-use crate::output::write_result_with_figure;
-use crate::peers::{MemcachedServer, RedisServer};
-use crate::plot::{Figure, Panel};
 use crate::progress::Progress;
-use crate::schema::{now_rfc3339, BenchResult, LatencySummary, Point, Series};
 use crate::BenchError;
+use camelot_results::output::write_result_with_figure;
+use camelot_results::plot::{Figure, Panel};
+use camelot_results::schema::{now_rfc3339, BenchResult, LatencySummary, Point, Series};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
+use camelot_testkit::{MemcachedServer, RedisServer};
 use generators::{key_name, Distribution, InsertCounter, KeyChooser};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -930,8 +930,8 @@ pub fn figure(result: &BenchResult) -> Figure {
 
 fn label_of(p: &Point) -> String {
     match &p.x {
-        crate::schema::X::Label(l) => l.clone(),
-        crate::schema::X::Num(n) => format!("{n}"),
+        camelot_results::schema::X::Label(l) => l.clone(),
+        camelot_results::schema::X::Num(n) => format!("{n}"),
     }
 }
 

@@ -2,9 +2,9 @@
 //! child process, all on loopback ports picked at run time.
 #![allow(dead_code)]
 
-use camelot_bench::peers::RedisServer;
 use camelot_rvm::{BackendConfig, Config};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
+use camelot_testkit::RedisServer;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};

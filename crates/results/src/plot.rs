@@ -11,7 +11,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use crate::error::BenchError;
+use crate::error::ResultsError;
 use crate::schema::{BenchResult, Point, Series};
 
 const PANEL_WIDTH_PX: u32 = 640;
@@ -43,14 +43,14 @@ const PALETTE: [RGBColor; 8] = [
 static FONT_BYTES: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 static FONT_REGISTERED: OnceLock<Result<(), String>> = OnceLock::new();
 
-fn ensure_font() -> Result<(), BenchError> {
+fn ensure_font() -> Result<(), ResultsError> {
     FONT_REGISTERED
         .get_or_init(|| {
             plotters::style::register_font(FONT_FAMILY, FontStyle::Normal, FONT_BYTES)
                 .map_err(|_| "the embedded DejaVuSans font cannot be parsed".to_string())
         })
         .clone()
-        .map_err(BenchError::Plot)
+        .map_err(ResultsError::Plot)
 }
 
 /// A titled row of panels.
@@ -73,18 +73,18 @@ impl Figure {
         self
     }
 
-    pub fn save_png(&self, path: &Path) -> Result<(), BenchError> {
+    pub fn save_png(&self, path: &Path) -> Result<(), ResultsError> {
         ensure_font()?;
         let root = BitMapBackend::new(path, self.size_px()).into_drawing_area();
         self.render(&root)
-            .map_err(|e| BenchError::Plot(format!("{}: {e}", path.display())))
+            .map_err(|e| ResultsError::Plot(format!("{}: {e}", path.display())))
     }
 
-    pub fn save_svg(&self, path: &Path) -> Result<(), BenchError> {
+    pub fn save_svg(&self, path: &Path) -> Result<(), ResultsError> {
         ensure_font()?;
         let root = SVGBackend::new(path, self.size_px()).into_drawing_area();
         self.render(&root)
-            .map_err(|e| BenchError::Plot(format!("{}: {e}", path.display())))
+            .map_err(|e| ResultsError::Plot(format!("{}: {e}", path.display())))
     }
 
     fn size_px(&self) -> (u32, u32) {
@@ -490,7 +490,7 @@ mod tests {
         assert!(size > 0, "{} is missing or empty", path.display());
     }
 
-    fn save_both(figure: &Figure, dir: &Path, name: &str) -> Result<(), BenchError> {
+    fn save_both(figure: &Figure, dir: &Path, name: &str) -> Result<(), ResultsError> {
         let png = dir.join(format!("{name}.png"));
         let svg = dir.join(format!("{name}.svg"));
         figure.save_png(&png)?;
@@ -501,7 +501,7 @@ mod tests {
     }
 
     #[test]
-    fn figures_are_written_including_degenerate_ones() -> Result<(), BenchError> {
+    fn figures_are_written_including_degenerate_ones() -> Result<(), ResultsError> {
         let dir = scratch("figs");
         let normal = Figure::new("normal")
             .panel(
@@ -594,7 +594,7 @@ mod tests {
         let dir = scratch("missing");
         let path = dir.join("no/such/dir/f.png");
         let figure = Figure::new("f").panel(Panel::new("p", "x", "y").line("a", vec![(1.0, 1.0)]));
-        assert!(matches!(figure.save_png(&path), Err(BenchError::Plot(_))));
+        assert!(matches!(figure.save_png(&path), Err(ResultsError::Plot(_))));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -628,7 +628,7 @@ mod tests {
     }
 
     #[test]
-    fn standard_figure_has_the_panels_with_data() -> Result<(), BenchError> {
+    fn standard_figure_has_the_panels_with_data() -> Result<(), ResultsError> {
         let result = sample_result();
         let figure = standard_figure(&result);
         assert_eq!(figure.title, "sample");

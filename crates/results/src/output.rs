@@ -3,15 +3,15 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::error::BenchError;
+use crate::error::ResultsError;
 use crate::schema::BenchResult;
 
 /// Writes `dir/{bench}.json`, creating `dir`. The file is written under a temporary name in
 /// the same directory and renamed into place, so a reader never sees half a result and an
 /// interrupted run leaves the previous result intact.
-pub fn write_result(dir: &Path, result: &BenchResult) -> Result<PathBuf, BenchError> {
+pub fn write_result(dir: &Path, result: &BenchResult) -> Result<PathBuf, ResultsError> {
     check_bench_name(&result.bench)?;
-    std::fs::create_dir_all(dir).map_err(|source| BenchError::Io {
+    std::fs::create_dir_all(dir).map_err(|source| ResultsError::Io {
         path: dir.to_path_buf(),
         source,
     })?;
@@ -21,7 +21,7 @@ pub fn write_result(dir: &Path, result: &BenchResult) -> Result<PathBuf, BenchEr
     let path = dir.join(format!("{}.json", result.bench));
     let tmp_path = dir.join(format!(".{}.json.tmp.{}", result.bench, std::process::id()));
     let written = write_synced(&tmp_path, &text).and_then(|()| {
-        std::fs::rename(&tmp_path, &path).map_err(|source| BenchError::Io {
+        std::fs::rename(&tmp_path, &path).map_err(|source| ResultsError::Io {
             path: path.clone(),
             source,
         })
@@ -33,16 +33,16 @@ pub fn write_result(dir: &Path, result: &BenchResult) -> Result<PathBuf, BenchEr
     written.map(|()| path)
 }
 
-pub fn read_result(path: &Path) -> Result<BenchResult, BenchError> {
-    let text = std::fs::read(path).map_err(|source| BenchError::Io {
+pub fn read_result(path: &Path) -> Result<BenchResult, ResultsError> {
+    let text = std::fs::read(path).map_err(|source| ResultsError::Io {
         path: path.to_path_buf(),
         source,
     })?;
     Ok(serde_json::from_slice(&text)?)
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), BenchError> {
-    let io_err = |source| BenchError::Io {
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), ResultsError> {
+    let io_err = |source| ResultsError::Io {
         path: path.to_path_buf(),
         source,
     };
@@ -53,7 +53,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), BenchError> {
 }
 
 /// The bench name becomes a file name: it must not reach outside `dir`.
-fn check_bench_name(bench: &str) -> Result<(), BenchError> {
+fn check_bench_name(bench: &str) -> Result<(), ResultsError> {
     let plain = !bench.is_empty()
         && bench != "."
         && bench != ".."
@@ -62,7 +62,7 @@ fn check_bench_name(bench: &str) -> Result<(), BenchError> {
     if plain {
         Ok(())
     } else {
-        Err(BenchError::InvalidConfig(format!(
+        Err(ResultsError::InvalidConfig(format!(
             "bench name {bench:?} cannot be used as a file name"
         )))
     }
@@ -74,7 +74,7 @@ pub fn write_result_with_figure(
     dir: &Path,
     result: &BenchResult,
     figure: &crate::plot::Figure,
-) -> Result<Vec<PathBuf>, BenchError> {
+) -> Result<Vec<PathBuf>, ResultsError> {
     let json = write_result(dir, result)?;
     let png = dir.join(format!("{}.png", result.bench));
     let svg = dir.join(format!("{}.svg", result.bench));
@@ -115,7 +115,7 @@ mod tests {
     }
 
     #[test]
-    fn round_trip() -> Result<(), BenchError> {
+    fn round_trip() -> Result<(), ResultsError> {
         let dir = scratch("rt").join("nested");
         let result = sample();
         let path = write_result(&dir, &result)?;
@@ -124,7 +124,7 @@ mod tests {
         // Overwriting replaces the file and leaves no temporary behind.
         write_result(&dir, &result)?;
         let names: Vec<_> = std::fs::read_dir(&dir)
-            .map_err(|source| BenchError::Io {
+            .map_err(|source| ResultsError::Io {
                 path: dir.clone(),
                 source,
             })?
@@ -143,27 +143,27 @@ mod tests {
         result.bench = "../evil".into();
         assert!(matches!(
             write_result(&dir, &result),
-            Err(BenchError::InvalidConfig(_))
+            Err(ResultsError::InvalidConfig(_))
         ));
         assert!(matches!(
             read_result(&dir.join("absent.json")),
-            Err(BenchError::Io { .. })
+            Err(ResultsError::Io { .. })
         ));
     }
 
     #[test]
-    fn garbage_is_a_json_error() -> Result<(), BenchError> {
+    fn garbage_is_a_json_error() -> Result<(), ResultsError> {
         let dir = scratch("garbage");
-        std::fs::create_dir_all(&dir).map_err(|source| BenchError::Io {
+        std::fs::create_dir_all(&dir).map_err(|source| ResultsError::Io {
             path: dir.clone(),
             source,
         })?;
         let path = dir.join("g.json");
-        std::fs::write(&path, b"{not json").map_err(|source| BenchError::Io {
+        std::fs::write(&path, b"{not json").map_err(|source| ResultsError::Io {
             path: path.clone(),
             source,
         })?;
-        assert!(matches!(read_result(&path), Err(BenchError::Json(_))));
+        assert!(matches!(read_result(&path), Err(ResultsError::Json(_))));
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }

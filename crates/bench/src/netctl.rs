@@ -10,9 +10,15 @@
 //! the tag (REFUSED: `u8 len | UTF-8`). So the decoder always knows how many more bytes a
 //! message needs, and never reads past it into the test's own data.
 
-use super::net::{BUFFER_BYTES_MAX, UDP_PAYLOAD_BYTES_MAX};
-use crate::BenchError;
 use std::io::Read;
+
+/// Largest buffer one write may carry.
+pub const BUFFER_BYTES_MAX: usize = 16 << 20;
+/// Largest UDP payload over IPv4; bigger buffers are not measured for UDP (not faked).
+pub const UDP_PAYLOAD_BYTES_MAX: usize = 65_507;
+pub const STREAMS_MAX: usize = 256;
+/// How long any socket operation may block before the run is declared failed.
+pub(crate) const IO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub const MAGIC: [u8; 4] = *b"CMNB";
 pub const VERSION: u8 = 1;
@@ -107,6 +113,9 @@ pub enum ControlError {
     BadSpan,
     #[error("a refusal whose reason is not UTF-8")]
     ReasonNotUtf8,
+    /// The stream failed or ended before a whole message arrived.
+    #[error("net-bench control stream: {0}")]
+    Stream(String),
 }
 
 /// The outcome of decoding a prefix of the stream.
@@ -244,7 +253,7 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, ControlError> {
 }
 
 /// Reads exactly one message from `r`, never a byte past it.
-pub fn read_message(r: &mut impl Read) -> Result<Message, BenchError> {
+pub fn read_message(r: &mut impl Read) -> Result<Message, ControlError> {
     let mut buf = Vec::with_capacity(MESSAGE_BYTES_MAX);
     loop {
         match decode(&buf)? {
@@ -253,7 +262,7 @@ pub fn read_message(r: &mut impl Read) -> Result<Message, BenchError> {
                 let at = buf.len();
                 buf.resize(at + needed_bytes, 0);
                 r.read_exact(&mut buf[at..])
-                    .map_err(|e| BenchError::Setup(format!("net-bench control: {e}")))?;
+                    .map_err(|e| ControlError::Stream(e.to_string()))?;
             }
         }
     }
@@ -386,7 +395,7 @@ mod tests {
         let mut short = &wire[..3];
         assert!(matches!(
             read_message(&mut short),
-            Err(BenchError::Setup(_))
+            Err(ControlError::Stream(_))
         ));
     }
 }

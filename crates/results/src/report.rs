@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use crate::error::BenchError;
+use crate::error::ResultsError;
 use crate::machine::Machine;
 use crate::plot::standard_figure;
 use crate::schema::{BenchResult, Point, X};
@@ -50,13 +50,16 @@ pub enum FigureRef {
 /// on stderr: result directories collect other JSON (peer output, notes), and one stray file
 /// must not cost the report. The warnings are printed here because the caller only gets the
 /// path back, and a skipped file has to be visible whether or not logging is set up.
-pub fn write_report(dir: &Path) -> Result<PathBuf, BenchError> {
-    let Found { results, skipped } = read_results(dir)?;
+///
+/// `not_results` names JSON files the caller knows are expected there and are not results
+/// (the machine's limits file, say): they are passed over without a warning.
+pub fn write_report(dir: &Path, not_results: &[&str]) -> Result<PathBuf, ResultsError> {
+    let Found { results, skipped } = read_results(dir, not_results)?;
     for (path, why) in &skipped {
         eprintln!("warning: skipping {}: {why}", path.display());
     }
     if results.is_empty() {
-        return Err(BenchError::InvalidConfig(format!(
+        return Err(ResultsError::InvalidConfig(format!(
             "no benchmark results (*.json) in {}",
             dir.display()
         )));
@@ -85,19 +88,19 @@ struct Found {
 
 /// The results in `dir` as (stem, result), sorted by bench name then file name so the page
 /// is the same on every run, and the files that were skipped.
-fn read_results(dir: &Path) -> Result<Found, BenchError> {
-    let io_err = |source| BenchError::Io {
+fn read_results(dir: &Path, not_results: &[&str]) -> Result<Found, ResultsError> {
+    let io_err = |source| ResultsError::Io {
         path: dir.to_path_buf(),
         source,
     };
     let mut paths = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io_err)? {
         let path = entry.map_err(io_err)?.path();
-        // limits.json is the machine's limits, not a result; it is expected here.
-        let is_limits = path
+        let expected_stranger = path
             .file_name()
-            .is_some_and(|n| n == crate::hw::limits::LIMITS_FILE_NAME);
-        if path.extension().is_some_and(|e| e == "json") && !is_limits {
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| not_results.contains(&n));
+        if path.extension().is_some_and(|e| e == "json") && !expected_stranger {
             paths.push(path);
         }
     }
@@ -122,7 +125,7 @@ fn read_results(dir: &Path) -> Result<Found, BenchError> {
 
 /// `X.png` if it is there; otherwise the standard figure drawn into it when the result
 /// has numeric x values and something to plot.
-fn figure_for(dir: &Path, stem: &str, result: &BenchResult) -> Result<FigureRef, BenchError> {
+fn figure_for(dir: &Path, stem: &str, result: &BenchResult) -> Result<FigureRef, ResultsError> {
     let name = format!("{stem}.png");
     let path = dir.join(&name);
     if path.is_file() {
@@ -152,15 +155,15 @@ fn has_headline(p: &Point) -> bool {
 }
 
 /// Temporary name + rename, so a browser open on the old page never sees half a new one.
-fn write_atomically(dir: &Path, path: &Path, bytes: &[u8]) -> Result<(), BenchError> {
+fn write_atomically(dir: &Path, path: &Path, bytes: &[u8]) -> Result<(), ResultsError> {
     let tmp = dir.join(format!(".{INDEX_FILE}.tmp.{}", std::process::id()));
     let written = std::fs::write(&tmp, bytes)
-        .map_err(|source| BenchError::Io {
+        .map_err(|source| ResultsError::Io {
             path: tmp.clone(),
             source,
         })
         .and_then(|()| {
-            std::fs::rename(&tmp, path).map_err(|source| BenchError::Io {
+            std::fs::rename(&tmp, path).map_err(|source| ResultsError::Io {
                 path: path.to_path_buf(),
                 source,
             })
@@ -734,7 +737,7 @@ mod tests {
     }
 
     #[test]
-    fn write_report_draws_missing_figures_and_skips_strangers() -> Result<(), BenchError> {
+    fn write_report_draws_missing_figures_and_skips_strangers() -> Result<(), ResultsError> {
         let dir = scratch("write");
         let mut numeric = Series::new("batched");
         numeric.points = vec![full_point(1), full_point(2)];
@@ -746,14 +749,14 @@ mod tests {
         crate::output::write_result(&dir, &result("alpha", vec![labels]))?;
         let io = |path: &Path| {
             let path = path.to_path_buf();
-            move |source| BenchError::Io { path, source }
+            move |source| ResultsError::Io { path, source }
         };
         let junk = dir.join("junk.json");
         std::fs::write(&junk, b"{\"not\": \"a result\"}").map_err(io(&junk))?;
         let notes = dir.join("notes.txt");
         std::fs::write(&notes, b"hello").map_err(io(&notes))?;
 
-        let index = write_report(&dir)?;
+        let index = write_report(&dir, &[])?;
         assert_eq!(index, dir.join(INDEX_FILE));
         let html = std::fs::read_to_string(&index).map_err(io(&index))?;
         // Sorted by bench name; the numeric one got a figure drawn, the labelled one none.
@@ -766,23 +769,26 @@ mod tests {
         assert!(!html.contains("junk"));
 
         // Same input, same page.
-        write_report(&dir)?;
+        write_report(&dir, &[])?;
         assert_eq!(std::fs::read_to_string(&index).map_err(io(&index))?, html);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }
 
     #[test]
-    fn an_empty_or_missing_directory_is_an_error() -> Result<(), BenchError> {
+    fn an_empty_or_missing_directory_is_an_error() -> Result<(), ResultsError> {
         let dir = scratch("empty");
-        assert!(matches!(write_report(&dir), Err(BenchError::Io { .. })));
-        std::fs::create_dir_all(&dir).map_err(|source| BenchError::Io {
+        assert!(matches!(
+            write_report(&dir, &[]),
+            Err(ResultsError::Io { .. })
+        ));
+        std::fs::create_dir_all(&dir).map_err(|source| ResultsError::Io {
             path: dir.clone(),
             source,
         })?;
         assert!(matches!(
-            write_report(&dir),
-            Err(BenchError::InvalidConfig(_))
+            write_report(&dir, &[]),
+            Err(ResultsError::InvalidConfig(_))
         ));
         assert!(!dir.join(INDEX_FILE).exists());
         let _ = std::fs::remove_dir_all(&dir);
