@@ -7,6 +7,7 @@ pub mod latency;
 pub mod netctl;
 pub mod peers;
 pub mod progress;
+pub mod side;
 
 pub use error::BenchError;
 

@@ -65,6 +65,10 @@ struct ServerArgs {
     /// Most concurrent client connections.
     #[arg(long, default_value_t = 1024)]
     connections_max: usize,
+    /// Worker threads serving the native protocol (0: one per core). Benchmarks set it
+    /// to match a peer's thread budget.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
     /// Also serve the Redis protocol (RESP2) on this address, over the same objects, so
     /// redis-cli, redis-benchmark and Redis client libraries work unchanged. With a
     /// token, clients must AUTH with it.
@@ -479,7 +483,12 @@ impl Signals {
 
 fn server(a: ServerArgs) -> Result<()> {
     let listen = resolve(&a.listen)?;
-    let rt = runtime()?;
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all();
+    if a.threads > 0 {
+        builder.worker_threads(a.threads);
+    }
+    let rt = builder.build().context("cannot start the async runtime")?;
     rt.block_on(async {
         let mut signals = Signals::install()?;
         let mut cfg = ServerConfig::new(listen, a.memory);

@@ -3,10 +3,10 @@
 //! `bench hw net-server` on another host (`--peer`) or, by default, one started in this
 //! process on 127.0.0.1. These are the limits the request API is judged against.
 
-use crate::netctl::{self, Message, Report, Test};
 use super::netserver::NetServer;
 use super::run_together;
 use crate::latency::LatencyRecorder;
+use crate::netctl::{self, Message, Report, Test};
 use crate::progress::Progress;
 use crate::BenchError;
 use camelot_results::output;

@@ -6,8 +6,8 @@
 //! [`netctl`]). A peer that sends garbage, asks for too much or goes silent gets a refusal
 //! or a closed connection; other sessions never notice.
 
-use crate::netctl::{self, Message, Report, Test, IO_TIMEOUT, STREAMS_MAX, UDP_PAYLOAD_BYTES_MAX};
 use super::SECONDS_PER_POINT_MAX;
+use crate::netctl::{self, Message, Report, Test, IO_TIMEOUT, STREAMS_MAX, UDP_PAYLOAD_BYTES_MAX};
 use crate::BenchError;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
