@@ -12,6 +12,7 @@ pub mod output;
 pub mod plot;
 pub mod report;
 pub mod schema;
+pub mod summary;
 
 pub use error::ResultsError;
 

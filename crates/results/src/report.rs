@@ -519,6 +519,8 @@ mod tests {
             machine: machine(),
             config: serde_json::json!({"x": "threads", "note": "<b>bold</b>"}),
             series,
+            references: Vec::new(),
+            comparisons: Vec::new(),
         }
     }
 

@@ -16,8 +16,18 @@ pub struct BenchResult {
     pub started: String,
     pub machine: Machine,
     /// Every parameter that shaped the run, as a JSON object; `config["x"]` names the x axis.
+    /// A comparison records each side in `config["sides"]` (label → process, server
+    /// threads, version, flags, client, data model), which the report prints.
     pub config: serde_json::Value,
     pub series: Vec<Series>,
+    /// Horizontal lines a figure draws beside the series: a peer's figure measured in the
+    /// same run, or a machine limit.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub references: Vec<Reference>,
+    /// Camelot against a peer, figure by figure, with the target ratio where there is one:
+    /// the table `bench all` prints and the report shows.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub comparisons: Vec<Comparison>,
 }
 
 impl BenchResult {
@@ -35,7 +45,85 @@ impl BenchResult {
             machine: Machine::detect(),
             config,
             series,
+            references: Vec::new(),
+            comparisons: Vec::new(),
         }
+    }
+}
+
+/// A constant a figure draws as a labelled horizontal line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Reference {
+    pub label: String,
+    /// Which panel it belongs to: `ops_per_sec`, `bytes_per_sec`, or a latency
+    /// percentile as `latency_us.p50` (`p90`, `p99`, `p999`, `max`).
+    pub metric: String,
+    pub value: f64,
+}
+
+/// One figure of Camelot set against the same figure of a peer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Comparison {
+    /// What is compared (`YCSB A throughput, 1 server thread`).
+    pub name: String,
+    pub camelot: f64,
+    pub peer: f64,
+    /// Unit of both figures (`ops/s`, `B/s`, `µs`, `ops/CPU-s`).
+    pub unit: String,
+    /// Which peer (`redis-server 7.0.15`, `iperf3`).
+    pub peer_label: String,
+    /// `camelot / peer`.
+    pub ratio: f64,
+    /// The ratio the issue asks for, when there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<f64>,
+    /// The target is a ceiling (latency), not a floor.
+    #[serde(default)]
+    pub at_most: bool,
+}
+
+impl Comparison {
+    pub fn new(
+        name: impl Into<String>,
+        camelot: f64,
+        peer: f64,
+        unit: impl Into<String>,
+        peer_label: impl Into<String>,
+    ) -> Comparison {
+        Comparison {
+            name: name.into(),
+            camelot,
+            peer,
+            unit: unit.into(),
+            peer_label: peer_label.into(),
+            ratio: if peer != 0.0 {
+                camelot / peer
+            } else {
+                f64::NAN
+            },
+            target: None,
+            at_most: false,
+        }
+    }
+
+    /// The ratio must be at least `target` (`at_most`: at most).
+    pub fn with_target(mut self, target: f64, at_most: bool) -> Comparison {
+        self.target = Some(target);
+        self.at_most = at_most;
+        self
+    }
+
+    /// Whether the target is met; `None` without a target or with no ratio.
+    pub fn met(&self) -> Option<bool> {
+        let target = self.target?;
+        if !self.ratio.is_finite() {
+            return None;
+        }
+        Some(if self.at_most {
+            self.ratio <= target
+        } else {
+            self.ratio >= target
+        })
     }
 }
 
