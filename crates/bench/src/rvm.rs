@@ -10,12 +10,15 @@
 use crate::latency::LatencyRecorder;
 use crate::peers;
 use crate::progress::Progress;
+use crate::side::{
+    camelot_side, sides_json, CamelotNodes, CamelotSpec, ClientSide, Placement, Side,
+    IN_PROCESS_SUFFIX,
+};
 use crate::BenchError;
 use camelot_results::output;
 use camelot_results::plot::{series_points, Figure, Panel};
-use camelot_results::schema::{now_rfc3339, BenchResult, Point, Series};
+use camelot_results::schema::{now_rfc3339, BenchResult, Comparison, Point, Reference, Series};
 use camelot_rvm::{BackendConfig, Config, Rvm, RvmError};
-use camelot_server::dev::{DevCluster, DevClusterConfig};
 use camelot_testkit::RedisServer;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -82,6 +85,9 @@ pub struct RvmBenchConfig {
     pub peer_seconds: u64,
     /// Requests redis-benchmark sends.
     pub redis_peer_requests: u64,
+    /// Run the pool's Camelot servers inside the bench process instead of as separate
+    /// `camelot server` processes (labelled so in every output).
+    pub in_process: bool,
     pub quick: bool,
 }
 
@@ -93,6 +99,7 @@ impl Default for RvmBenchConfig {
             trials: 3,
             peer_seconds: 3,
             redis_peer_requests: 200_000,
+            in_process: false,
             quick: false,
         }
     }
@@ -128,23 +135,14 @@ impl RvmBenchConfig {
 
 /// A fresh backend for one trial; dropping it stops its servers or removes its directory.
 enum Fresh {
-    Pool(Vec<DevCluster>),
+    Pool(Vec<CamelotNodes>),
     Redis(RedisServer),
     File(PathBuf),
 }
 
 impl Fresh {
-    fn start(kind: RvmBackend, pages: u64) -> Result<Fresh, BenchError> {
-        let node = || {
-            DevCluster::start(DevClusterConfig {
-                nodes: 1,
-                memory_bytes_per_node: camelot_rvm::limits::POOL_LOG_BYTES_DEFAULT
-                    + 2 * pages * PAGE_BYTES
-                    + NODE_HEADROOM_BYTES,
-                worker_threads: 1,
-                ..DevClusterConfig::default()
-            })
-        };
+    fn start(kind: RvmBackend, pages: u64, placement: &Placement) -> Result<Fresh, BenchError> {
+        let node = || CamelotNodes::start(&pool_spec(pages), placement);
         Ok(match kind {
             RvmBackend::Pool => Fresh::Pool(vec![node()?]),
             RvmBackend::PoolMirrored => Fresh::Pool(vec![node()?, node()?]),
@@ -164,7 +162,7 @@ impl Fresh {
     fn backend(&self) -> BackendConfig {
         match self {
             Fresh::Pool(nodes) => BackendConfig::Pool {
-                servers: nodes.iter().map(|n| n.addrs()[0]).collect(),
+                servers: nodes.iter().flat_map(|n| n.addrs()).collect(),
                 token: None,
                 log_bytes: camelot_rvm::limits::POOL_LOG_BYTES_DEFAULT,
             },
@@ -177,7 +175,7 @@ impl Fresh {
         match self {
             Fresh::Pool(nodes) => {
                 for n in nodes {
-                    n.shutdown()?;
+                    n.stop()?;
                 }
             }
             Fresh::Redis(_) => {}
@@ -187,6 +185,17 @@ impl Fresh {
         }
         Ok(())
     }
+}
+
+/// One pool node: room for the log region, the catalogs and the segment's home, served by
+/// one worker thread (redis-server, the peer, has one).
+fn pool_spec(pages: u64) -> CamelotSpec {
+    let mut spec = CamelotSpec::new(
+        1,
+        camelot_rvm::limits::POOL_LOG_BYTES_DEFAULT + 2 * pages * PAGE_BYTES + NODE_HEADROOM_BYTES,
+    );
+    spec.threads = Some(1);
+    spec
 }
 
 fn rvm_err(e: RvmError) -> BenchError {
@@ -244,11 +253,12 @@ fn measure(
     trials: usize,
     what: Experiment,
     progress: &Progress,
+    placement: &Placement,
 ) -> Result<Point, BenchError> {
     let mut rec = LatencyRecorder::new();
     let mut samples = 0u64;
     for trial in 0..trials {
-        let fresh = Fresh::start(kind, pages)?;
+        let fresh = Fresh::start(kind, pages, placement)?;
         let mut cfg = Config::new(fresh.backend(), "bench");
         if what == Experiment::Recovery {
             // The log keeps the commit: recovery replays it, as right after a crash.
@@ -360,19 +370,28 @@ fn p50_at(series: &[Series], label: &str, pages: u64) -> Option<f64> {
         .map(|l| l.p50)
 }
 
-/// The targets as ratios (measured / allowed base); a ratio ≤ its limit passes.
-fn ratios(series: &[Series], peers: &PeerFigures, what: Experiment) -> Value {
+/// The targets as ratios (measured / allowed base; a ratio ≤ its limit passes),
+/// for `config["ratios"]`, and the same as comparisons with both figures behind each.
+fn ratios(series: &[Series], peers: &PeerFigures, what: Experiment) -> (Value, Vec<Comparison>) {
     let mut out = serde_json::Map::new();
-    let mut put = |name: &str, value: Option<f64>, limit: f64, note: &str| {
-        if let Some(v) = value {
-            out.insert(
-                name.into(),
-                json!({"ratio": v, "limit": limit, "met": v <= limit, "what": note}),
-            );
-        }
+    let mut comparisons = Vec::new();
+    let mut put = |name: &str,
+                   camelot: Option<f64>,
+                   peer: Option<f64>,
+                   peer_label: &str,
+                   limit: f64,
+                   note: &str| {
+        let (Some(camelot), Some(peer)) = (camelot, peer) else {
+            return;
+        };
+        let c = Comparison::new(note, camelot, peer, "µs", peer_label).with_target(limit, true);
+        out.insert(
+            name.into(),
+            json!({"ratio": c.ratio, "limit": limit, "met": c.met(), "what": note}),
+        );
+        comparisons.push(c);
     };
     let t40 = peers.time_40mb_us();
-    let div = |a: Option<f64>, b: Option<f64>| Some(a? / b?);
     let biggest = |label: &str| {
         series
             .iter()
@@ -385,37 +404,43 @@ fn ratios(series: &[Series], peers: &PeerFigures, what: Experiment) -> Value {
             })
             .map(|x| x as u64)
     };
+    let pool = series_label(series, "pool");
+    let pool = pool.as_str();
+    let mirrored = series_label(series, "pool-mirrored");
+    const IPERF3_40MB: &str = "iperf3 stream: time for 40 MB";
     match what {
         Experiment::Commit => {
             put(
                 "pool_commit_10000_pages_vs_iperf3_40mb",
-                div(p50_at(series, "pool", TARGET_PAGES), t40),
+                p50_at(series, pool, TARGET_PAGES),
+                t40,
+                IPERF3_40MB,
                 3.0,
                 "pool commit of 10,000 pages / time for 40 MB at the iperf3 loopback rate",
             );
             put(
                 "pool_commit_1_page_vs_sockperf_p50",
-                div(p50_at(series, "pool", 1), peers.sockperf_p50_us),
+                p50_at(series, pool, 1),
+                peers.sockperf_p50_us,
+                "sockperf TCP ping-pong p50",
                 3.0,
                 "pool one-page commit p50 / sockperf TCP ping-pong p50",
             );
-            if let Some(p) = biggest("pool-mirrored") {
+            if let Some(p) = biggest(&mirrored) {
                 put(
                     &format!("mirrored_vs_pool_commit_{p}_pages"),
-                    div(
-                        p50_at(series, "pool-mirrored", p),
-                        p50_at(series, "pool", p),
-                    ),
+                    p50_at(series, &mirrored, p),
+                    p50_at(series, pool, p),
+                    "unmirrored pool",
                     1.5,
                     "mirrored pool commit / unmirrored, at the largest page count",
                 );
             }
             put(
                 "mirrored_vs_pool_commit_1_page",
-                div(
-                    p50_at(series, "pool-mirrored", 1),
-                    p50_at(series, "pool", 1),
-                ),
+                p50_at(series, &mirrored, 1),
+                p50_at(series, pool, 1),
+                "unmirrored pool",
                 1.5,
                 "mirrored pool one-page commit / unmirrored",
             );
@@ -423,7 +448,9 @@ fn ratios(series: &[Series], peers: &PeerFigures, what: Experiment) -> Value {
                 let per_page = p50_at(series, "redis", p).map(|us| us / p as f64);
                 put(
                     &format!("redis_per_page_{p}_pages_vs_redis_benchmark"),
-                    div(per_page, peers.redis_set_us_per_request),
+                    per_page,
+                    peers.redis_set_us_per_request,
+                    "redis-benchmark SET 4 KiB -P 64, per request",
                     1.5,
                     "redis commit time per page / redis-benchmark SET 4 KiB -P 64 per request",
                 );
@@ -432,13 +459,25 @@ fn ratios(series: &[Series], peers: &PeerFigures, what: Experiment) -> Value {
         Experiment::Recovery => {
             put(
                 "pool_recovery_10000_pages_vs_iperf3_40mb",
-                div(p50_at(series, "pool", TARGET_PAGES), t40),
+                p50_at(series, pool, TARGET_PAGES),
+                t40,
+                IPERF3_40MB,
                 3.0,
                 "pool recovery of 10,000 pages / time for 40 MB at the iperf3 loopback rate",
             );
         }
     }
-    Value::Object(out)
+    (Value::Object(out), comparisons)
+}
+
+/// The label a backend's series ran under (an in-process pool carries a suffix).
+fn series_label(series: &[Series], backend: &str) -> String {
+    series
+        .iter()
+        .map(|s| s.label.as_str())
+        .find(|l| *l == backend || l.strip_suffix(IN_PROCESS_SUFFIX) == Some(backend))
+        .unwrap_or(backend)
+        .to_string()
 }
 
 fn run(cfg: &RvmBenchConfig, out: &Path, what: Experiment) -> Result<Vec<PathBuf>, BenchError> {
@@ -448,16 +487,21 @@ fn run(cfg: &RvmBenchConfig, out: &Path, what: Experiment) -> Result<Vec<PathBuf
         Experiment::Commit => "rvm-commit",
         Experiment::Recovery => "rvm-recovery",
     };
+    let placement = Placement::choose(cfg.in_process)?;
     let peers = measure_peers(cfg, what)?;
     let total = (cfg.backends.len() * cfg.pages.len() * cfg.trials) as u64;
     let progress = Progress::new(total, name);
     let mut series = Vec::new();
     for &b in &cfg.backends {
-        let mut s = Series::new(b.label());
+        let label = match b {
+            RvmBackend::Pool | RvmBackend::PoolMirrored => placement.label(b.label()),
+            RvmBackend::Redis | RvmBackend::File => b.label().to_string(),
+        };
+        let mut s = Series::new(label);
         for &pages in &cfg.pages {
             progress.set_message(&format!("{} · {pages} pages", b.label()));
             s.points
-                .push(measure(b, pages, cfg.trials, what, &progress)?);
+                .push(measure(b, pages, cfg.trials, what, &progress, &placement)?);
         }
         series.push(s);
     }
@@ -473,17 +517,83 @@ fn run(cfg: &RvmBenchConfig, out: &Path, what: Experiment) -> Result<Vec<PathBuf
             json!(format!("{} MiB of pages per trial, 1..={COMMITS_PER_TRIAL_MAX} commits", COMMIT_BYTES_PER_TRIAL >> 20))
         } else { json!(1) },
         "recovery_replays_log": what == Experiment::Recovery,
-        "servers": "dev cluster nodes, redis-server and a temp dir started per trial on this machine",
+        "servers": "camelot server processes (or an in-process dev cluster, when labelled), redis-server and a temp dir, fresh per trial on this machine",
+        "sides": sides_json(&sides(cfg, &placement)),
         "quick": cfg.quick,
         "peers": peers.to_json(),
-        "ratios": ratios(&series, &peers, what),
     });
-    let result = BenchResult::new(name, started, config, series);
+    let (ratio_json, comparisons) = ratios(&series, &peers, what);
+    let mut config = config;
+    config["ratios"] = ratio_json;
+    let mut result = BenchResult::new(name, started, config, series);
+    result.comparisons = comparisons;
+    if let Some(p50) = peers.sockperf_p50_us {
+        result.references.push(Reference {
+            label: "TCP round trip (sockperf p50)".into(),
+            metric: "latency_us.p50".into(),
+            value: p50,
+        });
+    }
     Ok(output::write_result_with_figure(
         out,
         &result,
         &figure(&result, what),
     )?)
+}
+
+/// How each backend's servers ran, for `config["sides"]`.
+fn sides(cfg: &RvmBenchConfig, placement: &Placement) -> Vec<Side> {
+    let client = |data_model: &str| ClientSide {
+        client: "camelot-rvm (one committing thread)".into(),
+        client_threads: 1,
+        depth: 1,
+        data_model: data_model.into(),
+        resp_face: false,
+    };
+    let spec = pool_spec(cfg.pages.iter().copied().max().unwrap_or(1));
+    let mut sides = Vec::new();
+    for &b in &cfg.backends {
+        match b {
+            RvmBackend::Pool | RvmBackend::PoolMirrored => {
+                let mut spec = spec.clone();
+                if b == RvmBackend::PoolMirrored {
+                    spec.nodes = 2;
+                }
+                sides.push(camelot_side(
+                    &spec,
+                    placement,
+                    &placement.label(b.label()),
+                    client("log region + catalog + one home region per segment"),
+                ));
+            }
+            RvmBackend::Redis => sides.push(Side {
+                label: b.label().into(),
+                server: "redis-server".into(),
+                process: "separate".into(),
+                server_threads: Some(1),
+                nodes: 1,
+                version: RedisServer::version().unwrap_or_else(|e| format!("unknown: {e}")),
+                flags: ["--save", "", "--appendonly", "no"]
+                    .map(String::from)
+                    .to_vec(),
+                command: "redis-server --port PORT --bind 127.0.0.1 --save \"\" --appendonly no"
+                    .into(),
+                client: client("one key per log record, one per page of a home (SETRANGE)"),
+            }),
+            RvmBackend::File => sides.push(Side {
+                label: b.label().into(),
+                server: "local file system".into(),
+                process: "in-process".into(),
+                server_threads: None,
+                nodes: 1,
+                version: "fdatasync per call".into(),
+                flags: Vec::new(),
+                command: "files in a temporary directory".into(),
+                client: client("log, two catalogs, one file per segment home"),
+            }),
+        }
+    }
+    sides
 }
 
 fn figure(result: &BenchResult, what: Experiment) -> Figure {
@@ -545,8 +655,22 @@ mod tests {
         assert_eq!(r.bench, bench);
         assert_eq!(r.config["x"], "pages");
         let labels: Vec<&str> = r.series.iter().map(|s| s.label.as_str()).collect();
-        let want: Vec<&str> = backends.iter().map(|b| b.label()).collect();
+        // The unit tests run the pool in process (no camelot binary here), which every
+        // label of a pool series must say.
+        let want: Vec<String> = backends
+            .iter()
+            .map(|b| match b {
+                RvmBackend::Pool | RvmBackend::PoolMirrored => {
+                    Placement::InProcess.label(b.label())
+                }
+                _ => b.label().to_string(),
+            })
+            .collect();
         assert_eq!(labels, want);
+        for b in backends {
+            let side = &r.config["sides"][&want[backends.iter().position(|x| x == b).unwrap_or(0)]];
+            assert!(side["process"].is_string(), "{side}");
+        }
         for s in &r.series {
             let xs: Vec<f64> = s.points.iter().filter_map(|p| p.x.as_f64()).collect();
             assert_eq!(xs, pages.iter().map(|p| *p as f64).collect::<Vec<_>>());
@@ -570,6 +694,7 @@ mod tests {
         let mut cfg = RvmBenchConfig::default();
         cfg.apply_quick();
         cfg.pages = vec![1, 100];
+        cfg.in_process = true;
         let files = run_commit(&cfg, &dir).expect("rvm-commit --quick");
         assert!(files.iter().all(|f| f.exists()));
         let r = check(&files[0], "rvm-commit", &cfg.backends, &cfg.pages);
@@ -580,6 +705,18 @@ mod tests {
                 > 0.0
         );
         assert!(r.config["ratios"]["pool_commit_1_page_vs_sockperf_p50"]["ratio"].is_number());
+        assert_eq!(
+            r.config["sides"]["pool (in-process)"]["process"],
+            "in-process"
+        );
+        assert_eq!(r.config["sides"]["redis"]["process"], "separate");
+        let c = r
+            .comparisons
+            .iter()
+            .find(|c| c.peer_label == "sockperf TCP ping-pong p50")
+            .expect("the one-page commit is compared with sockperf");
+        assert!(c.camelot > 0.0 && c.peer > 0.0 && c.target == Some(3.0) && c.at_most);
+        assert!(r.references.iter().any(|x| x.metric == "latency_us.p50"));
         assert!(!ratio_lines(&r).is_empty());
         cfg.backends = vec![RvmBackend::Pool, RvmBackend::File];
         let files = run_recovery(&cfg, &dir).expect("rvm-recovery --quick");

@@ -260,24 +260,13 @@ impl CamelotNodes {
         }
     }
 
-    /// The record of this side for `config["sides"]`.
+    /// The record of this side for `config["sides"]`, with the command as it ran.
     pub fn side(&self, label: &str, client: ClientSide) -> Side {
-        let command = self
-            .processes()
-            .first()
-            .map(|p| p.command().to_string())
-            .unwrap_or_else(|| "DevCluster (a runtime inside the bench process)".into());
-        Side {
-            label: label.to_string(),
-            server: "camelot".into(),
-            process: self.placement.name().into(),
-            server_threads: Some(self.spec.serving_threads(client.resp_face)),
-            nodes: self.spec.nodes,
-            version: format!("camelot {}", env!("CARGO_PKG_VERSION")),
-            flags: self.spec.flags(),
-            command,
-            client,
+        let mut side = camelot_side(&self.spec, &self.placement, label, client);
+        if let Some(p) = self.processes().first() {
+            side.command = p.command().to_string();
         }
+        side
     }
 
     /// Stops every server: separate ones are killed and reaped, an in-process cluster
@@ -290,6 +279,40 @@ impl CamelotNodes {
             }
             Inner::InProcess(d) => Ok(d.shutdown()?),
         }
+    }
+}
+
+/// The record of a Camelot side that starts servers per trial (so no one process stands
+/// for the run): the command is the one each trial runs, ports left out.
+pub fn camelot_side(
+    spec: &CamelotSpec,
+    placement: &Placement,
+    label: &str,
+    client: ClientSide,
+) -> Side {
+    let command = match placement {
+        Placement::Separate { binary } => format!(
+            "{} server --listen 127.0.0.1:PORT{} {}",
+            binary.display(),
+            if spec.resp {
+                " --resp-listen 127.0.0.1:PORT"
+            } else {
+                ""
+            },
+            spec.flags().join(" ")
+        ),
+        Placement::InProcess => "DevCluster (a runtime inside the bench process)".into(),
+    };
+    Side {
+        label: label.to_string(),
+        server: "camelot".into(),
+        process: placement.name().into(),
+        server_threads: Some(spec.serving_threads(client.resp_face)),
+        nodes: spec.nodes,
+        version: format!("camelot {}", env!("CARGO_PKG_VERSION")),
+        flags: spec.flags(),
+        command,
+        client,
     }
 }
 

@@ -330,6 +330,10 @@ struct RvmArgs {
     /// Seconds iperf3 and sockperf run.
     #[arg(long, default_value_t = 3)]
     peer_seconds: u64,
+    /// Run the pool backend's Camelot servers inside this process instead of as separate
+    /// `camelot server` processes like redis-server (every output then says "in-process").
+    #[arg(long)]
+    in_process: bool,
     /// Scaled down to finish in under 30 s.
     #[arg(long)]
     quick: bool,
@@ -772,6 +776,7 @@ fn bench_rvm(a: RvmArgs, commit: bool) -> Result<()> {
         pages: a.pages,
         trials: a.trials,
         peer_seconds: a.peer_seconds,
+        in_process: a.in_process,
         ..RvmBenchConfig::default()
     };
     if a.quick {
