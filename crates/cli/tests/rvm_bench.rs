@@ -78,7 +78,7 @@ fn rvm_commit_runs_the_pool_and_redis_as_separate_processes() {
         .as_str()
         .is_some_and(|v| v.contains("Redis server")));
     assert!(
-        !r["comparisons"].as_array().map_or(true, Vec::is_empty),
+        r["comparisons"].as_array().is_some_and(|c| !c.is_empty()),
         "{text}"
     );
     let _ = std::fs::remove_dir_all(&dir);
