@@ -1,6 +1,7 @@
 //! The experiments behind `camelot bench …`: workloads, the machine's limits, the peer
 //! programs each comparison runs against, and the demo. What a run produces is a
 //! `camelot_results::schema::BenchResult`; figures and the report live in that crate.
+#![forbid(unsafe_code)]
 
 pub mod error;
 pub mod latency;

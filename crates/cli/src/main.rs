@@ -1,5 +1,6 @@
 //! `camelot`: thin glue over the libraries. Argument parsing, logging, signals and
 //! printing live here; everything else lives in a library crate.
+#![forbid(unsafe_code)]
 
 mod units;
 
