@@ -40,6 +40,19 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
             "bench {name}: done in {:.1} s",
             t.elapsed().as_secs_f64()
         ));
+        // Each comparison as it finishes (camelot / peer / ratio / target / met), so the
+        // console says what the report will.
+        for json in files
+            .iter()
+            .filter(|f| f.extension().is_some_and(|e| e == "json"))
+        {
+            if let Ok(result) = camelot_results::output::read_result(json) {
+                let table = camelot_results::summary::comparison_table(&result);
+                if !table.is_empty() {
+                    log(&format!("{}:\n{}", result.bench, table.trim_end()));
+                }
+            }
+        }
         Ok::<_, BenchError>(files)
     };
     // The machine's own limits first: the request API's figures are read against them.

@@ -1,9 +1,13 @@
 //! Every YCSB workload on every target, scaled down, with real redis-server and
 //! memcached started by the harness: zero errors and zero value mismatches, and a result
-//! file in the schema.
+//! file in the schema. Camelot runs in process here (this crate's tests have no camelot
+//! binary to start); the CLI's tests run the same bench with separate processes.
 
+use camelot_bench::ycsb::targets::{clear, TargetKind};
 use camelot_bench::ycsb::{run, Workload, YcsbConfig};
+use camelot_client::{Client, ClientConfig, ClusterMap};
 use camelot_results::output::read_result;
+use camelot_server::dev::{DevCluster, DevClusterConfig};
 
 #[test]
 fn every_workload_on_every_target_reads_back_what_it_wrote() {
@@ -21,6 +25,7 @@ fn every_workload_on_every_target_reads_back_what_it_wrote() {
             .map(|s| s.to_string())
             .collect(),
         memory_bytes: 512 << 20,
+        in_process: true,
         ..YcsbConfig::default()
     };
     let report = run(&cfg, &out, |line| eprintln!("{line}")).expect("ycsb runs");
@@ -31,7 +36,30 @@ fn every_workload_on_every_target_reads_back_what_it_wrote() {
     let result = read_result(&out.join("ycsb.json")).expect("ycsb.json reads back");
     assert_eq!(result.bench, "ycsb");
     let labels: Vec<&str> = result.series.iter().map(|s| s.label.as_str()).collect();
-    assert_eq!(labels, ["camelot", "resp", "redis", "memcached"]);
+    assert_eq!(
+        labels,
+        [
+            "camelot-native (in-process)",
+            "camelot-resp (in-process)",
+            "redis",
+            "memcached"
+        ]
+    );
+    let sides = &result.config["sides"];
+    assert_eq!(sides["camelot-resp (in-process)"]["process"], "in-process");
+    assert_eq!(sides["redis"]["process"], "separate");
+    assert_eq!(sides["redis"]["server_threads"], 1);
+    assert_eq!(
+        sides["memcached"]["server_threads"],
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    assert!(sides["redis"]["data_model"]
+        .as_str()
+        .is_some_and(|m| m.contains("hash per record")));
+    assert_eq!(
+        sides["redis"]["data_model"],
+        sides["camelot-resp (in-process)"]["data_model"]
+    );
     for s in &result.series {
         assert_eq!(s.points.len(), 7, "{}", s.label);
         for p in &s.points {
@@ -49,12 +77,21 @@ fn every_workload_on_every_target_reads_back_what_it_wrote() {
                 assert!(ops.is_finite() && ops > 0.0);
                 let l = p.latency_us.as_ref().expect("latency");
                 assert!(l.p50 > 0.0 && l.p50 <= l.p99 && l.p99 <= l.max);
-                assert!(p.extra.contains_key("ops"));
+                // Per-operation figures are flat numbers, never nested JSON.
+                assert!(p.extra.values().all(|v| !v.is_object()), "{:?}", p.extra);
+                // Only a server process of its own can be metered: redis and memcached.
+                let metered = p.extra.contains_key("server_cpu_seconds");
+                assert_eq!(metered, !s.label.contains("in-process"), "{}", s.label);
             }
         }
     }
     assert!(out.join("ycsb.png").exists() && out.join("ycsb.svg").exists());
-    assert!(report.table.contains("camelot ÷ it"));
+    assert!(report.table.contains("÷ redis"));
+    // The in-process Camelot rows are compared (their CPU cannot be, so no CPU ratio).
+    assert!(result
+        .comparisons
+        .iter()
+        .any(|c| c.name.contains("throughput, 1 server thread")));
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -69,6 +106,7 @@ fn a_target_rate_holds_the_rate_and_times_from_the_intended_start() {
         target_ops: Some(2_000.0),
         spawn: vec!["camelot".into()],
         memory_bytes: 256 << 20,
+        in_process: true,
         ..YcsbConfig::default()
     };
     let report = run(&cfg, &out, |_| {}).expect("ycsb runs");
@@ -84,4 +122,53 @@ fn a_target_rate_holds_the_rate_and_times_from_the_intended_start() {
     assert!(ops >= 200.0, "{ops} ops/s: far below the target rate");
     assert_eq!(result.config["target_ops"], 2_000.0);
     let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn clear_empties_a_camelot_store_so_the_next_load_starts_empty() {
+    let cluster = DevCluster::start(DevClusterConfig {
+        nodes: 2,
+        memory_bytes_per_node: 64 << 20,
+        resp: true,
+        ..DevClusterConfig::default()
+    })
+    .expect("dev cluster");
+    let client = Client::connect(
+        ClusterMap::from_addrs(cluster.addrs()),
+        ClientConfig::default(),
+    )
+    .expect("client");
+    // More keys than one clear round takes, spread over both nodes.
+    let keys: Vec<String> = (0..2_500).map(|i| format!("stray{i:05}")).collect();
+    let pairs: Vec<(&[u8], bytes::Bytes)> = keys
+        .iter()
+        .map(|k| (k.as_bytes(), bytes::Bytes::from_static(b"left over")))
+        .collect();
+    for chunk in pairs.chunks(500) {
+        client.put_many(chunk).expect("put");
+    }
+    assert_eq!(client.scan(b"", 10).expect("scan").len(), 10);
+
+    let kind = TargetKind::Camelot(cluster.addrs().to_vec());
+    clear(&kind).expect("clear");
+    assert!(client.scan(b"", 10).expect("scan").is_empty());
+    assert_eq!(client.get(b"stray00000").expect("get"), None);
+
+    // A hash through the Redis port is invisible to the native scan: clear must say so
+    // rather than report an empty store.
+    let resp = cluster.resp_addrs()[0];
+    let mut con = redis::Client::open(format!("redis://{resp}/"))
+        .and_then(|c| c.get_connection())
+        .expect("resp connection");
+    let _: () = redis::cmd("HSET")
+        .arg("h")
+        .arg("f")
+        .arg("v")
+        .query(&mut con)
+        .expect("hset");
+    let err = clear(&kind).expect_err("a hash is left");
+    assert!(err.contains("FLUSHALL"), "{err}");
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).expect("flushall");
+    clear(&kind).expect("empty again");
+    cluster.shutdown().expect("shutdown");
 }

@@ -260,13 +260,23 @@ struct YcsbArgs {
     /// Redis port), redis://HOST:PORT, memcached://HOST:PORT. Repeatable.
     #[arg(long = "target", value_name = "URL")]
     targets: Vec<String>,
-    /// Stores to start locally for this run, comma-separated, from camelot, resp, redis
-    /// and memcached (needs --spawn); the table gives Camelot's throughput over each.
+    /// Stores to start for this run, comma-separated (needs --spawn), each its own
+    /// server process on loopback: camelot (the native client, one value per record),
+    /// resp (Camelot's Redis port with redis-server's budget: one thread; YCSB's Redis
+    /// binding, a hash per record), resp-cores (the Redis port with an event loop per
+    /// core; Camelot's default is one, the resp row), redis (redis-server, one thread,
+    /// same binding), memcached (-t = this machine's cores). The table divides each by
+    /// redis; every side's process, threads, version, flags and data model are in
+    /// ycsb.json's config.sides, and each server's CPU seconds beside its throughput.
     #[arg(long, value_delimiter = ',')]
     compare: Vec<String>,
     /// Start the --compare stores on free loopback ports, and stop them afterwards.
     #[arg(long)]
     spawn: bool,
+    /// Run spawned Camelot servers inside this process instead of as separate `camelot
+    /// server` processes (every label then says "in-process"; no CPU figure for them).
+    #[arg(long)]
+    in_process: bool,
     /// Fixed total rate (ops/s) instead of a closed loop; latency counts from each
     /// operation's intended start, so a stall is not hidden (coordinated omission).
     #[arg(long)]
@@ -748,6 +758,7 @@ fn bench_ycsb(a: YcsbArgs) -> Result<()> {
         targets,
         spawn: a.compare,
         memory_bytes: a.memory,
+        in_process: a.in_process,
         rounds: a.rounds,
         ..YcsbConfig::default()
     };

@@ -459,6 +459,26 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
             "{bench} not quick"
         );
     }
+    // Every store of the YCSB comparison ran as a server process of its own, metered.
+    let ycsb: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("ycsb.json")).expect("ycsb.json"))
+            .expect("valid JSON");
+    for side in ["camelot-native", "camelot-resp", "redis", "memcached"] {
+        assert_eq!(
+            ycsb["config"]["sides"][side]["process"], "separate",
+            "{side}"
+        );
+    }
+    for s in ycsb["series"].as_array().expect("series") {
+        for p in s["points"].as_array().expect("points") {
+            finite_positive(&p["extra"]["server_cpu_seconds"], "server CPU seconds");
+        }
+    }
+    // bench all prints each bench's comparisons as it finishes.
+    assert!(
+        err.contains("YCSB A throughput, 1 server thread each"),
+        "{err}"
+    );
     // The hw benches' limits are saved and the request API's points are read against them.
     let limits: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("limits.json")).expect("limits.json"))

@@ -192,6 +192,20 @@ impl Client {
             .collect()
     }
 
+    /// Many DELETEs at once; returns each key's last version (`None`: there was nothing),
+    /// in the order of `keys`.
+    pub fn delete_many<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<u64>>, ClientError> {
+        check_many(keys.len())?;
+        let pending = keys
+            .iter()
+            .map(|k| self.submit_delete(k.as_ref()))
+            .collect::<Result<Vec<_>, _>>()?;
+        pending
+            .into_iter()
+            .map(|p| no_key_is_none(reply::version(p.wait())))
+            .collect()
+    }
+
     /// Up to `limit` objects with keys `>= start`, in key order across every node.
     pub fn scan(&self, start: &[u8], limit: usize) -> Result<Vec<Item>, ClientError> {
         check_key(start)?;

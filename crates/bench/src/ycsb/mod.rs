@@ -18,11 +18,15 @@ pub mod targets;
 
 use crate::latency::LatencyRecorder;
 use crate::progress::Progress;
+use crate::side::{
+    cores, cpu_extra, sides_json, CamelotNodes, CamelotSpec, ClientSide, CpuMeter, Placement, Side,
+};
 use crate::BenchError;
 use camelot_results::output::write_result_with_figure;
 use camelot_results::plot::{Figure, Panel};
-use camelot_results::schema::{now_rfc3339, BenchResult, LatencySummary, Point, Series};
-use camelot_server::dev::{DevCluster, DevClusterConfig};
+use camelot_results::schema::{
+    now_rfc3339, BenchResult, Comparison, LatencySummary, Point, Series,
+};
 use camelot_testkit::{MemcachedServer, RedisServer};
 use generators::{key_name, Distribution, InsertCounter, KeyChooser};
 use rand::rngs::SmallRng;
@@ -187,8 +191,17 @@ impl OpType {
     }
 }
 
-/// The programs `--spawn` can start.
-pub const SPAWNABLE: [&str; 4] = ["camelot", "resp", "redis", "memcached"];
+/// The stores `--spawn` can start, each as its own server process:
+/// - `camelot`: Camelot's native client, one value per record (a data model of its own);
+/// - `resp`: Camelot's Redis port with the thread budget redis-server has (one native
+///   worker, one Redis-port event loop), driven through YCSB's Redis binding;
+/// - `resp-cores`: the Redis port with one event loop per core (Camelot's default is one,
+///   which would repeat the `resp` row);
+/// - `redis`: redis-server (io-threads off: one thread), YCSB's Redis binding;
+/// - `memcached`: memcached with `-t` = the machine's cores.
+pub const SPAWNABLE: [&str; 5] = ["camelot", "resp", "resp-cores", "redis", "memcached"];
+/// The spawned store every other is divided by.
+const BASELINE: &str = "redis";
 
 #[derive(Debug, Clone)]
 pub struct YcsbConfig {
@@ -209,6 +222,9 @@ pub struct YcsbConfig {
     pub spawn: Vec<String>,
     /// Memory cap of a spawned Camelot node and of a spawned memcached.
     pub memory_bytes: u64,
+    /// Spawned Camelot servers run inside the bench process instead of as separate
+    /// processes (labelled "(in-process)" everywhere).
+    pub in_process: bool,
     pub seed: u64,
     /// Each workload runs on every target this many times, interleaved; the median counts.
     pub rounds: usize,
@@ -229,6 +245,7 @@ impl Default for YcsbConfig {
             targets: Vec::new(),
             spawn: Vec::new(),
             memory_bytes: 8 << 30,
+            in_process: false,
             seed: 0x5943_5342,
             rounds: 1,
             quick: false,
@@ -316,6 +333,8 @@ pub enum RunOutcome {
 
 #[derive(Debug, Clone)]
 pub struct RunResult {
+    /// Operations of the run phase (its throughput times its duration).
+    pub operations: u64,
     pub load_ops_per_sec: f64,
     pub ops_per_sec: f64,
     pub bytes_per_sec: f64,
@@ -324,6 +343,19 @@ pub struct RunResult {
     pub errors: u64,
     pub mismatches: u64,
     pub problems: Vec<String>,
+    /// Server CPU seconds of the load and of the run phase, when the server is a process
+    /// this bench started (not for `--target` stores or in-process servers).
+    pub load_server_cpu_seconds: Option<f64>,
+    pub server_cpu_seconds: Option<f64>,
+}
+
+/// A store one run drives: where it is, and the processes whose CPU it costs.
+#[derive(Debug, Clone)]
+pub struct RunTarget {
+    pub label: String,
+    pub kind: TargetKind,
+    /// Server processes to meter (empty: nothing to meter).
+    pub pids: Vec<u32>,
 }
 
 /// What the store holds of each key, as the harness knows it.
@@ -600,11 +632,11 @@ fn on_threads<T: Send>(
 
 /// Load, then run, one workload against one target.
 pub fn run_one(
-    kind: &TargetKind,
-    label: &str,
+    target: &RunTarget,
     workload: Workload,
     cfg: &YcsbConfig,
 ) -> Result<RunOutcome, BenchError> {
+    let (kind, label, pids) = (&target.kind, target.label.as_str(), &target.pids);
     let mix = workload.mix();
     if mix.scan > 0.0 && !kind.supports_scan() {
         return Ok(RunOutcome::Skipped(format!(
@@ -623,6 +655,7 @@ pub fn run_one(
     let book = Book::new(book_keys);
 
     let progress = Progress::new(cfg.records, &format!("{label} {}: load", workload.name()));
+    let load_meter = CpuMeter::start(pids.clone());
     let (loaded, load_time) = on_threads(&target, shape, cfg.threads, |thread, db, _| {
         let mut t = ThreadTally::new();
         let mut unreported = 0;
@@ -638,6 +671,7 @@ pub fn run_one(
         t
     })?;
     progress.finish();
+    let load_server_cpu_seconds = load_meter.seconds();
     let load_errors: u64 = loaded.iter().map(|t| t.errors).sum();
     if load_errors > 0 {
         let first = loaded.iter().flat_map(|t| &t.problems).next().cloned();
@@ -658,10 +692,12 @@ pub fn run_one(
     };
     let per_thread = cfg.operations / cfg.threads as u64;
     let extra = cfg.operations % cfg.threads as u64;
+    let run_meter = CpuMeter::start(pids.clone());
     let (tallies, elapsed) = on_threads(&target, shape, cfg.threads, |thread, db, start| {
         let ops = per_thread + u64::from((thread as u64) < extra);
         run_thread(&shared, db, thread, ops, start)
     })?;
+    let server_cpu_seconds = run_meter.seconds();
     progress.finish();
 
     let secs = elapsed.as_secs_f64().max(1e-9);
@@ -697,6 +733,7 @@ pub fn run_one(
         })
         .collect();
     Ok(RunOutcome::Done(RunResult {
+        operations: all.count(),
         load_ops_per_sec: cfg.records as f64 / load_time.as_secs_f64().max(1e-9),
         ops_per_sec: all.count() as f64 / secs,
         bytes_per_sec: moved as f64 * cfg.record_bytes() as f64 / secs,
@@ -705,63 +742,152 @@ pub fn run_one(
         errors,
         mismatches,
         problems,
+        load_server_cpu_seconds,
+        server_cpu_seconds,
     }))
 }
 
-/// Stores started for a `--spawn` run; dropping stops them.
+/// Stores started for a `--spawn` run, each a server of its own; dropping stops them.
 struct Spawned {
-    camelot: Option<DevCluster>,
-    _redis: Option<RedisServer>,
-    _memcached: Option<MemcachedServer>,
-    targets: Vec<(String, TargetKind)>,
+    camelot: Vec<CamelotNodes>,
+    _redis: Vec<RedisServer>,
+    _memcached: Vec<MemcachedServer>,
+    targets: Vec<RunTarget>,
+    sides: Vec<Side>,
+}
+
+/// The client side of a row: YCSB threads, each with one request in flight.
+fn ycsb_client(cfg: &YcsbConfig, client: &str, data_model: String, resp_face: bool) -> ClientSide {
+    ClientSide {
+        client: client.into(),
+        client_threads: cfg.threads,
+        depth: 1,
+        data_model,
+        resp_face,
+    }
 }
 
 fn spawn(cfg: &YcsbConfig) -> Result<Spawned, BenchError> {
-    let wants = |n: &str| cfg.spawn.iter().any(|s| s == n);
-    let mut targets = Vec::new();
-    let camelot = if wants("camelot") || wants("resp") {
-        let c = DevCluster::start(DevClusterConfig {
-            nodes: 1,
-            memory_bytes_per_node: cfg.memory_bytes,
-            resp: wants("resp"),
-            ..DevClusterConfig::default()
-        })?;
-        Some(c)
-    } else {
-        None
-    };
-    let redis = if wants("redis") {
-        Some(RedisServer::start()?)
-    } else {
-        None
-    };
-    let memcached = if wants("memcached") {
-        // Four threads, as the comparison asks.
-        Some(MemcachedServer::start(4, (cfg.memory_bytes >> 20).max(64))?)
-    } else {
-        None
+    let placement = Placement::choose(cfg.in_process)?;
+    let record = format!("{} fields × {} B", cfg.fields, cfg.field_bytes);
+    let hash_model = format!("a hash per record (HMSET/HGETALL/HMGET) + `_indices` zset; {record}");
+    let redis_binding = "redis crate, YCSB's Redis binding";
+    let mut spawned = Spawned {
+        camelot: Vec::new(),
+        _redis: Vec::new(),
+        _memcached: Vec::new(),
+        targets: Vec::new(),
+        sides: Vec::new(),
     };
     for name in &cfg.spawn {
-        let kind = match name.as_str() {
-            "camelot" => camelot
-                .as_ref()
-                .map(|c| TargetKind::Camelot(c.addrs().to_vec())),
-            "resp" => camelot
-                .as_ref()
-                .and_then(|c| c.resp_addrs().first().copied())
-                .map(TargetKind::Resp),
-            "redis" => redis.as_ref().map(|r| TargetKind::Redis(r.addr())),
-            _ => memcached.as_ref().map(|m| TargetKind::Memcached(m.addr())),
-        };
-        let kind = kind.ok_or_else(|| BenchError::Setup(format!("{name} did not start")))?;
-        targets.push((name.clone(), kind));
+        match name.as_str() {
+            "camelot" | "resp" | "resp-cores" => {
+                let mut spec = CamelotSpec::new(1, cfg.memory_bytes);
+                let (label, client) = match name.as_str() {
+                    "camelot" => (
+                        "camelot-native".to_string(),
+                        ycsb_client(
+                            cfg,
+                            "camelot-client (native)",
+                            format!("one value per record; {record}"),
+                            false,
+                        ),
+                    ),
+                    "resp" => {
+                        spec.resp = true;
+                        // redis-server's budget: one thread serves every command.
+                        spec.threads = Some(1);
+                        if !placement.is_in_process() {
+                            spec.resp_threads = Some(1);
+                        }
+                        (
+                            "camelot-resp".to_string(),
+                            ycsb_client(cfg, redis_binding, hash_model.clone(), true),
+                        )
+                    }
+                    _ => {
+                        spec.resp = true;
+                        spec.resp_threads = Some(cores());
+                        (
+                            format!("camelot-resp-{}t", cores()),
+                            ycsb_client(cfg, redis_binding, hash_model.clone(), true),
+                        )
+                    }
+                };
+                let label = placement.label(&label);
+                let nodes = CamelotNodes::start(&spec, &placement)?;
+                let kind = if spec.resp {
+                    TargetKind::Resp(*nodes.resp_addrs().first().ok_or_else(|| {
+                        BenchError::Setup("the Camelot node has no Redis port".into())
+                    })?)
+                } else {
+                    TargetKind::Camelot(nodes.addrs())
+                };
+                spawned.sides.push(nodes.side(&label, client));
+                spawned.targets.push(RunTarget {
+                    label,
+                    kind,
+                    pids: nodes.processes().iter().map(|p| p.pid()).collect(),
+                });
+                spawned.camelot.push(nodes);
+            }
+            "redis" => {
+                let redis = RedisServer::start()?;
+                let version = RedisServer::version()?;
+                let client = ycsb_client(cfg, redis_binding, hash_model.clone(), true);
+                spawned.sides.push(Side::peer(
+                    BASELINE,
+                    redis.process(),
+                    version,
+                    Some(1),
+                    ["--save", "", "--appendonly", "no"]
+                        .map(String::from)
+                        .to_vec(),
+                    client,
+                ));
+                spawned.targets.push(RunTarget {
+                    label: BASELINE.into(),
+                    kind: TargetKind::Redis(redis.addr()),
+                    pids: vec![redis.process().pid()],
+                });
+                spawned._redis.push(redis);
+            }
+            _ => {
+                // One worker thread per core, not more: more threads than cores would
+                // only make memcached's own threads take turns.
+                let threads = cores();
+                let memory_mib = (cfg.memory_bytes >> 20).max(64);
+                let memcached = MemcachedServer::start(threads as u32, memory_mib)?;
+                let version = MemcachedServer::version()?;
+                let client = ycsb_client(
+                    cfg,
+                    "memcached text protocol (bench's bounded client)",
+                    format!("one value per record; {record}"),
+                    false,
+                );
+                spawned.sides.push(Side::peer(
+                    "memcached",
+                    memcached.process(),
+                    version,
+                    Some(threads),
+                    vec![
+                        "-t".into(),
+                        threads.to_string(),
+                        "-m".into(),
+                        memory_mib.to_string(),
+                    ],
+                    client,
+                ));
+                spawned.targets.push(RunTarget {
+                    label: "memcached".into(),
+                    kind: TargetKind::Memcached(memcached.addr()),
+                    pids: vec![memcached.process().pid()],
+                });
+                spawned._memcached.push(memcached);
+            }
+        }
     }
-    Ok(Spawned {
-        camelot,
-        _redis: redis,
-        _memcached: memcached,
-        targets,
-    })
+    Ok(spawned)
 }
 
 /// Everything a run produced.
@@ -788,43 +914,63 @@ pub fn run(
     } else {
         Some(spawn(cfg)?)
     };
-    let mut targets = cfg.targets.clone();
+    let mut targets: Vec<RunTarget> = cfg
+        .targets
+        .iter()
+        .map(|(label, kind)| RunTarget {
+            label: label.clone(),
+            kind: kind.clone(),
+            pids: Vec::new(),
+        })
+        .collect();
     if let Some(s) = &spawned {
         targets.extend(s.targets.iter().cloned());
     }
     let mut series: Vec<Series> = targets
         .iter()
-        .map(|(l, _)| Series::new(l.clone()))
+        .map(|t| Series::new(t.label.clone()))
         .collect();
     let (mut errors, mut mismatches) = (0, 0);
     for &w in &cfg.workloads {
-        // Rounds interleave the targets (all of round 1, then all of round 2, …), so a
-        // burst of noise from a neighbour hits every target alike; each point is the
-        // round with the median throughput.
+        // Rounds interleave the targets (all of round 1, then all of round 2, …), and every
+        // other round runs them in reverse order, so a burst of noise from a neighbour or
+        // a warm cache does not always favour the same store; each point is the round
+        // with the median throughput.
         let mut outcomes: Vec<Vec<RunOutcome>> = vec![Vec::new(); targets.len()];
         for round in 0..cfg.rounds {
-            for ((label, kind), runs) in targets.iter().zip(outcomes.iter_mut()) {
+            let order: Vec<usize> = if round % 2 == 0 {
+                (0..targets.len()).collect()
+            } else {
+                (0..targets.len()).rev().collect()
+            };
+            for i in order {
+                let t = &targets[i];
                 log(&format!(
-                    "ycsb: workload {} on {label}, round {}/{}",
+                    "ycsb: workload {} on {}, round {}/{}",
                     w.name(),
+                    t.label,
                     round + 1,
                     cfg.rounds
                 ));
-                let outcome = run_one(kind, label, w, cfg)?;
+                let outcome = run_one(t, w, cfg)?;
                 if let RunOutcome::Done(r) = &outcome {
                     errors += r.errors;
                     mismatches += r.mismatches;
                 }
-                runs.push(outcome);
+                outcomes[i].push(outcome);
             }
         }
         for (runs, s) in outcomes.into_iter().zip(series.iter_mut()) {
             s.points.push(point_of(w, runs, &mut log));
         }
     }
+    let sides = spawned
+        .as_ref()
+        .map(|s| s.sides.clone())
+        .unwrap_or_default();
     if let Some(s) = spawned {
-        if let Some(c) = s.camelot {
-            c.shutdown()?;
+        for c in s.camelot {
+            c.stop()?;
         }
     }
     let config = json!({
@@ -837,13 +983,17 @@ pub fn run(
         "fields": cfg.fields,
         "field_bytes": cfg.field_bytes,
         "target_ops": cfg.target_ops,
-        "targets": targets.iter().map(|(l, k)| json!({"label": l, "target": format!("{k:?}")})).collect::<Vec<_>>(),
+        "targets": targets.iter().map(|t| json!({"label": t.label, "target": format!("{:?}", t.kind)})).collect::<Vec<_>>(),
         "spawned": cfg.spawn,
+        "sides": sides_json(&sides),
+        "in_process": cfg.in_process,
+        "round_order": "interleaved; every other round reversed",
         "write_all_fields": true,
         "rounds": cfg.rounds,
         "quick": cfg.quick,
     });
-    let result = BenchResult::new("ycsb", started, config, series);
+    let mut result = BenchResult::new("ycsb", started, config, series);
+    result.comparisons = comparisons(&result);
     let files = write_result_with_figure(out, &result, &figure(&result))?;
     Ok(YcsbReport {
         files,
@@ -886,22 +1036,27 @@ fn point_of(w: Workload, runs: Vec<RunOutcome>, log: &mut impl FnMut(&str)) -> P
     p.extra.insert("rounds_ops_per_sec".into(), json!(rounds));
     p.extra
         .insert("load_ops_per_sec".into(), json!(r.load_ops_per_sec));
+    for (k, v) in cpu_extra(r.operations as f64, r.server_cpu_seconds) {
+        p.extra.insert(k.into(), v);
+    }
+    if let Some(cpu) = r.load_server_cpu_seconds {
+        p.extra.insert("load_server_cpu_seconds".into(), json!(cpu));
+    }
     p.extra.insert("errors".into(), json!(errors));
     p.extra.insert("mismatches".into(), json!(mismatches));
     if !problems.is_empty() {
         p.extra.insert("problems".into(), json!(problems));
     }
-    let ops: serde_json::Map<String, serde_json::Value> = r
-        .ops
-        .iter()
-        .map(|o| {
-            (
-                o.name.to_string(),
-                json!({"count": o.count, "ops_per_sec": o.ops_per_sec, "latency_us": o.latency_us}),
-            )
-        })
-        .collect();
-    p.extra.insert("ops".into(), serde_json::Value::Object(ops));
+    // One flat number per operation type, so a table shows them as numbers.
+    for o in &r.ops {
+        p.extra.insert(format!("{}_count", o.name), json!(o.count));
+        p.extra
+            .insert(format!("{}_ops_per_sec", o.name), json!(o.ops_per_sec));
+        p.extra.insert(
+            format!("{}_latency_us_p99", o.name),
+            json!(o.latency_us.p99),
+        );
+    }
     p
 }
 
@@ -935,13 +1090,110 @@ fn label_of(p: &Point) -> String {
     }
 }
 
-/// One row per workload and target, with Camelot's throughput over each other target's.
+/// A point's number from `extra`.
+fn extra_f64(p: &Point, key: &str) -> Option<f64> {
+    p.extra.get(key).and_then(|v| v.as_f64())
+}
+
+/// The series whose label is `label`, or `label` marked in-process.
+fn series_named<'a>(result: &'a BenchResult, label: &str) -> Option<&'a Series> {
+    result.series.iter().find(|s| {
+        s.label == label || s.label.strip_suffix(crate::side::IN_PROCESS_SUFFIX) == Some(label)
+    })
+}
+
+/// The YCSB targets, workload by workload, for the rows that ran: Camelot's Redis
+/// port with redis-server's thread budget against redis-server (throughput, ops per
+/// server CPU-second, p99), the port with a loop per core against redis-server, and the
+/// other rows against their nearest peer, without a target.
+pub fn comparisons(result: &BenchResult) -> Vec<Comparison> {
+    let Some(redis) = series_named(result, BASELINE) else {
+        return Vec::new();
+    };
+    let peer_label = result.config["sides"][BASELINE]["version"]
+        .as_str()
+        .unwrap_or("redis-server")
+        .to_string();
+    let resp_cores = format!("camelot-resp-{}t", cores());
+    let mut out = Vec::new();
+    for (i, peer) in redis.points.iter().enumerate() {
+        let w = label_of(peer).to_uppercase();
+        let at = |label: &str| series_named(result, label).and_then(|s| s.points.get(i));
+        let mut push = |name: String,
+                        camelot: Option<f64>,
+                        peer: Option<f64>,
+                        unit: &str,
+                        target: Option<(f64, bool)>| {
+            if let (Some(c), Some(p)) = (camelot, peer) {
+                let mut cmp = Comparison::new(name, c, p, unit, peer_label.clone());
+                if let Some((t, at_most)) = target {
+                    cmp = cmp.with_target(t, at_most);
+                }
+                out.push(cmp);
+            }
+        };
+        if let Some(resp) = at("camelot-resp") {
+            push(
+                format!("YCSB {w} throughput, 1 server thread each"),
+                resp.ops_per_sec,
+                peer.ops_per_sec,
+                "ops/s",
+                Some((1.0, false)),
+            );
+            push(
+                format!("YCSB {w} ops per server CPU-second"),
+                extra_f64(resp, "ops_per_server_cpu_second"),
+                extra_f64(peer, "ops_per_server_cpu_second"),
+                "ops/CPU-s",
+                Some((1.0, false)),
+            );
+            push(
+                format!("YCSB {w} p99 latency"),
+                resp.latency_us.as_ref().map(|l| l.p99),
+                peer.latency_us.as_ref().map(|l| l.p99),
+                "µs",
+                Some((1.0, true)),
+            );
+        }
+        if let Some(resp) = at(&resp_cores) {
+            push(
+                format!("YCSB {w} throughput, Redis port on {} loops", cores()),
+                resp.ops_per_sec,
+                peer.ops_per_sec,
+                "ops/s",
+                Some((1.3, false)),
+            );
+        }
+        if let Some(native) = at("camelot-native") {
+            push(
+                format!("YCSB {w} throughput, native client (blob per record)"),
+                native.ops_per_sec,
+                peer.ops_per_sec,
+                "ops/s",
+                None,
+            );
+        }
+    }
+    out
+}
+
+/// One row per workload and store: throughput, its ratio to redis-server's, latency, and
+/// what the server spent (CPU seconds of the run phase, operations per CPU-second).
 pub fn table(result: &BenchResult) -> String {
     let mut out = format!(
-        "{:<9} {:<12} {:>12} {:>10} {:>10} {:>10} {:>10} {:>12}\n",
-        "workload", "target", "ops/s", "p50 µs", "p99 µs", "errors", "mismatch", "camelot ÷ it"
+        "{:<9} {:<26} {:>10} {:>8} {:>9} {:>9} {:>8} {:>11} {:>7} {:>8}\n",
+        "workload",
+        "store",
+        "ops/s",
+        "÷ redis",
+        "p50 µs",
+        "p99 µs",
+        "CPU s",
+        "ops/CPU-s",
+        "errors",
+        "mismatch"
     );
-    let camelot = result.series.iter().find(|s| s.label == "camelot");
+    let redis = series_named(result, BASELINE);
     for s in &result.series {
         for (i, p) in s.points.iter().enumerate() {
             let w = label_of(p);
@@ -951,25 +1203,30 @@ pub fn table(result: &BenchResult) -> String {
                     .get("skipped")
                     .and_then(|v| v.as_str())
                     .unwrap_or("no result");
-                out.push_str(&format!("{w:<9} {:<12} skipped: {why}\n", s.label));
+                out.push_str(&format!("{w:<9} {:<26} skipped: {why}\n", s.label));
                 continue;
             };
             let lat = p.latency_us.clone();
-            let ratio = camelot
-                .and_then(|c| c.points.get(i))
-                .and_then(|c| c.ops_per_sec)
-                .map(|c| format!("{:.2}", c / ops))
+            let ratio = redis
+                .and_then(|r| r.points.get(i))
+                .and_then(|r| r.ops_per_sec)
+                .map(|r| format!("{:.2}", ops / r))
                 .unwrap_or_else(|| "-".into());
+            let num = |k: &str, digits: usize| {
+                extra_f64(p, k).map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
+            };
             let count = |k: &str| p.extra.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
             out.push_str(&format!(
-                "{w:<9} {:<12} {:>12.0} {:>10.1} {:>10.1} {:>10} {:>10} {:>12}\n",
+                "{w:<9} {:<26} {:>10.0} {:>8} {:>9.1} {:>9.1} {:>8} {:>11} {:>7} {:>8}\n",
                 s.label,
                 ops,
+                ratio,
                 lat.as_ref().map_or(f64::NAN, |l| l.p50),
                 lat.as_ref().map_or(f64::NAN, |l| l.p99),
+                num("server_cpu_seconds", 2),
+                num("ops_per_server_cpu_second", 0),
                 count("errors"),
                 count("mismatches"),
-                ratio
             ));
         }
     }

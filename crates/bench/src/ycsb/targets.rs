@@ -299,12 +299,17 @@ impl Db for MemcachedDb {
     }
 }
 
-/// Empties a target before a load, so a run never reads another run's records.
+/// Keys one round of a native clear scans and deletes.
+const CLEAR_BATCH_KEYS: usize = 1000;
+/// Rounds a native clear may take: enough for `RECORDS_MAX` plus inserts, and a bound if
+/// something keeps writing.
+const CLEAR_ROUNDS_MAX: u64 = 2 * super::RECORDS_MAX / CLEAR_BATCH_KEYS as u64;
+
+/// Empties a target before a load, so a run never reads another run's records and every
+/// store starts from the same empty state.
 pub fn clear(kind: &TargetKind) -> Result<(), String> {
     match kind {
-        // Camelot's native face has no flush: a load overwrites every record it reads,
-        // and scans check records by their own contents.
-        TargetKind::Camelot(_) => Ok(()),
+        TargetKind::Camelot(addrs) => clear_camelot(addrs),
         TargetKind::Resp(a) | TargetKind::Redis(a) => {
             let c = redis::Client::open(format!("redis://{a}/")).map_err(|e| e.to_string())?;
             let mut con = c
@@ -316,6 +321,49 @@ pub fn clear(kind: &TargetKind) -> Result<(), String> {
         }
         TargetKind::Memcached(a) => Memcached::connect(*a, CONNECT_TIMEOUT)?.flush_all(),
     }
+}
+
+/// The native face has no FLUSHALL: scan from the first key and delete what comes back
+/// until a scan finds nothing, then check every node holds no object at all (a hash or
+/// sorted set written through the Redis port is invisible to the native scan).
+fn clear_camelot(addrs: &[SocketAddr]) -> Result<(), String> {
+    let config = ClientConfig {
+        request_timeout: REQUEST_TIMEOUT,
+        ..ClientConfig::default()
+    };
+    let client =
+        Client::connect(ClusterMap::from_addrs(addrs), config).map_err(|e| e.to_string())?;
+    for _ in 0..CLEAR_ROUNDS_MAX {
+        let items = client
+            .scan(b"", CLEAR_BATCH_KEYS)
+            .map_err(|e| e.to_string())?;
+        if items.is_empty() {
+            return check_camelot_empty(&client, addrs.len());
+        }
+        let keys: Vec<&[u8]> = items.iter().map(|i| i.key.as_ref()).collect();
+        client.delete_many(&keys).map_err(|e| e.to_string())?;
+    }
+    Err(format!(
+        "still not empty after {CLEAR_ROUNDS_MAX} rounds of {CLEAR_BATCH_KEYS} deletes: is something else writing?"
+    ))
+}
+
+fn check_camelot_empty(client: &Client, nodes: usize) -> Result<(), String> {
+    for node in 0..nodes {
+        let node = u32::try_from(node).map_err(|_| "more nodes than a map can hold".to_string())?;
+        let stats = client.stats(node).map_err(|e| e.to_string())?;
+        let objects = stats
+            .iter()
+            .find(|(name, _)| name == "objects")
+            .map_or(0, |(_, v)| *v);
+        if objects > 0 {
+            return Err(format!(
+                "node {node} still holds {objects} objects the native face cannot delete \
+                 (hashes or sorted sets from the Redis port): FLUSHALL it there"
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
