@@ -617,6 +617,13 @@ fn figure(result: &BenchResult, what: Experiment) -> Figure {
             }),
         );
     }
+    for r in result
+        .references
+        .iter()
+        .filter(|r| r.metric == "latency_us.p50")
+    {
+        time = time.reference(&r.label, r.value);
+    }
     Figure::new(title).panel(time).panel(per_page)
 }
 

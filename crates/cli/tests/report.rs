@@ -202,24 +202,24 @@ fn report_of_a_real_bench_loads_in_chromium() {
     std::fs::create_dir_all(&logs).expect("create logs dir");
     let dir_s = dir.to_str().expect("utf-8 temp dir");
 
+    // Every bench, as a reader regenerates the whole report.
     let bench = run(
-        camelot(&[
-            "bench",
-            "threads",
-            "--quick",
-            "--threads",
-            "1,2",
-            "--requests",
-            "2000",
-            "--out",
-            dir_s,
-        ]),
+        camelot(&["bench", "all", "--quick", "--out", dir_s]),
         &logs,
         "bench",
-        Duration::from_secs(180),
+        Duration::from_secs(420),
     );
-    assert!(bench.status.success(), "bench failed: {}", bench.stderr);
+    assert!(bench.status.success(), "bench all failed: {}", bench.stderr);
     assert!(dir.join("threads.json").is_file());
+    let results = std::fs::read_dir(&dir)
+        .expect("results dir")
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            name.ends_with(".json") && name != "limits.json"
+        })
+        .count();
+    assert_eq!(results, 10, "bench all writes one result per bench");
 
     // A second result without a figure, so the report has to draw one, and files that are
     // not results, which it must skip with a warning and not fail on.
@@ -266,7 +266,8 @@ fn report_of_a_real_bench_loads_in_chromium() {
     );
 
     let html = std::fs::read_to_string(&index).expect("read index.html");
-    assert_eq!(assert_images_exist(&html, &dir, "index.html"), 2);
+    // Every result has its figure, the copy included (drawn by the report).
+    assert_eq!(assert_images_exist(&html, &dir, "index.html"), results + 1);
     assert!(!html.contains("<script>alert(1)"), "label not escaped");
     assert!(!html.contains("http://") && !html.contains("https://"));
 
@@ -300,7 +301,11 @@ fn report_of_a_real_bench_loads_in_chromium() {
     let dump = run(
         chromium(
             &scratch.0.join("profile-dom"),
-            &["--virtual-time-budget=5000", "--dump-dom"],
+            &[
+                "--virtual-time-budget=5000",
+                "--window-size=1280,2000",
+                "--dump-dom",
+            ],
             &url,
         ),
         &logs,
@@ -319,6 +324,40 @@ fn report_of_a_real_bench_loads_in_chromium() {
     );
     assert!(dom.contains("<h2>threads-copy</h2>"), "copy missing: {dom}");
     assert!(dom.contains("<table class=\"results\">"), "no table: {dom}");
+    // Under every figure, what shaped the run: one config block per result, the sides of
+    // every comparison with their process, and the comparisons themselves.
+    let blocks = dom.matches("<div class=\"config\" id=\"config-").count();
+    assert_eq!(blocks, results + 1, "a result without its config block");
+    assert!(dom.matches("machine: 2 cores").count() >= 1 || dom.contains("machine: "));
+    for bench in ["ycsb", "rvm-commit"] {
+        let section = dom
+            .split("<section ")
+            .find(|s| s.contains(&format!("<h2>{bench}</h2>")))
+            .unwrap_or_else(|| panic!("no section for {bench}"));
+        assert!(
+            section.contains("<table class=\"sides\">"),
+            "{bench}: no sides table"
+        );
+        assert!(
+            section.contains("<td>separate</td>"),
+            "{bench}: sides without their process"
+        );
+        assert!(
+            section.contains("<table class=\"comparisons\">"),
+            "{bench}: no comparisons"
+        );
+    }
+    // Every table fits the window (wide ones scroll inside their own box).
+    assert!(
+        dom.contains("data-overflow-px=\"0\""),
+        "the page is wider than the window: {}",
+        dom.split("<body")
+            .nth(1)
+            .unwrap_or("")
+            .lines()
+            .next()
+            .unwrap_or("")
+    );
     assert!(dom.contains("<td>batched</td>"), "no row: {dom}");
     assert!(
         dom.contains("&lt;script&gt;alert(1)&lt;/script&gt;"),

@@ -129,10 +129,23 @@ pub struct Panel {
     log_x: bool,
     log_y: bool,
     lines: Vec<Line>,
+    /// Horizontal dashed lines at a constant y: a peer measured in the same run, or a
+    /// machine limit, each with its label in the legend.
+    references: Vec<(String, f64)>,
     /// When set, x values are indices into these names and each line is drawn as bars
     /// grouped by category (throughput per workload, one bar per target).
     categories: Option<Vec<String>>,
 }
+
+/// Legend rows' height as a fraction of the plotting area, and the room the legend's
+/// border and padding take: the top of the y axis is raised so the data stays below the
+/// legend instead of under it.
+const LEGEND_ROW_FRACTION: f64 = 0.055;
+const LEGEND_PAD_FRACTION: f64 = 0.04;
+/// More of the panel than this the legend may not claim; past it, it overlaps.
+const LEGEND_FRACTION_MAX: f64 = 0.6;
+/// Integer x axes with at most this many values get one tick per value.
+const INTEGER_TICKS_MAX: usize = 12;
 
 #[derive(Debug, Clone)]
 struct Line {
@@ -170,8 +183,15 @@ impl Panel {
             log_x: false,
             log_y: false,
             lines: Vec::new(),
+            references: Vec::new(),
             categories: None,
         }
+    }
+
+    /// A labelled horizontal reference line at `y` (a peer's figure, a machine limit).
+    pub fn reference(mut self, label: &str, y: f64) -> Panel {
+        self.references.push((label.to_string(), y));
+        self
     }
 
     /// Draws grouped bars over named categories: a line's point `(i, y)` is its bar in
@@ -218,16 +238,35 @@ impl Panel {
             .collect()
     }
 
+    /// The reference lines that can be placed on this panel's y axis.
+    fn plottable_references(&self) -> Vec<(String, f64)> {
+        self.references
+            .iter()
+            .filter(|(_, y)| plottable(*y, self.log_y))
+            .cloned()
+            .collect()
+    }
+
+    fn legend_rows(&self, lines: &[Line], references: &[(String, f64)]) -> usize {
+        lines.len() + references.len()
+    }
+
     fn render<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), String> {
         let lines = self.plottable_lines();
+        let references = self.plottable_references();
         let xs = lines.iter().flat_map(|l| l.points.iter().map(|p| p.0));
-        let ys = lines.iter().flat_map(|l| l.points.iter().map(|p| p.1));
+        let ys = lines
+            .iter()
+            .flat_map(|l| l.points.iter().map(|p| p.1))
+            .chain(references.iter().map(|r| r.1));
         let x_range = match &self.categories {
             Some(c) => -0.5..(c.len().max(1) as f64 - 0.5),
             None => axis_range(xs, self.log_x, false),
         };
         // Rates start at zero so their ratios can be read off the chart.
         let y_range = axis_range(ys, self.log_y, true);
+        let rows = self.legend_rows(&lines, &references);
+        let y_range = with_legend_room(y_range, self.log_y, rows);
         match (self.log_x, self.log_y) {
             (false, false) => self.draw(area, &lines, x_range, y_range),
             (true, false) => self.draw(area, &lines, x_range.log_scale(), y_range),
@@ -268,16 +307,34 @@ impl Panel {
             }
             names.get(i as usize).cloned().unwrap_or_default()
         };
+        let integer_x = self.categories.is_none() && all_integers(lines);
+        let integer_tick = |v: &f64| -> String {
+            // Threads and streams come in whole numbers: a tick between two is noise.
+            if (v - v.round()).abs() > 1e-9 {
+                String::new()
+            } else {
+                format_tick(*v)
+            }
+        };
         let mut mesh = chart.configure_mesh();
         if let Some(names) = &self.categories {
             // One tick per category, so every label lands on its group.
             mesh.x_labels(names.len().max(1) * 2 + 1);
+        } else if integer_x && !self.log_x {
+            let distinct = distinct_xs(lines);
+            if distinct <= INTEGER_TICKS_MAX {
+                mesh.x_labels(distinct.max(2));
+            }
         }
         mesh.x_desc(&self.x_label)
             .y_desc(&self.y_label)
             .label_style((FONT_FAMILY, 13))
             .axis_desc_style((FONT_FAMILY, 15))
-            .x_label_formatter(&category_tick)
+            .x_label_formatter(if integer_x {
+                &integer_tick
+            } else {
+                &category_tick
+            })
             .y_label_formatter(&|v| format_tick(*v))
             .draw()
             .map_err(err)?;
@@ -331,7 +388,48 @@ impl Panel {
             .map_err(err)?;
         }
 
-        if !lines.is_empty() {
+        let references = self.plottable_references();
+        let (x_lo, x_hi) = match &self.categories {
+            Some(c) => (-0.5, c.len().max(1) as f64 - 0.5),
+            None => {
+                let xs: Vec<f64> = lines
+                    .iter()
+                    .flat_map(|l| l.points.iter().map(|p| p.0))
+                    .collect();
+                let lo = xs.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                if lo.is_finite() && hi.is_finite() {
+                    (lo, hi)
+                } else {
+                    (0.0, 1.0)
+                }
+            }
+        };
+        for (i, (label, y)) in references.iter().enumerate() {
+            // Grey shades, darker first, so references never look like a measured series.
+            let shade = 90 + 40 * (i % 3) as u8;
+            let colour = RGBColor(shade, shade, shade);
+            let legend = format!("{label}: {}", format_tick(*y));
+            chart
+                .draw_series(DashedLineSeries::new(
+                    [(x_lo, *y), (x_hi, *y)],
+                    8,
+                    5,
+                    colour.stroke_width(2),
+                ))
+                .map_err(err)?
+                .label(legend)
+                .legend(move |(x, y)| {
+                    plotters::element::DashedPathElement::new(
+                        vec![(x, y), (x + 20, y)],
+                        5,
+                        3,
+                        colour.stroke_width(2),
+                    )
+                });
+        }
+
+        if !lines.is_empty() || !references.is_empty() {
             chart
                 .configure_series_labels()
                 .position(SeriesLabelPosition::UpperLeft)
@@ -343,6 +441,52 @@ impl Panel {
         }
         Ok(())
     }
+}
+
+/// Raises the top of `range` so that the legend's `rows`, drawn in the upper corner, sit
+/// above every data point instead of over them.
+fn with_legend_room(range: Range<f64>, log: bool, rows: usize) -> Range<f64> {
+    if rows == 0 {
+        return range;
+    }
+    let legend = (LEGEND_PAD_FRACTION + LEGEND_ROW_FRACTION * rows as f64).min(LEGEND_FRACTION_MAX);
+    let keep = 1.0 - legend;
+    if log {
+        let (lo, hi) = (range.start.log10(), range.end.log10());
+        let top = lo + (hi - lo) / keep;
+        let end = 10f64.powf(top);
+        if end.is_finite() && end <= PLOT_LOG_MAX {
+            return range.start..end;
+        }
+        return range;
+    }
+    let end = range.start + (range.end - range.start) / keep;
+    if end.is_finite() && end.abs() <= PLOT_ABS_MAX {
+        range.start..end
+    } else {
+        range
+    }
+}
+
+fn all_integers(lines: &[Line]) -> bool {
+    let mut any = false;
+    for (x, _) in lines.iter().flat_map(|l| &l.points) {
+        any = true;
+        if (x - x.round()).abs() > 1e-9 {
+            return false;
+        }
+    }
+    any
+}
+
+fn distinct_xs(lines: &[Line]) -> usize {
+    let mut xs: Vec<f64> = lines
+        .iter()
+        .flat_map(|l| l.points.iter().map(|p| p.0))
+        .collect();
+    xs.sort_by(f64::total_cmp);
+    xs.dedup();
+    xs.len()
 }
 
 fn plottable(v: f64, log: bool) -> bool {
@@ -450,6 +594,15 @@ pub fn standard_figure(result: &BenchResult) -> Figure {
         if !gb.is_empty() {
             has_bytes = true;
             bandwidth = bandwidth.line(&series.label, gb);
+        }
+    }
+
+    for r in &result.references {
+        match r.metric.as_str() {
+            "ops_per_sec" => throughput = throughput.reference(&r.label, r.value),
+            "bytes_per_sec" => bandwidth = bandwidth.reference(&r.label, r.value / 1e9),
+            m if m.starts_with("latency_us.") => latency = latency.reference(&r.label, r.value),
+            _ => {}
         }
     }
 
@@ -625,6 +778,62 @@ mod tests {
             serde_json::json!({"x": "threads"}),
             vec![with_all, plain],
         )
+    }
+
+    #[test]
+    fn the_legend_gets_room_above_the_data() {
+        // Two rows of legend on a 0..100 axis: the data's top must sit below the legend.
+        let r = with_legend_room(0.0..100.0, false, 2);
+        let legend = LEGEND_PAD_FRACTION + 2.0 * LEGEND_ROW_FRACTION;
+        assert!(
+            (100.0 - r.start) / (r.end - r.start) <= 1.0 - legend + 1e-9,
+            "{r:?}"
+        );
+        assert_eq!(with_legend_room(0.0..100.0, false, 0), 0.0..100.0);
+        // Log axes in decades, and never past what can be drawn.
+        let r = with_legend_room(1.0..1000.0, true, 1);
+        assert!(r.end > 1000.0 && r.end.is_finite(), "{r:?}");
+        let huge = with_legend_room(1.0..PLOT_LOG_MAX, true, 50);
+        assert!(huge.end <= PLOT_LOG_MAX);
+    }
+
+    #[test]
+    fn integer_axes_are_recognised() {
+        let line = |xs: &[f64]| Line {
+            label: "l".into(),
+            points: xs.iter().map(|&x| (x, 1.0)).collect(),
+        };
+        assert!(all_integers(&[line(&[1.0, 2.0, 64.0])]));
+        assert!(!all_integers(&[line(&[1.0, 2.5])]));
+        assert!(!all_integers(&[line(&[])]));
+        assert_eq!(distinct_xs(&[line(&[1.0, 2.0]), line(&[2.0, 4.0])]), 3);
+    }
+
+    #[test]
+    fn references_are_drawn_and_only_where_they_fit() -> Result<(), ResultsError> {
+        let dir = crate::scratch_dir("plot-refs");
+        std::fs::create_dir_all(&dir).map_err(|source| ResultsError::Io {
+            path: dir.clone(),
+            source,
+        })?;
+        let panel = Panel::new("p", "threads", "ops/s")
+            .line("camelot", vec![(1.0, 10.0), (2.0, 20.0)])
+            .reference("redis", 15.0)
+            .reference("nan", f64::NAN);
+        assert_eq!(panel.plottable_references().len(), 1);
+        let log = Panel::new("p", "x", "y").log_y().reference("zero", 0.0);
+        assert!(log.plottable_references().is_empty());
+        let figure = Figure::new("refs").panel(panel).panel(log);
+        figure.save_png(&dir.join("refs.png"))?;
+        figure.save_svg(&dir.join("refs.svg"))?;
+        let svg =
+            std::fs::read_to_string(dir.join("refs.svg")).map_err(|source| ResultsError::Io {
+                path: dir.clone(),
+                source,
+            })?;
+        assert!(svg.contains("redis: 15"), "the reference is in the legend");
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
     }
 
     #[test]

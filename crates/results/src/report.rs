@@ -189,16 +189,34 @@ td.absent { color: #999; text-align: center; }
 img { max-width: 100%; height: auto; border: 1px solid #eee; }
 .missing { color: #777; font-style: italic; }
 pre { background: #f7f7f7; padding: 0.6em; overflow-x: auto; }
+.scroll { overflow-x: auto; max-width: 100%; }
+.scroll table { margin: 0.4em 0; }
+th { font-weight: 600; }
+table.kv th { max-width: 22em; overflow-wrap: anywhere; }
+td.cmd { min-width: 16em; max-width: 34em; }
+td.cmd code { overflow-wrap: anywhere; font-size: 0.85em; }
+td { overflow-wrap: break-word; }
+table.results td:first-child, table.sides td:first-child { white-space: nowrap; }
+td.num { white-space: nowrap; }
+.config h3, .comparisons h3 { font-size: 1em; margin: 1em 0 0.2em; }
+.config table.kv th { background: #fafafa; font-weight: normal; color: #444; }
+.inproc { background: #fff3cd; }
+.met-yes { color: #196c2e; font-weight: 600; }
+.met-no { color: #b3261e; font-weight: 600; }
 ";
 
-/// Counts figures that loaded into `body[data-images-loaded]` ("N/M"), so a headless
-/// browser test can tell a broken image from a working one. Nothing else depends on it.
+/// Counts figures that loaded into `body[data-images-loaded]` ("N/M") and how far the
+/// page is wider than the window into `body[data-overflow-px]` (0: every table fits), so
+/// a headless browser test can tell a broken page from a working one. Nothing else
+/// depends on it.
 const IMAGES_LOADED_SCRIPT: &str = "window.addEventListener('load', function () {
   var imgs = document.images, ok = 0;
   for (var i = 0; i < imgs.length; i++) {
     if (imgs[i].complete && imgs[i].naturalWidth > 0) { ok++; }
   }
   document.body.dataset.imagesLoaded = ok + '/' + imgs.length;
+  document.body.dataset.overflowPx =
+    Math.max(0, document.documentElement.scrollWidth - window.innerWidth);
 });";
 
 /// The whole page. Entries are shown in the order given (`write_report` sorts them).
@@ -266,10 +284,10 @@ fn render_machines(html: &mut String, entries: &[ReportEntry]) {
         let cpu = m.cpu_model.as_deref().map_or(ABSENT.to_string(), escape);
         let _ = writeln!(
             html,
-            "<table class=\"machine\">\n<tr><th>cores</th><td>{cores}</td></tr>\n\
+            "<div class=\"scroll\"><table class=\"machine\">\n<tr><th>cores</th><td>{cores}</td></tr>\n\
              <tr><th>memory</th><td>{memory}</td></tr>\n\
              <tr><th>kernel</th><td>{}</td></tr>\n\
-             <tr><th>CPU</th><td>{cpu}</td></tr>\n</table>",
+             <tr><th>CPU</th><td>{cpu}</td></tr>\n</table></div>",
             escape(&m.kernel)
         );
     }
@@ -299,14 +317,175 @@ fn render_entry(html: &mut String, index: usize, e: &ReportEntry) {
             let _ = writeln!(html, "<p class=\"missing\">No figure: {}.</p>", escape(why));
         }
     }
+    render_comparisons(html, r);
+    render_config(html, index, r);
+    html.push_str("<details open><summary>every point</summary>\n");
     render_table(html, r);
-    // Pretty JSON keeps every parameter visible without deciding how each one should look.
-    let config = serde_json::to_string_pretty(&r.config).unwrap_or_else(|e| e.to_string());
+    html.push_str("</details>\n</section>\n");
+}
+
+/// Camelot against each peer: both figures, the ratio, the target and whether it is met.
+fn render_comparisons(html: &mut String, r: &BenchResult) {
+    if r.comparisons.is_empty() {
+        return;
+    }
+    html.push_str(
+        "<div class=\"comparisons\"><h3>Camelot against its peers</h3>\n<div class=\"scroll\">\
+         <table class=\"comparisons\">\n<thead><tr><th>check</th><th>camelot</th><th>peer</th>\
+         <th>ratio</th><th>target</th><th>met</th><th>peer is</th></tr></thead>\n<tbody>\n",
+    );
+    for c in &r.comparisons {
+        let target = c.target.map_or_else(
+            || ABSENT.to_string(),
+            |t| format!("{} {}", if c.at_most { "≤" } else { "≥" }, format_number(t)),
+        );
+        let met = match c.met() {
+            Some(true) => "<td class=\"met-yes\">yes</td>",
+            Some(false) => "<td class=\"met-no\">no</td>",
+            None => "<td class=\"absent\">—</td>",
+        };
+        let ratio = if c.ratio.is_finite() {
+            format!("{:.2}", c.ratio)
+        } else {
+            ABSENT.to_string()
+        };
+        let _ = writeln!(
+            html,
+            "<tr><td>{}</td><td class=\"num\">{} {}</td><td class=\"num\">{} {}</td>\
+             <td class=\"num\">{ratio}</td><td class=\"num\">{}</td>{met}<td>{}</td></tr>",
+            escape(&c.name),
+            format_number(c.camelot),
+            escape(&c.unit),
+            format_number(c.peer),
+            escape(&c.unit),
+            escape(&target),
+            escape(&c.peer_label),
+        );
+    }
+    html.push_str("</tbody>\n</table></div></div>\n");
+}
+
+/// What shaped the run, under its figure: each side of a comparison (process, threads,
+/// version, flags, client, data model), the machine, and every other config parameter.
+fn render_config(html: &mut String, index: usize, r: &BenchResult) {
     let _ = writeln!(
         html,
-        "<details><summary>configuration</summary><pre>{}</pre></details>\n</section>",
-        escape(&config)
+        "<div class=\"config\" id=\"config-{index}\"><h3>What shaped this run</h3>"
     );
+    if let Some(sides) = r.config.get("sides").and_then(|s| s.as_object()) {
+        if !sides.is_empty() {
+            html.push_str(
+                "<div class=\"scroll\"><table class=\"sides\">\n<thead><tr><th>side</th>\
+                 <th>server</th><th>process</th><th>server threads</th><th>version</th>\
+                 <th>client</th><th>client threads × depth</th><th>data model</th>\
+                 <th>command</th></tr></thead>\n<tbody>\n",
+            );
+            for (label, side) in sides {
+                let text = |k: &str| match side.get(k) {
+                    Some(serde_json::Value::String(s)) => escape(s),
+                    Some(serde_json::Value::Null) | None => ABSENT.to_string(),
+                    Some(v) => escape(&v.to_string()),
+                };
+                let in_process = side.get("process").and_then(|p| p.as_str()) == Some("in-process");
+                let _ = writeln!(
+                    html,
+                    "<tr{}><td>{}</td><td>{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td>\
+                     <td>{}</td><td class=\"num\">{} × {}</td><td>{}</td><td class=\"cmd\"><code>{}</code></td></tr>",
+                    if in_process { " class=\"inproc\"" } else { "" },
+                    escape(label),
+                    text("server"),
+                    text("process"),
+                    text("server_threads"),
+                    text("version"),
+                    text("client"),
+                    text("client_threads"),
+                    text("depth"),
+                    text("data_model"),
+                    text("command"),
+                );
+            }
+            html.push_str("</tbody>\n</table></div>\n");
+        }
+    }
+    let m = &r.machine;
+    let _ = writeln!(
+        html,
+        "<p class=\"meta machine-line\">machine: {} cores · {} · {} · kernel {}</p>",
+        if m.cores == 0 {
+            ABSENT.to_string()
+        } else {
+            m.cores.to_string()
+        },
+        if m.memory_bytes == 0 {
+            ABSENT.to_string()
+        } else {
+            format_binary_bytes(m.memory_bytes)
+        },
+        m.cpu_model.as_deref().map_or(ABSENT.to_string(), escape),
+        escape(&m.kernel),
+    );
+    let mut rows = Vec::new();
+    if let Some(obj) = r.config.as_object() {
+        for (k, v) in obj {
+            if k != "sides" {
+                flatten_config(k, v, &mut rows);
+            }
+        }
+    }
+    if !rows.is_empty() {
+        html.push_str("<div class=\"scroll\"><table class=\"kv\">\n<tbody>\n");
+        for (k, v) in rows {
+            let _ = writeln!(
+                html,
+                "<tr><th>{}</th><td>{}</td></tr>",
+                escape(&k),
+                escape(&v)
+            );
+        }
+        html.push_str("</tbody>\n</table></div>\n");
+    }
+    html.push_str("</div>\n");
+}
+
+/// Config entries as `dotted.key = value` rows: nested objects and lists of objects are
+/// spelled out key by key, lists of plain values joined, so no cell holds raw JSON.
+fn flatten_config(key: &str, v: &serde_json::Value, rows: &mut Vec<(String, String)>) {
+    use serde_json::Value;
+    match v {
+        Value::Object(map) if !map.is_empty() => {
+            for (k, inner) in map {
+                flatten_config(&format!("{key}.{k}"), inner, rows);
+            }
+        }
+        Value::Array(items) if items.iter().any(|i| i.is_object() || i.is_array()) => {
+            for (i, inner) in items.iter().enumerate() {
+                flatten_config(&format!("{key}.{i}"), inner, rows);
+            }
+        }
+        _ => rows.push((key.to_string(), plain_value(v))),
+    }
+}
+
+/// A JSON value as a person would write it: strings bare, numbers formatted, lists joined.
+fn plain_value(v: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match v {
+        Value::Null => ABSENT.to_string(),
+        Value::String(s) => s.clone(),
+        Value::Number(n) => n
+            .as_u64()
+            .map(|u| group_thousands(&u.to_string()))
+            .or_else(|| n.as_i64().map(|i| group_thousands(&i.to_string())))
+            .or_else(|| n.as_f64().map(format_number))
+            .unwrap_or_else(|| n.to_string()),
+        Value::Bool(b) => b.to_string(),
+        Value::Array(items) => items.iter().map(plain_value).collect::<Vec<_>>().join(", "),
+        Value::Object(map) => map
+            .iter()
+            .map(|(k, v)| format!("{k}: {}", plain_value(v)))
+            .collect::<Vec<_>>()
+            .join("; "),
+    }
 }
 
 /// One row per point. The headline columns are always there so every bench's table reads
@@ -320,7 +499,7 @@ fn render_table(html: &mut String, r: &BenchResult) {
         .collect();
     let x_name = r.config.get("x").and_then(|x| x.as_str()).unwrap_or("x");
 
-    html.push_str("<table class=\"results\">\n<thead><tr><th>series</th>");
+    html.push_str("<div class=\"scroll\"><table class=\"results\">\n<thead><tr><th>series</th>");
     let _ = write!(
         html,
         "<th>{}</th><th>ops/s</th><th title=\"10^6 bytes per second\">MB/s</th>\
@@ -365,7 +544,7 @@ fn render_table(html: &mut String, r: &BenchResult) {
             "<tr><td class=\"absent\" colspan=\"{columns}\">no points</td></tr>"
         );
     }
-    html.push_str("</tbody>\n</table>\n");
+    html.push_str("</tbody>\n</table></div>\n");
 }
 
 fn push_num(html: &mut String, v: Option<f64>) {
@@ -393,11 +572,8 @@ fn push_json_cell(html: &mut String, v: &serde_json::Value) {
             };
             let _ = write!(html, "<td class=\"num\">{text}</td>");
         }
-        Value::String(s) => {
-            let _ = write!(html, "<td>{}</td>", escape(s));
-        }
         other => {
-            let _ = write!(html, "<td>{}</td>", escape(&other.to_string()));
+            let _ = write!(html, "<td>{}</td>", escape(&plain_value(other)));
         }
     }
 }
@@ -721,6 +897,8 @@ mod tests {
         p.extra.insert("ratio".into(), serde_json::json!(0.25));
         p.extra.insert("ok".into(), serde_json::json!(true));
         p.extra.insert("list".into(), serde_json::json!([1, "<a>"]));
+        p.extra
+            .insert("nested".into(), serde_json::json!({"read": {"p99": 5}}));
         s.points.push(p);
         let html = render_html(&[entry(
             "s",
@@ -731,7 +909,64 @@ mod tests {
         assert!(html.contains("-4,200"));
         assert!(html.contains("<td class=\"num\">0.25</td>"));
         assert!(html.contains("<td>true</td>"));
-        assert!(html.contains("[1,&quot;&lt;a&gt;&quot;]"));
+        // Lists and objects read as text, never as raw JSON.
+        assert!(html.contains("<td>1, &lt;a&gt;</td>"), "{html}");
+        assert!(html.contains("<td>read: p99: 5</td>"), "{html}");
+        assert!(!html.contains("{&quot;"), "{html}");
+    }
+
+    #[test]
+    fn sides_comparisons_and_machine_are_under_the_figure() {
+        let mut r = result("ycsb", vec![Series::new("camelot-resp")]);
+        r.config = serde_json::json!({
+            "x": "workload",
+            "records": 50000,
+            "peers": {"iperf3_bytes_per_sec": 1.5e9, "commands": ["iperf3 -c <host>"]},
+            "targets": [{"label": "redis", "target": "Redis(127.0.0.1:1)"}],
+            "sides": {
+                "camelot-resp (in-process)": {
+                    "server": "camelot", "process": "in-process", "server_threads": 1,
+                    "nodes": 1, "version": "camelot 0.1.0", "flags": ["--threads", "1"],
+                    "command": "DevCluster", "client": "redis crate", "client_threads": 16,
+                    "depth": 1, "data_model": "a hash per record"
+                },
+                "redis": {
+                    "server": "redis-server", "process": "separate", "server_threads": 1,
+                    "nodes": 1, "version": "Redis server v=7.0.15 <b>", "flags": [],
+                    "command": "redis-server --port 1", "client": "redis crate",
+                    "client_threads": 16, "depth": 1, "data_model": "a hash per record"
+                }
+            }
+        });
+        r.comparisons.push(
+            crate::schema::Comparison::new("YCSB A <throughput>", 120.0, 100.0, "ops/s", "redis")
+                .with_target(1.0, false),
+        );
+        r.comparisons.push(
+            crate::schema::Comparison::new("p99", 300.0, 200.0, "µs", "redis")
+                .with_target(1.0, true),
+        );
+        let html = render_html(&[entry("ycsb", r, FigureRef::Missing("n".into()))]);
+        let config = html.find("id=\"config-0\"").expect("config block");
+        assert!(html
+            .find("Camelot against its peers")
+            .is_some_and(|c| c < config));
+        assert!(html.contains("YCSB A &lt;throughput&gt;"), "{html}");
+        assert!(html.contains("<td class=\"num\">1.20</td>"), "{html}");
+        assert!(html.contains("class=\"met-yes\">yes") && html.contains("class=\"met-no\">no"));
+        assert!(html.contains("<tr class=\"inproc\"><td>camelot-resp (in-process)</td>"));
+        assert!(html.contains("Redis server v=7.0.15 &lt;b&gt;"));
+        assert!(html.contains("16 × 1"));
+        assert!(html.contains("machine: 2 cores"), "{html}");
+        assert!(
+            html.contains("<th>peers.iperf3_bytes_per_sec</th>"),
+            "{html}"
+        );
+        assert!(
+            html.contains("<th>targets.0.label</th><td>redis</td>"),
+            "{html}"
+        );
+        assert!(html.contains("<td>iperf3 -c &lt;host&gt;</td>"), "{html}");
     }
 
     fn scratch(tag: &str) -> PathBuf {

@@ -1110,10 +1110,8 @@ pub fn comparisons(result: &BenchResult) -> Vec<Comparison> {
     let Some(redis) = series_named(result, BASELINE) else {
         return Vec::new();
     };
-    let peer_label = result.config["sides"][BASELINE]["version"]
-        .as_str()
-        .unwrap_or("redis-server")
-        .to_string();
+    // The version is in the sides; the comparison names the peer as a reader knows it.
+    let peer_label = "redis-server, 1 thread".to_string();
     let resp_cores = format!("camelot-resp-{}t", cores());
     let mut out = Vec::new();
     for (i, peer) in redis.points.iter().enumerate() {
