@@ -1,15 +1,12 @@
 //! One request's answer slot, waited on by a blocking thread or awaited by a task.
 
-use crate::conn::Shared;
 use crate::ClientError;
 use camelot_proto::Reply;
 use parking_lot::{Condvar, Mutex};
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 enum State {
     Waiting(Option<Waker>),
@@ -82,6 +79,33 @@ impl Completion {
         }
     }
 
+    /// The answer if it is in. Otherwise, with `block`, sleeps until the answer is stored
+    /// or `deadline` passes; without, returns at once so the caller can read the socket
+    /// itself first.
+    pub(crate) fn take_or_wait(&self, block: bool, deadline: Instant) -> Waited {
+        let mut st = self.state.lock();
+        match std::mem::replace(&mut *st, State::Taken) {
+            State::Done(r) => Waited::Answer(r),
+            State::Taken => Waited::Answer(Err(ClientError::AlreadyTaken)),
+            waiting @ State::Waiting(_) => {
+                *st = waiting;
+                if !block {
+                    return Waited::Pending;
+                }
+                let timed_out = self.ready.wait_until(&mut st, deadline).timed_out();
+                if let State::Done(r) = std::mem::replace(&mut *st, State::Taken) {
+                    return Waited::Answer(r);
+                }
+                *st = State::Waiting(None);
+                if timed_out {
+                    Waited::TimedOut
+                } else {
+                    Waited::Pending
+                }
+            }
+        }
+    }
+
     /// Wakes whoever waits on this slot (a blocked thread, and `waker`'s task if any).
     pub(crate) fn wake(&self, waker: Option<Waker>) {
         self.ready.notify_one();
@@ -91,70 +115,10 @@ impl Completion {
     }
 }
 
-/// A request in flight. Either block on it with [`Pending::wait`] or `.await` it.
-pub struct Pending {
-    pub(crate) slot: Arc<Completion>,
-    /// Backstop for the blocking wait; the connection's own watchdog normally fires first.
-    pub(crate) timeout: Duration,
-    /// The connection the request went out on: a blocking waiter may read it itself.
-    pub(crate) conn: Arc<Shared>,
-}
-
-impl Pending {
-    /// Blocks until the answer arrives or the request times out.
-    pub fn wait(self) -> Result<Reply, ClientError> {
-        let deadline = Instant::now() + self.timeout;
-        // Read the answer ourselves if nobody else is reading; else sleep until woken.
-        // A reader that finishes while others still wait hands over to the connection's
-        // reader thread, so sleeping here never waits on nobody.
-        let mut tried_reading = false;
-        loop {
-            {
-                let mut st = self.slot.state.lock();
-                match std::mem::replace(&mut *st, State::Taken) {
-                    State::Done(r) => return r,
-                    State::Taken => return Err(ClientError::AlreadyTaken),
-                    waiting @ State::Waiting(_) => {
-                        *st = waiting;
-                        if tried_reading {
-                            let timed_out =
-                                self.slot.ready.wait_until(&mut st, deadline).timed_out();
-                            if let State::Done(r) = std::mem::replace(&mut *st, State::Taken) {
-                                return r;
-                            }
-                            if timed_out {
-                                return Err(ClientError::Timeout {
-                                    after: self.timeout,
-                                });
-                            }
-                            *st = State::Waiting(None);
-                            continue;
-                        }
-                    }
-                }
-            }
-            tried_reading = !self.conn.read_for(&self.slot, deadline);
-            if Instant::now() >= deadline {
-                tried_reading = true;
-            }
-        }
-    }
-
-    /// True once the answer has arrived (never blocks).
-    pub fn is_ready(&self) -> bool {
-        self.slot.is_done()
-    }
-}
-
-impl Future for Pending {
-    type Output = Result<Reply, ClientError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let polled = self.slot.poll_answer(cx);
-        if polled.is_pending() {
-            // An awaiting task never reads the socket itself: make sure someone does.
-            self.conn.poke();
-        }
-        polled
-    }
+/// What a blocking waiter found in its slot.
+pub(crate) enum Waited {
+    Answer(Result<Reply, ClientError>),
+    /// Not in yet (woken early, or asked not to block).
+    Pending,
+    TimedOut,
 }

@@ -11,13 +11,14 @@
 //! `Future` from [`crate::Pending`].
 
 use crate::completion::Completion;
+use crate::frame::{
+    complete_frame, decode_answer, hello_answer, hello_frame, FrameLimits, Submission,
+    HELLO_ANSWER_BYTES_MAX,
+};
 use crate::{ClientConfig, ClientError};
 use bytes::{Bytes, BytesMut};
-use camelot_proto::limits::{BATCH_OPS_MAX, FRAME_BYTES_MAX, FRAME_BYTES_TARGET};
-use camelot_proto::{
-    decode_frame, encode_frame, ErrorCode, Frame, FrameDecoder, Hello, Op, RequestBatchEncoder,
-    PROTOCOL_VERSION, RESPONSES_HEADER_BYTES, RESPONSE_OK_BUDGET_BYTES,
-};
+use camelot_proto::limits::BATCH_OPS_MAX;
+use camelot_proto::FrameDecoder;
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::io::{ErrorKind, IoSlice, Read, Write};
@@ -32,18 +33,6 @@ pub const INFLIGHT_REQUESTS_MAX: usize = 16_384;
 /// How often the reader wakes to check for a request that has waited too long.
 const WATCHDOG_TICK: Duration = Duration::from_millis(100);
 const READ_CHUNK_BYTES: usize = 256 << 10;
-/// WRITE data and PUT values at least this long are not copied into the frame buffer but
-/// handed to the kernel from where they are (one `writev` per frame). A mirrored RVM
-/// commit of 40 MB copied its payload into a frame buffer once per mirror before the
-/// socket copy; below this size the copy costs less than the extra iovec entries.
-const VECTORED_PAYLOAD_BYTES_MIN: usize = 64 << 10;
-
-pub(crate) struct Submission {
-    pub id: u64,
-    pub op: Op,
-    pub slot: Arc<Completion>,
-}
-
 struct InflightFrame {
     sent_at: Instant,
     requests: Vec<(u64, Arc<Completion>)>,
@@ -353,47 +342,6 @@ fn handshake(
     hello_answer(addr, Bytes::from(body))
 }
 
-/// A HELLO frame for `config`'s token.
-pub(crate) fn hello_frame(config: &ClientConfig) -> Result<BytesMut, ClientError> {
-    let mut buf = BytesMut::new();
-    encode_frame(
-        &Frame::Hello(Hello {
-            version: PROTOCOL_VERSION,
-            token: Bytes::from(config.token.clone().unwrap_or_default()),
-        }),
-        &mut buf,
-    )
-    .map_err(|e| ClientError::InvalidArgument(format!("token: {e}")))?;
-    Ok(buf)
-}
-
-/// A handshake answer is tiny; a bigger one is not from a Camelot server, and is refused
-/// before anything is buffered for it.
-pub(crate) const HELLO_ANSWER_BYTES_MAX: usize = 4096;
-
-/// The cluster epoch from the server's answer to HELLO (its body, length removed).
-pub(crate) fn hello_answer(addr: SocketAddr, body: Bytes) -> Result<u64, ClientError> {
-    match decode_frame(body) {
-        Ok(Frame::HelloOk(ok)) => Ok(ok.epoch),
-        Ok(Frame::Fatal(e)) if e.code == ErrorCode::AuthFailed => Err(ClientError::Auth {
-            addr,
-            message: e.message,
-        }),
-        Ok(Frame::Fatal(e)) => Err(ClientError::Handshake {
-            addr,
-            reason: e.to_string(),
-        }),
-        Ok(other) => Err(ClientError::Handshake {
-            addr,
-            reason: format!("unexpected frame {other:?}"),
-        }),
-        Err(e) => Err(ClientError::Handshake {
-            addr,
-            reason: e.to_string(),
-        }),
-    }
-}
-
 struct Writer {
     batching: bool,
     batch_ops_max: usize,
@@ -405,75 +353,6 @@ struct Writer {
     deferred: Vec<(usize, Bytes)>,
     /// The queue's previous buffer, swapped back in so draining does not allocate.
     spare: Vec<Submission>,
-}
-
-/// How requests are packed into frames; shared by the threaded and event-loop writers.
-pub(crate) struct FrameLimits {
-    pub batching: bool,
-    pub batch_ops_max: usize,
-    pub epoch: u64,
-}
-
-impl FrameLimits {
-    /// Encodes into `out` (cleared first) one frame of as many of `pending`'s requests as
-    /// the limits allow (one when not batching), moving their slots into `batch`. A
-    /// request that cannot be encoded is failed on its slot. False when no request made
-    /// it into the frame (nothing to send). With `deferred` (cleared first), payloads of
-    /// at least [`VECTORED_PAYLOAD_BYTES_MIN`] are left out of `out` and listed there with
-    /// their offsets (see [`write_frame`]).
-    pub(crate) fn encode_next(
-        &self,
-        out: &mut BytesMut,
-        mut deferred: Option<&mut Vec<(usize, Bytes)>>,
-        pending: &mut std::iter::Peekable<impl Iterator<Item = Submission>>,
-        batch: &mut Vec<(u64, Arc<Completion>)>,
-    ) -> bool {
-        out.clear();
-        if let Some(d) = deferred.as_deref_mut() {
-            d.clear();
-        }
-        let mut enc = RequestBatchEncoder::begin(out, self.epoch);
-        let mut reply_bytes = RESPONSES_HEADER_BYTES;
-        let mut bulk_bytes = 0;
-        while let Some(sub) = pending.peek() {
-            // Past the target a new frame starts: pipelined frames of a few MiB beat
-            // one of tens of MiB (see FRAME_BYTES_TARGET); the hard limits still hold.
-            let fits = enc.count() == 0
-                || (self.batching
-                    && enc.count() < self.batch_ops_max
-                    && enc.frame_len() + sub.op.encoded_len() <= FRAME_BYTES_MAX + 4
-                    && reply_bytes + sub.op.reply_len_max() <= RESPONSE_OK_BUDGET_BYTES
-                    && bulk_bytes + sub.op.bulk_len() <= FRAME_BYTES_TARGET);
-            if !fits {
-                break;
-            }
-            let Some(sub) = pending.next() else { break };
-            let pushed = match deferred.as_deref_mut() {
-                Some(d) => enc.push_deferring(sub.id, &sub.op, VECTORED_PAYLOAD_BYTES_MIN, d),
-                None => enc.push(sub.id, &sub.op),
-            };
-            match pushed {
-                Ok(()) => {
-                    reply_bytes += sub.op.reply_len_max();
-                    bulk_bytes += sub.op.bulk_len();
-                    batch.push((sub.id, sub.slot));
-                }
-                Err(e) => sub
-                    .slot
-                    .complete(Err(ClientError::InvalidArgument(e.to_string()))),
-            }
-        }
-        if enc.count() == 0 {
-            return false;
-        }
-        if let Err(e) = enc.finish() {
-            for (_, slot) in batch.drain(..) {
-                slot.complete(Err(ClientError::InvalidArgument(e.to_string())));
-            }
-            return false;
-        }
-        true
-    }
 }
 
 impl Writer {
@@ -765,59 +644,4 @@ impl Shared {
         self.space.notify_all();
         complete_frame(addr, frame.requests, batch)
     }
-}
-
-/// An answer frame's responses; a FATAL from the server or any other frame is an error
-/// that ends the connection.
-pub(crate) fn decode_answer(
-    addr: SocketAddr,
-    body: Bytes,
-) -> Result<camelot_proto::ResponseBatch, ClientError> {
-    let protocol = |reason: String| ClientError::Protocol { addr, reason };
-    match decode_frame(body).map_err(|e| protocol(e.to_string()))? {
-        Frame::Responses(b) => Ok(b),
-        Frame::Fatal(e) => Err(ClientError::Server(e)),
-        other => Err(protocol(format!("unexpected frame {other:?}"))),
-    }
-}
-
-/// Hands each answer of `batch` to the request it answers, by position, checking ids.
-/// Err (after failing every request of the frame) when the counts differ: the stream is
-/// out of step and the connection must end.
-pub(crate) fn complete_frame(
-    addr: SocketAddr,
-    requests: Vec<(u64, Arc<Completion>)>,
-    batch: camelot_proto::ResponseBatch,
-) -> Result<(), ClientError> {
-    let protocol = |reason: String| ClientError::Protocol { addr, reason };
-    if requests.len() != batch.responses.len() {
-        let err = protocol(format!(
-            "{} answers to {} requests",
-            batch.responses.len(),
-            requests.len()
-        ));
-        for (_, slot) in requests {
-            slot.complete(Err(err.clone()));
-        }
-        return Err(err);
-    }
-    // Every answer is stored before anyone is woken (see `Completion::fill`).
-    let mut wakers = Vec::new();
-    for ((id, slot), resp) in requests.iter().zip(batch.responses) {
-        let result = if resp.id == *id {
-            resp.result.map_err(ClientError::Server)
-        } else {
-            Err(protocol(format!("answer id {} for request {id}", resp.id)))
-        };
-        // Only awaiting tasks leave a waker, so a frame of blocking threads' answers
-        // allocates nothing here.
-        wakers.extend(slot.fill(result));
-    }
-    for (_, slot) in &requests {
-        slot.wake(None);
-    }
-    for w in wakers {
-        w.wake();
-    }
-    Ok(())
 }

@@ -14,9 +14,10 @@
 //! connection is replaced at the next submit to its node, as there.
 
 use crate::completion::Completion;
-use crate::conn::{
+use crate::conn::INFLIGHT_REQUESTS_MAX;
+use crate::frame::{
     complete_frame, decode_answer, hello_answer, hello_frame, FrameLimits, Submission,
-    HELLO_ANSWER_BYTES_MAX, INFLIGHT_REQUESTS_MAX,
+    HELLO_ANSWER_BYTES_MAX,
 };
 use crate::{reply, ClientConfig, ClientError, ClusterMap, NodeId, Region};
 use bytes::{Bytes, BytesMut};

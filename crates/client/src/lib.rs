@@ -14,24 +14,28 @@
 //! assert_eq!(&client.read(&region, 0, 5)?[..], b"hello");
 //! # Ok::<(), ClientError>(())
 //! ```
+#![forbid(unsafe_code)]
 
 mod affinity;
 mod completion;
 mod conn;
 mod event_loop;
+mod frame;
 pub mod kv;
 pub mod map;
+mod pending;
 
-pub use completion::Pending;
 pub use conn::INFLIGHT_REQUESTS_MAX;
 pub use event_loop::{LoopClient, LoopPending};
 pub use kv::{CasOutcome, Versioned};
 pub use map::{partition_of, ClusterMap, NodeId, NodeInfo, PARTITIONS};
+pub use pending::Pending;
 
 use bytes::Bytes;
 use camelot_proto::{ErrorCode, ErrorReply, Op, RegionId, RegionInfo, Reply};
 use completion::Completion;
-use conn::{Conn, Submission};
+use conn::Conn;
+use frame::Submission;
 use parking_lot::{Mutex, RwLock};
 use std::cell::Cell;
 use std::collections::HashMap;

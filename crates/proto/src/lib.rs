@@ -8,6 +8,7 @@
 //!
 //! Decoding is defensive: every count and length is checked against [`limits`] and against
 //! the bytes actually present before anything is allocated.
+#![forbid(unsafe_code)]
 
 pub mod limits;
 mod wire;

@@ -3,6 +3,7 @@
 //!
 //! The pure parts ([`budget`], [`store`], [`exec`]) know nothing of sockets; [`ServerHandle`]
 //! puts them behind a TCP listener on the current tokio runtime.
+#![forbid(unsafe_code)]
 
 pub mod budget;
 mod conn;
