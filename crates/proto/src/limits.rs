@@ -39,3 +39,23 @@ pub const KEY_BYTES_MAX: usize = 1024;
 pub const VALUE_BYTES_MAX: usize = 32 << 20;
 /// Most objects one SCAN returns.
 pub const SCAN_ITEMS_MAX: usize = 4096;
+
+// The relations between these limits, checked by the compiler rather than stated in prose.
+// A frame can carry the biggest single READ/WRITE payload or value with room for headers.
+const _: () = assert!(IO_BYTES_MAX < FRAME_BYTES_MAX);
+const _: () = assert!(VALUE_BYTES_MAX + KEY_BYTES_MAX < FRAME_BYTES_MAX);
+// Batching aims below the hard limit, so a target-sized frame is always legal.
+const _: () = assert!(FRAME_BYTES_TARGET < FRAME_BYTES_MAX);
+// A response frame counts its items in 16 bits.
+const _: () = assert!(BATCH_OPS_MAX <= u16::MAX as usize);
+const _: () = assert!(SCAN_ITEMS_MAX <= BATCH_OPS_MAX);
+// Region sizes are whole pages, and the biggest region is a whole number of them.
+const _: () = assert!(REGION_PAGE_BYTES.is_power_of_two());
+const _: () = assert!(REGION_BYTES_MAX % REGION_PAGE_BYTES == 0);
+// Names, tokens and keys are length-prefixed with one byte (names, tokens) or two (keys).
+const _: () = assert!(NAME_BYTES_MAX <= u8::MAX as usize);
+const _: () = assert!(TOKEN_BYTES_MAX <= u8::MAX as usize);
+const _: () = assert!(KEY_BYTES_MAX <= u16::MAX as usize);
+// STATS replies count their entries in 16 bits; error messages carry a 16-bit length.
+const _: () = assert!(STATS_ENTRIES_MAX <= u16::MAX as usize);
+const _: () = assert!(MESSAGE_BYTES_MAX <= u16::MAX as usize);
