@@ -263,7 +263,8 @@ struct YcsbArgs {
     /// Stores to start for this run, comma-separated (needs --spawn), each its own
     /// server process on loopback: camelot (the native client, one value per record),
     /// resp (Camelot's Redis port with redis-server's budget: one thread; YCSB's Redis
-    /// binding, a hash per record), resp-cores (the Redis port with an event loop per
+    /// binding, a hash per record), resp-parity (the same, and the port sleeps after each
+    /// command as Redis does: --resp-poll-us 0), resp-cores (the Redis port with an event loop per
     /// core; Camelot's default is one, the resp row), redis (redis-server, one thread,
     /// same binding), memcached (-t = this machine's cores). The table divides each by
     /// redis; every side's process, threads, version, flags and data model are in

@@ -195,11 +195,20 @@ impl OpType {
 /// - `camelot`: Camelot's native client, one value per record (a data model of its own);
 /// - `resp`: Camelot's Redis port with the thread budget redis-server has (one native
 ///   worker, one Redis-port event loop), driven through YCSB's Redis binding;
+/// - `resp-parity`: as `resp`, and the event loop sleeps at once after a command as
+///   redis-server does (`--resp-poll-us 0`), so its CPU seconds compare like for like;
 /// - `resp-cores`: the Redis port with one event loop per core (Camelot's default is one,
 ///   which would repeat the `resp` row);
 /// - `redis`: redis-server (io-threads off: one thread), YCSB's Redis binding;
 /// - `memcached`: memcached with `-t` = the machine's cores.
-pub const SPAWNABLE: [&str; 5] = ["camelot", "resp", "resp-cores", "redis", "memcached"];
+pub const SPAWNABLE: [&str; 6] = [
+    "camelot",
+    "resp",
+    "resp-parity",
+    "resp-cores",
+    "redis",
+    "memcached",
+];
 /// The spawned store every other is divided by.
 const BASELINE: &str = "redis";
 
@@ -347,6 +356,9 @@ pub struct RunResult {
     /// this bench started (not for `--target` stores or in-process servers).
     pub load_server_cpu_seconds: Option<f64>,
     pub server_cpu_seconds: Option<f64>,
+    /// CPU seconds of this process (the client threads; with in-process servers, those
+    /// too) during the run phase.
+    pub client_cpu_seconds: Option<f64>,
 }
 
 /// A store one run drives: where it is, and the processes whose CPU it costs.
@@ -693,11 +705,15 @@ pub fn run_one(
     let per_thread = cfg.operations / cfg.threads as u64;
     let extra = cfg.operations % cfg.threads as u64;
     let run_meter = CpuMeter::start(pids.clone());
+    // The harness's own CPU: on a small machine it says whether the client, not the
+    // server, was what ran out.
+    let client_meter = CpuMeter::start(vec![std::process::id()]);
     let (tallies, elapsed) = on_threads(&target, shape, cfg.threads, |thread, db, start| {
         let ops = per_thread + u64::from((thread as u64) < extra);
         run_thread(&shared, db, thread, ops, start)
     })?;
     let server_cpu_seconds = run_meter.seconds();
+    let client_cpu_seconds = client_meter.seconds();
     progress.finish();
 
     let secs = elapsed.as_secs_f64().max(1e-9);
@@ -744,6 +760,7 @@ pub fn run_one(
         problems,
         load_server_cpu_seconds,
         server_cpu_seconds,
+        client_cpu_seconds,
     }))
 }
 
@@ -781,7 +798,7 @@ fn spawn(cfg: &YcsbConfig) -> Result<Spawned, BenchError> {
     };
     for name in &cfg.spawn {
         match name.as_str() {
-            "camelot" | "resp" | "resp-cores" => {
+            "camelot" | "resp" | "resp-parity" | "resp-cores" => {
                 let mut spec = CamelotSpec::new(1, cfg.memory_bytes);
                 let (label, client) = match name.as_str() {
                     "camelot" => (
@@ -988,6 +1005,7 @@ pub fn run(
         "sides": sides_json(&sides),
         "in_process": cfg.in_process,
         "round_order": "interleaved; every other round reversed",
+        "client_cpu": "client_cpu_seconds is the bench process during the run phase (its client threads; with --in-process, the servers too)",
         "write_all_fields": true,
         "rounds": cfg.rounds,
         "quick": cfg.quick,
@@ -1038,6 +1056,9 @@ fn point_of(w: Workload, runs: Vec<RunOutcome>, log: &mut impl FnMut(&str)) -> P
         .insert("load_ops_per_sec".into(), json!(r.load_ops_per_sec));
     for (k, v) in cpu_extra(r.operations as f64, r.server_cpu_seconds) {
         p.extra.insert(k.into(), v);
+    }
+    if let Some(cpu) = r.client_cpu_seconds {
+        p.extra.insert("client_cpu_seconds".into(), json!(cpu));
     }
     if let Some(cpu) = r.load_server_cpu_seconds {
         p.extra.insert("load_server_cpu_seconds".into(), json!(cpu));
@@ -1148,6 +1169,29 @@ pub fn comparisons(result: &BenchResult) -> Vec<Comparison> {
             push(
                 format!("YCSB {w} p99 latency"),
                 resp.latency_us.as_ref().map(|l| l.p99),
+                peer.latency_us.as_ref().map(|l| l.p99),
+                "µs",
+                Some((1.0, true)),
+            );
+        }
+        if let Some(parity) = at("camelot-resp-parity") {
+            push(
+                format!("YCSB {w} throughput, 1 thread, no polling (parity)"),
+                parity.ops_per_sec,
+                peer.ops_per_sec,
+                "ops/s",
+                Some((1.0, false)),
+            );
+            push(
+                format!("YCSB {w} ops per server CPU-second, no polling (parity)"),
+                extra_f64(parity, "ops_per_server_cpu_second"),
+                extra_f64(peer, "ops_per_server_cpu_second"),
+                "ops/CPU-s",
+                Some((1.0, false)),
+            );
+            push(
+                format!("YCSB {w} p99 latency, no polling (parity)"),
+                parity.latency_us.as_ref().map(|l| l.p99),
                 peer.latency_us.as_ref().map(|l| l.p99),
                 "µs",
                 Some((1.0, true)),
