@@ -51,7 +51,7 @@ const _: () = assert!(BATCH_OPS_MAX <= u16::MAX as usize);
 const _: () = assert!(SCAN_ITEMS_MAX <= BATCH_OPS_MAX);
 // Region sizes are whole pages, and the biggest region is a whole number of them.
 const _: () = assert!(REGION_PAGE_BYTES.is_power_of_two());
-const _: () = assert!(REGION_BYTES_MAX % REGION_PAGE_BYTES == 0);
+const _: () = assert!(REGION_BYTES_MAX & (REGION_PAGE_BYTES - 1) == 0);
 // Names, tokens and keys are length-prefixed with one byte (names, tokens) or two (keys).
 const _: () = assert!(NAME_BYTES_MAX <= u8::MAX as usize);
 const _: () = assert!(TOKEN_BYTES_MAX <= u8::MAX as usize);
