@@ -104,7 +104,11 @@ pub fn run(cfg: &ApiConfig, out: &Path) -> Result<(Vec<PathBuf>, String), BenchE
     let started = now_rfc3339();
     let steps = 6 * cfg.rounds as u64 + 2 * cfg.sweep_threads.len() as u64;
     let progress = Progress::new(steps, "api");
-    let target = Target::open(&[], 1, REGION_BYTES + (1 << 20), None)?;
+    let target = Target::open(
+        &[],
+        &crate::side::CamelotSpec::new(1, REGION_BYTES + (1 << 20)),
+        false,
+    )?;
     let batched = target.connect(true)?;
     let unbatched = target.connect(false)?;
     let regions = workload::regions_on_every_node(&batched, REGION_BYTES)?;
@@ -425,6 +429,7 @@ fn load(
         threads,
         depth,
         requests,
+        min_duration: Duration::ZERO,
         mix: Mix {
             reads_percent,
             fetch_add_percent: 0,

@@ -340,9 +340,14 @@ struct RvmArgs {
 
 #[derive(Args)]
 struct ThreadsArgs {
-    /// Total requests per thread count.
+    /// Total requests per thread count, shared by its threads (each takes the next one
+    /// when it has room), so a point ends together rather than on its slowest thread.
     #[arg(long, default_value_t = 1_000_000)]
     requests: u64,
+    /// Each point goes on past --requests until it has run this many seconds (a quick
+    /// point at 64 threads is otherwise ~0.1 s, which one scheduling hiccup decides).
+    #[arg(long, default_value_t = camelot_bench::threads::POINT_DURATION_MIN_DEFAULT.as_secs_f64())]
+    min_seconds: f64,
     /// Percent of requests that are reads; the rest are writes.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u8).range(0..=100))]
     reads: u8,
@@ -377,12 +382,18 @@ struct ThreadsArgs {
     /// Run both modes, batched and unbatched, as two series.
     #[arg(long)]
     compare_batching: bool,
-    /// Servers to use (host:port,…); default: a dev cluster started for the run.
+    /// Servers to use (host:port,…); default: `camelot server` processes started for the
+    /// run (--nodes of them).
     #[arg(long, value_delimiter = ',')]
     servers: Vec<String>,
-    /// Nodes of the dev cluster started when --servers is not given.
+    /// Nodes started for the run when --servers is not given.
     #[arg(long, default_value_t = 1)]
     nodes: usize,
+    /// Run those nodes inside the bench process (a dev cluster sharing its cores and CPU
+    /// accounting) instead of as `camelot server` processes; every series label and the
+    /// config say so, and no server CPU seconds are recorded.
+    #[arg(long, conflicts_with = "servers")]
+    in_process: bool,
     /// Bytes of the region each node serves requests from.
     #[arg(long, default_value = "64M", value_parser = parse_bytes)]
     region: u64,
@@ -607,8 +618,13 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
         .iter()
         .map(|s| resolve(s))
         .collect::<Result<Vec<_>>>()?;
+    if !(a.min_seconds.is_finite() && a.min_seconds >= 0.0) {
+        bail!("--min-seconds must be a number of seconds, at least 0");
+    }
     let mut cfg = ThreadsConfig {
         requests: a.requests,
+        min_point_duration: std::time::Duration::try_from_secs_f64(a.min_seconds)
+            .context("--min-seconds is too large")?,
         reads_percent: a.reads,
         size_bytes: u32::try_from(a.size).context("--size is too large")?,
         threads: a.threads,
@@ -623,6 +639,7 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
         },
         servers,
         dev_nodes: a.nodes,
+        in_process: a.in_process,
         region_bytes: a.region,
         token: a.token.map(String::into_bytes),
         quick: a.quick,

@@ -378,6 +378,13 @@ fn bench_threads_quick_writes_schema_json_and_figure() {
             .expect("valid JSON");
     assert_eq!(json["bench"], "threads");
     assert_eq!(json["config"]["x"], "threads");
+    // The servers are `camelot server` processes, and a point lasts at least a second.
+    assert_eq!(json["config"]["process"], "separate");
+    let command = json["config"]["servers"]["command"]
+        .as_str()
+        .expect("command");
+    assert!(command.contains(" server --listen 127.0.0.1:"), "{command}");
+    assert_eq!(json["config"]["min_point_seconds"], 1.0);
     finite_positive(&json["machine"]["cores"], "cores");
     let series = json["series"].as_array().expect("series");
     let labels: Vec<&str> = series.iter().filter_map(|s| s["label"].as_str()).collect();
@@ -387,6 +394,15 @@ fn bench_threads_quick_writes_schema_json_and_figure() {
         assert_eq!(points.len(), 4, "quick runs 1, 4, 16, 64 threads");
         for p in points {
             finite_positive(&p["x"], "x");
+            let e = &p["extra"];
+            assert!(finite_positive(&e["seconds"], "seconds") >= 0.9, "{e}");
+            assert!(
+                finite_positive(&e["requests"], "requests") >= 20_000.0,
+                "{e}"
+            );
+            let least = finite_positive(&e["driver_requests_min"], "fewest per thread");
+            assert!(least <= finite_positive(&e["driver_requests_max"], "most per thread"));
+            finite_positive(&e["server_cpu_seconds"], "server CPU seconds");
             finite_positive(&p["ops_per_sec"], "ops_per_sec");
             finite_positive(&p["bytes_per_sec"], "bytes_per_sec");
             let l = &p["latency_us"];
