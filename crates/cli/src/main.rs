@@ -125,8 +125,10 @@ struct DemoArgs {
 enum BenchCommand {
     /// Request-API throughput and latency against client threads (seed 000's figure).
     Threads(ThreadsArgs),
-    /// The request API's targets, each beside its peer in the same run: iperf3 stream,
-    /// redis-benchmark GET, sockperf ping-pong, batching on vs off, no collapse at 64 threads.
+    /// The request API's targets, each beside its peer in the same run: 4 KiB READs vs an
+    /// iperf3 -R stream (one direction), 64 B READs vs redis-benchmark GETs of 64 B (and
+    /// ops per server CPU-second), sockperf ping-pong, batching on vs off, no collapse at
+    /// 64 threads.
     Api(ApiArgs),
     /// This machine's own limits (seed 003): CPU, memory, network over loopback.
     Hw(HwArgs),
@@ -296,6 +298,10 @@ struct ApiArgs {
     /// Times each peer/Camelot pair is measured (alternating); the median ratio counts.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Run the Camelot server inside the bench process instead of as a `camelot server`
+    /// process like redis-server (labelled; no server CPU seconds for it).
+    #[arg(long)]
+    in_process: bool,
     /// Scaled down to finish in under 30 s.
     #[arg(long)]
     quick: bool,
@@ -680,6 +686,7 @@ fn bench_api(a: ApiArgs) -> Result<()> {
         peer_seconds: a.peer_seconds,
         rounds: a.rounds,
         limits: find_limits(a.limits.as_deref(), &a.out)?,
+        in_process: a.in_process,
         ..Default::default()
     };
     if a.quick {
