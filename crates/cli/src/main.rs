@@ -135,8 +135,10 @@ enum BenchCommand {
     /// YCSB's core workloads (A–F, and W: 100% update) against Camelot, its Redis port,
     /// redis-server and memcached under one harness; every read is checked.
     Ycsb(YcsbArgs),
-    /// redis-benchmark against Camelot's Redis-protocol port and a real redis-server in
-    /// the same run (get and set, with and without pipelining); the ratio is the figure.
+    /// redis-benchmark against Camelot's Redis-protocol port (as shipped, and as Redis
+    /// runs: --resp-poll-us 0 --threads 1) and a real redis-server in the same run, each
+    /// a process of its own with its CPU seconds metered; ratios of throughput and of ops
+    /// per server CPU-second are the figures.
     Resp(RespArgs),
     /// RVM commit time against pages modified, per backend (seed 001), beside iperf3,
     /// sockperf and redis-benchmark measured in the same run.
@@ -221,9 +223,14 @@ struct RespArgs {
     /// redis-benchmark -P values to run, comma-separated (1 = no pipelining).
     #[arg(long, value_delimiter = ',', default_value = "1,16")]
     pipeline: Vec<u32>,
-    /// Runs of each case per server, alternating; the median ratio counts.
+    /// Runs of each case per server, rotating who goes first; the median ratio counts.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Run Camelot inside the bench process instead of as `camelot server` processes
+    /// (labelled; no server CPU seconds for it, and no `camelot parity` row, whose
+    /// --resp-poll-us 0 --threads 1 need a process).
+    #[arg(long)]
+    in_process: bool,
     /// Scaled down to finish in under 30 s.
     #[arg(long)]
     quick: bool,
@@ -713,6 +720,7 @@ fn bench_resp(a: RespArgs) -> Result<()> {
         pipelines: a.pipeline,
         rounds: a.rounds,
         quick: false,
+        in_process: a.in_process,
     };
     if a.quick {
         cfg.apply_quick();

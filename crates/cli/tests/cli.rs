@@ -486,6 +486,82 @@ fn bench_api_quick_measures_every_target_beside_its_peer() {
 }
 
 #[test]
+fn bench_resp_quick_runs_every_server_as_a_process_and_meters_it() {
+    let dir = temp_dir("resp");
+    let d = dir.to_str().expect("utf-8 path");
+    let (status, out, err) = run(
+        &["bench", "resp", "--quick", "--out", d],
+        Duration::from_secs(240),
+    );
+    assert!(status.success(), "{err}");
+    for needle in [
+        "camelot parity",
+        "server CPU s",
+        "ops per server CPU-s",
+        "resp.json",
+    ] {
+        assert!(out.contains(needle), "{needle:?} missing from:\n{out}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("resp.json")).expect("resp.json"))
+            .expect("valid JSON");
+    let sides = &json["config"]["sides"];
+    for side in ["camelot", "camelot parity", "redis"] {
+        assert_eq!(sides[side]["process"], "separate", "{side}: {sides}");
+        assert_eq!(sides[side]["server_threads"], 1, "{side}: {sides}");
+    }
+    assert_eq!(sides["redis"]["server"], "redis-server");
+    let parity: Vec<&str> = sides["camelot parity"]["flags"]
+        .as_array()
+        .expect("flags")
+        .iter()
+        .filter_map(|f| f.as_str())
+        .collect();
+    let at = parity
+        .iter()
+        .position(|f| *f == "--resp-poll-us")
+        .unwrap_or_else(|| panic!("no --resp-poll-us in {parity:?}"));
+    assert_eq!(parity.get(at + 1), Some(&"0"));
+    assert!(
+        parity.windows(2).any(|w| w == ["--threads", "1"]),
+        "{parity:?}"
+    );
+    let series = json["series"].as_array().expect("series");
+    let labels: Vec<&str> = series.iter().filter_map(|s| s["label"].as_str()).collect();
+    assert_eq!(labels, ["camelot", "camelot parity", "redis"]);
+    for s in series {
+        let points = s["points"].as_array().expect("points");
+        assert_eq!(points.len(), 4, "GET and SET at -P 1 and -P 16");
+        for p in points {
+            finite_positive(&p["ops_per_sec"], "ops/s");
+            let cpu = &p["extra"]["server_cpu_seconds"];
+            assert!(cpu.as_f64().is_some_and(|c| c >= 0.0), "{p}");
+            // 20,000 unpipelined requests keep a server busy for many clock ticks.
+            if !p["x"].as_str().is_some_and(|x| x.contains("-P")) {
+                finite_positive(&p["extra"]["ops_per_server_cpu_second"], "ops per CPU-s");
+            }
+        }
+    }
+    let comparisons = json["comparisons"].as_array().expect("comparisons");
+    let throughput = comparisons
+        .iter()
+        .filter(|c| c["unit"] == "ops/s" && c["target"] == 1.0)
+        .count();
+    assert_eq!(
+        throughput, 4,
+        "camelot ÷ redis for every case: {comparisons:?}"
+    );
+    assert!(
+        comparisons.iter().any(|c| c["unit"] == "ops/CPU-s"
+            && c["name"].as_str().is_some_and(|n| n.contains("parity"))),
+        "parity ÷ redis ops per CPU-second for the unpipelined cases: {comparisons:?}"
+    );
+    let png = std::fs::read(dir.join("resp.png")).expect("resp.png");
+    assert!(png.starts_with(b"\x89PNG"), "not a PNG");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn bench_all_quick_runs_every_bench_then_the_report() {
     let dir = temp_dir("all");
     let d = dir.to_str().expect("utf-8 path");
