@@ -1,7 +1,9 @@
 //! `camelot demo`: the main job on the embedded default. A 3-node cluster in this process,
-//! a short mixed workload across all three nodes, a summary a person can read.
+//! a short mixed workload across all three nodes, a summary a person can read. It is a
+//! tour, not a comparison, so its servers stay in process, and the summary says so.
 
 use crate::hw::limits::{Against, Limits};
+use crate::side::{CamelotSpec, Placement};
 use crate::workload::{self, LoadSpec, Mix, Target};
 use crate::BenchError;
 use camelot_client::Client;
@@ -29,13 +31,16 @@ pub fn run(cfg: &DemoConfig) -> Result<String, BenchError> {
         ));
     }
     let t0 = Instant::now();
-    let target = Target::open(&[], DEMO_NODES, REGION_BYTES + (1 << 20), None)?;
+    let placement = Placement::InProcess;
+    let spec = CamelotSpec::new(DEMO_NODES, REGION_BYTES + (1 << 20));
+    let target = Target::start(&spec, &placement)?;
     let client = target.connect(true)?;
     let regions = workload::regions_on_every_node(&client, REGION_BYTES)?;
-    let spec = LoadSpec {
+    let load = LoadSpec {
         threads: cfg.threads,
         depth: DEPTH,
         requests: cfg.requests,
+        min_duration: std::time::Duration::ZERO,
         mix: Mix {
             reads_percent: 60,
             fetch_add_percent: 10,
@@ -45,7 +50,7 @@ pub fn run(cfg: &DemoConfig) -> Result<String, BenchError> {
         event_loop: false,
         seed: 2026,
     };
-    let m = workload::run_load(&client, &regions, &spec, None)?;
+    let m = workload::run_load(&client, &regions, &load, None)?;
 
     // Checks: every FETCH_ADD counted exactly once, and data written to each node reads
     // back as written.
@@ -66,8 +71,9 @@ pub fn run(cfg: &DemoConfig) -> Result<String, BenchError> {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "camelot demo: {DEMO_NODES} memory servers on loopback, {} client threads × {DEPTH} \
-         requests in flight, batched",
+        "{}: {DEMO_NODES} memory servers on loopback in this process, {} client threads × \
+         {DEPTH} requests in flight, batched",
+        placement.label("camelot demo"),
         cfg.threads
     );
     let _ = writeln!(

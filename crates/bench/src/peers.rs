@@ -60,14 +60,32 @@ pub struct PeerRate {
     pub command: String,
 }
 
-/// TCP streaming throughput over loopback as iperf3 measures it (one stream, `duration`
-/// rounded up to whole seconds, at least one).
+/// Which way an iperf3 stream's bytes flow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamDirection {
+    /// The client sends (iperf3's default): compares with WRITE payloads.
+    ClientToServer,
+    /// The server sends (`iperf3 -R`): compares with what READs bring back.
+    ServerToClient,
+}
+
+/// TCP streaming throughput over loopback as iperf3 measures it (one stream, client to
+/// server, `duration` rounded up to whole seconds, at least one).
 pub fn iperf3_tcp_stream(duration: Duration) -> Result<PeerStream, BenchError> {
+    iperf3_tcp_stream_in(duration, StreamDirection::ClientToServer)
+}
+
+/// [`iperf3_tcp_stream`] in the given direction. Either way the figure is what the
+/// receiving end counted (`end.sum_received`).
+pub fn iperf3_tcp_stream_in(
+    duration: Duration,
+    direction: StreamDirection,
+) -> Result<PeerStream, BenchError> {
     let secs = whole_seconds(duration);
     let scratch = ScratchDir::new("iperf3")?;
     let server = Iperf3Server::start()?;
     let addr = server.addr();
-    let args = os_args([
+    let mut args = os_args([
         "-c",
         "127.0.0.1",
         "-p",
@@ -76,6 +94,9 @@ pub fn iperf3_tcp_stream(duration: Duration) -> Result<PeerStream, BenchError> {
         &secs.to_string(),
         "-J",
     ]);
+    if direction == StreamDirection::ServerToClient {
+        args.push("-R".into());
+    }
     let command = command_line(&IPERF3.program, &args);
     let time_limit = Duration::from_secs(secs).saturating_add(CLIENT_TIME_MARGIN);
     let run = run_to_end(&IPERF3, &args, &scratch, "client", time_limit)?;

@@ -1,24 +1,31 @@
 //! `camelot bench threads`: seed 000's experiment. Throughput and latency of the request API
 //! against the number of client threads, batched and unbatched.
 
-use crate::hw::limits::Against;
+use crate::hw::limits::{Against, Limits};
 use crate::progress::Progress;
+use crate::side::CamelotSpec;
 use crate::workload::{self, LoadSpec, Mix, Target, DEPTH_MAX, THREADS_MAX};
 use crate::BenchError;
 use camelot_results::output;
 use camelot_results::plot::{series_points, Figure, Panel};
-use camelot_results::schema::{now_rfc3339, BenchResult, Point, Series};
+use camelot_results::schema::{now_rfc3339, BenchResult, Point, Reference, Series};
 use serde_json::json;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// Thread counts past this are almost certainly a typo on a 2-core machine.
 pub const THREAD_COUNTS_MAX: usize = 64;
+/// Every point runs at least this long: a quick point at 64 threads took about 0.1 s
+/// otherwise, short enough for one neighbour's time slice to halve it.
+pub const POINT_DURATION_MIN_DEFAULT: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
 pub struct ThreadsConfig {
-    /// Requests per thread count, over all threads.
+    /// Requests per thread count, over all threads (at least; see `min_point_duration`).
     pub requests: u64,
+    /// Each thread count's point goes on past `requests` until it has run this long.
+    pub min_point_duration: Duration,
     pub reads_percent: u8,
     pub size_bytes: u32,
     pub threads: Vec<usize>,
@@ -30,9 +37,12 @@ pub struct ThreadsConfig {
     pub event_loop: bool,
     /// One series per entry: `true` batched, `false` one request per frame.
     pub modes: Vec<bool>,
-    /// Servers to use; empty starts a dev cluster of `dev_nodes`.
+    /// Servers to use; empty starts `dev_nodes` servers for the run.
     pub servers: Vec<SocketAddr>,
     pub dev_nodes: usize,
+    /// Start those servers inside this process instead of as `camelot server` processes
+    /// (labelled in every series and in the config).
+    pub in_process: bool,
     /// Bytes of the region on each node that requests land in.
     pub region_bytes: u64,
     pub token: Option<Vec<u8>>,
@@ -45,6 +55,7 @@ impl Default for ThreadsConfig {
     fn default() -> Self {
         ThreadsConfig {
             requests: 1_000_000,
+            min_point_duration: POINT_DURATION_MIN_DEFAULT,
             reads_percent: 50,
             size_bytes: 4096,
             threads: vec![1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64],
@@ -55,6 +66,7 @@ impl Default for ThreadsConfig {
             modes: vec![true],
             servers: Vec::new(),
             dev_nodes: 1,
+            in_process: false,
             region_bytes: 64 << 20,
             token: None,
             quick: false,
@@ -104,6 +116,13 @@ impl ThreadsConfig {
         if self.requests < self.threads.iter().copied().max().unwrap_or(1) as u64 {
             return bad("fewer requests than threads".into());
         }
+        if self.min_point_duration > workload::MIN_DURATION_MAX {
+            return bad(format!(
+                "points of at least {:?} are past {:?}",
+                self.min_point_duration,
+                workload::MIN_DURATION_MAX
+            ));
+        }
         if self.size_bytes as u64 + 8 > self.region_bytes {
             return bad(format!(
                 "{}-byte requests do not fit a {}-byte region",
@@ -127,12 +146,9 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
     cfg.validate()?;
     let started = now_rfc3339();
     // The region plus headroom for the allocator's page rounding.
-    let target = Target::open(
-        &cfg.servers,
-        cfg.dev_nodes,
-        cfg.region_bytes + (1 << 20),
-        cfg.token.clone(),
-    )?;
+    let mut spec = CamelotSpec::new(cfg.dev_nodes, cfg.region_bytes + (1 << 20));
+    spec.token = cfg.token.clone();
+    let target = Target::open(&cfg.servers, &spec, cfg.in_process)?;
     let total = cfg.requests * cfg.threads.len() as u64 * cfg.modes.len() as u64;
     let progress = Progress::new(total, "threads");
     let mut series = Vec::new();
@@ -143,13 +159,14 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
             ..Default::default()
         })?;
         let regions = workload::regions_on_every_node(&client, cfg.region_bytes)?;
-        let mut s = Series::new(mode_label(batched));
+        let mut s = Series::new(target.label(mode_label(batched)));
         for &threads in &cfg.threads {
             progress.set_message(&format!("{} · {threads} threads", mode_label(batched)));
             let spec = LoadSpec {
                 threads,
                 depth: cfg.depth,
                 requests: cfg.requests,
+                min_duration: cfg.min_point_duration,
                 mix: Mix {
                     reads_percent: cfg.reads_percent,
                     fetch_add_percent: 0,
@@ -159,15 +176,16 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
                 event_loop: cfg.event_loop,
                 seed: threads as u64,
             };
-            let m = workload::run_load(&client, &regions, &spec, Some(&progress))?;
+            let m = target.run_load(&client, &regions, &spec, Some(&progress))?;
             let mut p = Point::new(threads);
             p.ops_per_sec = Some(m.ops_per_sec());
             p.bytes_per_sec = Some(m.bytes_per_sec());
             p.latency_us = Some(m.latency.summary());
-            p.extra
-                .insert("seconds".into(), json!(m.elapsed.as_secs_f64()));
             p.extra.insert("reads".into(), json!(m.reads));
             p.extra.insert("writes".into(), json!(m.writes));
+            for (k, v) in m.run_extra().into_iter().chain(m.cpu_extra()) {
+                p.extra.insert(k.into(), v);
+            }
             if let Some(l) = &cfg.limits {
                 l.annotate_network_point(&mut p);
             }
@@ -177,12 +195,13 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
         series.push(s);
     }
     progress.finish();
-    let embedded = target.is_embedded();
+    let servers = target.describe();
     target.close()?;
 
     let config = json!({
         "x": "threads",
         "requests": cfg.requests,
+        "min_point_seconds": cfg.min_point_duration.as_secs_f64(),
         "reads_percent": cfg.reads_percent,
         "size_bytes": cfg.size_bytes,
         "threads": cfg.threads,
@@ -190,8 +209,8 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
         "pinned": cfg.pin,
         "cpu_local": cfg.cpu_local,
         "modes": cfg.modes.iter().map(|b| mode_label(*b)).collect::<Vec<_>>(),
-        "servers": if embedded { json!(format!("dev cluster of {} (in process)", cfg.dev_nodes)) }
-                   else { json!(cfg.servers.iter().map(|a| a.to_string()).collect::<Vec<_>>()) },
+        "process": servers["process"],
+        "servers": servers,
         "region_bytes": cfg.region_bytes,
         "quick": cfg.quick,
     });
@@ -199,7 +218,10 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
     if let Some(limit) = cfg.limits.as_ref().and_then(|l| l.tcp_stream_bytes_per_sec) {
         config["tcp_stream_limit_bytes_per_sec"] = json!(limit);
     }
-    let result = BenchResult::new("threads", started, config, series);
+    let mut result = BenchResult::new("threads", started, config, series);
+    if let Some(l) = &cfg.limits {
+        result.references = limit_references(l);
+    }
     Ok(output::write_result_with_figure(
         out,
         &result,
@@ -224,6 +246,27 @@ fn figure(result: &BenchResult, cfg: &ThreadsConfig) -> Figure {
     ))
     .panel(latency)
     .panel(throughput)
+}
+
+/// The machine's measured network limits as lines a figure draws: the TCP stream over
+/// its throughput, the TCP ping-pong p50 under its latency. Unmeasured ones are left out.
+pub fn limit_references(limits: &Limits) -> Vec<Reference> {
+    let mut refs = Vec::new();
+    if let Some(v) = limits.tcp_stream_bytes_per_sec {
+        refs.push(Reference {
+            label: "TCP stream limit (limits.json)".into(),
+            metric: "bytes_per_sec".into(),
+            value: v,
+        });
+    }
+    if let Some(v) = limits.tcp_pingpong_us_p50 {
+        refs.push(Reference {
+            label: "TCP ping-pong p50 limit (limits.json)".into(),
+            metric: "latency_us.p50".into(),
+            value: v,
+        });
+    }
+    refs
 }
 
 /// One line per series: its best throughput as a share of the machine's TCP stream limit.

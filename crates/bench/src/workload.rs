@@ -3,13 +3,13 @@
 
 use crate::latency::LatencyRecorder;
 use crate::progress::Progress;
+use crate::side::{CamelotNodes, CamelotSpec, CpuMeter, Placement};
 use crate::BenchError;
 use bytes::Bytes;
 use camelot_client::proto::{Op, Reply};
 use camelot_client::{
     Client, ClientConfig, ClusterMap, LoopClient, LoopPending, NodeId, Pending, Region,
 };
-use camelot_server::dev::{DevCluster, DevClusterConfig};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::collections::VecDeque;
@@ -26,39 +26,91 @@ pub const DEPTH_MAX: usize = 4096;
 const PROGRESS_STEP: u64 = 1024;
 /// How often the event-loop driver moves the progress bar.
 const PROGRESS_TICK: Duration = Duration::from_millis(200);
+/// Longest minimum duration one measurement may ask for.
+pub const MIN_DURATION_MAX: Duration = Duration::from_secs(3600);
 
-/// Where requests go: the servers given, or a dev cluster started for the run.
+/// The requests of one measurement, shared by its drivers. Each takes its next request
+/// from the pool when its window has room, so a driver the scheduler favours does more
+/// and none is left finishing a private quota alone: with fixed per-thread quotas, 64
+/// batched threads finished over a spread of 30–40% of the run (first 106 ms, last
+/// 145–175 ms), and the last third measured a handful of threads, not 64. Once the pool
+/// is empty, drivers go on until the minimum duration is over.
+struct Quota {
+    remaining: AtomicU64,
+    base: Instant,
+    /// Nanoseconds after `base` until which drivers go on past the pool (set by
+    /// `start`, before the drivers are released).
+    deadline_ns: AtomicU64,
+}
+
+impl Quota {
+    fn new(requests: u64) -> Quota {
+        Quota {
+            remaining: AtomicU64::new(requests),
+            base: Instant::now(),
+            deadline_ns: AtomicU64::new(0),
+        }
+    }
+
+    /// Starts the clock: drivers go on at least `min_duration` from now.
+    fn start(&self, min_duration: Duration) {
+        let ns = (self.base.elapsed() + min_duration).as_nanos();
+        self.deadline_ns
+            .store(u64::try_from(ns).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// Whether the caller may issue one more request.
+    fn claim(&self) -> bool {
+        let pooled = self
+            .remaining
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| r.checked_sub(1))
+            .is_ok();
+        pooled
+            || self.base.elapsed().as_nanos() < u128::from(self.deadline_ns.load(Ordering::Relaxed))
+    }
+}
+
+/// Where requests go: servers that were already running (`--servers`), or Camelot
+/// servers started for the run — `camelot server` processes by default, like every peer a
+/// bench compares against, or a dev cluster inside this process when asked for (and then
+/// labelled so wherever its figures go).
 pub struct Target {
-    dev: Option<DevCluster>,
+    nodes: Option<CamelotNodes>,
     addrs: Vec<SocketAddr>,
     token: Option<Vec<u8>>,
 }
 
 impl Target {
-    /// Uses `servers`, or starts `dev_nodes` loopback servers with `memory_bytes_per_node`.
+    /// Uses `servers` when there are any (the spec's token applies to them), else starts
+    /// the servers `spec` describes: separate `camelot server` processes, or in this
+    /// process when `in_process`.
     pub fn open(
         servers: &[SocketAddr],
-        dev_nodes: usize,
-        memory_bytes_per_node: u64,
-        token: Option<Vec<u8>>,
+        spec: &CamelotSpec,
+        in_process: bool,
     ) -> Result<Target, BenchError> {
-        if !servers.is_empty() {
-            return Ok(Target {
-                dev: None,
+        if servers.is_empty() {
+            Target::start(spec, &Placement::choose(in_process)?)
+        } else if in_process {
+            Err(BenchError::InvalidConfig(
+                "servers that are given run where they run: drop --in-process".into(),
+            ))
+        } else {
+            Ok(Target {
+                nodes: None,
                 addrs: servers.to_vec(),
-                token,
-            });
+                token: spec.token.clone(),
+            })
         }
-        let dev = DevCluster::start(DevClusterConfig {
-            nodes: dev_nodes,
-            memory_bytes_per_node,
-            token: token.clone(),
-            ..DevClusterConfig::default()
-        })?;
+    }
+
+    /// Starts the servers `spec` describes, placed as `placement` says.
+    pub fn start(spec: &CamelotSpec, placement: &Placement) -> Result<Target, BenchError> {
+        let nodes = CamelotNodes::start(spec, placement)?;
         Ok(Target {
-            addrs: dev.addrs().to_vec(),
-            dev: Some(dev),
-            token,
+            addrs: nodes.addrs(),
+            token: spec.token.clone(),
+            nodes: Some(nodes),
         })
     }
 
@@ -66,9 +118,56 @@ impl Target {
         &self.addrs
     }
 
+    /// The servers started for this run (none when they were given).
+    pub fn nodes(&self) -> Option<&CamelotNodes> {
+        self.nodes.as_ref()
+    }
+
     /// True when the servers run inside this process (and share its cores).
-    pub fn is_embedded(&self) -> bool {
-        self.dev.is_some()
+    pub fn is_in_process(&self) -> bool {
+        self.nodes
+            .as_ref()
+            .is_some_and(|n| n.placement().is_in_process())
+    }
+
+    /// `label`, marked when the servers run in this process.
+    pub fn label(&self, label: &str) -> String {
+        match &self.nodes {
+            Some(n) => n.placement().label(label),
+            None => label.to_string(),
+        }
+    }
+
+    /// A meter of the servers' CPU seconds; it reads nothing when there is no process of
+    /// ours to meter (servers given, or in process).
+    pub fn cpu_meter(&self) -> CpuMeter {
+        match &self.nodes {
+            Some(n) => n.cpu_meter(),
+            None => CpuMeter::start(Vec::new()),
+        }
+    }
+
+    /// How the servers ran, for a result's `config`: `process` (`separate`, `in-process`
+    /// or `given`), the addresses or the command line, the flags and the serving threads.
+    pub fn describe(&self) -> serde_json::Value {
+        match &self.nodes {
+            None => serde_json::json!({
+                "process": "given",
+                "servers": self.addrs.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+            }),
+            Some(n) => {
+                let mut d = serde_json::json!({
+                    "process": n.placement().name(),
+                    "nodes": n.spec().nodes,
+                    "flags": n.spec().flags(),
+                    "server_threads": n.spec().serving_threads(false),
+                });
+                if let Some(p) = n.processes().first() {
+                    d["command"] = serde_json::json!(p.command());
+                }
+                d
+            }
+        }
     }
 
     pub fn connect(&self, batching: bool) -> Result<Client, BenchError> {
@@ -90,16 +189,31 @@ impl Target {
         )?)
     }
 
-    /// Server counters, node by node, when the servers are embedded.
+    /// Server counters, node by node, when the servers run in this process.
     pub fn dev_stats(&self) -> Option<Vec<Vec<(String, u64)>>> {
-        self.dev.as_ref().map(DevCluster::stats)
+        self.nodes.as_ref().and_then(CamelotNodes::dev_stats)
+    }
+
+    /// [`run_load`], with the servers' CPU seconds over the measurement recorded in the
+    /// result when there is a process to meter.
+    pub fn run_load(
+        &self,
+        client: &Client,
+        regions: &[Region],
+        spec: &LoadSpec,
+        progress: Option<&Progress>,
+    ) -> Result<Measured, BenchError> {
+        let meter = self.cpu_meter();
+        let mut m = run_load(client, regions, spec, progress)?;
+        m.server_cpu_seconds = meter.seconds();
+        Ok(m)
     }
 
     pub fn close(self) -> Result<(), BenchError> {
-        if let Some(dev) = self.dev {
-            dev.shutdown()?;
+        match self.nodes {
+            Some(n) => n.stop(),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -116,8 +230,12 @@ pub struct Mix {
 pub struct LoadSpec {
     pub threads: usize,
     pub depth: usize,
-    /// Requests in total, over all threads.
+    /// Requests in total, over all threads: a shared pool each driver takes its next
+    /// request from, so the run ends when the pool does, not on its slowest driver.
     pub requests: u64,
+    /// The drivers keep going past `requests` until this much time has passed, so a
+    /// point is never a fraction of a second that one scheduling hiccup decides.
+    pub min_duration: Duration,
     pub mix: Mix,
     /// Request sizes; each request picks one uniformly.
     pub sizes_bytes: Vec<u32>,
@@ -140,6 +258,12 @@ impl LoadSpec {
         }
         if self.depth == 0 || self.depth > DEPTH_MAX {
             return bad(format!("depth must be 1..={DEPTH_MAX}, not {}", self.depth));
+        }
+        if self.min_duration > MIN_DURATION_MAX {
+            return bad(format!(
+                "a minimum duration of {:?} is more than {MIN_DURATION_MAX:?}",
+                self.min_duration
+            ));
         }
         if self.mix.reads_percent as u32 + self.mix.fetch_add_percent as u32 > 100 {
             return bad("reads and fetch-adds add up to more than 100%".into());
@@ -170,6 +294,11 @@ impl LoadSpec {
     }
 }
 
+/// Server CPU seconds below which a ratio of two servers' ops per CPU-second is left
+/// out: the kernel counts CPU time in 10 ms ticks, so a run needs ten of them before the
+/// rounding is under 10%. (A point still records its own figure from one tick up.)
+pub const CPU_SECONDS_FOR_RATIO_MIN: f64 = 0.1;
+
 /// What one measurement saw.
 #[derive(Debug, Clone)]
 pub struct Measured {
@@ -177,10 +306,21 @@ pub struct Measured {
     pub reads: u64,
     pub writes: u64,
     pub fetch_adds: u64,
-    /// Payload bytes moved by reads and writes.
+    /// Payload bytes moved by reads and writes, both directions together.
     pub bytes: u64,
+    /// Payload bytes the reads brought back (server to client).
+    pub read_bytes: u64,
+    /// Payload bytes the writes sent (client to server).
+    pub write_bytes: u64,
     pub elapsed: Duration,
     pub latency: LatencyRecorder,
+    /// CPU seconds the server processes spent over the measurement, when they are
+    /// processes of this run ([`Target::run_load`]).
+    pub server_cpu_seconds: Option<f64>,
+    /// Fewest and most requests one driver (thread or task) completed: how evenly the
+    /// client shared the work out.
+    pub driver_requests_min: u64,
+    pub driver_requests_max: u64,
 }
 
 impl Measured {
@@ -190,6 +330,32 @@ impl Measured {
     pub fn bytes_per_sec(&self) -> f64 {
         self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
+    /// Payload rate in one direction: what the reads brought back.
+    pub fn read_bytes_per_sec(&self) -> f64 {
+        self.read_bytes as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+    /// `server_cpu_seconds` and `ops_per_server_cpu_second` for a point's `extra`
+    /// (nothing without a metered process).
+    pub fn cpu_extra(&self) -> Vec<(&'static str, serde_json::Value)> {
+        crate::side::cpu_extra(self.requests as f64, self.server_cpu_seconds)
+    }
+
+    /// What a point records about the run beyond its figures: its length, the requests
+    /// done and how they were spread over the drivers.
+    pub fn run_extra(&self) -> Vec<(&'static str, serde_json::Value)> {
+        vec![
+            ("seconds", serde_json::json!(self.elapsed.as_secs_f64())),
+            ("requests", serde_json::json!(self.requests)),
+            (
+                "driver_requests_min",
+                serde_json::json!(self.driver_requests_min),
+            ),
+            (
+                "driver_requests_max",
+                serde_json::json!(self.driver_requests_max),
+            ),
+        ]
+    }
 }
 
 #[derive(Default)]
@@ -197,7 +363,8 @@ struct Tally {
     reads: u64,
     writes: u64,
     fetch_adds: u64,
-    bytes: u64,
+    read_bytes: u64,
+    write_bytes: u64,
 }
 
 /// Runs `spec` against `regions` (spread over nodes) and measures it. Every request must
@@ -226,22 +393,21 @@ pub fn run_load(
     }
     let barrier = Barrier::new(spec.threads + 1);
     let progressed = AtomicU64::new(0);
-    let per_thread = spec.requests / spec.threads as u64;
-    let extra = spec.requests % spec.threads as u64;
+    let quota = Quota::new(spec.requests);
 
     let (outcomes, elapsed) = std::thread::scope(|s| {
         let handles: Vec<_> = (0..spec.threads)
             .map(|t| {
                 let core = (!cores.is_empty()).then(|| cores[t % cores.len()]);
-                let n = per_thread + u64::from((t as u64) < extra);
-                let (barrier, payload, progressed) = (&barrier, payload.clone(), &progressed);
+                let (barrier, payload, progressed, quota) =
+                    (&barrier, payload.clone(), &progressed, &quota);
                 s.spawn(move || {
                     if let Some(c) = core {
                         core_affinity::set_for_current(c);
                     }
                     let seed = spec.seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                     barrier.wait();
-                    let r = one_thread(client, regions, spec, n, seed, &payload, |k| {
+                    let r = one_thread(client, regions, spec, quota, seed, &payload, |k| {
                         if let Some(p) = progress {
                             p.inc(k);
                         }
@@ -251,8 +417,11 @@ pub fn run_load(
                 })
             })
             .collect();
-        barrier.wait();
+        // Every thread is waiting at the barrier by now. The clock starts before they are
+        // released, so waking 64 of them counts against the run, never for it.
         let start = Instant::now();
+        quota.start(spec.min_duration);
+        barrier.wait();
         let outcomes: Vec<_> = handles
             .into_iter()
             .map(|h| {
@@ -284,18 +453,29 @@ fn measured(
         writes: 0,
         fetch_adds: 0,
         bytes: 0,
+        read_bytes: 0,
+        write_bytes: 0,
         elapsed,
         latency: LatencyRecorder::new(),
+        server_cpu_seconds: None,
+        driver_requests_min: u64::MAX,
+        driver_requests_max: 0,
     };
     for r in outcomes {
         let (tally, lat) = r?;
+        let done = tally.reads + tally.writes + tally.fetch_adds;
+        m.driver_requests_min = m.driver_requests_min.min(done);
+        m.driver_requests_max = m.driver_requests_max.max(done);
         m.reads += tally.reads;
         m.writes += tally.writes;
         m.fetch_adds += tally.fetch_adds;
-        m.bytes += tally.bytes;
+        m.read_bytes += tally.read_bytes;
+        m.write_bytes += tally.write_bytes;
         m.latency.merge(&lat);
     }
     m.requests = m.reads + m.writes + m.fetch_adds;
+    m.bytes = m.read_bytes + m.write_bytes;
+    m.driver_requests_min = m.driver_requests_min.min(m.driver_requests_max);
     Ok(m)
 }
 
@@ -312,8 +492,7 @@ fn run_event_loop(
         .enable_all()
         .build()
         .map_err(|e| BenchError::Check(format!("cannot start a runtime: {e}")))?;
-    let per_task = spec.requests / spec.threads as u64;
-    let extra = spec.requests % spec.threads as u64;
+    let quota = Arc::new(Quota::new(spec.requests));
     let regions = Arc::new(regions.to_vec());
     let shared_spec = Arc::new(spec.clone());
     let progressed = Arc::new(AtomicU64::new(0));
@@ -321,14 +500,14 @@ fn run_event_loop(
         let lc = LoopClient::connect((*client.map()).clone(), client.config().clone()).await?;
         let mut tasks = tokio::task::JoinSet::new();
         let start = Instant::now();
+        quota.start(spec.min_duration);
         for t in 0..spec.threads {
-            let n = per_task + u64::from((t as u64) < extra);
             let seed = spec.seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
             tasks.spawn(one_task(
                 lc.clone(),
                 regions.clone(),
                 shared_spec.clone(),
-                n,
+                quota.clone(),
                 seed,
                 payload.clone(),
                 progressed.clone(),
@@ -401,7 +580,7 @@ impl<'a> Requests<'a> {
             (region.node, region.fetch_add_op(0, 1), None)
         } else {
             t.writes += 1;
-            t.bytes += size as u64;
+            t.write_bytes += size as u64;
             let data = self.payload.slice(..size as usize);
             (region.node, region.write_op(offset, data), None)
         }
@@ -411,7 +590,7 @@ impl<'a> Requests<'a> {
     fn answered(&mut self, read_len: Option<u32>, reply: Reply) -> Result<(), BenchError> {
         match (read_len, reply) {
             (Some(len), Reply::Data(d)) if d.len() == len as usize => {
-                self.tally.bytes += len as u64;
+                self.tally.read_bytes += len as u64;
                 Ok(())
             }
             (None, Reply::Done | Reply::Word(_)) => Ok(()),
@@ -426,7 +605,7 @@ fn one_thread(
     client: &Client,
     regions: &[Region],
     spec: &LoadSpec,
-    n: u64,
+    quota: &Quota,
     seed: u64,
     payload: &Bytes,
     mut report: impl FnMut(u64),
@@ -435,16 +614,19 @@ fn one_thread(
     let mut lat = LatencyRecorder::new();
     let mut inflight: VecDeque<(Pending, Instant, Option<u32>)> =
         VecDeque::with_capacity(spec.depth);
-    let mut issued = 0u64;
+    let mut more = true;
     let mut unreported = 0u64;
     let mut burst: Vec<(NodeId, Op)> = Vec::with_capacity(spec.depth);
     let mut burst_reads: Vec<Option<u32>> = Vec::with_capacity(spec.depth);
-    while issued < n || !inflight.is_empty() {
-        while issued < n && inflight.len() + burst.len() < spec.depth {
+    while more || !inflight.is_empty() {
+        while more && inflight.len() + burst.len() < spec.depth {
+            more = quota.claim();
+            if !more {
+                break;
+            }
             let (node, op, read_len) = requests.next();
             burst.push((node, op));
             burst_reads.push(read_len);
-            issued += 1;
         }
         if !burst.is_empty() {
             // Everything the window has room for leaves together, timed from before the
@@ -483,7 +665,7 @@ async fn one_task(
     client: LoopClient,
     regions: Arc<Vec<Region>>,
     spec: Arc<LoadSpec>,
-    n: u64,
+    quota: Arc<Quota>,
     seed: u64,
     payload: Bytes,
     progressed: Arc<AtomicU64>,
@@ -492,18 +674,21 @@ async fn one_task(
     let mut lat = LatencyRecorder::new();
     let mut inflight: VecDeque<(LoopPending, Instant, Option<u32>)> =
         VecDeque::with_capacity(spec.depth);
-    let mut issued = 0u64;
+    let mut more = true;
     let mut unreported = 0u64;
-    while issued < n || !inflight.is_empty() {
+    while more || !inflight.is_empty() {
         // One clock read per refill and one per sweep of answers, as redis-benchmark
         // reads it per write and per reply: on one thread driving 256 requests in flight
         // a read per request was ~5% of the client's time. Both are taken on the far
         // side of what they bound, so a latency can only come out longer, never shorter.
         let sent = Instant::now();
-        while issued < n && inflight.len() < spec.depth {
+        while more && inflight.len() < spec.depth {
+            more = quota.claim();
+            if !more {
+                break;
+            }
             let (node, op, read_len) = requests.next();
             inflight.push_back((client.submit(node, op).await?, sent, read_len));
-            issued += 1;
         }
         let mut answered_at = None;
         while let Some((pending, sent, read_len)) = inflight.pop_front() {
@@ -557,4 +742,89 @@ pub fn counters_total(client: &Client, regions: &[Region]) -> Result<u64, BenchE
         }
     }
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pool_hands_out_exactly_its_requests_then_runs_out_the_clock() {
+        let q = Quota::new(3);
+        q.start(Duration::ZERO);
+        assert!(q.claim() && q.claim() && q.claim());
+        assert!(!q.claim(), "no fourth request without a minimum duration");
+
+        let min = Duration::from_millis(30);
+        let q = Quota::new(2);
+        let t = Instant::now();
+        q.start(min);
+        let mut claimed = 0u64;
+        while q.claim() {
+            claimed += 1;
+        }
+        assert!(claimed > 2, "went on past the pool");
+        assert!(t.elapsed() >= min, "stopped before the minimum duration");
+    }
+
+    fn spec(event_loop: bool, min_duration: Duration) -> LoadSpec {
+        LoadSpec {
+            threads: 4,
+            depth: 2,
+            requests: 400,
+            min_duration,
+            mix: Mix {
+                reads_percent: 50,
+                fetch_add_percent: 0,
+            },
+            sizes_bytes: vec![64],
+            pin: false,
+            event_loop,
+            seed: 7,
+        }
+    }
+
+    #[test]
+    fn loads_share_one_pool_and_count_each_direction() -> Result<(), BenchError> {
+        let target = Target::start(&CamelotSpec::new(1, 2 << 20), &Placement::InProcess)?;
+        assert!(target.is_in_process());
+        assert_eq!(target.label("batched"), "batched (in-process)");
+        assert_eq!(target.describe()["process"], "in-process");
+        let client = target.connect(true)?;
+        let regions = regions_on_every_node(&client, 1 << 20)?;
+        for event_loop in [false, true] {
+            let m = target.run_load(&client, &regions, &spec(event_loop, Duration::ZERO), None)?;
+            assert_eq!(m.requests, 400, "exactly the pool without a time floor");
+            assert_eq!(m.reads + m.writes, m.requests);
+            assert_eq!(m.read_bytes, m.reads * 64);
+            assert_eq!(m.write_bytes, m.writes * 64);
+            assert_eq!(m.bytes, m.read_bytes + m.write_bytes);
+            assert!(m.driver_requests_min <= m.driver_requests_max);
+            assert!(m.driver_requests_max <= m.requests);
+            assert_eq!(m.server_cpu_seconds, None, "nothing to meter in process");
+            assert!(m.cpu_extra().is_empty());
+
+            let min = Duration::from_millis(150);
+            let m = target.run_load(&client, &regions, &spec(event_loop, min), None)?;
+            assert!(m.requests >= 400, "{}", m.requests);
+            assert!(m.elapsed >= min, "{:?}", m.elapsed);
+        }
+        free_all(&client, &regions)?;
+        drop(client);
+        target.close()
+    }
+
+    #[test]
+    fn given_servers_cannot_be_in_process() {
+        let addr = SocketAddr::from(([127, 0, 0, 1], 1));
+        let spec = CamelotSpec::new(1, 1 << 20);
+        assert!(matches!(
+            Target::open(&[addr], &spec, true),
+            Err(BenchError::InvalidConfig(_))
+        ));
+        let given = Target::open(&[addr], &spec, false).expect("nothing to start");
+        assert_eq!(given.describe()["process"], "given");
+        assert_eq!(given.label("batched"), "batched");
+        assert_eq!(given.cpu_meter().seconds(), None);
+    }
 }

@@ -3,7 +3,10 @@
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use camelot_bench::peers::{iperf3_tcp_stream, redis_benchmark, sockperf_tcp_pingpong};
+use camelot_bench::peers::{
+    iperf3_tcp_stream, iperf3_tcp_stream_in, redis_benchmark, sockperf_tcp_pingpong,
+    StreamDirection,
+};
 use camelot_bench::BenchError;
 use camelot_testkit::RedisServer;
 
@@ -19,6 +22,17 @@ fn iperf3_streams_over_loopback() -> Result<(), BenchError> {
         "{stream:?}"
     );
     assert!(stream.command.ends_with(" -t 1 -J"), "{stream:?}");
+    Ok(())
+}
+
+#[test]
+fn iperf3_streams_from_the_server_with_reverse() -> Result<(), BenchError> {
+    let stream = iperf3_tcp_stream_in(Duration::from_secs(1), StreamDirection::ServerToClient)?;
+    assert!(
+        stream.bytes_per_sec.is_finite() && stream.bytes_per_sec > 0.0,
+        "{stream:?}"
+    );
+    assert!(stream.command.ends_with(" -t 1 -J -R"), "{stream:?}");
     Ok(())
 }
 

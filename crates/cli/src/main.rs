@@ -126,16 +126,20 @@ struct DemoArgs {
 enum BenchCommand {
     /// Request-API throughput and latency against client threads (seed 000's figure).
     Threads(ThreadsArgs),
-    /// The request API's targets, each beside its peer in the same run: iperf3 stream,
-    /// redis-benchmark GET, sockperf ping-pong, batching on vs off, no collapse at 64 threads.
+    /// The request API's targets, each beside its peer in the same run: 4 KiB READs vs an
+    /// iperf3 -R stream (one direction), 64 B READs vs redis-benchmark GETs of 64 B (and
+    /// ops per server CPU-second), sockperf ping-pong, batching on vs off, no collapse at
+    /// 64 threads.
     Api(ApiArgs),
     /// This machine's own limits (seed 003): CPU, memory, network over loopback.
     Hw(HwArgs),
     /// YCSB's core workloads (A–F, and W: 100% update) against Camelot, its Redis port,
     /// redis-server and memcached under one harness; every read is checked.
     Ycsb(YcsbArgs),
-    /// redis-benchmark against Camelot's Redis-protocol port and a real redis-server in
-    /// the same run (get and set, with and without pipelining); the ratio is the figure.
+    /// redis-benchmark against Camelot's Redis-protocol port (as shipped, and as Redis
+    /// runs: --resp-poll-us 0 --threads 1) and a real redis-server in the same run, each
+    /// a process of its own with its CPU seconds metered; ratios of throughput and of ops
+    /// per server CPU-second are the figures.
     Resp(RespArgs),
     /// RVM commit time against pages modified, per backend (seed 001), beside iperf3,
     /// sockperf and redis-benchmark measured in the same run.
@@ -220,9 +224,14 @@ struct RespArgs {
     /// redis-benchmark -P values to run, comma-separated (1 = no pipelining).
     #[arg(long, value_delimiter = ',', default_value = "1,16")]
     pipeline: Vec<u32>,
-    /// Runs of each case per server, alternating; the median ratio counts.
+    /// Runs of each case per server, rotating who goes first; the median ratio counts.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Run Camelot inside the bench process instead of as `camelot server` processes
+    /// (labelled; no server CPU seconds for it, and no `camelot parity` row, whose
+    /// --resp-poll-us 0 --threads 1 need a process).
+    #[arg(long)]
+    in_process: bool,
     /// Scaled down to finish in under 30 s.
     #[arg(long)]
     quick: bool,
@@ -308,6 +317,10 @@ struct ApiArgs {
     /// Times each peer/Camelot pair is measured (alternating); the median ratio counts.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Run the Camelot server inside the bench process instead of as a `camelot server`
+    /// process like redis-server (labelled; no server CPU seconds for it).
+    #[arg(long)]
+    in_process: bool,
     /// Scaled down to finish in under 30 s.
     #[arg(long)]
     quick: bool,
@@ -356,9 +369,14 @@ struct RvmArgs {
 
 #[derive(Args)]
 struct ThreadsArgs {
-    /// Total requests per thread count.
+    /// Total requests per thread count, shared by its threads (each takes the next one
+    /// when it has room), so a point ends together rather than on its slowest thread.
     #[arg(long, default_value_t = 1_000_000)]
     requests: u64,
+    /// Each point goes on past --requests until it has run this many seconds (a quick
+    /// point at 64 threads is otherwise ~0.1 s, which one scheduling hiccup decides).
+    #[arg(long, default_value_t = camelot_bench::threads::POINT_DURATION_MIN_DEFAULT.as_secs_f64())]
+    min_seconds: f64,
     /// Percent of requests that are reads; the rest are writes.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u8).range(0..=100))]
     reads: u8,
@@ -393,12 +411,18 @@ struct ThreadsArgs {
     /// Run both modes, batched and unbatched, as two series.
     #[arg(long)]
     compare_batching: bool,
-    /// Servers to use (host:port,…); default: a dev cluster started for the run.
+    /// Servers to use (host:port,…); default: `camelot server` processes started for the
+    /// run (--nodes of them).
     #[arg(long, value_delimiter = ',')]
     servers: Vec<String>,
-    /// Nodes of the dev cluster started when --servers is not given.
+    /// Nodes started for the run when --servers is not given.
     #[arg(long, default_value_t = 1)]
     nodes: usize,
+    /// Run those nodes inside the bench process (a dev cluster sharing its cores and CPU
+    /// accounting) instead of as `camelot server` processes; every series label and the
+    /// config say so, and no server CPU seconds are recorded.
+    #[arg(long, conflicts_with = "servers")]
+    in_process: bool,
     /// Bytes of the region each node serves requests from.
     #[arg(long, default_value = "64M", value_parser = parse_bytes)]
     region: u64,
@@ -623,8 +647,13 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
         .iter()
         .map(|s| resolve(s))
         .collect::<Result<Vec<_>>>()?;
+    if !(a.min_seconds.is_finite() && a.min_seconds >= 0.0) {
+        bail!("--min-seconds must be a number of seconds, at least 0");
+    }
     let mut cfg = ThreadsConfig {
         requests: a.requests,
+        min_point_duration: std::time::Duration::try_from_secs_f64(a.min_seconds)
+            .context("--min-seconds is too large")?,
         reads_percent: a.reads,
         size_bytes: u32::try_from(a.size).context("--size is too large")?,
         threads: a.threads,
@@ -639,6 +668,7 @@ fn bench_threads(a: ThreadsArgs) -> Result<()> {
         },
         servers,
         dev_nodes: a.nodes,
+        in_process: a.in_process,
         region_bytes: a.region,
         token: a.token.map(String::into_bytes),
         quick: a.quick,
@@ -679,6 +709,7 @@ fn bench_api(a: ApiArgs) -> Result<()> {
         peer_seconds: a.peer_seconds,
         rounds: a.rounds,
         limits: find_limits(a.limits.as_deref(), &a.out)?,
+        in_process: a.in_process,
         ..Default::default()
     };
     if a.quick {
@@ -705,6 +736,7 @@ fn bench_resp(a: RespArgs) -> Result<()> {
         pipelines: a.pipeline,
         rounds: a.rounds,
         quick: false,
+        in_process: a.in_process,
     };
     if a.quick {
         cfg.apply_quick();

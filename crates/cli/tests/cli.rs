@@ -378,6 +378,13 @@ fn bench_threads_quick_writes_schema_json_and_figure() {
             .expect("valid JSON");
     assert_eq!(json["bench"], "threads");
     assert_eq!(json["config"]["x"], "threads");
+    // The servers are `camelot server` processes, and a point lasts at least a second.
+    assert_eq!(json["config"]["process"], "separate");
+    let command = json["config"]["servers"]["command"]
+        .as_str()
+        .expect("command");
+    assert!(command.contains(" server --listen 127.0.0.1:"), "{command}");
+    assert_eq!(json["config"]["min_point_seconds"], 1.0);
     finite_positive(&json["machine"]["cores"], "cores");
     let series = json["series"].as_array().expect("series");
     let labels: Vec<&str> = series.iter().filter_map(|s| s["label"].as_str()).collect();
@@ -387,6 +394,15 @@ fn bench_threads_quick_writes_schema_json_and_figure() {
         assert_eq!(points.len(), 4, "quick runs 1, 4, 16, 64 threads");
         for p in points {
             finite_positive(&p["x"], "x");
+            let e = &p["extra"];
+            assert!(finite_positive(&e["seconds"], "seconds") >= 0.9, "{e}");
+            assert!(
+                finite_positive(&e["requests"], "requests") >= 20_000.0,
+                "{e}"
+            );
+            let least = finite_positive(&e["driver_requests_min"], "fewest per thread");
+            assert!(least <= finite_positive(&e["driver_requests_max"], "most per thread"));
+            finite_positive(&e["server_cpu_seconds"], "server CPU seconds");
             finite_positive(&p["ops_per_sec"], "ops_per_sec");
             finite_positive(&p["bytes_per_sec"], "bytes_per_sec");
             let l = &p["latency_us"];
@@ -426,13 +442,122 @@ fn bench_api_quick_measures_every_target_beside_its_peer() {
     let camelot = &series[0]["points"];
     let peer = &series[1]["points"];
     // Three threaded checks, the same three on the event-loop face, latency, and two
-    // no-collapse checks.
-    assert_eq!(camelot.as_array().map(Vec::len), Some(9));
-    for i in 0..9 {
+    // no-collapse checks; and the two ops-per-server-CPU-second ones when both servers
+    // spent enough CPU time to be compared (a quick run may be too short for it).
+    let checks = camelot.as_array().map_or(0, Vec::len);
+    assert!((9..=11).contains(&checks), "{checks} checks");
+    for i in 0..checks {
         finite_positive(&camelot[i]["extra"]["value"], "camelot value");
         finite_positive(&camelot[i]["extra"]["ratio"], "ratio");
         finite_positive(&peer[i]["extra"]["value"], "peer value");
     }
+    // Every check is a comparison; all but the CPU ones carry their target.
+    let comparisons = json["comparisons"].as_array().expect("comparisons");
+    assert_eq!(comparisons.len(), checks);
+    let with_target = comparisons
+        .iter()
+        .filter(|c| c["target"].is_number())
+        .count();
+    assert_eq!(with_target, 9);
+    // Like with like: one direction against iperf3 -R, and both servers as processes.
+    let stream = &comparisons[0];
+    assert!(
+        stream["name"].as_str().is_some_and(|n| n.contains("READs")),
+        "{stream}"
+    );
+    assert_eq!(stream["peer_label"], "iperf3 -R");
+    let config = &json["config"];
+    assert_eq!(config["process"], "separate");
+    assert_eq!(config["sides"]["redis"]["process"], "separate");
+    assert_eq!(config["sides"]["redis"]["depth"], 256);
+    let loop_side = &config["sides"]["camelot, event loop 16 tasks × 16"];
+    assert_eq!(loop_side["process"], "separate");
+    assert_eq!(loop_side["depth"], 256);
+    assert_eq!(config["pinned"]["threads"], true);
+    let references = json["references"].as_array().expect("references");
+    for metric in ["bytes_per_sec", "ops_per_sec", "latency_us.p50"] {
+        let r = references
+            .iter()
+            .find(|r| r["metric"] == metric)
+            .unwrap_or_else(|| panic!("no {metric} reference in {references:?}"));
+        finite_positive(&r["value"], metric);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_resp_quick_runs_every_server_as_a_process_and_meters_it() {
+    let dir = temp_dir("resp");
+    let d = dir.to_str().expect("utf-8 path");
+    let (status, out, err) = run(
+        &["bench", "resp", "--quick", "--out", d],
+        Duration::from_secs(240),
+    );
+    assert!(status.success(), "{err}");
+    for needle in [
+        "camelot parity",
+        "server CPU s",
+        "ops per server CPU-s",
+        "resp.json",
+    ] {
+        assert!(out.contains(needle), "{needle:?} missing from:\n{out}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("resp.json")).expect("resp.json"))
+            .expect("valid JSON");
+    let sides = &json["config"]["sides"];
+    for side in ["camelot", "camelot parity", "redis"] {
+        assert_eq!(sides[side]["process"], "separate", "{side}: {sides}");
+        assert_eq!(sides[side]["server_threads"], 1, "{side}: {sides}");
+    }
+    assert_eq!(sides["redis"]["server"], "redis-server");
+    let parity: Vec<&str> = sides["camelot parity"]["flags"]
+        .as_array()
+        .expect("flags")
+        .iter()
+        .filter_map(|f| f.as_str())
+        .collect();
+    let at = parity
+        .iter()
+        .position(|f| *f == "--resp-poll-us")
+        .unwrap_or_else(|| panic!("no --resp-poll-us in {parity:?}"));
+    assert_eq!(parity.get(at + 1), Some(&"0"));
+    assert!(
+        parity.windows(2).any(|w| w == ["--threads", "1"]),
+        "{parity:?}"
+    );
+    let series = json["series"].as_array().expect("series");
+    let labels: Vec<&str> = series.iter().filter_map(|s| s["label"].as_str()).collect();
+    assert_eq!(labels, ["camelot", "camelot parity", "redis"]);
+    for s in series {
+        let points = s["points"].as_array().expect("points");
+        assert_eq!(points.len(), 4, "GET and SET at -P 1 and -P 16");
+        for p in points {
+            finite_positive(&p["ops_per_sec"], "ops/s");
+            let cpu = &p["extra"]["server_cpu_seconds"];
+            assert!(cpu.as_f64().is_some_and(|c| c >= 0.0), "{p}");
+            // 20,000 unpipelined requests keep a server busy for many clock ticks.
+            if !p["x"].as_str().is_some_and(|x| x.contains("-P")) {
+                finite_positive(&p["extra"]["ops_per_server_cpu_second"], "ops per CPU-s");
+            }
+        }
+    }
+    let comparisons = json["comparisons"].as_array().expect("comparisons");
+    let throughput = comparisons
+        .iter()
+        .filter(|c| c["unit"] == "ops/s" && c["target"] == 1.0)
+        .count();
+    assert_eq!(
+        throughput, 4,
+        "camelot ÷ redis for every case: {comparisons:?}"
+    );
+    assert!(
+        comparisons.iter().any(|c| c["unit"] == "ops/CPU-s"
+            && c["name"].as_str().is_some_and(|n| n.contains("parity"))),
+        "parity ÷ redis ops per CPU-second for the unpipelined cases: {comparisons:?}"
+    );
+    let png = std::fs::read(dir.join("resp.png")).expect("resp.png");
+    assert!(png.starts_with(b"\x89PNG"), "not a PNG");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
