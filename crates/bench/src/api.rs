@@ -848,6 +848,7 @@ fn sweep_figure(result: &BenchResult) -> Figure {
         let pts = series_points(s, |p| p.bytes_per_sec.map(|b| b / 1e6));
         panel = panel.line(&s.label, pts);
     }
+    let panel = panel.references_from(result, "bytes_per_sec", 1e-6);
     Figure::new("Request API: no collapse with threads").panel(panel)
 }
 

@@ -240,6 +240,8 @@ fn figure(result: &BenchResult, cfg: &ThreadsConfig) -> Figure {
             series_points(s, |p| p.bytes_per_sec.map(|b| b / 1e6)),
         );
     }
+    let latency = latency.references_from(result, "latency_us.", 1.0);
+    let throughput = throughput.references_from(result, "bytes_per_sec", 1e-6);
     Figure::new(&format!(
         "Request API: {} B requests, {}% reads, depth {}",
         cfg.size_bytes, cfg.reads_percent, cfg.depth

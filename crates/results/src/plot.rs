@@ -188,6 +188,23 @@ impl Panel {
         }
     }
 
+    /// The result's references for `metric` (`bytes_per_sec`, `ops_per_sec`,
+    /// `latency_us.p50`; a `latency_us.` prefix takes every percentile), each value times
+    /// `scale` to match this panel's unit (1e-6 for MB/s).
+    pub fn references_from(mut self, result: &BenchResult, metric: &str, scale: f64) -> Panel {
+        for r in &result.references {
+            let wanted = if metric.ends_with('.') {
+                r.metric.starts_with(metric)
+            } else {
+                r.metric == metric
+            };
+            if wanted {
+                self = self.reference(&r.label, r.value * scale);
+            }
+        }
+        self
+    }
+
     /// A labelled horizontal reference line at `y` (a peer's figure, a machine limit).
     pub fn reference(mut self, label: &str, y: f64) -> Panel {
         self.references.push((label.to_string(), y));
@@ -597,14 +614,9 @@ pub fn standard_figure(result: &BenchResult) -> Figure {
         }
     }
 
-    for r in &result.references {
-        match r.metric.as_str() {
-            "ops_per_sec" => throughput = throughput.reference(&r.label, r.value),
-            "bytes_per_sec" => bandwidth = bandwidth.reference(&r.label, r.value / 1e9),
-            m if m.starts_with("latency_us.") => latency = latency.reference(&r.label, r.value),
-            _ => {}
-        }
-    }
+    throughput = throughput.references_from(result, "ops_per_sec", 1.0);
+    bandwidth = bandwidth.references_from(result, "bytes_per_sec", 1e-9);
+    latency = latency.references_from(result, "latency_us.", 1.0);
 
     let mut figure = Figure::new(&result.bench);
     if has_latency {

@@ -310,7 +310,10 @@ impl YcsbConfig {
         if self.targets.is_empty() && self.spawn.is_empty() {
             return bad("give --target URL, or --compare NAMES with --spawn".into());
         }
-        for s in &self.spawn {
+        for (i, s) in self.spawn.iter().enumerate() {
+            if self.spawn[..i].contains(s) {
+                return bad(format!("{s:?} is named twice in --compare"));
+            }
             if !SPAWNABLE.contains(&s.as_str()) {
                 return bad(format!("cannot spawn {s:?}: choose from {SPAWNABLE:?}"));
             }
@@ -819,6 +822,23 @@ fn spawn(cfg: &YcsbConfig) -> Result<Spawned, BenchError> {
                         }
                         (
                             "camelot-resp".to_string(),
+                            ycsb_client(cfg, redis_binding, hash_model.clone(), true),
+                        )
+                    }
+                    "resp-parity" => {
+                        if placement.is_in_process() {
+                            return Err(BenchError::InvalidConfig(
+                                "resp-parity sets the Redis port's polling, which needs a \
+                                 separate server process (drop --in-process)"
+                                    .into(),
+                            ));
+                        }
+                        spec.resp = true;
+                        spec.threads = Some(1);
+                        spec.resp_threads = Some(1);
+                        spec.resp_poll_us = Some(0);
+                        (
+                            "camelot-resp-parity".to_string(),
                             ycsb_client(cfg, redis_binding, hash_model.clone(), true),
                         )
                     }
@@ -1399,6 +1419,10 @@ mod tests {
             },
             YcsbConfig {
                 spawn: vec!["mysql".into()],
+                ..ok.clone()
+            },
+            YcsbConfig {
+                spawn: vec!["redis".into(), "redis".into()],
                 ..ok.clone()
             },
             YcsbConfig {
