@@ -189,6 +189,16 @@ fn assert_images_exist(html: &str, dir: &Path, what: &str) -> usize {
     sources.len()
 }
 
+/// The `<body …>` line of a dumped DOM: where the page's test hook writes its findings.
+fn body_tag(dom: &str) -> &str {
+    dom.split("<body")
+        .nth(1)
+        .unwrap_or("")
+        .lines()
+        .next()
+        .unwrap_or("")
+}
+
 #[test]
 fn report_of_a_real_bench_loads_in_chromium() {
     assert!(
@@ -351,12 +361,7 @@ fn report_of_a_real_bench_loads_in_chromium() {
     assert!(
         dom.contains("data-overflow-px=\"0\""),
         "the page is wider than the window: {}",
-        dom.split("<body")
-            .nth(1)
-            .unwrap_or("")
-            .lines()
-            .next()
-            .unwrap_or("")
+        body_tag(&dom)
     );
     assert!(dom.contains("<td>batched</td>"), "no row: {dom}");
     assert!(
@@ -369,11 +374,6 @@ fn report_of_a_real_bench_loads_in_chromium() {
     assert!(
         dom.contains(&loaded),
         "expected {loaded}: figures did not all load in the browser: {}",
-        dom.split("<body")
-            .nth(1)
-            .unwrap_or("")
-            .lines()
-            .next()
-            .unwrap_or("")
+        body_tag(&dom)
     );
 }
