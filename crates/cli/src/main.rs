@@ -2,6 +2,7 @@
 //! printing live here; everything else lives in a library crate.
 #![forbid(unsafe_code)]
 
+mod farmem;
 mod units;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -44,6 +45,9 @@ enum Command {
     Bench(BenchCommand),
     /// Turn every result JSON in DIR into DIR/index.html: machine, figures, tables.
     Report(ReportArgs),
+    /// Far memory: the page cache's eviction policies, without a server.
+    #[command(subcommand)]
+    Farmem(farmem::FarmemCommand),
 }
 
 #[derive(Args)]
@@ -478,6 +482,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::All(a)) => bench_all(a),
         Command::Bench(BenchCommand::Hw(a)) => bench_hw(a),
         Command::Report(a) => report(a),
+        Command::Farmem(c) => farmem::run(c),
     }
 }
 

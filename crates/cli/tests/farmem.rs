@@ -1,0 +1,85 @@
+//! `camelot farmem simulate` as a user runs it: a trace file in, a table of miss ratios out.
+
+use std::process::Command;
+
+const CAMELOT: &str = env!("CARGO_BIN_EXE_camelot");
+
+fn camelot(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(CAMELOT)
+        .args(args)
+        .output()
+        .expect("run camelot");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The miss ratio printed for `policy` at cache size `cache`.
+fn miss_ratio(table: &str, cache: &str, policy: &str) -> f64 {
+    table
+        .lines()
+        .find_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            (cols.len() == 6 && cols[0] == cache && cols[2] == policy).then(|| {
+                cols[4]
+                    .trim_end_matches('%')
+                    .parse::<f64>()
+                    .expect("a ratio")
+            })
+        })
+        .unwrap_or_else(|| panic!("no {policy} row at {cache} in:\n{table}"))
+}
+
+#[test]
+fn simulate_a_trace_file_gives_exact_miss_ratios() {
+    let dir = std::env::temp_dir().join(format!("camelot-farmem-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("loop.trace");
+    // A loop over 5 pages, 20 times, with a comment: LRU with 4 pages misses every
+    // access; with 5 pages only the first five.
+    let mut text = String::from("# five-page loop\n");
+    for _ in 0..20 {
+        text.push_str("0 1 2 3 4\n");
+    }
+    std::fs::write(&path, text).expect("trace");
+    let trace = path.to_str().expect("utf-8 path");
+    let (ok, out, err) = camelot(&["farmem", "simulate", "--trace", trace, "--cache", "4,5"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("100 accesses, 5 distinct pages"), "{out}");
+    assert_eq!(miss_ratio(&out, "4", "lru"), 100.0);
+    assert_eq!(miss_ratio(&out, "5", "lru"), 5.0);
+    for policy in ["clock", "fifo", "random", "s3fifo", "arc"] {
+        assert_eq!(
+            miss_ratio(&out, "5", policy),
+            5.0,
+            "{policy}: a cache as large as the loop misses only the first pass"
+        );
+    }
+
+    std::fs::write(&path, "1 2 three\n").expect("bad trace");
+    let (ok, _, err) = camelot(&["farmem", "simulate", "--trace", trace]);
+    assert!(!ok, "a bad trace was accepted");
+    assert!(err.contains("line 1") && err.contains("three"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn simulate_refuses_nonsense_with_a_reason() {
+    for (args, says) in [
+        (
+            &["farmem", "simulate", "--policy", "mru"][..],
+            "unknown policy",
+        ),
+        (&["farmem", "simulate", "--cache", "0%"][..], "cache 0%"),
+        (
+            &["farmem", "simulate", "--workload", "zipf:-2"][..],
+            "zipf exponent",
+        ),
+    ] {
+        let (ok, _, err) = camelot(args);
+        assert!(!ok, "{args:?} was accepted");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
