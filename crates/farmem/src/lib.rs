@@ -3,20 +3,27 @@
 //! trace without touching memory — so a policy can be chosen before anything runs, and
 //! the simulator's answer is the real cache's answer for the same trace.
 //!
-//! Everything here so far is pure (no sockets, no memory servers): [`policy`],
-//! [`prefetch`] and [`sim`]. The cache over a block volume builds on them.
+//! [`policy`], [`prefetch`] and [`sim`] are pure; [`cache`] drives them over a
+//! [`PageStore`] — pages in local memory ([`LocalStore`], the all-local reference) or in
+//! a region on a memory server ([`RegionStore`]) — and [`FarVec`] is a vector over it.
 #![forbid(unsafe_code)]
 
+pub mod cache;
 mod error;
+pub mod farvec;
 mod list;
 pub mod policy;
 pub mod prefetch;
 pub mod sim;
+pub mod store;
 
+pub use cache::{CacheConfig, CacheStats, PageCache};
 pub use error::Error;
+pub use farvec::FarVec;
 pub use list::PageList;
 pub use policy::{by_name as policy_by_name, Policy, POLICY_NAMES};
 pub use prefetch::{prefetcher_by_name, Prefetcher, PREFETCHER_NAMES};
+pub use store::{LocalStore, PageStore, RegionStore};
 
 /// A page's number within a far-memory space (its byte offset ÷ the page size).
 pub type PageId = u64;

@@ -1,0 +1,248 @@
+//! Where a page cache's pages live when they are not local: a [`PageStore`] is read and
+//! written a batch of whole pages at a time, so one fault (a demand page plus what the
+//! prefetcher asked for) or one write-back costs one round trip, not one per page.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use camelot_client::proto::{Op, Reply};
+use camelot_client::{Client, Region};
+use parking_lot::Mutex;
+
+use crate::{Error, PageId};
+
+/// Smallest and largest page a cache may use (4 KiB to 2 MiB, powers of two).
+pub const PAGE_BYTES_MIN: usize = 4 << 10;
+pub const PAGE_BYTES_MAX: usize = 2 << 20;
+
+/// Checks a page size: a power of two in [`PAGE_BYTES_MIN`]..=[`PAGE_BYTES_MAX`].
+pub fn check_page_bytes(page_bytes: usize) -> Result<(), Error> {
+    if !page_bytes.is_power_of_two() || !(PAGE_BYTES_MIN..=PAGE_BYTES_MAX).contains(&page_bytes) {
+        return Err(Error::Invalid(format!(
+            "page size {page_bytes} B: a power of two from {PAGE_BYTES_MIN} to {PAGE_BYTES_MAX}"
+        )));
+    }
+    Ok(())
+}
+
+/// Pages of `page_bytes()` bytes, numbered `0..pages()`.
+pub trait PageStore: Send + Sync {
+    fn page_bytes(&self) -> usize;
+    fn pages(&self) -> u64;
+    /// Reads every page in `pages` into the buffer at the same index (each exactly
+    /// `page_bytes()` long), as one batch.
+    fn read_pages(&self, pages: &[PageId], out: &mut [Box<[u8]>]) -> Result<(), Error>;
+    /// Writes every (page, bytes) pair, as one batch.
+    fn write_pages(&self, pages: &[(PageId, &[u8])]) -> Result<(), Error>;
+    /// Bytes moved to and from the store so far: (read, written).
+    fn traffic_bytes(&self) -> (u64, u64);
+}
+
+fn check_batch(
+    store: &dyn PageStore,
+    pages: impl Iterator<Item = (PageId, usize)>,
+) -> Result<(), Error> {
+    for (page, len) in pages {
+        if page >= store.pages() {
+            return Err(Error::Invalid(format!(
+                "page {page} is past the store's {} pages",
+                store.pages()
+            )));
+        }
+        if len != store.page_bytes() {
+            return Err(Error::Invalid(format!(
+                "a page buffer of {len} B for {} B pages",
+                store.page_bytes()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Pages in this process's memory: the all-local reference every far-memory figure is
+/// set against, and the store the cache's own logic is tested over.
+pub struct LocalStore {
+    page_bytes: usize,
+    pages: Mutex<Vec<Box<[u8]>>>,
+    read_bytes: AtomicU64,
+    written_bytes: AtomicU64,
+}
+
+impl LocalStore {
+    pub fn new(page_bytes: usize, pages: u64) -> Result<Self, Error> {
+        check_page_bytes(page_bytes)?;
+        let count = usize::try_from(pages)
+            .map_err(|_| Error::Invalid(format!("{pages} pages do not fit in memory")))?;
+        Ok(LocalStore {
+            page_bytes,
+            pages: Mutex::new(
+                (0..count)
+                    .map(|_| vec![0u8; page_bytes].into_boxed_slice())
+                    .collect(),
+            ),
+            read_bytes: AtomicU64::new(0),
+            written_bytes: AtomicU64::new(0),
+        })
+    }
+}
+
+impl PageStore for LocalStore {
+    fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+    fn pages(&self) -> u64 {
+        self.pages.lock().len() as u64
+    }
+    fn read_pages(&self, pages: &[PageId], out: &mut [Box<[u8]>]) -> Result<(), Error> {
+        check_batch(
+            self,
+            pages.iter().zip(out.iter()).map(|(p, b)| (*p, b.len())),
+        )?;
+        let stored = self.pages.lock();
+        for (page, buf) in pages.iter().zip(out.iter_mut()) {
+            buf.copy_from_slice(&stored[*page as usize]);
+        }
+        self.read_bytes
+            .fetch_add((pages.len() * self.page_bytes) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn write_pages(&self, pages: &[(PageId, &[u8])]) -> Result<(), Error> {
+        check_batch(self, pages.iter().map(|(p, b)| (*p, b.len())))?;
+        let mut stored = self.pages.lock();
+        for (page, data) in pages {
+            stored[*page as usize].copy_from_slice(data);
+        }
+        self.written_bytes
+            .fetch_add((pages.len() * self.page_bytes) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn traffic_bytes(&self) -> (u64, u64) {
+        (
+            self.read_bytes.load(Ordering::Relaxed),
+            self.written_bytes.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Pages in one region on one memory server: the simplest far store (a block volume
+/// across servers is the general one). Page `p` is the region's bytes
+/// `[p × page_bytes, (p + 1) × page_bytes)`.
+pub struct RegionStore {
+    client: Client,
+    region: Region,
+    page_bytes: usize,
+    read_bytes: AtomicU64,
+    written_bytes: AtomicU64,
+}
+
+impl RegionStore {
+    /// Pages over an existing region (a whole number of pages of it is used).
+    pub fn new(client: Client, region: Region, page_bytes: usize) -> Result<Self, Error> {
+        check_page_bytes(page_bytes)?;
+        if region.size < page_bytes as u64 {
+            return Err(Error::Invalid(format!(
+                "region of {} B is smaller than one {page_bytes} B page",
+                region.size
+            )));
+        }
+        Ok(RegionStore {
+            client,
+            region,
+            page_bytes,
+            read_bytes: AtomicU64::new(0),
+            written_bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// Allocates a region of `pages` pages (named, if given, so a restarted program can
+    /// find it) and pages over it.
+    pub fn alloc(
+        client: Client,
+        pages: u64,
+        page_bytes: usize,
+        name: Option<&str>,
+    ) -> Result<Self, Error> {
+        check_page_bytes(page_bytes)?;
+        let bytes = pages
+            .checked_mul(page_bytes as u64)
+            .ok_or_else(|| Error::Invalid(format!("{pages} pages of {page_bytes} B overflow")))?;
+        let region = client.alloc(bytes, name)?;
+        Self::new(client, region, page_bytes)
+    }
+
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+}
+
+impl PageStore for RegionStore {
+    fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+    fn pages(&self) -> u64 {
+        self.region.size / self.page_bytes as u64
+    }
+    fn read_pages(&self, pages: &[PageId], out: &mut [Box<[u8]>]) -> Result<(), Error> {
+        check_batch(
+            self,
+            pages.iter().zip(out.iter()).map(|(p, b)| (*p, b.len())),
+        )?;
+        let len = self.page_bytes as u32;
+        let pending = self.client.submit_many(pages.iter().map(|p| {
+            (
+                self.region.node,
+                self.region.read_op(p * self.page_bytes as u64, len),
+            )
+        }))?;
+        for (p, buf) in pending.into_iter().zip(out.iter_mut()) {
+            match p.wait()? {
+                Reply::Data(d) if d.len() == buf.len() => buf.copy_from_slice(&d),
+                other => {
+                    return Err(Error::Remote(format!(
+                        "a page read answered {}",
+                        short(&other)
+                    )))
+                }
+            }
+        }
+        self.read_bytes
+            .fetch_add((pages.len() * self.page_bytes) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn write_pages(&self, pages: &[(PageId, &[u8])]) -> Result<(), Error> {
+        check_batch(self, pages.iter().map(|(p, b)| (*p, b.len())))?;
+        let ops = pages.iter().map(|(p, data)| {
+            let op: Op = self
+                .region
+                .write_op(p * self.page_bytes as u64, Bytes::copy_from_slice(data));
+            (self.region.node, op)
+        });
+        for p in self.client.submit_many(ops)? {
+            match p.wait()? {
+                Reply::Done => {}
+                other => {
+                    return Err(Error::Remote(format!(
+                        "a page write answered {}",
+                        short(&other)
+                    )))
+                }
+            }
+        }
+        self.written_bytes
+            .fetch_add((pages.len() * self.page_bytes) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn traffic_bytes(&self) -> (u64, u64) {
+        (
+            self.read_bytes.load(Ordering::Relaxed),
+            self.written_bytes.load(Ordering::Relaxed),
+        )
+    }
+}
+
+fn short(reply: &Reply) -> String {
+    match reply {
+        Reply::Data(d) => format!("{} bytes", d.len()),
+        other => format!("{other:?}"),
+    }
+}

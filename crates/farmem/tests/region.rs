@@ -1,0 +1,99 @@
+//! The page cache and FarVec over a real memory server on loopback.
+
+use camelot_client::{Client, ClientConfig, ClusterMap};
+use camelot_farmem::{CacheConfig, FarVec, PageCache, PageStore, RegionStore};
+use camelot_server::dev::{DevCluster, DevClusterConfig};
+
+const PAGE: usize = 4096;
+
+fn server() -> (DevCluster, Client) {
+    let cluster = DevCluster::start(DevClusterConfig {
+        nodes: 1,
+        memory_bytes_per_node: 64 << 20,
+        worker_threads: 1,
+        ..DevClusterConfig::default()
+    })
+    .expect("dev cluster");
+    let client = Client::connect(
+        ClusterMap::from_addrs(cluster.addrs()),
+        ClientConfig::default(),
+    )
+    .expect("client");
+    (cluster, client)
+}
+
+/// A FarVec four times larger than its local memory: every element written reads back,
+/// only a quarter of the pages are local at any time, the traffic is what the misses
+/// say, and after a flush a second program finds the data by the region's name.
+#[test]
+fn farvec_over_a_memory_server_keeps_every_element() {
+    let (_cluster, client) = server();
+    let len: u64 = 64 * 1024; // 512 KiB of u64: 128 pages
+    let pages = len * 8 / PAGE as u64;
+    let store =
+        RegionStore::alloc(client.clone(), pages, PAGE, Some("farvec-test")).expect("region");
+    let mut config = CacheConfig::new(pages / 4 * PAGE as u64);
+    config.policy = "s3fifo".into();
+    config.prefetch = "sequential".into();
+    let cache = PageCache::new(store, &config).expect("cache");
+    let v: FarVec<u64, _> = FarVec::new(cache, len).expect("farvec");
+    for i in 0..len {
+        v.set(i, i ^ 0x5555).expect("set");
+    }
+    for i in (0..len).rev().step_by(7) {
+        assert_eq!(v.get(i).expect("get"), i ^ 0x5555, "element {i}");
+    }
+    let stats = v.stats();
+    assert!(stats.evictions > 0 && stats.written_back > 0, "{stats:?}");
+    v.flush().expect("flush");
+    let cache = v.into_cache();
+    assert!(cache.resident_pages() <= (pages / 4) as usize);
+    let (read, written) = cache.store().traffic_bytes();
+    assert!(
+        read >= (stats.misses * PAGE as u64),
+        "read {read} B for {} misses",
+        stats.misses
+    );
+    assert!(
+        written >= pages * PAGE as u64,
+        "every page was dirtied and written back once at least: {written}"
+    );
+
+    // Another program, another cache: the data is in the server, under the name.
+    let region = client.lookup("farvec-test").expect("lookup");
+    let store = RegionStore::new(client, region, PAGE).expect("store");
+    let again: FarVec<u64, _> = FarVec::new(
+        PageCache::new(store, &CacheConfig::new(8 * PAGE as u64)).expect("cache"),
+        len,
+    )
+    .expect("farvec");
+    let sum: u64 = again
+        .iter()
+        .map(|x| x.expect("element"))
+        .fold(0, u64::wrapping_add);
+    let want: u64 = (0..len).map(|i| i ^ 0x5555).fold(0, u64::wrapping_add);
+    assert_eq!(sum, want);
+}
+
+/// A server that goes away is an error the caller sees, not a hang or a panic.
+#[test]
+fn a_lost_server_is_an_error() {
+    let (cluster, client) = server();
+    let store = RegionStore::alloc(client, 16, PAGE, None).expect("region");
+    let mut cache = PageCache::new(store, &CacheConfig::new(2 * PAGE as u64)).expect("cache");
+    cache.write(0, &[1u8; 100]).expect("write");
+    drop(cluster);
+    let mut buf = [0u8; 1];
+    let mut failed = false;
+    // The first pages may still be local; a walk over all of them must reach the server.
+    for p in 0..16u64 {
+        if cache.read(p * PAGE as u64, &mut buf).is_err() {
+            failed = true;
+            break;
+        }
+    }
+    assert!(
+        failed,
+        "16 pages through a 2-page cache with the server gone never failed"
+    );
+}
