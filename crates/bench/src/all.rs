@@ -116,6 +116,9 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
         crate::resp::run(&crate::resp::RespBenchConfig::defaults(quick), out)
             .map(|(files, _)| files)
     })?);
+    written.extend(timed("paging", &|| {
+        crate::paging::run(&crate::paging::PagingConfig::defaults(quick), out)
+    })?);
     written.push(report::write_report(
         out,
         &[crate::hw::limits::LIMITS_FILE_NAME],

@@ -44,13 +44,15 @@ quick_config!(
     api::ApiConfig,
     ycsb::YcsbConfig,
     resp::RespBenchConfig,
-    rvm::RvmBenchConfig
+    rvm::RvmBenchConfig,
+    paging::PagingConfig
 );
 
 pub mod all;
 pub mod api;
 pub mod demo;
 pub mod hw;
+pub mod paging;
 pub mod resp;
 pub mod rvm;
 pub mod threads;

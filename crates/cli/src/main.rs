@@ -150,6 +150,9 @@ enum BenchCommand {
     RvmCommit(RvmArgs),
     /// RVM recovery time against pages, per backend (seed 001), beside iperf3.
     RvmRecovery(RvmArgs),
+    /// Eviction policies × access patterns × local memory, paging from a memory server
+    /// process (seed 000's policyPerformance), with the all-local time beside.
+    Paging(farmem::PagingArgs),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
 }
@@ -477,6 +480,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Api(a)) => bench_api(a),
         Command::Bench(BenchCommand::Ycsb(a)) => bench_ycsb(a),
         Command::Bench(BenchCommand::Resp(a)) => bench_resp(a),
+        Command::Bench(BenchCommand::Paging(a)) => farmem::bench_paging(a),
         Command::Bench(BenchCommand::RvmCommit(a)) => bench_rvm(a, true),
         Command::Bench(BenchCommand::RvmRecovery(a)) => bench_rvm(a, false),
         Command::Bench(BenchCommand::All(a)) => bench_all(a),
@@ -486,7 +490,7 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn resolve(addr: &str) -> Result<SocketAddr> {
+pub(crate) fn resolve(addr: &str) -> Result<SocketAddr> {
     addr.to_socket_addrs()
         .with_context(|| format!("cannot resolve '{addr}' (expected host:port)"))?
         .next()
