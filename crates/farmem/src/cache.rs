@@ -63,6 +63,9 @@ impl CacheStats {
     }
 }
 
+/// Most pages one read or write makes resident in one batch.
+pub const FAULT_GROUP_PAGES_MAX: usize = 256;
+
 struct Frame {
     data: Box<[u8]>,
     dirty: bool,
@@ -131,15 +134,15 @@ impl<S: PageStore> PageCache<S> {
 
     /// Copies `buf.len()` bytes from `offset` into `buf`.
     pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), Error> {
-        self.for_each_piece(offset, buf.len(), |frame, in_page, at, len| {
+        self.for_each_piece(offset, buf.len(), false, |frame, in_page, at, len| {
             buf[at..at + len].copy_from_slice(&frame.data[in_page..in_page + len]);
         })
     }
 
     /// Copies `data` to `offset`; the touched pages become dirty and are written back
-    /// when evicted or flushed.
+    /// when evicted or flushed. Pages the write covers whole are not read first.
     pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<(), Error> {
-        self.for_each_piece(offset, data.len(), |frame, in_page, at, len| {
+        self.for_each_piece(offset, data.len(), true, |frame, in_page, at, len| {
             frame.data[in_page..in_page + len].copy_from_slice(&data[at..at + len]);
             frame.dirty = true;
         })
@@ -147,7 +150,10 @@ impl<S: PageStore> PageCache<S> {
 
     /// Keeps `page` resident until [`PageCache::unpin`]; pins nest.
     pub fn pin(&mut self, page: PageId) -> Result<(), Error> {
-        self.fault(page)?;
+        if page >= self.store.pages() {
+            return Err(Error::Invalid(format!("page {page} is past the end")));
+        }
+        self.fault_group(&[(page, false)])?;
         if let Some(f) = self.frames.get_mut(&page) {
             f.pins += 1;
         }
@@ -184,11 +190,14 @@ impl<S: PageStore> PageCache<S> {
     }
 
     /// Splits `[offset, offset + len)` at page boundaries and hands each piece's frame to
-    /// `f` with (offset in page, offset in the caller's buffer, length).
+    /// `f` with (offset in page, offset in the caller's buffer, length). The pages are
+    /// made resident a group at a time (at most half the cache, at most
+    /// [`FAULT_GROUP_PAGES_MAX`]), each group one batch to the store.
     fn for_each_piece(
         &mut self,
         offset: u64,
         len: usize,
+        writing: bool,
         mut f: impl FnMut(&mut Frame, usize, usize, usize),
     ) -> Result<(), Error> {
         let end = offset
@@ -200,70 +209,94 @@ impl<S: PageStore> PageCache<S> {
                     self.len_bytes()
                 ))
             })?;
+        if len == 0 {
+            return Ok(());
+        }
         let page_bytes = self.page_bytes as u64;
-        let mut at = offset;
-        while at < end {
-            let page = at / page_bytes;
-            let in_page = (at % page_bytes) as usize;
-            let piece = ((page_bytes - in_page as u64).min(end - at)) as usize;
-            self.fault(page)?;
-            let frame = self
-                .frames
-                .get_mut(&page)
-                .ok_or_else(|| Error::Invalid(format!("page {page} vanished after its fault")))?;
-            f(frame, in_page, (at - offset) as usize, piece);
-            at += piece as u64;
+        let group_max = (self.capacity_pages / 2).clamp(1, FAULT_GROUP_PAGES_MAX);
+        let (first, last) = (offset / page_bytes, (end - 1) / page_bytes);
+        let mut group: Vec<(PageId, bool)> =
+            Vec::with_capacity(group_max.min((last - first + 1) as usize));
+        let mut page = first;
+        while page <= last {
+            group.clear();
+            while page <= last && group.len() < group_max {
+                let whole = offset <= page * page_bytes && (page + 1) * page_bytes <= end;
+                group.push((page, writing && whole));
+                page += 1;
+            }
+            self.fault_group(&group)?;
+            for &(p, _) in &group {
+                let from = offset.max(p * page_bytes);
+                let until = end.min((p + 1) * page_bytes);
+                let frame = self
+                    .frames
+                    .get_mut(&p)
+                    .ok_or_else(|| Error::Invalid(format!("page {p} vanished after its fault")))?;
+                f(
+                    frame,
+                    (from - p * page_bytes) as usize,
+                    (from - offset) as usize,
+                    (until - from) as usize,
+                );
+            }
         }
         Ok(())
     }
 
-    /// Makes `page` resident, counting the access.
-    fn fault(&mut self, page: PageId) -> Result<(), Error> {
-        self.stats.accesses += 1;
-        let hit = self.frames.contains_key(&page);
+    /// Makes every page of `group` resident (each with whether it is about to be
+    /// overwritten whole, so need not be read), counting one access each; their
+    /// prefetches ride in the same batch.
+    fn fault_group(&mut self, group: &[(PageId, bool)]) -> Result<(), Error> {
         let mut wanted = std::mem::take(&mut self.wanted);
         wanted.clear();
-        self.prefetcher.on_access(page, hit, &mut wanted);
-        if hit {
-            self.stats.hits += 1;
-            if self.unused_prefetch.remove(&page) {
-                self.stats.prefetch_used += 1;
+        // Demand pages not resident: (page, overwritten whole).
+        let mut fetch: Vec<(PageId, bool)> = Vec::with_capacity(group.len());
+        for &(page, whole) in group {
+            self.stats.accesses += 1;
+            let hit = self.frames.contains_key(&page);
+            self.prefetcher.on_access(page, hit, &mut wanted);
+            if hit {
+                self.stats.hits += 1;
+                if self.unused_prefetch.remove(&page) {
+                    self.stats.prefetch_used += 1;
+                }
+                self.policy.touch(page);
+            } else if !fetch.iter().any(|(p, _)| *p == page) {
+                self.stats.misses += 1;
+                fetch.push((page, whole));
             }
-            self.policy.touch(page);
-        } else {
-            self.stats.misses += 1;
         }
+        let demand = fetch.len();
         let pages = self.store.pages();
-        // The demand page first; then prefetches that are in range, not resident, and
-        // not already listed — at most what the cache could hold besides the demand page.
-        let mut fetch: Vec<PageId> = Vec::with_capacity(1 + wanted.len());
-        if !hit {
-            fetch.push(page);
-        }
+        let in_group = |p: PageId| group.iter().any(|(g, _)| *g == p);
+        // Prefetches: in range, not resident, not already listed — at most what the cache
+        // could hold besides the group.
         for &p in &wanted {
-            if fetch.len() >= self.capacity_pages {
+            if fetch.len() + (group.len() - demand) >= self.capacity_pages {
                 break;
             }
-            if p < pages && p != page && !self.frames.contains_key(&p) && !fetch.contains(&p) {
-                fetch.push(p);
+            if p < pages && !self.frames.contains_key(&p) && !fetch.iter().any(|(f, _)| *f == p) {
+                fetch.push((p, false));
             }
         }
         self.wanted = wanted;
         if fetch.is_empty() {
             return Ok(());
         }
-        // Room: evict through the policy. The demand page must get a frame; a prefetch
-        // that would need a pinned page (or the demand page) gets none and is dropped.
+        // Room, through the policy. Demand pages must get frames; a prefetch that would
+        // need a pinned page or one of the group gets none and is dropped.
         let mut victims: Vec<(PageId, Frame)> = Vec::new();
         let mut admitted = 0;
-        for &incoming in &fetch {
+        for (i, &(incoming, _)) in fetch.iter().enumerate() {
             if self.frames.len() + admitted >= self.capacity_pages {
                 let frames = &self.frames;
-                let is_pinned = |p: PageId| p == page || frames.get(&p).is_some_and(|f| f.pins > 0);
+                let is_pinned =
+                    |p: PageId| in_group(p) || frames.get(&p).is_some_and(|f| f.pins > 0);
                 let Some(victim) = self.policy.evict(incoming, &is_pinned) else {
-                    if incoming == page && !hit {
+                    if i < demand {
                         return Err(Error::Invalid(format!(
-                            "every one of the cache's {} pages is pinned",
+                            "every one of the cache's {} pages is pinned or in use",
                             self.capacity_pages
                         )));
                     }
@@ -277,7 +310,6 @@ impl<S: PageStore> PageCache<S> {
             admitted += 1;
         }
         fetch.truncate(admitted);
-        // The victims' frames are reused for the incoming pages once written back.
         let dirty: Vec<(PageId, &[u8])> = victims
             .iter()
             .filter(|(_, f)| f.dirty)
@@ -288,12 +320,28 @@ impl<S: PageStore> PageCache<S> {
             self.stats.written_back += dirty.len() as u64;
         }
         self.stats.evictions += victims.len() as u64;
+        // The victims' buffers are reused for the incoming pages.
         let mut buffers: Vec<Box<[u8]>> = victims.into_iter().map(|(_, f)| f.data).collect();
         buffers.resize_with(fetch.len(), || {
             vec![0u8; self.page_bytes].into_boxed_slice()
         });
-        self.store.read_pages(&fetch, &mut buffers)?;
-        for (p, data) in fetch.iter().zip(buffers) {
+        let (to_read, read_buffers): (Vec<PageId>, Vec<usize>) = fetch
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, whole))| !whole)
+            .map(|(i, (p, _))| (*p, i))
+            .unzip();
+        if !to_read.is_empty() {
+            let mut reading: Vec<Box<[u8]>> = read_buffers
+                .iter()
+                .map(|&i| std::mem::take(&mut buffers[i]))
+                .collect();
+            self.store.read_pages(&to_read, &mut reading)?;
+            for (&i, data) in read_buffers.iter().zip(reading) {
+                buffers[i] = data;
+            }
+        }
+        for (i, ((p, _), data)) in fetch.iter().zip(buffers).enumerate() {
             self.frames.insert(
                 *p,
                 Frame {
@@ -303,7 +351,7 @@ impl<S: PageStore> PageCache<S> {
                 },
             );
             self.policy.insert(*p);
-            if *p != page {
+            if i >= demand {
                 self.unused_prefetch.insert(*p);
                 self.stats.prefetched += 1;
             }
@@ -409,6 +457,7 @@ mod tests {
         }
         assert!(c.frames.contains_key(&0), "a pinned page was evicted");
         c.pin(7).expect("pin 7");
+        assert!(c.pin(8).is_err(), "page 8 is past the end");
         let err = c.read(3 * PAGE as u64, &mut b).expect_err("all pinned");
         assert!(err.to_string().contains("pinned"), "{err}");
         c.unpin(7);

@@ -173,6 +173,27 @@ impl RegionStore {
     pub fn region(&self) -> &Region {
         &self.region
     }
+
+    /// Consecutive pages travel as one READ or WRITE of at most this many pages.
+    fn run_pages_max(&self) -> usize {
+        (RUN_BYTES_MAX / self.page_bytes).max(1)
+    }
+}
+
+/// One request moves at most this much: a frame the client and server reuse buffers for.
+const RUN_BYTES_MAX: usize = 1 << 20;
+
+/// `pages` cut into runs of consecutive numbers, each at most `run_max` long, as (index
+/// of the run's first page in `pages`, length).
+fn runs_of(pages: &[PageId], run_max: usize) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (i, &p) in pages.iter().enumerate() {
+        match runs.last_mut() {
+            Some((start, n)) if *n < run_max && pages[*start] + *n as u64 == p => *n += 1,
+            _ => runs.push((i, 1)),
+        }
+    }
+    runs
 }
 
 impl PageStore for RegionStore {
@@ -187,16 +208,24 @@ impl PageStore for RegionStore {
             self,
             pages.iter().zip(out.iter()).map(|(p, b)| (*p, b.len())),
         )?;
-        let len = self.page_bytes as u32;
-        let pending = self.client.submit_many(pages.iter().map(|p| {
-            (
-                self.region.node,
-                self.region.read_op(p * self.page_bytes as u64, len),
-            )
+        let runs = runs_of(pages, self.run_pages_max());
+        let page_bytes = self.page_bytes as u64;
+        let pending = self.client.submit_many(runs.iter().map(|&(start, n)| {
+            let op = self
+                .region
+                .read_op(pages[start] * page_bytes, (n as u64 * page_bytes) as u32);
+            (self.region.node, op)
         }))?;
-        for (p, buf) in pending.into_iter().zip(out.iter_mut()) {
+        for (p, &(start, n)) in pending.into_iter().zip(&runs) {
             match p.wait()? {
-                Reply::Data(d) if d.len() == buf.len() => buf.copy_from_slice(&d),
+                Reply::Data(d) if d.len() == n * self.page_bytes => {
+                    for (buf, chunk) in out[start..start + n]
+                        .iter_mut()
+                        .zip(d.chunks(self.page_bytes))
+                    {
+                        buf.copy_from_slice(chunk);
+                    }
+                }
                 other => {
                     return Err(Error::Remote(format!(
                         "a page read answered {}",
@@ -211,10 +240,17 @@ impl PageStore for RegionStore {
     }
     fn write_pages(&self, pages: &[(PageId, &[u8])]) -> Result<(), Error> {
         check_batch(self, pages.iter().map(|(p, b)| (*p, b.len())))?;
-        let ops = pages.iter().map(|(p, data)| {
+        let numbers: Vec<PageId> = pages.iter().map(|(p, _)| *p).collect();
+        let runs = runs_of(&numbers, self.run_pages_max());
+        let page_bytes = self.page_bytes as u64;
+        let ops = runs.iter().map(|&(start, n)| {
+            let mut data = Vec::with_capacity(n * self.page_bytes);
+            for (_, bytes) in &pages[start..start + n] {
+                data.extend_from_slice(bytes);
+            }
             let op: Op = self
                 .region
-                .write_op(p * self.page_bytes as u64, Bytes::copy_from_slice(data));
+                .write_op(numbers[start] * page_bytes, Bytes::from(data));
             (self.region.node, op)
         });
         for p in self.client.submit_many(ops)? {
@@ -237,6 +273,26 @@ impl PageStore for RegionStore {
             self.read_bytes.load(Ordering::Relaxed),
             self.written_bytes.load(Ordering::Relaxed),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs_of;
+
+    #[test]
+    fn runs_cut_at_gaps_and_at_the_maximum() {
+        assert_eq!(runs_of(&[], 4), vec![]);
+        assert_eq!(
+            runs_of(&[5, 6, 7, 9, 10, 3], 4),
+            vec![(0, 3), (3, 2), (5, 1)]
+        );
+        assert_eq!(runs_of(&[1, 2, 3, 4, 5], 2), vec![(0, 2), (2, 2), (4, 1)]);
+        assert_eq!(
+            runs_of(&[2, 2], 4),
+            vec![(0, 1), (1, 1)],
+            "a repeated page is not a run"
+        );
     }
 }
 
