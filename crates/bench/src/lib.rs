@@ -45,7 +45,8 @@ quick_config!(
     ycsb::YcsbConfig,
     resp::RespBenchConfig,
     rvm::RvmBenchConfig,
-    paging::PagingConfig
+    paging::PagingConfig,
+    sort::SortConfig
 );
 
 pub mod all;
@@ -55,6 +56,7 @@ pub mod hw;
 pub mod paging;
 pub mod resp;
 pub mod rvm;
+pub mod sort;
 pub mod threads;
 pub mod workload;
 pub mod ycsb;

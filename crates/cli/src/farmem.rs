@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use camelot_bench::paging::PagingConfig;
+use camelot_bench::sort::SortConfig;
 use camelot_bench::QuickConfig;
 use camelot_farmem::sim::{self, Workload};
 use camelot_farmem::POLICY_NAMES;
@@ -240,4 +241,54 @@ fn print_paging_summary(result: &camelot_results::schema::BenchResult) {
             (lru - best) * 100.0
         );
     }
+}
+
+#[derive(Args)]
+pub struct SortArgs {
+    /// 8-byte keys to sort (default 134217728 = 1 GiB; --quick: 64 MiB).
+    #[arg(long)]
+    keys: Option<u64>,
+    /// Local memory as percentages of the keys' bytes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "100,50,25,10")]
+    local: Vec<u32>,
+    /// Use this memory server instead of starting one (host:port).
+    #[arg(long)]
+    server: Option<String>,
+    /// Run the memory server inside this process (labelled) instead of as a process.
+    #[arg(long)]
+    in_process: bool,
+    /// Cluster token for --server (also read from CAMELOT_TOKEN).
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The same experiment scaled down to finish in under 30 s.
+    #[arg(long)]
+    quick: bool,
+    /// Where sort.json and its figure go.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
+}
+
+pub fn bench_sort(a: SortArgs) -> Result<()> {
+    let mut cfg = SortConfig::defaults(a.quick);
+    if let Some(k) = a.keys {
+        cfg.keys = k;
+    }
+    cfg.local_percents = a.local;
+    cfg.seed = a.seed;
+    cfg.in_process = a.in_process;
+    cfg.token = a.token.map(String::into_bytes);
+    cfg.servers = a
+        .server
+        .iter()
+        .map(|s| crate::resolve(s))
+        .collect::<Result<_>>()?;
+    let files = camelot_bench::sort::run(&cfg, &a.out)?;
+    let result = camelot_results::output::read_result(&files[0])?;
+    print!("{}", camelot_results::summary::comparison_table(&result));
+    for f in files {
+        println!("wrote {}", f.display());
+    }
+    Ok(())
 }

@@ -153,6 +153,9 @@ enum BenchCommand {
     /// Eviction policies × access patterns × local memory, paging from a memory server
     /// process (seed 000's policyPerformance), with the all-local time beside.
     Paging(farmem::PagingArgs),
+    /// Sorting keys held in far memory with a share of local memory (seed 000's
+    /// sortPerformance), against sort_unstable with every key local.
+    Sort(farmem::SortArgs),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
 }
@@ -481,6 +484,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Ycsb(a)) => bench_ycsb(a),
         Command::Bench(BenchCommand::Resp(a)) => bench_resp(a),
         Command::Bench(BenchCommand::Paging(a)) => farmem::bench_paging(a),
+        Command::Bench(BenchCommand::Sort(a)) => farmem::bench_sort(a),
         Command::Bench(BenchCommand::RvmCommit(a)) => bench_rvm(a, true),
         Command::Bench(BenchCommand::RvmRecovery(a)) => bench_rvm(a, false),
         Command::Bench(BenchCommand::All(a)) => bench_all(a),

@@ -116,6 +116,11 @@ impl<T: Pod, S: PageStore> FarVec<T, S> {
         self.cache.lock().flush()
     }
 
+    /// Bytes this vector's store has moved so far: (read, written).
+    pub fn traffic(&self) -> (u64, u64) {
+        self.cache.lock().store().traffic_bytes()
+    }
+
     pub fn stats(&self) -> CacheStats {
         self.cache.lock().stats()
     }

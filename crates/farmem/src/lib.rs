@@ -15,6 +15,7 @@ mod list;
 pub mod policy;
 pub mod prefetch;
 pub mod sim;
+pub mod sort;
 pub mod store;
 
 pub use cache::{CacheConfig, CacheStats, PageCache};
