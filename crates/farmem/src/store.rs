@@ -276,6 +276,13 @@ impl PageStore for RegionStore {
     }
 }
 
+fn short(reply: &Reply) -> String {
+    match reply {
+        Reply::Data(d) => format!("{} bytes", d.len()),
+        other => format!("{other:?}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::runs_of;
@@ -293,12 +300,5 @@ mod tests {
             vec![(0, 1), (1, 1)],
             "a repeated page is not a run"
         );
-    }
-}
-
-fn short(reply: &Reply) -> String {
-    match reply {
-        Reply::Data(d) => format!("{} bytes", d.len()),
-        other => format!("{other:?}"),
     }
 }
