@@ -122,6 +122,9 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
     written.extend(timed("sort", &|| {
         crate::sort::run(&crate::sort::SortConfig::defaults(quick), out)
     })?);
+    written.extend(timed("prefetch", &|| {
+        crate::prefetch::run(&crate::prefetch::PrefetchConfig::defaults(quick), out)
+    })?);
     written.push(report::write_report(
         out,
         &[crate::hw::limits::LIMITS_FILE_NAME],

@@ -46,7 +46,8 @@ quick_config!(
     resp::RespBenchConfig,
     rvm::RvmBenchConfig,
     paging::PagingConfig,
-    sort::SortConfig
+    sort::SortConfig,
+    prefetch::PrefetchConfig
 );
 
 pub mod all;
@@ -54,6 +55,7 @@ pub mod api;
 pub mod demo;
 pub mod hw;
 pub mod paging;
+pub mod prefetch;
 pub mod resp;
 pub mod rvm;
 pub mod sort;

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use camelot_bench::paging::PagingConfig;
+use camelot_bench::prefetch::PrefetchConfig;
 use camelot_bench::sort::SortConfig;
 use camelot_bench::QuickConfig;
 use camelot_farmem::sim::{self, Workload};
@@ -285,6 +286,61 @@ pub fn bench_sort(a: SortArgs) -> Result<()> {
         .map(|s| crate::resolve(s))
         .collect::<Result<_>>()?;
     let files = camelot_bench::sort::run(&cfg, &a.out)?;
+    let result = camelot_results::output::read_result(&files[0])?;
+    print!("{}", camelot_results::summary::comparison_table(&result));
+    for f in files {
+        println!("wrote {}", f.display());
+    }
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct PrefetchArgs {
+    /// Pages of far memory the scan reads (default 65536 = 256 MiB of 4 KiB pages).
+    #[arg(long)]
+    pages: Option<u64>,
+    /// Local memory as a percentage of the scanned bytes.
+    #[arg(long, default_value_t = 10)]
+    local: u32,
+    /// Most pages one access may prefetch.
+    #[arg(long, default_value_t = 64)]
+    window: u64,
+    /// Prefetchers, comma-separated: none, sequential, trend.
+    #[arg(long, value_delimiter = ',', default_value = "none,sequential,trend")]
+    prefetch: Vec<String>,
+    /// Use this memory server instead of starting one (host:port).
+    #[arg(long)]
+    server: Option<String>,
+    /// Run the memory server inside this process (labelled) instead of as a process.
+    #[arg(long)]
+    in_process: bool,
+    /// Cluster token for --server (also read from CAMELOT_TOKEN).
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// The same experiment scaled down to finish in under 30 s.
+    #[arg(long)]
+    quick: bool,
+    /// Where prefetch.json and its figure go.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
+}
+
+pub fn bench_prefetch(a: PrefetchArgs) -> Result<()> {
+    let mut cfg = PrefetchConfig::defaults(a.quick);
+    if let Some(p) = a.pages {
+        cfg.pages = p;
+    }
+    cfg.local_percent = a.local;
+    cfg.window_pages = a.window;
+    cfg.prefetchers = a.prefetch;
+    cfg.in_process = a.in_process;
+    cfg.token = a.token.map(String::into_bytes);
+    cfg.servers = a
+        .server
+        .iter()
+        .map(|s| crate::resolve(s))
+        .collect::<Result<_>>()?;
+    let files = camelot_bench::prefetch::run(&cfg, &a.out)?;
     let result = camelot_results::output::read_result(&files[0])?;
     print!("{}", camelot_results::summary::comparison_table(&result));
     for f in files {

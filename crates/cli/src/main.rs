@@ -156,6 +156,8 @@ enum BenchCommand {
     /// Sorting keys held in far memory with a share of local memory (seed 000's
     /// sortPerformance), against sort_unstable with every key local.
     Sort(farmem::SortArgs),
+    /// A sequential scan of far memory with each prefetcher, beside an iperf3 stream.
+    Prefetch(farmem::PrefetchArgs),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
 }
@@ -485,6 +487,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Resp(a)) => bench_resp(a),
         Command::Bench(BenchCommand::Paging(a)) => farmem::bench_paging(a),
         Command::Bench(BenchCommand::Sort(a)) => farmem::bench_sort(a),
+        Command::Bench(BenchCommand::Prefetch(a)) => farmem::bench_prefetch(a),
         Command::Bench(BenchCommand::RvmCommit(a)) => bench_rvm(a, true),
         Command::Bench(BenchCommand::RvmRecovery(a)) => bench_rvm(a, false),
         Command::Bench(BenchCommand::All(a)) => bench_all(a),

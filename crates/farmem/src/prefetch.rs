@@ -72,11 +72,22 @@ impl Prefetcher for Sequential {
         "sequential"
     }
     fn on_access(&mut self, page: PageId, _hit: bool, out: &mut Vec<PageId>) {
+        // More reads within the same page say nothing about the direction.
+        if self.last == Some(page) {
+            return;
+        }
         let sequential = self.last.is_some_and(|l| page == l.wrapping_add(1));
         self.last = Some(page);
         if !sequential {
             self.window = 0;
             self.issued_until = page.saturating_add(1);
+            return;
+        }
+        // Like the kernel's asynchronous readahead: ask for the next window only once the
+        // reader is within half a window of the pages already asked for, so each
+        // request carries half a window or more instead of one page per access.
+        let ahead = self.issued_until.saturating_sub(page.saturating_add(1));
+        if self.window > 0 && ahead > self.window / 2 {
             return;
         }
         self.window = (self.window * 2).clamp(2, self.window_max);
@@ -95,6 +106,8 @@ pub struct Trend {
     deltas: VecDeque<i64>,
     last: Option<PageId>,
     amount: u64,
+    /// The stride pages were last asked along, and how far along it they reach.
+    frontier: Option<(i64, PageId)>,
 }
 
 /// Strides remembered (Leap's access history).
@@ -109,6 +122,7 @@ impl Trend {
             deltas: VecDeque::with_capacity(TREND_HISTORY),
             last: None,
             amount: 0,
+            frontier: None,
         }
     }
 
@@ -139,6 +153,9 @@ impl Prefetcher for Trend {
         "trend"
     }
     fn on_access(&mut self, page: PageId, hit: bool, out: &mut Vec<PageId>) {
+        if self.last == Some(page) {
+            return;
+        }
         if let Some(last) = self.last {
             let delta = page.wrapping_sub(last) as i64;
             if self.deltas.len() == TREND_HISTORY {
@@ -158,11 +175,24 @@ impl Prefetcher for Trend {
         } else {
             (self.amount / 2).max(1)
         };
-        let mut next = page;
-        for _ in 0..self.amount {
+        // Pages already asked for along this stride, ahead of the reader: ask again
+        // only when fewer than half the amount remain (as the sequential readahead does).
+        let ahead = match self.frontier {
+            Some((s, edge)) if s == stride => {
+                let steps = (edge.wrapping_sub(page) as i64) / stride;
+                steps.clamp(0, self.amount as i64) as u64
+            }
+            _ => 0,
+        };
+        if ahead > self.amount / 2 {
+            return;
+        }
+        let mut next = page.wrapping_add((stride as u64).wrapping_mul(ahead));
+        for _ in ahead..self.amount {
             next = next.wrapping_add(stride as u64);
             out.push(next);
         }
+        self.frontier = Some((stride, next));
     }
 }
 
@@ -193,11 +223,33 @@ mod tests {
         dedup.dedup();
         assert_eq!(all.len(), dedup.len(), "a page asked for twice");
         assert!(asked.iter().all(|a| a.len() as u64 <= 16));
+        // Readahead stays at least half a window ahead, in requests of half a window
+        // or more once it has grown.
+        assert!(all.iter().max().is_some_and(|&m| m >= 139 + 8), "{asked:?}");
+        assert!(asked.iter().any(|a| a.len() >= 8), "{asked:?}");
         assert!(
-            all.contains(&(139 + 16)),
-            "window reached its maximum: {:?}",
-            asked.last()
+            asked.iter().filter(|a| !a.is_empty()).count() < 20,
+            "one request per access: {asked:?}"
         );
+    }
+
+    #[test]
+    fn rereading_a_page_keeps_the_stream() {
+        for name in ["sequential", "trend"] {
+            let mut p = prefetcher_by_name(name, 16).expect("known");
+            let mut asked = 0;
+            for page in 0..64u64 {
+                for _ in 0..8 {
+                    let mut out = Vec::new();
+                    p.on_access(page, true, &mut out);
+                    asked += out.len();
+                }
+            }
+            assert!(
+                asked > 32,
+                "{name}: eight reads per page broke the stream ({asked} pages asked)"
+            );
+        }
     }
 
     #[test]
