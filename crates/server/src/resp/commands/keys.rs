@@ -10,9 +10,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 const KEYS_MAX: usize = 1 << 20;
 /// SCAN's COUNT when none is given (Redis's default).
 const SCAN_COUNT_DEFAULT: usize = 10;
-/// Furthest deadline kept as an `Instant` (about 30 000 years); later ones are clamped,
-/// which no TTL reply can tell apart from the real thing.
-const DEADLINE_MS_MAX: u64 = 1 << 50;
+/// Fallback for a deadline `Instant` cannot hold (it holds ~292 billion years on Linux,
+/// beyond any i64 of milliseconds, so this is for other platforms): about 30 000 years.
+const DEADLINE_FALLBACK: Duration = Duration::from_secs(1 << 40);
 
 /// The wall clock in Unix milliseconds, for the commands that take or give absolute times.
 pub(super) fn unix_now_ms() -> i64 {
@@ -23,8 +23,9 @@ pub(super) fn unix_now_ms() -> i64 {
 
 /// The deadline `ms` (> 0) milliseconds after `now`.
 pub(super) fn deadline_after_ms(now: Instant, ms: i64) -> Instant {
-    let ms = (ms.max(0) as u64).min(DEADLINE_MS_MAX);
-    now.checked_add(Duration::from_millis(ms)).unwrap_or(now)
+    now.checked_add(Duration::from_millis(ms.max(0) as u64))
+        .or_else(|| now.checked_add(DEADLINE_FALLBACK))
+        .unwrap_or(now)
 }
 
 /// The deadline at Unix time `at_ms`, given that `now` is `unix_now_ms` on the wall clock.

@@ -18,7 +18,7 @@ mod zsets;
 
 use super::codec::{error, error_bytes};
 use crate::objects::ObjectStore;
-use crate::state::ServerState;
+use crate::state::{ServerState, RESP_GROUPS};
 use bytes::{Bytes, BytesMut};
 use camelot_proto::{ErrorCode, ErrorReply};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,7 +48,7 @@ pub enum Group {
 }
 
 impl Group {
-    pub const ALL: [Group; 8] = [
+    pub const ALL: [Group; RESP_GROUPS.len()] = [
         Group::Strings,
         Group::Hashes,
         Group::Lists,
@@ -61,16 +61,7 @@ impl Group {
 
     /// The name in stats (`ops_resp_<name>`) and in the README.
     pub fn name(self) -> &'static str {
-        match self {
-            Group::Strings => "strings",
-            Group::Hashes => "hashes",
-            Group::Lists => "lists",
-            Group::Sets => "sets",
-            Group::SortedSets => "zsets",
-            Group::Keys => "keys",
-            Group::Server => "server",
-            Group::Camelot => "camelot",
-        }
+        RESP_GROUPS[self.index()]
     }
 
     fn index(self) -> usize {
@@ -102,7 +93,7 @@ pub struct Session {
     pub name: Option<Bytes>,
     /// Commands run since the last [`Session::take_ops`], by [`Group`]; folded into the
     /// shared counters once per socket read, not per command.
-    ops: [u64; Group::ALL.len()],
+    ops: [u64; RESP_GROUPS.len()],
 }
 
 static NEXT_CLIENT_ID: AtomicU64 = AtomicU64::new(1);
@@ -114,14 +105,14 @@ impl Default for Session {
             quit: false,
             id: NEXT_CLIENT_ID.fetch_add(1, Ordering::Relaxed),
             name: None,
-            ops: [0; Group::ALL.len()],
+            ops: [0; RESP_GROUPS.len()],
         }
     }
 }
 
 impl Session {
     /// The per-group command counts since the last call, reset to zero.
-    pub fn take_ops(&mut self) -> [u64; Group::ALL.len()] {
+    pub fn take_ops(&mut self) -> [u64; RESP_GROUPS.len()] {
         std::mem::take(&mut self.ops)
     }
 }

@@ -349,12 +349,13 @@ pub(super) fn setrange(c: &mut Call<'_>) {
     let r = c.objects().modify(
         key,
         // The string can grow to `needed` bytes at most; an absent key costs its entry.
+        // (Nothing when it would be refused as too big: that error comes first.)
         |e| match e {
+            _ if too_big(needed) => 0,
             Some(Entry {
                 value: Value::Str(v),
                 ..
             }) => needed.saturating_sub(v.len() as u64),
-            _ if too_big(needed) => 0,
             _ => ENTRY_OVERHEAD_BYTES + key.len() as u64 + needed,
         },
         now,
