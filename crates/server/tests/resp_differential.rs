@@ -3,9 +3,10 @@
 //! integers, missing keys, wrong types, expiries) go to a real `redis-server` and to
 //! Camelot's port through the stock `redis` crate, and every reply must be the same.
 //!
-//! Bounded: [`SEEDS`] × [`COMMANDS_PER_SEED`] commands (over 20 000), each with a network
+//! Bounded: [`SEEDS`] × [`COMMANDS_PER_SEED`] commands (30 800), each with a network
 //! timeout. On a mismatch the test names the seed, the command number, the command and
-//! the commands before it; `CAMELOT_DIFF_SEED=n` runs one seed alone to replay it.
+//! the commands before it; `CAMELOT_DIFF_SEED=n` runs one seed alone to replay it (and
+//! `CAMELOT_DIFF_RESP3=1` in RESP3). Five seeds speak RESP2, two RESP3.
 //!
 //! Where Redis itself leaves something unspecified the comparison normalises it: the
 //! order of SMEMBERS, HGETALL and KEYS replies (hash-table order), SCAN's cursors (only a
@@ -20,7 +21,17 @@ use redis::{Cmd, ConnectionLike, Value};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-const SEEDS: [u64; 5] = [1, 2, 3, 4, 5];
+/// (seed, RESP3?): most in RESP2, the protocol every client speaks; two in RESP3, which
+/// redis-py 8 asks for by default (maps, sets, doubles and nulls of its own).
+const SEEDS: [(u64, bool); 7] = [
+    (1, false),
+    (2, false),
+    (3, false),
+    (4, false),
+    (5, false),
+    (6, true),
+    (7, true),
+];
 const COMMANDS_PER_SEED: usize = 4_400;
 /// Bound on every reply; loopback answers in microseconds.
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -367,6 +378,14 @@ impl Reply {
 
 fn sorted(v: Value, pairs: bool) -> Value {
     match v {
+        Value::Map(mut entries) => {
+            entries.sort_by_key(|e| format!("{e:?}"));
+            Value::Map(entries)
+        }
+        Value::Set(mut items) => {
+            items.sort_by_key(|i| format!("{i:?}"));
+            Value::Set(items)
+        }
         Value::Array(items) if pairs => {
             let mut chunks: Vec<Vec<Value>> = items.chunks(2).map(<[Value]>::to_vec).collect();
             chunks.sort_by_key(|c| format!("{c:?}"));
@@ -436,8 +455,9 @@ fn scan_all(
     Err("SCAN never finished".into())
 }
 
-fn connect(addr: SocketAddr) -> redis::Connection {
-    let client = redis::Client::open(format!("redis://{addr}/")).expect("a redis URL");
+fn connect(addr: SocketAddr, resp3: bool) -> redis::Connection {
+    let protocol = if resp3 { "?protocol=resp3" } else { "" };
+    let client = redis::Client::open(format!("redis://{addr}/{protocol}")).expect("a redis URL");
     let con = client
         .get_connection_with_timeout(IO_TIMEOUT)
         .unwrap_or_else(|e| panic!("cannot connect to {addr}: {e}"));
@@ -539,19 +559,29 @@ fn the_redis_port_answers_like_redis_server() {
         .block_on(async { tokio::time::timeout(IO_TIMEOUT, ServerHandle::start(config)).await })
         .expect("start timed out")
         .expect("the server starts");
-    let mut redis = connect(reference.addr());
-    let mut camelot = connect(server.resp_addr().expect("a RESP port"));
-    let seeds: Vec<u64> = match std::env::var("CAMELOT_DIFF_SEED") {
-        Ok(s) => vec![s.parse().expect("CAMELOT_DIFF_SEED is a number")],
+    let resp_addr = server.resp_addr().expect("a RESP port");
+    let seeds: Vec<(u64, bool)> = match std::env::var("CAMELOT_DIFF_SEED") {
+        Ok(s) => {
+            let seed = s.parse().expect("CAMELOT_DIFF_SEED is a number");
+            let resp3 = std::env::var_os("CAMELOT_DIFF_RESP3").is_some();
+            vec![(seed, resp3)]
+        }
         Err(_) => SEEDS.to_vec(),
     };
     let started = Instant::now();
     let mut compared = 0;
-    for seed in seeds {
+    for (seed, resp3) in seeds {
+        let mut redis = connect(reference.addr(), resp3);
+        let mut camelot = connect(resp_addr, resp3);
         match run_seed(seed, &mut redis, &mut camelot, started) {
             Ok(n) => compared += n,
             Err(mismatch) => {
-                panic!("the replies differ after {compared} agreeing commands:\n{mismatch}")
+                let protocol = if resp3 {
+                    "RESP3: replay with CAMELOT_DIFF_RESP3=1 too"
+                } else {
+                    "RESP2"
+                };
+                panic!("the replies differ after {compared} agreeing commands ({protocol}):\n{mismatch}")
             }
         }
     }

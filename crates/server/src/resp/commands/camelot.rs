@@ -5,7 +5,6 @@
 //! `CAMELOT.SCAN start count` → `[key, version, value, …]` in key order.
 
 use super::{parse_int, Call, NOT_INTEGER};
-use crate::resp::codec::{array_header, bulk, integer, null_bulk};
 use camelot_proto::limits::SCAN_ITEMS_MAX;
 use camelot_proto::{ErrorCode, ErrorReply};
 
@@ -15,16 +14,16 @@ const SCAN_REPLY_BYTES_MAX: usize = camelot_proto::RESPONSE_OK_BUDGET_BYTES;
 fn finish(c: &mut Call<'_>, result: Result<(), ErrorReply>) {
     match result {
         Ok(()) => {}
-        Err(e) if e.code == ErrorCode::NoSuchKey => null_bulk(c.out),
+        Err(e) if e.code == ErrorCode::NoSuchKey => c.out.null(),
         Err(e) => c.store_error(&e),
     }
 }
 
 pub(super) fn get(c: &mut Call<'_>) {
     let r = c.objects().get(c.args[1], c.now).map(|(version, value)| {
-        array_header(c.out, 2);
-        integer(c.out, version as i64);
-        bulk(c.out, &value);
+        c.out.array_header(2);
+        c.out.integer(version as i64);
+        c.out.bulk(&value);
     });
     finish(c, r);
 }
@@ -33,7 +32,7 @@ pub(super) fn put(c: &mut Call<'_>) {
     let r = c
         .objects()
         .put(c.args[1], c.args[2], c.now)
-        .map(|v| integer(c.out, v as i64));
+        .map(|v| c.out.integer(v as i64));
     finish(c, r);
 }
 
@@ -47,10 +46,10 @@ pub(super) fn cas(c: &mut Call<'_>) {
         .cas_put(c.args[1], expected as u64, c.args[3], c.now)
     {
         Err(e) if e.code == ErrorCode::VersionConflict => {
-            null_bulk(c.out);
+            c.out.null();
             Ok(())
         }
-        r => r.map(|v| integer(c.out, v as i64)),
+        r => r.map(|v| c.out.integer(v as i64)),
     };
     finish(c, r);
 }
@@ -59,7 +58,7 @@ pub(super) fn del(c: &mut Call<'_>) {
     let r = c
         .objects()
         .delete(c.args[1], c.now)
-        .map(|v| integer(c.out, v as i64));
+        .map(|v| c.out.integer(v as i64));
     finish(c, r);
 }
 
@@ -73,11 +72,11 @@ pub(super) fn scan(c: &mut Call<'_>) {
         .objects()
         .scan(c.args[1], count as usize, SCAN_REPLY_BYTES_MAX, c.now)
         .map(|items| {
-            array_header(c.out, 3 * items.len());
+            c.out.array_header(3 * items.len());
             for it in items {
-                bulk(c.out, &it.key);
-                integer(c.out, it.version as i64);
-                bulk(c.out, &it.value);
+                c.out.bulk(&it.key);
+                c.out.integer(it.version as i64);
+                c.out.bulk(&it.value);
             }
         });
     finish(c, r);

@@ -1,11 +1,10 @@
 //! Hash commands: HSET, HMSET, HGET, HMGET, HGETALL, HLEN, HDEL.
 
-use super::{Call, WRONG_TYPE};
+use super::{Call, Reply, WRONG_TYPE};
 use crate::objects::{wrong_type, Change, Hash, Value, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES};
-use crate::resp::codec::{array_header, bulk, error, integer, null_bulk, simple};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 
-fn with_hash(c: &mut Call<'_>, f: impl FnOnce(Option<&Hash>, &mut BytesMut)) {
+fn with_hash(c: &mut Call<'_>, f: impl FnOnce(Option<&Hash>, &mut Reply<'_>)) {
     let out = &mut *c.out;
     c.ctx
         .state
@@ -13,26 +12,26 @@ fn with_hash(c: &mut Call<'_>, f: impl FnOnce(Option<&Hash>, &mut BytesMut)) {
         .read(c.args[1], c.now, |e| match e.map(|e| &e.value) {
             None => f(None, out),
             Some(Value::Hash(h)) => f(Some(h), out),
-            Some(_) => error(out, WRONG_TYPE),
+            Some(_) => out.error(WRONG_TYPE),
         })
 }
 
 pub(super) fn hget(c: &mut Call<'_>) {
     let field = c.args[2];
     with_hash(c, |h, out| match h.and_then(|h| h.get(field)) {
-        Some(v) => bulk(out, v),
-        None => null_bulk(out),
+        Some(v) => out.bulk(v),
+        None => out.null(),
     });
 }
 
 pub(super) fn hmget(c: &mut Call<'_>) {
     let fields = &c.args[2..];
     with_hash(c, |h, out| {
-        array_header(out, fields.len());
+        out.array_header(fields.len());
         for f in fields {
             match h.and_then(|h| h.get(f)) {
-                Some(v) => bulk(out, v),
-                None => null_bulk(out),
+                Some(v) => out.bulk(v),
+                None => out.null(),
             }
         }
     });
@@ -41,18 +40,18 @@ pub(super) fn hmget(c: &mut Call<'_>) {
 pub(super) fn hgetall(c: &mut Call<'_>) {
     with_hash(c, |h, out| match h {
         Some(h) => {
-            array_header(out, 2 * h.len());
+            out.map_header(h.len());
             for (f, v) in h.iter() {
-                bulk(out, f);
-                bulk(out, v);
+                out.bulk(f);
+                out.bulk(v);
             }
         }
-        None => array_header(out, 0),
+        None => out.map_header(0),
     });
 }
 
 pub(super) fn hlen(c: &mut Call<'_>) {
-    with_hash(c, |h, out| integer(out, h.map_or(0, |h| h.len() as i64)));
+    with_hash(c, |h, out| out.integer(h.map_or(0, |h| h.len() as i64)));
 }
 
 pub(super) fn hdel(c: &mut Call<'_>) {
@@ -118,8 +117,8 @@ fn hset_generic(c: &mut Call<'_>, name: &str) {
         },
     );
     match r {
-        Ok((added, _)) if name == "hset" => integer(c.out, added as i64),
-        Ok(_) => simple(c.out, "OK"),
+        Ok((added, _)) if name == "hset" => c.out.integer(added as i64),
+        Ok(_) => c.out.simple("OK"),
         Err(e) => c.store_error(&e),
     }
 }
@@ -151,7 +150,7 @@ pub(super) fn remove_items(c: &mut Call<'_>, remove: impl Fn(&mut Value, &[u8]) 
         },
     );
     match r {
-        Ok((removed, _)) => integer(c.out, removed),
+        Ok((removed, _)) => c.out.integer(removed),
         Err(e) => c.store_error(&e),
     }
 }

@@ -3,7 +3,6 @@
 
 use super::{glob_match, is, Call, SYNTAX};
 use crate::objects::{Change, Entry, ObjectStore};
-use crate::resp::codec::{array_header, bulk, integer, simple};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Most keys KEYS returns.
@@ -60,7 +59,7 @@ pub(super) fn del(c: &mut Call<'_>) {
         .iter()
         .filter(|k| delete_any(c.ctx.state.objects(), k, c.now))
         .count();
-    integer(c.out, removed as i64);
+    c.out.integer(removed as i64);
 }
 
 pub(super) fn exists(c: &mut Call<'_>) {
@@ -69,14 +68,14 @@ pub(super) fn exists(c: &mut Call<'_>) {
         .iter()
         .filter(|k| c.ctx.state.objects().read(k, c.now, |e| e.is_some()))
         .count();
-    integer(c.out, found as i64);
+    c.out.integer(found as i64);
 }
 
 pub(super) fn type_(c: &mut Call<'_>) {
     let t = c.objects().read(c.args[1], c.now, |e| {
         e.map_or("none", |e| e.value.type_name())
     });
-    simple(c.out, t);
+    c.out.simple(t);
 }
 
 pub(super) fn keys(c: &mut Call<'_>) {
@@ -87,9 +86,9 @@ pub(super) fn keys(c: &mut Call<'_>) {
         c.objects()
             .keys_matching(KEYS_MAX, c.now, |k| glob_match(pattern, k))
     };
-    array_header(c.out, keys.len());
+    c.out.array_header(keys.len());
     for k in keys {
-        bulk(c.out, &k);
+        c.out.bulk(&k);
     }
 }
 
@@ -159,11 +158,11 @@ pub(super) fn scan(c: &mut Call<'_>) {
             })
         })
         .collect();
-    array_header(c.out, 2);
-    bulk(c.out, next.to_string().as_bytes());
-    array_header(c.out, keep.len());
+    c.out.array_header(2);
+    c.out.bulk(next.to_string().as_bytes());
+    c.out.array_header(keep.len());
     for k in keep {
-        bulk(c.out, &k);
+        c.out.bulk(&k);
     }
 }
 
@@ -245,7 +244,7 @@ fn expire_generic(c: &mut Call<'_>, name: &str, relative: bool, millis: bool) {
         },
     );
     match r {
-        Ok((n, _)) => integer(c.out, n),
+        Ok((n, _)) => c.out.integer(n),
         Err(e) => c.store_error(&e),
     }
 }
@@ -281,12 +280,12 @@ fn ttl_ms(c: &Call<'_>) -> i64 {
 
 pub(super) fn ttl(c: &mut Call<'_>) {
     let ms = ttl_ms(c);
-    integer(c.out, if ms >= 0 { (ms + 500) / 1000 } else { ms });
+    c.out.integer(if ms >= 0 { (ms + 500) / 1000 } else { ms });
 }
 
 pub(super) fn pttl(c: &mut Call<'_>) {
     let ms = ttl_ms(c);
-    integer(c.out, ms);
+    c.out.integer(ms);
 }
 
 pub(super) fn persist(c: &mut Call<'_>) {
@@ -304,7 +303,7 @@ pub(super) fn persist(c: &mut Call<'_>) {
         },
     );
     match r {
-        Ok((n, _)) => integer(c.out, n),
+        Ok((n, _)) => c.out.integer(n),
         Err(e) => c.store_error(&e),
     }
 }

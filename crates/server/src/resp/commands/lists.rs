@@ -2,7 +2,6 @@
 
 use super::{Call, WRONG_TYPE};
 use crate::objects::{wrong_type, Change, List, Value, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES};
-use crate::resp::codec::{array_header, bulk, error, integer, null_bulk};
 use bytes::Bytes;
 
 fn push(c: &mut Call<'_>, front: bool) {
@@ -46,7 +45,7 @@ fn push(c: &mut Call<'_>, front: bool) {
         },
     );
     match r {
-        Ok((len, _)) => integer(c.out, len as i64),
+        Ok((len, _)) => c.out.integer(len as i64),
         Err(e) => c.store_error(&e),
     }
 }
@@ -102,19 +101,19 @@ fn pop(c: &mut Call<'_>, name: &str, front: bool) {
     );
     let out = &mut *c.out;
     match (r, count) {
-        (Ok((None, _)), None) => null_bulk(out),
-        (Ok((None, _)), Some(_)) => out.extend_from_slice(b"*-1\r\n"),
+        (Ok((None, _)), None) => out.null(),
+        (Ok((None, _)), Some(_)) => out.null_array(),
         (Ok((Some(v), _)), None) => match v.first() {
-            Some(v) => bulk(out, v),
-            None => null_bulk(out),
+            Some(v) => out.bulk(v),
+            None => out.null(),
         },
         (Ok((Some(v), _)), Some(_)) => {
-            array_header(out, v.len());
+            out.array_header(v.len());
             for item in v {
-                bulk(out, &item);
+                out.bulk(&item);
             }
         }
-        (Err(e), _) => super::store_error(out, &e),
+        (Err(e), _) => out.store_error(&e),
     }
 }
 
@@ -150,17 +149,17 @@ pub(super) fn lrange(c: &mut Call<'_>) {
         .state
         .objects()
         .read(c.args[1], c.now, |e| match e.map(|e| &e.value) {
-            None => array_header(out, 0),
+            None => out.array_header(0),
             Some(Value::List(l)) => match clamp_range(start, end, l.len()) {
-                None => array_header(out, 0),
+                None => out.array_header(0),
                 Some((from, to)) => {
-                    array_header(out, to - from + 1);
+                    out.array_header(to - from + 1);
                     for v in l.iter().skip(from).take(to - from + 1) {
-                        bulk(out, v);
+                        out.bulk(v);
                     }
                 }
             },
-            Some(_) => error(out, WRONG_TYPE),
+            Some(_) => out.error(WRONG_TYPE),
         })
 }
 
@@ -170,8 +169,8 @@ pub(super) fn llen(c: &mut Call<'_>) {
         .state
         .objects()
         .read(c.args[1], c.now, |e| match e.map(|e| &e.value) {
-            None => integer(out, 0),
-            Some(Value::List(l)) => integer(out, l.len() as i64),
-            Some(_) => error(out, WRONG_TYPE),
+            None => out.integer(0),
+            Some(Value::List(l)) => out.integer(l.len() as i64),
+            Some(_) => out.error(WRONG_TYPE),
         })
 }

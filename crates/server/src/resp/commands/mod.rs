@@ -11,16 +11,17 @@ mod camelot;
 mod hashes;
 mod keys;
 mod lists;
+mod reply;
 mod server;
 mod sets;
 mod strings;
 mod zsets;
 
-use super::codec::{error, error_bytes};
 use crate::objects::ObjectStore;
 use crate::state::{ServerState, RESP_GROUPS};
 use bytes::{Bytes, BytesMut};
 use camelot_proto::{ErrorCode, ErrorReply};
+pub use reply::Reply;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -91,6 +92,8 @@ pub struct Session {
     pub id: u64,
     /// CLIENT SETNAME / HELLO SETNAME.
     pub name: Option<Bytes>,
+    /// The connection asked for RESP3 (`HELLO 3`).
+    pub resp3: bool,
     /// Commands run since the last [`Session::take_ops`], by [`Group`]; folded into the
     /// shared counters once per socket read, not per command.
     ops: [u64; RESP_GROUPS.len()],
@@ -105,6 +108,7 @@ impl Default for Session {
             quit: false,
             id: NEXT_CLIENT_ID.fetch_add(1, Ordering::Relaxed),
             name: None,
+            resp3: false,
             ops: [0; RESP_GROUPS.len()],
         }
     }
@@ -129,7 +133,7 @@ pub struct Call<'c> {
     pub args: &'c [&'c [u8]],
     /// The time expiries are judged against (one reading per socket read).
     pub now: Instant,
-    pub out: &'c mut BytesMut,
+    pub out: &'c mut Reply<'c>,
 }
 
 impl Call<'_> {
@@ -137,7 +141,7 @@ impl Call<'_> {
         self.ctx.state.objects()
     }
     fn error(&mut self, msg: &str) {
-        error(self.out, msg);
+        self.out.error(msg);
     }
     /// Redis's arity error, for subcommands and commands whose arity depends on options.
     fn arity(&mut self, name: &str) {
@@ -145,7 +149,7 @@ impl Call<'_> {
     }
     /// Maps a store error to the reply Redis would give.
     fn store_error(&mut self, e: &ErrorReply) {
-        store_error(self.out, e);
+        self.out.store_error(e);
     }
     /// Argument `i` as an integer, or Redis's not-an-integer reply and `None`.
     fn int_arg(&mut self, i: usize) -> Option<i64> {
@@ -304,6 +308,7 @@ pub fn execute(
     let Some(name) = args.first() else {
         return;
     };
+    let out = &mut Reply::new(out, session.resp3);
     // Redis's order: unknown command, then arity, then authentication.
     let Some(cmd) = lookup(name) else {
         unknown_command(out, args);
@@ -314,7 +319,7 @@ pub fn execute(
         return;
     }
     if ctx.token.is_some() && !session.authenticated && cmd.flags & NO_AUTH == 0 {
-        error(out, "NOAUTH Authentication required.");
+        out.error("NOAUTH Authentication required.");
         return;
     }
     session.ops[cmd.group.index()] += 1;
@@ -331,7 +336,7 @@ pub fn execute(
 /// Redis 7's answer to a command it does not know: the name and the first arguments,
 /// each cut so the list stays near 128 bytes, as `processCommand` formats them (a C
 /// string, so each stops at a NUL byte).
-fn unknown_command(out: &mut BytesMut, args: &[&[u8]]) {
+fn unknown_command(out: &mut Reply<'_>, args: &[&[u8]]) {
     const SHOWN_BYTES_MAX: usize = 128;
     let c_str = |b: &[u8]| -> Vec<u8> { b.split(|&c| c == 0).next().unwrap_or(b).to_vec() };
     let mut shown: Vec<u8> = Vec::new();
@@ -350,26 +355,27 @@ fn unknown_command(out: &mut BytesMut, args: &[&[u8]]) {
     msg.extend_from_slice(&name[..name.len().min(SHOWN_BYTES_MAX)]);
     msg.extend_from_slice(b"', with args beginning with: ");
     msg.extend_from_slice(&shown);
-    error_bytes(out, &msg);
+    out.error_bytes(&msg);
 }
 
-pub(crate) fn arity_error(out: &mut BytesMut, name: &str) {
-    error(
-        out,
-        &format!("ERR wrong number of arguments for '{name}' command"),
-    );
+pub(crate) fn arity_error(out: &mut Reply<'_>, name: &str) {
+    out.error(&format!(
+        "ERR wrong number of arguments for '{name}' command"
+    ));
 }
 
-pub(crate) fn store_error(out: &mut BytesMut, e: &ErrorReply) {
-    match e.code {
-        ErrorCode::WrongType => error(out, WRONG_TYPE),
-        ErrorCode::OutOfMemory => error(
-            out,
-            "OOM command not allowed when used memory > 'maxmemory'.",
-        ),
-        // Handlers that build a Redis reply text themselves pass it through whole.
-        ErrorCode::BadRequest if e.message.starts_with("ERR ") => error(out, &e.message),
-        _ => error(out, &format!("ERR {}", e.message)),
+impl Reply<'_> {
+    /// Maps a store error to the reply Redis would give.
+    pub(crate) fn store_error(&mut self, e: &ErrorReply) {
+        match e.code {
+            ErrorCode::WrongType => self.error(WRONG_TYPE),
+            ErrorCode::OutOfMemory => {
+                self.error("OOM command not allowed when used memory > 'maxmemory'.")
+            }
+            // Handlers that build a Redis reply text themselves pass it through whole.
+            ErrorCode::BadRequest if e.message.starts_with("ERR ") => self.error(&e.message),
+            _ => self.error(&format!("ERR {}", e.message)),
+        }
     }
 }
 

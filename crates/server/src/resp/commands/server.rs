@@ -1,9 +1,8 @@
 //! Connection and server commands: PING, ECHO, SELECT, AUTH, HELLO, CLIENT, QUIT, INFO,
 //! DBSIZE, FLUSHALL/FLUSHDB, COMMAND, CONFIG GET, and the refused transaction commands.
 
-use super::{is, parse_int, Call, COMMANDS, NOT_INTEGER, SYNTAX};
+use super::{is, parse_int, Call, Reply, COMMANDS, NOT_INTEGER, SYNTAX};
 use crate::conn::tokens_match;
-use crate::resp::codec::{array_header, bulk, integer, null_bulk, simple};
 use bytes::Bytes;
 
 /// The Redis version the port speaks (its replies and errors are this version's).
@@ -12,32 +11,32 @@ const WRONGPASS: &str = "WRONGPASS invalid username-password pair or user is dis
 
 pub(super) fn ping(c: &mut Call<'_>) {
     match c.args.len() {
-        1 => simple(c.out, "PONG"),
-        2 => bulk(c.out, c.args[1]),
+        1 => c.out.simple("PONG"),
+        2 => c.out.bulk(c.args[1]),
         _ => c.arity("ping"),
     }
 }
 
 pub(super) fn echo(c: &mut Call<'_>) {
-    bulk(c.out, c.args[1]);
+    c.out.bulk(c.args[1]);
 }
 
 pub(super) fn select(c: &mut Call<'_>) {
     match parse_int(c.args[1]) {
-        Some(0) => simple(c.out, "OK"),
+        Some(0) => c.out.simple("OK"),
         Some(_) => c.error("ERR DB index is out of range"),
         None => c.error(NOT_INTEGER),
     }
 }
 
 pub(super) fn quit(c: &mut Call<'_>) {
-    simple(c.out, "OK");
+    c.out.simple("OK");
     c.session.quit = true;
 }
 
 pub(super) fn dbsize(c: &mut Call<'_>) {
     let n = c.objects().len();
-    integer(c.out, n as i64);
+    c.out.integer(n as i64);
 }
 
 pub(super) fn flushall(c: &mut Call<'_>) {
@@ -51,7 +50,7 @@ pub(super) fn flushall(c: &mut Call<'_>) {
         return;
     }
     c.objects().clear();
-    simple(c.out, "OK");
+    c.out.simple("OK");
 }
 
 /// MULTI, EXEC, DISCARD, WATCH, UNWATCH: Camelot has no transactions. A clear refusal
@@ -91,7 +90,7 @@ pub(super) fn auth(c: &mut Call<'_>) {
     match check_password(c, user, password) {
         Ok(()) => {
             c.session.authenticated = true;
-            simple(c.out, "OK");
+            c.out.simple("OK");
         }
         Err(msg) => c.error(msg),
     }
@@ -102,21 +101,22 @@ fn valid_name(name: &[u8]) -> bool {
     name.iter().all(|b| (b'!'..=b'~').contains(b))
 }
 
-/// `HELLO [protover [AUTH user pass] [SETNAME name]]`. Only RESP2 is spoken: HELLO 3 gets
-/// the NOPROTO error Redis gives for a version it does not support, and clients that
-/// try RESP3 first (redis-py 5+, Lettuce, go-redis) fall back to RESP2.
+/// `HELLO [protover [AUTH user pass] [SETNAME name]]`: RESP2 or RESP3 (what redis-py 8
+/// asks for by default, and does not fall back from); other versions get NOPROTO.
 pub(super) fn hello(c: &mut Call<'_>) {
     let args = c.args;
     let mut j = 1;
+    let mut protocol = None;
     if args.len() >= 2 {
         let Some(version) = parse_int(args[1]) else {
             c.error("ERR Protocol version is not an integer or out of range");
             return;
         };
-        if version != 2 {
+        if version != 2 && version != 3 {
             c.error("NOPROTO unsupported protocol version");
             return;
         }
+        protocol = Some(version == 3);
         j = 2;
     }
     let mut credentials = None;
@@ -161,21 +161,25 @@ pub(super) fn hello(c: &mut Call<'_>) {
         }
         c.session.name = (!name.is_empty()).then(|| Bytes::copy_from_slice(name));
     }
-    array_header(c.out, 14);
+    if let Some(resp3) = protocol {
+        c.session.resp3 = resp3;
+        c.out.set_resp3(resp3);
+    }
+    c.out.map_header(7);
     for (k, v) in [("server", "redis"), ("version", REDIS_VERSION)] {
-        bulk(c.out, k.as_bytes());
-        bulk(c.out, v.as_bytes());
+        c.out.bulk(k.as_bytes());
+        c.out.bulk(v.as_bytes());
     }
-    bulk(c.out, b"proto");
-    integer(c.out, 2);
-    bulk(c.out, b"id");
-    integer(c.out, c.session.id as i64);
+    c.out.bulk(b"proto");
+    c.out.integer(if c.session.resp3 { 3 } else { 2 });
+    c.out.bulk(b"id");
+    c.out.integer(c.session.id as i64);
     for (k, v) in [("mode", "standalone"), ("role", "master")] {
-        bulk(c.out, k.as_bytes());
-        bulk(c.out, v.as_bytes());
+        c.out.bulk(k.as_bytes());
+        c.out.bulk(v.as_bytes());
     }
-    bulk(c.out, b"modules");
-    array_header(c.out, 0);
+    c.out.bulk(b"modules");
+    c.out.array_header(0);
 }
 
 /// `CLIENT ID | SETNAME name | GETNAME | SETINFO LIB-NAME|LIB-VER value`.
@@ -203,7 +207,7 @@ pub(super) fn client(c: &mut Call<'_>) {
         return;
     }
     match name {
-        "id" => integer(c.out, c.session.id as i64),
+        "id" => c.out.integer(c.session.id as i64),
         "setname" => {
             let new = c.args[2];
             if !valid_name(new) {
@@ -211,11 +215,11 @@ pub(super) fn client(c: &mut Call<'_>) {
                 return;
             }
             c.session.name = (!new.is_empty()).then(|| Bytes::copy_from_slice(new));
-            simple(c.out, "OK");
+            c.out.simple("OK");
         }
         "getname" => match &c.session.name {
-            Some(name) => bulk(c.out, name),
-            None => null_bulk(c.out),
+            Some(name) => c.out.bulk(name),
+            None => c.out.null(),
         },
         _ => {
             // Client libraries announce themselves; nothing here uses it yet.
@@ -239,7 +243,7 @@ pub(super) fn client(c: &mut Call<'_>) {
                 c.error(&msg);
                 return;
             }
-            simple(c.out, "OK");
+            c.out.simple("OK");
         }
     }
 }
@@ -249,10 +253,10 @@ pub(super) fn client(c: &mut Call<'_>) {
 /// read from the command table.
 pub(super) fn command(c: &mut Call<'_>) {
     let supported = || COMMANDS.iter().filter(|cmd| !cmd.is_refused());
-    let info = |out: &mut bytes::BytesMut, cmd: &super::Command| {
-        array_header(out, 3);
-        bulk(out, cmd.name.as_bytes());
-        integer(out, i64::from(cmd.arity));
+    let info = |out: &mut Reply<'_>, cmd: &super::Command| {
+        out.array_header(3);
+        out.bulk(cmd.name.as_bytes());
+        out.integer(i64::from(cmd.arity));
         let mut names = Vec::new();
         if cmd.flags & super::flags::WRITE != 0 {
             names.push("write");
@@ -263,13 +267,13 @@ pub(super) fn command(c: &mut Call<'_>) {
         if cmd.flags & super::flags::NO_AUTH != 0 {
             names.push("no_auth");
         }
-        array_header(out, names.len());
+        out.array_header(names.len());
         for f in names {
-            simple(out, f);
+            out.simple(f);
         }
     };
     if c.args.len() == 1 {
-        array_header(c.out, supported().count());
+        c.out.array_header(supported().count());
         for cmd in supported() {
             info(c.out, cmd);
         }
@@ -277,22 +281,22 @@ pub(super) fn command(c: &mut Call<'_>) {
     }
     let sub = c.args[1];
     if is(sub, "count") {
-        integer(c.out, supported().count() as i64);
+        c.out.integer(supported().count() as i64);
     } else if is(sub, "list") {
-        array_header(c.out, supported().count());
+        c.out.array_header(supported().count());
         for cmd in supported() {
-            bulk(c.out, cmd.name.as_bytes());
+            c.out.bulk(cmd.name.as_bytes());
         }
     } else if is(sub, "info") {
-        array_header(c.out, c.args.len() - 2);
+        c.out.array_header(c.args.len() - 2);
         for name in &c.args[2..] {
             match super::lookup(name).filter(|cmd| !cmd.is_refused()) {
                 Some(cmd) => info(c.out, cmd),
-                None => c.out.extend_from_slice(b"*-1\r\n"),
+                None => c.out.null_array(),
             }
         }
     } else if is(sub, "docs") {
-        array_header(c.out, 0);
+        c.out.array_header(0);
     } else {
         let msg = format!(
             "ERR unknown subcommand '{}'. Try COMMAND HELP.",
@@ -326,10 +330,10 @@ pub(super) fn config(c: &mut Call<'_>) {
         .iter()
         .filter(|(name, _)| super::glob_match(&pattern.to_ascii_lowercase(), name.as_bytes()))
         .collect();
-    array_header(c.out, 2 * matched.len());
+    c.out.map_header(matched.len());
     for (name, value) in matched {
-        bulk(c.out, name.as_bytes());
-        bulk(c.out, value.as_bytes());
+        c.out.bulk(name.as_bytes());
+        c.out.bulk(value.as_bytes());
     }
 }
 
@@ -394,5 +398,5 @@ pub(super) fn info(c: &mut Call<'_>) {
         .filter(|(name, _)| all || wanted.iter().any(|w| is(w, name)))
         .map(|(_, body)| body.as_str())
         .collect();
-    bulk(c.out, text.join("\r\n").as_bytes());
+    c.out.bulk(text.join("\r\n").as_bytes());
 }

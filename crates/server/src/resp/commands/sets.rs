@@ -1,9 +1,8 @@
 //! Set commands: SADD, SREM, SMEMBERS, SISMEMBER, SCARD.
 
-use super::{Call, WRONG_TYPE};
+use super::{Call, Reply, WRONG_TYPE};
 use crate::objects::{wrong_type, Change, Set, Value, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES};
-use crate::resp::codec::{array_header, bulk, error, integer};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 
 pub(super) fn sadd(c: &mut Call<'_>) {
     let members = &c.args[2..];
@@ -49,7 +48,7 @@ pub(super) fn sadd(c: &mut Call<'_>) {
         },
     );
     match r {
-        Ok((added, _)) => integer(c.out, added),
+        Ok((added, _)) => c.out.integer(added),
         Err(e) => c.store_error(&e),
     }
 }
@@ -61,7 +60,7 @@ pub(super) fn srem(c: &mut Call<'_>) {
     });
 }
 
-fn with_set(c: &mut Call<'_>, f: impl FnOnce(Option<&Set>, &mut BytesMut)) {
+fn with_set(c: &mut Call<'_>, f: impl FnOnce(Option<&Set>, &mut Reply<'_>)) {
     let out = &mut *c.out;
     c.ctx
         .state
@@ -69,17 +68,17 @@ fn with_set(c: &mut Call<'_>, f: impl FnOnce(Option<&Set>, &mut BytesMut)) {
         .read(c.args[1], c.now, |e| match e.map(|e| &e.value) {
             None => f(None, out),
             Some(Value::Set(s)) => f(Some(s), out),
-            Some(_) => error(out, WRONG_TYPE),
+            Some(_) => out.error(WRONG_TYPE),
         })
 }
 
 pub(super) fn smembers(c: &mut Call<'_>) {
     with_set(c, |s, out| match s {
-        None => array_header(out, 0),
+        None => out.set_header(0),
         Some(s) => {
-            array_header(out, s.len());
+            out.set_header(s.len());
             for m in s.iter() {
-                bulk(out, m);
+                out.bulk(m);
             }
         }
     });
@@ -88,10 +87,10 @@ pub(super) fn smembers(c: &mut Call<'_>) {
 pub(super) fn sismember(c: &mut Call<'_>) {
     let member = c.args[2];
     with_set(c, |s, out| {
-        integer(out, i64::from(s.is_some_and(|s| s.contains(member))))
+        out.integer(i64::from(s.is_some_and(|s| s.contains(member))))
     });
 }
 
 pub(super) fn scard(c: &mut Call<'_>) {
-    with_set(c, |s, out| integer(out, s.map_or(0, |s| s.len() as i64)));
+    with_set(c, |s, out| out.integer(s.map_or(0, |s| s.len() as i64)));
 }

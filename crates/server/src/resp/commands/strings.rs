@@ -4,7 +4,6 @@
 use super::keys::{deadline_after_ms, deadline_at_unix_ms, unix_now_ms};
 use super::{is, parse_int, redis_error, Call, NOT_INTEGER, SYNTAX, TOO_BIG, WRONG_TYPE};
 use crate::objects::{check_value_len, wrong_type, Change, Entry, Value, ENTRY_OVERHEAD_BYTES};
-use crate::resp::codec::{array_header, bulk, integer, null_bulk, simple};
 use bytes::{Bytes, BytesMut};
 use camelot_proto::limits::VALUE_BYTES_MAX;
 
@@ -13,9 +12,9 @@ pub(super) fn get(c: &mut Call<'_>) {
     // reference count between cores on every GET of a hot key.
     let (objects, out) = (c.ctx.state.objects(), &mut *c.out);
     objects.read(c.args[1], c.now, |e| match e.map(|e| &e.value) {
-        None => null_bulk(out),
-        Some(Value::Str(v)) => bulk(out, v),
-        Some(_) => super::error(out, WRONG_TYPE),
+        None => out.null(),
+        Some(Value::Str(v)) => out.bulk(v),
+        Some(_) => out.error(WRONG_TYPE),
     })
 }
 
@@ -144,25 +143,25 @@ pub(super) fn set(c: &mut Call<'_>) {
         },
     );
     match r {
-        Ok(((_, Some(old)), _)) => bulk(c.out, &old),
-        Ok(((_, None), _)) if get => null_bulk(c.out),
-        Ok(((true, None), _)) => simple(c.out, "OK"),
-        Ok(((false, None), _)) => null_bulk(c.out),
+        Ok(((_, Some(old)), _)) => c.out.bulk(&old),
+        Ok(((_, None), _)) if get => c.out.null(),
+        Ok(((true, None), _)) => c.out.simple("OK"),
+        Ok(((false, None), _)) => c.out.null(),
         Err(e) => c.store_error(&e),
     }
 }
 
 pub(super) fn mget(c: &mut Call<'_>) {
-    array_header(c.out, c.args.len() - 1);
+    c.out.array_header(c.args.len() - 1);
     for k in &c.args[1..] {
         let out = &mut *c.out;
         c.ctx
             .state
             .objects()
             .read(k, c.now, |e| match e.map(|e| &e.value) {
-                Some(Value::Str(v)) => bulk(out, v),
+                Some(Value::Str(v)) => out.bulk(v),
                 // MGET answers nil for keys of other types too.
-                _ => null_bulk(out),
+                _ => out.null(),
             });
     }
 }
@@ -178,7 +177,7 @@ pub(super) fn mset(c: &mut Call<'_>) {
             return;
         }
     }
-    simple(c.out, "OK");
+    c.out.simple("OK");
 }
 
 pub(super) fn incr(c: &mut Call<'_>) {
@@ -243,7 +242,7 @@ fn incr_by(c: &mut Call<'_>, delta: i64) {
         },
     );
     match r {
-        Ok((n, _)) => integer(c.out, n),
+        Ok((n, _)) => c.out.integer(n),
         Err(e) => c.store_error(&e),
     }
 }
@@ -254,9 +253,9 @@ pub(super) fn strlen(c: &mut Call<'_>) {
         .state
         .objects()
         .read(c.args[1], c.now, |e| match e.map(|e| &e.value) {
-            None => integer(out, 0),
-            Some(Value::Str(v)) => integer(out, v.len() as i64),
-            Some(_) => super::error(out, WRONG_TYPE),
+            None => out.integer(0),
+            Some(Value::Str(v)) => out.integer(v.len() as i64),
+            Some(_) => out.error(WRONG_TYPE),
         })
 }
 
@@ -298,7 +297,7 @@ pub(super) fn append(c: &mut Call<'_>) {
         },
     );
     match r {
-        Ok((len, _)) => integer(c.out, len as i64),
+        Ok((len, _)) => c.out.integer(len as i64),
         Err(e) => c.store_error(&e),
     }
 }
@@ -311,9 +310,9 @@ pub(super) fn getrange(c: &mut Call<'_>) {
         .state
         .objects()
         .read(c.args[1], c.now, |e| match e.map(|e| &e.value) {
-            None => bulk(out, b""),
-            Some(Value::Str(v)) => bulk(out, substring(v, start, end)),
-            Some(_) => super::error(out, WRONG_TYPE),
+            None => out.bulk(b""),
+            Some(Value::Str(v)) => out.bulk(substring(v, start, end)),
+            Some(_) => out.error(WRONG_TYPE),
         })
 }
 
@@ -400,7 +399,7 @@ pub(super) fn setrange(c: &mut Call<'_>) {
         },
     );
     match r {
-        Ok((len, _)) => integer(c.out, len),
+        Ok((len, _)) => c.out.integer(len),
         Err(e) => c.store_error(&e),
     }
 }

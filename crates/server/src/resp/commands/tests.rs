@@ -267,7 +267,7 @@ fn clients_can_say_hello_and_name_themselves() {
     );
     assert!(hello.contains("$5\r\nproto\r\n:2\r\n"));
     assert_eq!(
-        h.run("HELLO 3"),
+        h.run("HELLO 4"),
         "-NOPROTO unsupported protocol version\r\n"
     );
     assert_eq!(
@@ -302,6 +302,28 @@ fn clients_can_say_hello_and_name_themselves() {
     assert!(h.run("HELLO 2 AUTH default nope").starts_with("-WRONGPASS"));
     assert!(h.run("HELLO 2 AUTH default tok").starts_with("*14\r\n"));
     assert_eq!(h.run("GET k"), "$-1\r\n");
+}
+
+#[test]
+fn hello_3_switches_to_resp3_shapes() {
+    let mut h = Harness::new(1 << 20, None);
+    h.run("HSET h f v");
+    h.run("SADD s m");
+    h.run("ZADD z 1.5 a");
+    assert_eq!(h.run("HGETALL h"), "*2\r\n$1\r\nf\r\n$1\r\nv\r\n");
+    assert!(h.run("HELLO 3").starts_with("%7\r\n$6\r\nserver\r\n"));
+    assert_eq!(h.run("GET nosuch"), "_\r\n");
+    assert_eq!(h.run("LPOP nosuch 1"), "_\r\n");
+    assert_eq!(h.run("HGETALL h"), "%1\r\n$1\r\nf\r\n$1\r\nv\r\n");
+    assert_eq!(h.run("HGETALL nosuch"), "%0\r\n");
+    assert_eq!(h.run("SMEMBERS s"), "~1\r\n$1\r\nm\r\n");
+    assert_eq!(h.run("ZSCORE z a"), ",1.5\r\n");
+    assert_eq!(
+        h.run("ZRANGE z 0 -1 WITHSCORES"),
+        "*1\r\n*2\r\n$1\r\na\r\n,1.5\r\n"
+    );
+    assert!(h.run("HELLO 2").starts_with("*14\r\n"));
+    assert_eq!(h.run("GET nosuch"), "$-1\r\n");
 }
 
 #[test]

@@ -2,13 +2,12 @@
 //! ZRANGEBYSCORE.
 
 use super::lists::clamp_range;
-use super::{is, parse_float, Call, NOT_FLOAT, NOT_INTEGER, SYNTAX, WRONG_TYPE};
+use super::{is, parse_float, Call, Reply, NOT_FLOAT, NOT_INTEGER, SYNTAX, WRONG_TYPE};
 use crate::objects::{wrong_type, Change, Value, ZSet, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES};
-use crate::resp::codec::{array_header, bulk, error, format_double, integer, null_bulk};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use camelot_proto::ErrorReply;
 
-fn with_zset(c: &mut Call<'_>, f: impl FnOnce(Option<&ZSet>, &mut BytesMut)) {
+fn with_zset(c: &mut Call<'_>, f: impl FnOnce(Option<&ZSet>, &mut Reply<'_>)) {
     let out = &mut *c.out;
     c.ctx
         .state
@@ -16,7 +15,7 @@ fn with_zset(c: &mut Call<'_>, f: impl FnOnce(Option<&ZSet>, &mut BytesMut)) {
         .read(c.args[1], c.now, |e| match e.map(|e| &e.value) {
             None => f(None, out),
             Some(Value::ZSet(z)) => f(Some(z), out),
-            Some(_) => error(out, WRONG_TYPE),
+            Some(_) => out.error(WRONG_TYPE),
         })
 }
 
@@ -121,7 +120,7 @@ pub(super) fn zadd(c: &mut Call<'_>) {
         },
     );
     match r {
-        Ok((counted, _)) => integer(c.out, counted),
+        Ok((counted, _)) => c.out.integer(counted),
         Err(e) => c.store_error(&e),
     }
 }
@@ -136,20 +135,20 @@ pub(super) fn zrem(c: &mut Call<'_>) {
 pub(super) fn zscore(c: &mut Call<'_>) {
     let member = c.args[2];
     with_zset(c, |z, out| match z.and_then(|z| z.score(member)) {
-        Some(s) => bulk(out, format_double(s).as_bytes()),
-        None => null_bulk(out),
+        Some(s) => out.double(s),
+        None => out.null(),
     });
 }
 
 pub(super) fn zcard(c: &mut Call<'_>) {
-    with_zset(c, |z, out| integer(out, z.map_or(0, |z| z.len() as i64)));
+    with_zset(c, |z, out| out.integer(z.map_or(0, |z| z.len() as i64)));
 }
 
 pub(super) fn zrank(c: &mut Call<'_>) {
     let member = c.args[2];
     with_zset(c, |z, out| match z.and_then(|z| z.rank(member)) {
-        Some(r) => integer(out, r as i64),
-        None => null_bulk(out),
+        Some(r) => out.integer(r as i64),
+        None => out.null(),
     });
 }
 
@@ -251,7 +250,7 @@ fn zrange_generic(c: &mut Call<'_>, mut kind: RangeKind, mut reverse: Option<boo
                         true
                     }
                     Some(_) => {
-                        error(out, WRONG_TYPE);
+                        out.error(WRONG_TYPE);
                         false
                     }
                 });
@@ -289,7 +288,7 @@ fn zrange_generic(c: &mut Call<'_>, mut kind: RangeKind, mut reverse: Option<boo
                         true
                     }
                     Some(_) => {
-                        error(out, WRONG_TYPE);
+                        out.error(WRONG_TYPE);
                         false
                     }
                 });
@@ -299,11 +298,17 @@ fn zrange_generic(c: &mut Call<'_>, mut kind: RangeKind, mut reverse: Option<boo
             found.unwrap_or_default()
         }
     };
-    array_header(c.out, found.len() * if with_scores { 2 } else { 1 });
+    // RESP3 pairs each member with its score; RESP2 interleaves them.
+    let nested = with_scores && c.out.is_resp3();
+    let flat_len = found.len() * if with_scores && !nested { 2 } else { 1 };
+    c.out.array_header(flat_len);
     for (m, s) in found {
-        bulk(c.out, &m);
+        if nested {
+            c.out.array_header(2);
+        }
+        c.out.bulk(&m);
         if with_scores {
-            bulk(c.out, format_double(s).as_bytes());
+            c.out.double(s);
         }
     }
 }
