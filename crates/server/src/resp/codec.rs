@@ -267,7 +267,7 @@ pub fn format_double(x: f64) -> String {
     let sci = format!("{:.*e}", (DIGITS - 1) as usize, x);
     let (mantissa, exp) = sci.split_once('e').unwrap_or((sci.as_str(), "0"));
     let exp: i32 = exp.parse().unwrap_or(0);
-    if exp < -4 || exp >= DIGITS {
+    if !(-4..DIGITS).contains(&exp) {
         let mantissa = strip_fraction_zeros(mantissa);
         let sign = if exp < 0 { '-' } else { '+' };
         format!("{mantissa}e{sign}{:02}", exp.unsigned_abs())

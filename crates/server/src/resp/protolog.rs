@@ -31,9 +31,10 @@ impl RateLimit {
 
     /// `Some(held back since the last line)` when a line may be written at `now`.
     pub fn admit(&mut self, now: Instant) -> Option<u64> {
-        let fresh = self
-            .window_start
-            .map_or(true, |start| now.saturating_duration_since(start) >= WINDOW);
+        let fresh = match self.window_start {
+            Some(start) => now.saturating_duration_since(start) >= WINDOW,
+            None => true,
+        };
         if fresh {
             self.window_start = Some(now);
             self.logged_in_window = 0;

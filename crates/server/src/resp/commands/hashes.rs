@@ -71,7 +71,7 @@ pub(super) fn hmset(c: &mut Call<'_>) {
 
 fn hset_generic(c: &mut Call<'_>, name: &str) {
     let pairs = &c.args[2..];
-    if pairs.len() % 2 != 0 {
+    if !pairs.len().is_multiple_of(2) {
         c.arity(name);
         return;
     }

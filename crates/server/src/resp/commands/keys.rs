@@ -149,12 +149,11 @@ pub(super) fn scan(c: &mut Call<'_>) {
     let (found, next) = c.objects().scan_by_hash(cursor, count, c.now);
     let keep: Vec<_> = found
         .into_iter()
-        .filter(|k| pattern.map_or(true, |p| glob_match(p, k)))
+        .filter(|k| pattern.map(|p| glob_match(p, k)) != Some(false))
         .filter(|k| {
-            type_name.map_or(true, |t| {
-                c.objects().read(k, c.now, |e| {
-                    e.is_some_and(|e| t.eq_ignore_ascii_case(e.value.type_name().as_bytes()))
-                })
+            let Some(t) = type_name else { return true };
+            c.objects().read(k, c.now, |e| {
+                e.is_some_and(|e| t.eq_ignore_ascii_case(e.value.type_name().as_bytes()))
             })
         })
         .collect();
@@ -205,7 +204,7 @@ fn expire_generic(c: &mut Call<'_>, name: &str, relative: bool, millis: bool) {
     let Some(mut when) = c.int_arg(2) else { return };
     let invalid = format!("ERR invalid expire time in '{name}' command");
     if !millis {
-        if when > i64::MAX / 1000 || when < i64::MIN / 1000 {
+        if !(i64::MIN / 1000..=i64::MAX / 1000).contains(&when) {
             c.error(&invalid);
             return;
         }
@@ -230,7 +229,7 @@ fn expire_generic(c: &mut Call<'_>, name: &str, relative: bool, millis: bool) {
             let current = e.expires_at.map(|t| unix_ms_of(now, unix_now, t));
             let refused = (cond.nx && current.is_some())
                 || (cond.xx && current.is_none())
-                || (cond.gt && current.map_or(true, |cur| when <= cur))
+                || (cond.gt && current.map(|cur| when <= cur) != Some(false))
                 || (cond.lt && current.is_some_and(|cur| when >= cur));
             if refused {
                 return Ok((0, Change::Keep));

@@ -44,7 +44,7 @@ pub(super) fn zadd(c: &mut Call<'_>) {
         i += 1;
     }
     let rest = &args[i..];
-    if rest.is_empty() || rest.len() % 2 != 0 {
+    if rest.is_empty() || !rest.len().is_multiple_of(2) {
         c.error(SYNTAX);
         return;
     }
@@ -52,7 +52,7 @@ pub(super) fn zadd(c: &mut Call<'_>) {
         c.error("ERR XX and NX options at the same time are not compatible");
         return;
     }
-    if (gt && nx) || (lt && nx) || (gt && lt) {
+    if (nx && (gt || lt)) || (gt && lt) {
         c.error("ERR GT, LT, and/or NX options at the same time are not compatible");
         return;
     }
