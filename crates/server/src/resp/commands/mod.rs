@@ -425,7 +425,17 @@ pub(crate) fn parse_float(b: &[u8]) -> Option<f64> {
         "inf" | "+inf" | "infinity" | "+infinity" => f64::INFINITY,
         "-inf" | "-infinity" => f64::NEG_INFINITY,
         t if t.contains("inf") || t.contains("nan") => return None,
-        t => t.parse().ok()?,
+        t => {
+            let x: f64 = t.parse().ok()?;
+            // strtod's ERANGE, which Redis refuses: overflow to infinity, or underflow
+            // of a non-zero number to zero.
+            let mantissa = t.split(['e', 'E']).next().unwrap_or("");
+            let underflow = x == 0.0 && mantissa.bytes().any(|b| (b'1'..=b'9').contains(&b));
+            if x.is_infinite() || underflow {
+                return None;
+            }
+            x
+        }
     };
     (!x.is_nan()).then_some(x)
 }

@@ -364,6 +364,17 @@ fn strings_ranges_and_expiries() {
 }
 
 #[test]
+fn floats_follow_redis_strtod_rules() {
+    assert_eq!(parse_float(b"1.5"), Some(1.5));
+    assert_eq!(parse_float(b"-inf"), Some(f64::NEG_INFINITY));
+    assert_eq!(parse_float(b"1e3"), Some(1000.0));
+    assert_eq!(parse_float(b"0e5"), Some(0.0));
+    for bad in [&b"1e999"[..], b"1e-999", b" 1", b"", b"nan", b"1x"] {
+        assert_eq!(parse_float(bad), None, "{bad:?}");
+    }
+}
+
+#[test]
 fn lists_and_sets() {
     let mut h = Harness::new(1 << 20, None);
     assert_eq!(h.run("RPUSH l a b c"), ":3\r\n");
