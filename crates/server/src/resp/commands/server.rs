@@ -139,7 +139,9 @@ pub(super) fn hello(c: &mut Call<'_>) {
         }
         j += 1;
     }
-    if let Some((user, password)) = credentials {
+    // Without a token every client is in, as Redis's passwordless default user
+    // accepts any password given through HELLO.
+    if let (Some((user, password)), Some(_)) = (credentials, c.ctx.token) {
         if let Err(msg) = check_password(c, Some(user), password) {
             c.error(msg);
             return;

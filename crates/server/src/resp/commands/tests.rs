@@ -279,6 +279,7 @@ fn clients_can_say_hello_and_name_themselves() {
         "-ERR Syntax error in HELLO option 'foo'\r\n"
     );
     assert!(h.run("HELLO 2 SETNAME app").starts_with("*14\r\n"));
+    assert!(h.run("HELLO 2 AUTH default any").starts_with("*14\r\n"));
     assert_eq!(h.run("CLIENT GETNAME"), "$3\r\napp\r\n");
     assert_eq!(h.run("CLIENT SETINFO LIB-NAME redis-py"), "+OK\r\n");
     assert_eq!(h.run("CLIENT SETINFO lib-ver 5.0.0"), "+OK\r\n");
