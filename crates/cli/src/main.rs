@@ -88,6 +88,11 @@ struct ServerArgs {
     /// programs want the CPU. 0: sleep at once, as Redis does. At most 10000.
     #[arg(long, value_name = "US", default_value_t = camelot_server::resp::SPIN_IDLE_DEFAULT.as_micros() as u64)]
     resp_poll_us: u64,
+    /// Longest argument (bulk string) the Redis port reads, in bytes: Redis's
+    /// `proto-max-bulk-len`, with its default. Longer ones are a protocol error and a
+    /// close. Values stored are still capped at 32 MiB (an error reply, not a close).
+    #[arg(long, value_name = "BYTES", default_value_t = camelot_server::resp::codec::PROTO_MAX_BULK_LEN_DEFAULT)]
+    proto_max_bulk_len: usize,
 }
 
 #[derive(Args)]
@@ -553,6 +558,7 @@ fn server(a: ServerArgs) -> Result<()> {
         cfg.resp_listen = a.resp_listen.as_deref().map(resolve).transpose()?;
         cfg.resp_threads = a.resp_threads;
         cfg.resp_poll = std::time::Duration::from_micros(a.resp_poll_us);
+        cfg.proto_max_bulk_len = a.proto_max_bulk_len;
         let handle = ServerHandle::start(cfg)
             .await
             .with_context(|| format!("cannot start a server on {listen}"))?;

@@ -59,6 +59,9 @@ pub struct ServerConfig {
     /// its CPU is not wanted by others (see `resp::spin`); zero: sleep at once, as
     /// Redis does. At most [`resp::SPIN_IDLE_MAX`].
     pub resp_poll: Duration,
+    /// Longest argument the Redis port reads (`--proto-max-bulk-len`, Redis's name and
+    /// default); at least [`resp::codec::PROTO_MAX_BULK_LEN_MIN`].
+    pub proto_max_bulk_len: usize,
 }
 
 impl ServerConfig {
@@ -74,6 +77,7 @@ impl ServerConfig {
             resp_listen: None,
             resp_threads: RESP_THREADS_DEFAULT,
             resp_poll: resp::SPIN_IDLE_DEFAULT,
+            proto_max_bulk_len: resp::codec::PROTO_MAX_BULK_LEN_DEFAULT,
         }
     }
 }
@@ -172,6 +176,13 @@ impl ServerHandle {
                 config.resp_poll
             )));
         }
+        if config.proto_max_bulk_len < resp::codec::PROTO_MAX_BULK_LEN_MIN {
+            return Err(ServerError::Config(format!(
+                "proto-max-bulk-len must be at least {} bytes, not {}",
+                resp::codec::PROTO_MAX_BULK_LEN_MIN,
+                config.proto_max_bulk_len
+            )));
+        }
         let (listener, local_addr) = bind(config.listen).await?;
         let resp = match config.resp_listen {
             Some(addr) => Some(bind(addr).await?),
@@ -196,6 +207,7 @@ impl ServerHandle {
             let face = Face::Resp(Arc::new(resp::RespShared {
                 state: Arc::clone(&state),
                 token: config.token.clone(),
+                proto_max_bulk_len: config.proto_max_bulk_len,
             }));
             let limits = AcceptLimits {
                 connections_max: config.connections_max,

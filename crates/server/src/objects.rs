@@ -7,8 +7,8 @@
 //! keys rarely meet on a lock while SCAN still sees every key in order (it merges the
 //! shards lazily, touching only as many keys as it returns).
 //!
-//! Values are byte strings for the native protocol; the Redis port also keeps hashes and
-//! sorted sets here, in the same key space and under the same cap. The native face sees
+//! Values are byte strings for the native protocol; the Redis port also keeps hashes,
+//! lists, sets and sorted sets here, in the same key space and under the same cap. The native face sees
 //! those as WRONG_TYPE and SCAN skips them.
 
 use crate::budget::MemoryBudget;
@@ -17,7 +17,7 @@ use camelot_proto::limits::{KEY_BYTES_MAX, SCAN_ITEMS_MAX, VALUE_BYTES_MAX};
 use camelot_proto::{key_hash, ErrorCode, ErrorReply, Item, ITEM_OVERHEAD_BYTES};
 use parking_lot::{RwLock, RwLockReadGuard};
 use std::cmp::{Ordering as CmpOrdering, Reverse};
-use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -219,10 +219,130 @@ impl ZSet {
     }
 }
 
+impl ZSet {
+    /// Members at ranks `start..=end` (0-based, already clamped to the set) in score
+    /// order, or from the highest score down when `reverse`.
+    pub fn range_by_rank(&self, start: usize, end: usize, reverse: bool) -> Vec<(Bytes, f64)> {
+        let take = end.saturating_sub(start).saturating_add(1);
+        let pick = |(s, m): &(Score, Bytes)| (m.clone(), s.0);
+        if reverse {
+            self.ordered
+                .iter()
+                .rev()
+                .skip(start)
+                .take(take)
+                .map(pick)
+                .collect()
+        } else {
+            self.ordered
+                .iter()
+                .skip(start)
+                .take(take)
+                .map(pick)
+                .collect()
+        }
+    }
+
+    /// The member's 0-based position in score order (O(rank): the order is a B-tree
+    /// without counts).
+    pub fn rank(&self, member: &[u8]) -> Option<usize> {
+        let score = *self.scores.get(member)?;
+        let key = (score, Bytes::copy_from_slice(member));
+        Some(self.ordered.range(..key).count())
+    }
+}
+
+/// A Redis list: values pushed and popped at either end.
+#[derive(Debug, Default)]
+pub struct List {
+    items: VecDeque<Bytes>,
+    content_bytes: u64,
+}
+
+fn item_cost(item: &[u8]) -> u64 {
+    item.len() as u64 + FIELD_OVERHEAD_BYTES
+}
+
+impl List {
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+    pub fn push(&mut self, item: Bytes, front: bool) -> Result<(), ErrorReply> {
+        if self.items.len() >= COLLECTION_ITEMS_MAX {
+            return Err(collection_full());
+        }
+        self.content_bytes += item_cost(&item);
+        if front {
+            self.items.push_front(item);
+        } else {
+            self.items.push_back(item);
+        }
+        Ok(())
+    }
+    pub fn pop(&mut self, front: bool) -> Option<Bytes> {
+        let item = if front {
+            self.items.pop_front()
+        } else {
+            self.items.pop_back()
+        }?;
+        self.content_bytes -= item_cost(&item);
+        Some(item)
+    }
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = &Bytes> {
+        self.items.iter()
+    }
+}
+
+/// A Redis set of byte strings.
+#[derive(Debug, Default)]
+pub struct Set {
+    members: HashSet<Bytes>,
+    content_bytes: u64,
+}
+
+impl Set {
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+    pub fn contains(&self, member: &[u8]) -> bool {
+        self.members.contains(member)
+    }
+    pub fn iter(&self) -> impl Iterator<Item = &Bytes> {
+        self.members.iter()
+    }
+    /// Returns whether the member is new.
+    pub fn insert(&mut self, member: Bytes) -> Result<bool, ErrorReply> {
+        if self.members.contains(&member) {
+            return Ok(false);
+        }
+        if self.members.len() >= COLLECTION_ITEMS_MAX {
+            return Err(collection_full());
+        }
+        self.content_bytes += item_cost(&member);
+        self.members.insert(member);
+        Ok(true)
+    }
+    pub fn remove(&mut self, member: &[u8]) -> bool {
+        match self.members.take(member) {
+            Some(m) => {
+                self.content_bytes -= item_cost(&m);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
 fn collection_full() -> ErrorReply {
     err(
         ErrorCode::TooLarge,
-        format!("a hash or sorted set may hold at most {COLLECTION_ITEMS_MAX} items"),
+        format!("a hash, list, set or sorted set may hold at most {COLLECTION_ITEMS_MAX} items"),
     )
 }
 
@@ -231,6 +351,8 @@ pub enum Value {
     Str(Bytes),
     Hash(Hash),
     ZSet(ZSet),
+    List(List),
+    Set(Set),
 }
 
 impl Value {
@@ -239,6 +361,8 @@ impl Value {
             Value::Str(b) => b.len() as u64,
             Value::Hash(h) => h.content_bytes,
             Value::ZSet(z) => z.content_bytes,
+            Value::List(l) => l.content_bytes,
+            Value::Set(s) => s.content_bytes,
         }
     }
 
@@ -247,6 +371,8 @@ impl Value {
             Value::Str(_) => "string",
             Value::Hash(_) => "hash",
             Value::ZSet(_) => "zset",
+            Value::List(_) => "list",
+            Value::Set(_) => "set",
         }
     }
 
@@ -256,6 +382,8 @@ impl Value {
             Value::Str(_) => false,
             Value::Hash(h) => h.is_empty(),
             Value::ZSet(z) => z.is_empty(),
+            Value::List(l) => l.is_empty(),
+            Value::Set(s) => s.is_empty(),
         }
     }
 }
@@ -707,15 +835,74 @@ impl ObjectStore {
         Ok(items)
     }
 
+    /// One step of a Redis SCAN: live keys whose [`key_hash`] is at least `cursor`, in
+    /// hash order, about `count` of them (every key sharing the last one's hash comes
+    /// too), and the cursor to go on from (0 when the walk is over). Hash order, not key
+    /// order, because a cursor must be a number and must survive inserts and deletes: a
+    /// key present for the whole walk is returned exactly once, whatever else changes.
+    /// Each step reads every key's hash (O(keys), holding one shard's lock at a time),
+    /// which is the price of not keeping a second, hash-ordered index.
+    pub fn scan_by_hash(&self, cursor: u64, count: usize, now: Instant) -> (Vec<Bytes>, u64) {
+        let count = count.clamp(1, SCAN_ITEMS_MAX);
+        // The `count` smallest hashes seen so far, largest on top.
+        let mut chosen: BinaryHeap<(u64, Bytes)> = BinaryHeap::with_capacity(count + 1);
+        for s in self.shards.iter() {
+            let shard = s.read();
+            for (k, e) in shard.map.iter() {
+                let h = key_hash(k);
+                if h < cursor || !e.is_live(now) {
+                    continue;
+                }
+                if chosen.len() < count {
+                    chosen.push((h, k.clone()));
+                } else if chosen.peek().is_some_and(|(top, _)| h < *top) {
+                    chosen.pop();
+                    chosen.push((h, k.clone()));
+                }
+            }
+        }
+        let full = chosen.len() >= count;
+        let last = chosen.peek().map(|(h, _)| *h);
+        let mut keys: Vec<(u64, Bytes)> = chosen.into_vec();
+        if let (true, Some(last)) = (full, last) {
+            // Keys sharing the boundary hash that did not fit come now, or never: the
+            // next cursor starts past that hash.
+            for s in self.shards.iter() {
+                let shard = s.read();
+                for (k, e) in shard.map.iter() {
+                    if key_hash(k) == last && e.is_live(now) && !keys.iter().any(|(_, c)| c == k) {
+                        keys.push((last, k.clone()));
+                    }
+                }
+            }
+        }
+        keys.sort_unstable();
+        let next = match last {
+            Some(h) if full => h.checked_add(1).unwrap_or(0),
+            _ => 0,
+        };
+        (keys.into_iter().map(|(_, k)| k).collect(), next)
+    }
+
     /// Every key, in order (for KEYS-like tools and tests); bounded by `limit`.
     pub fn keys(&self, limit: usize, now: Instant) -> Vec<Bytes> {
+        self.keys_matching(limit, now, |_| true)
+    }
+
+    /// The keys `keep` approves of, in order; bounded by `limit`.
+    pub fn keys_matching(
+        &self,
+        limit: usize,
+        now: Instant,
+        keep: impl Fn(&[u8]) -> bool,
+    ) -> Vec<Bytes> {
         // Merged in order so that only `limit` keys are ever held, whatever the store
         // holds; read locks as in `scan`.
         let guards: Vec<RwLockReadGuard<'_, Shard>> =
             self.shards.iter().map(|s| s.read()).collect();
         KeyOrder::merge(guards.iter().map(|g| {
             g.range_from(b"")
-                .filter(|(_, e)| e.is_live(now))
+                .filter(|(k, e)| e.is_live(now) && keep(k))
                 .map(|(k, _)| (k, ()))
         }))
         .take(limit)
@@ -858,6 +1045,36 @@ mod tests {
             (0..300).map(name).collect::<Vec<_>>()
         );
         assert!(s.keys(0, now).is_empty());
+    }
+
+    #[test]
+    fn a_hash_order_walk_returns_each_lasting_key_once_whatever_changes() {
+        let (s, _) = store(16 << 20);
+        let now = Instant::now();
+        for i in 0..300 {
+            s.put(format!("stay{i}").as_bytes(), b"v", now).unwrap();
+        }
+        let mut seen: HashMap<Bytes, usize> = HashMap::new();
+        let mut cursor = 0;
+        for step in 0..10_000 {
+            let (keys, next) = s.scan_by_hash(cursor, 7, now);
+            for k in keys {
+                *seen.entry(k).or_default() += 1;
+            }
+            // Churn between steps: keys come and go, which must not make the walk
+            // skip or repeat the keys that stay.
+            s.put(format!("new{step}").as_bytes(), b"v", now).unwrap();
+            let _ = s.delete(format!("new{}", step / 2).as_bytes(), now);
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        for i in 0..300 {
+            let k = Bytes::from(format!("stay{i}"));
+            assert_eq!(seen.get(&k), Some(&1), "{k:?}");
+        }
+        assert!(seen.values().all(|&n| n == 1), "a key came twice");
     }
 
     #[test]

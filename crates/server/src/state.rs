@@ -9,6 +9,13 @@ use std::sync::Arc;
 
 pub(crate) const OP_KINDS: usize = OpKind::ALL.len();
 
+/// The Redis port's command groups (`resp::commands::Group`, in that order): each has an
+/// `ops_resp_<group>` counter next to the native `ops_<kind>` ones, so "ops served"
+/// shows Redis-port traffic too.
+pub const RESP_GROUPS: [&str; 8] = [
+    "strings", "hashes", "lists", "sets", "zsets", "keys", "server", "camelot",
+];
+
 /// Position of `kind` in [`OpKind::ALL`] (wire codes are 1-based and dense).
 pub(crate) fn kind_index(kind: OpKind) -> usize {
     kind as usize - 1
@@ -26,6 +33,7 @@ pub struct Stats {
     bytes_out: AtomicU64,
     resp_commands: AtomicU64,
     ops: [AtomicU64; OP_KINDS],
+    resp_ops: [AtomicU64; RESP_GROUPS.len()],
 }
 
 impl Stats {
@@ -64,9 +72,15 @@ impl Stats {
         }
     }
 
-    pub fn add_resp_commands(&self, n: u64) {
+    /// Counts `n` Redis-port commands, `by_group` of them per [`RESP_GROUPS`] entry.
+    pub fn add_resp_commands(&self, n: u64, by_group: &[u64; RESP_GROUPS.len()]) {
         if n > 0 {
             self.resp_commands.fetch_add(n, Ordering::Relaxed);
+        }
+        for (counter, &k) in self.resp_ops.iter().zip(by_group) {
+            if k != 0 {
+                counter.fetch_add(k, Ordering::Relaxed);
+            }
         }
     }
 
@@ -121,7 +135,7 @@ impl ServerState {
     pub fn stats_snapshot(&self) -> Vec<(String, u64)> {
         let s = &self.stats;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut out = Vec::with_capacity(10 + OP_KINDS);
+        let mut out = Vec::with_capacity(12 + OP_KINDS + RESP_GROUPS.len());
         out.push(("memory_used_bytes".to_owned(), self.budget().used()));
         out.push(("memory_cap_bytes".to_owned(), self.budget().cap()));
         out.push(("regions".to_owned(), self.store.len() as u64));
@@ -142,6 +156,9 @@ impl ServerState {
         out.push(("resp_commands".to_owned(), load(&s.resp_commands)));
         for kind in OpKind::ALL {
             out.push((format!("ops_{}", kind.name()), s.ops(kind)));
+        }
+        for (name, counter) in RESP_GROUPS.iter().zip(&s.resp_ops) {
+            out.push((format!("ops_resp_{name}"), load(counter)));
         }
         out
     }
@@ -169,5 +186,15 @@ mod tests {
         assert_eq!(get("memory_cap_bytes"), Some(1 << 20));
         assert_eq!(get("epoch"), Some(3));
         assert_eq!(get("ops_fetch_add"), Some(0));
+        assert_eq!(get("ops_resp_strings"), Some(0));
+        let mut by_group = [0; RESP_GROUPS.len()];
+        by_group[0] = 2;
+        by_group[4] = 1;
+        st.stats().add_resp_commands(3, &by_group);
+        let snap = st.stats_snapshot();
+        let get = |k: &str| snap.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
+        assert_eq!(get("ops_resp_strings"), Some(2));
+        assert_eq!(get("ops_resp_zsets"), Some(1));
+        assert_eq!(get("resp_commands"), Some(3));
     }
 }

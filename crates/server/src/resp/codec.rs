@@ -12,12 +12,19 @@ use camelot_proto::limits::VALUE_BYTES_MAX;
 
 /// Most arguments in one command (MSET with this many keys is already a bulk load).
 pub const ARGS_MAX: usize = 1 << 16;
-/// Longest single argument: a value, plus room for nothing else.
+/// Longest single argument by default: Redis's `proto-max-bulk-len` default (512 MiB),
+/// so `redis-cli -x SET k < big` is read whole and answered rather than cut off
+/// mid-send. The server flag `--proto-max-bulk-len` changes it. What may be *stored* is
+/// still bounded by the value limit and the memory cap; those answer an error reply.
+pub const PROTO_MAX_BULK_LEN_DEFAULT: usize = 512 << 20;
+/// Smallest `--proto-max-bulk-len` accepted (Redis's own floor is 1 MiB).
+pub const PROTO_MAX_BULK_LEN_MIN: usize = 1 << 20;
+/// The old fixed argument cap, kept for callers that name it: the stored-value limit.
 pub const ARG_BYTES_MAX: usize = VALUE_BYTES_MAX;
 /// Longest inline command line, and longest `*`/`$` header line.
 pub const INLINE_BYTES_MAX: usize = 64 << 10;
-/// Most bytes one command may occupy in the input buffer, so a connection can never pin
-/// more than this much memory for a request.
+/// Most bytes one command may occupy in the input buffer beyond its longest argument, so
+/// a connection can never pin more than `proto-max-bulk-len` plus this for a request.
 pub const COMMAND_BYTES_MAX: usize = 64 << 20;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -91,6 +98,16 @@ pub enum Parsed {
 /// is re-scanned header by header next time (bulk contents are skipped by length), so
 /// a 16 MiB value in many reads costs no quadratic work.
 pub fn parse_command<'a>(buf: &'a [u8], args: &mut Vec<&'a [u8]>) -> Result<Parsed, RespError> {
+    parse_command_with(buf, args, PROTO_MAX_BULK_LEN_DEFAULT)
+}
+
+/// [`parse_command`] with a longest argument of `bulk_bytes_max` (`proto-max-bulk-len`).
+pub fn parse_command_with<'a>(
+    buf: &'a [u8],
+    args: &mut Vec<&'a [u8]>,
+    bulk_bytes_max: usize,
+) -> Result<Parsed, RespError> {
+    let command_bytes_max = bulk_bytes_max.saturating_add(COMMAND_BYTES_MAX);
     args.clear();
     match buf.first() {
         None => return Ok(Parsed::Incomplete(1)),
@@ -119,11 +136,11 @@ pub fn parse_command<'a>(buf: &'a [u8], args: &mut Vec<&'a [u8]>) -> Result<Pars
         let Some((len, start)) = header_int(buf, at + 1, "bulk")? else {
             return Ok(Parsed::Incomplete(buf.len() + 1));
         };
-        if len < 0 || len as u64 > ARG_BYTES_MAX as u64 {
+        if len < 0 || len as u64 > bulk_bytes_max as u64 {
             return Err(protocol("invalid bulk length"));
         }
         let end = start + len as usize;
-        if end + 2 > COMMAND_BYTES_MAX {
+        if end + 2 > command_bytes_max {
             return Err(protocol("command too large"));
         }
         let Some(arg_and_crlf) = buf.get(start..end + 2) else {
@@ -188,6 +205,15 @@ pub fn simple(out: &mut BytesMut, s: &str) {
     out.put_slice(b"\r\n");
 }
 
+/// [`error`] for a text holding bytes of the client's (an unknown command's arguments).
+pub fn error_bytes(out: &mut BytesMut, msg: &[u8]) {
+    out.put_u8(b'-');
+    for &b in msg {
+        out.put_u8(if b == b'\r' || b == b'\n' { b' ' } else { b });
+    }
+    out.put_slice(b"\r\n");
+}
+
 /// An error reply. `msg` starts with its code word (ERR, WRONGTYPE, OOM…); CR and LF are
 /// replaced so an echoed argument cannot break the framing.
 pub fn error(out: &mut BytesMut, msg: &str) {
@@ -222,15 +248,40 @@ pub fn array_header(out: &mut BytesMut, n: usize) {
     out.put_slice(b"\r\n");
 }
 
-/// A double as Redis prints it: the shortest text that reads back as the same number.
+/// A double as Redis 7.0 prints it (`%.17g`: 17 significant digits, trailing zeros
+/// dropped, exponent form below 1e-4 and from 1e17), so `1.1` is `1.1000000000000001`.
+/// Client libraries parse it back to the same number either way; byte-for-byte
+/// agreement is what the differential test checks.
 pub fn format_double(x: f64) -> String {
     if x == f64::INFINITY {
-        "inf".into()
-    } else if x == f64::NEG_INFINITY {
-        "-inf".into()
+        return "inf".into();
+    }
+    if x == f64::NEG_INFINITY {
+        return "-inf".into();
+    }
+    if x == 0.0 {
+        return if x.is_sign_negative() { "-0" } else { "0" }.into();
+    }
+    const DIGITS: i32 = 17;
+    // Rust's precision formatting rounds exactly, as glibc's printf does.
+    let sci = format!("{:.*e}", (DIGITS - 1) as usize, x);
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((sci.as_str(), "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if !(-4..DIGITS).contains(&exp) {
+        let mantissa = strip_fraction_zeros(mantissa);
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exp.unsigned_abs())
     } else {
-        // Rust's Display for f64 is already the shortest round-tripping form.
-        format!("{x}")
+        let fixed = format!("{:.*}", (DIGITS - 1 - exp) as usize, x);
+        strip_fraction_zeros(&fixed).to_owned()
+    }
+}
+
+fn strip_fraction_zeros(s: &str) -> &str {
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        s
     }
 }
 
@@ -321,6 +372,21 @@ mod tests {
     }
 
     #[test]
+    fn the_bulk_limit_is_redis_default_and_configurable() {
+        // 100 MB announced: the old fixed 32 MiB cap refused it; Redis's default takes it.
+        let header = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$100000000\r\n";
+        let mut args = Vec::new();
+        assert!(matches!(
+            parse_command(header, &mut args),
+            Ok(Parsed::Incomplete(n)) if n > 100_000_000
+        ));
+        let err = parse_command_with(header, &mut args, PROTO_MAX_BULK_LEN_MIN).unwrap_err();
+        assert_eq!(err.to_string(), "Protocol error: invalid bulk length");
+        let over = format!("*1\r\n${}\r\n", PROTO_MAX_BULK_LEN_DEFAULT + 1);
+        assert!(parse_command(over.as_bytes(), &mut args).is_err());
+    }
+
+    #[test]
     fn integers_print_in_decimal() {
         for n in [0i64, 7, -7, 10, 1_234_567, i64::MAX, i64::MIN] {
             let mut out = BytesMut::new();
@@ -335,6 +401,16 @@ mod tests {
         assert_eq!(format_double(1.5), "1.5");
         assert_eq!(format_double(f64::INFINITY), "inf");
         assert_eq!(format_double(-0.25), "-0.25");
+        // What redis-server 7.0 answers to ZSCORE for these scores.
+        assert_eq!(format_double(1.1), "1.1000000000000001");
+        assert_eq!(format_double(1e20), "1e+20");
+        assert_eq!(format_double(1.5e-7), "1.4999999999999999e-07");
+        assert_eq!(format_double(0.0001), "0.0001");
+        assert_eq!(
+            format_double(123456789012345678.0),
+            "1.2345678901234568e+17"
+        );
+        assert_eq!(format_double(-0.0), "-0");
     }
 
     proptest! {

@@ -1,7 +1,7 @@
 //! One Redis-protocol connection: read what arrived, run every complete command in it,
 //! write all the replies in one go (so pipelined clients get pipelined answers).
 
-use super::codec::{self, parse_command, Parsed};
+use super::codec::{self, parse_command_with, Parsed};
 use super::commands::{execute, Ctx, Session};
 use crate::conn::{peer_went_away, wait_shutdown, OpenConnection};
 use crate::state::ServerState;
@@ -25,13 +25,15 @@ const BUF_KEEP_BYTES: usize = 4 << 20;
 pub(crate) struct RespShared {
     pub state: Arc<ServerState>,
     pub token: Option<Vec<u8>>,
+    /// `proto-max-bulk-len`: the longest argument read.
+    pub proto_max_bulk_len: usize,
 }
 
 enum End {
     PeerClosed,
     Quit,
     Shutdown,
-    Protocol,
+    Protocol(codec::RespError),
     Io(io::Error),
 }
 
@@ -70,7 +72,17 @@ pub(crate) async fn serve(
             Some(Err(e)) => break End::Io(e),
             None => {}
         }
-        match run_buffered(&ctx, &mut session, &mut inbuf, &mut out, &mut stream).await {
+        let bulk_max = shared.proto_max_bulk_len;
+        match run_buffered(
+            &ctx,
+            &mut session,
+            &mut inbuf,
+            &mut out,
+            &mut stream,
+            bulk_max,
+        )
+        .await
+        {
             Ok(Some(end)) => break end,
             Ok(None) => {}
             Err(e) => break End::Io(e),
@@ -88,7 +100,7 @@ pub(crate) async fn serve(
     let _ = stream.shutdown().await;
     match end {
         End::Io(e) if !peer_went_away(&e) => warn!(%peer, error = %e, "RESP connection failed"),
-        End::Protocol => debug!(%peer, "RESP connection closed after a protocol error"),
+        End::Protocol(e) => super::protolog::protocol_error(peer, &e),
         End::Shutdown => debug!(%peer, "RESP connection closed for shutdown"),
         _ => debug!(%peer, "RESP connection closed"),
     }
@@ -101,6 +113,7 @@ async fn run_buffered(
     inbuf: &mut BytesMut,
     out: &mut BytesMut,
     stream: &mut TcpStream,
+    bulk_bytes_max: usize,
 ) -> io::Result<Option<End>> {
     let mut commands = 0u64;
     // Bytes of `inbuf` already run; taken off once at the end, so every command's
@@ -113,7 +126,7 @@ async fn run_buffered(
     // Re-read after every wait for the socket.
     let mut now = Instant::now();
     let result = loop {
-        match parse_command(&inbuf[done..], &mut args) {
+        match parse_command_with(&inbuf[done..], &mut args, bulk_bytes_max) {
             Ok(Parsed::Command(len)) => {
                 done += len;
                 if args.is_empty() {
@@ -136,7 +149,7 @@ async fn run_buffered(
             Err(e) => {
                 // As Redis does: say why, then close, since the stream is out of step.
                 codec::error(out, &format!("ERR {e}"));
-                break Some(End::Protocol);
+                break Some(End::Protocol(e));
             }
         }
     };
@@ -147,7 +160,9 @@ async fn run_buffered(
     if result.is_none() && needed > inbuf.len() {
         inbuf.reserve(needed - inbuf.len());
     }
-    ctx.state.stats().add_resp_commands(commands);
+    ctx.state
+        .stats()
+        .add_resp_commands(commands, &session.take_ops());
     if commands > 0 {
         super::spin::note_activity();
     }

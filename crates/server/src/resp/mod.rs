@@ -4,6 +4,7 @@
 pub mod codec;
 pub mod commands;
 mod conn;
+mod protolog;
 mod spin;
 
 pub(crate) use conn::{refuse, serve, RespShared};
