@@ -6,6 +6,7 @@ pub mod commands;
 mod conn;
 mod spin;
 
+pub use conn::UNAUTHENTICATED_INPUT_BYTES_MAX;
 pub(crate) use conn::{refuse, serve, RespShared};
 pub(crate) use spin::spin_loop;
 pub use spin::{SPIN_IDLE_DEFAULT, SPIN_IDLE_MAX};
