@@ -75,8 +75,8 @@ struct ServerArgs {
     #[arg(long, default_value_t = camelot_server::CONNECTIONS_MAX_DEFAULT as i64, allow_hyphen_values = true)]
     connections_max: i64,
     /// Of those, most that may be open before authenticating (native: before HELLO;
-    /// Redis port with a token: before AUTH). Extra ones are refused at once, so idle
-    /// sockets cannot lock real clients out. Default: 64, or half of --connections-max if
+    /// Redis port with a token: before AUTH). A new one arriving when that many wait
+    /// takes the oldest one's place, so idle sockets cannot lock real clients out. Default: 64, or half of --connections-max if
     /// that is lower.
     #[arg(long, value_name = "N", allow_hyphen_values = true)]
     unauth_connections_max: Option<i64>,

@@ -9,15 +9,17 @@ use camelot_proto::{
     decode_frame, encode_frame, DecodeError, ErrorCode, ErrorReply, Frame, FrameDecoder, HelloOk,
     ResponseBatchEncoder, PROTOCOL_VERSION,
 };
+use std::collections::VecDeque;
 use std::fmt;
 use std::io::{self, Read};
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
@@ -46,39 +48,147 @@ const DRAIN_PASS_BYTES_MAX: usize = 4 << 20;
 /// Configuration every connection needs.
 pub(crate) struct Shared {
     pub state: Arc<ServerState>,
+    /// Connections waiting to authenticate, shared with the Redis port.
+    pub waiting: Arc<Waiting>,
     pub token: Option<Vec<u8>>,
     pub handshake_timeout: Duration,
     pub idle_timeout: Option<Duration>,
+}
+
+/// The connections still waiting to authenticate, oldest first, on both ports. When
+/// their cap is reached a new connection takes the oldest one's place (that one is told
+/// and closed), so sockets that never authenticate can delay a real client by one
+/// handshake at most, instead of locking it out until they time out.
+#[derive(Default)]
+pub(crate) struct Waiting {
+    queue: parking_lot::Mutex<WaitQueue>,
+}
+
+#[derive(Default)]
+struct WaitQueue {
+    slots: VecDeque<Arc<WaitSlot>>,
+    /// Past this length, slots of connections that are done are swept out (kept at
+    /// twice the live length after each sweep, so sweeping is amortised O(1)).
+    sweep_len: usize,
+}
+
+/// One waiting connection's place in [`Waiting`].
+pub(crate) struct WaitSlot {
+    state: AtomicU8,
+    evict: Notify,
+}
+
+const SLOT_WAITING: u8 = 0;
+const SLOT_DONE: u8 = 1;
+const SLOT_EVICTED: u8 = 2;
+const WAIT_SWEEP_LEN_MIN: usize = 64;
+
+impl WaitSlot {
+    /// Leaves the queue as authenticated or closed; `false` if it was evicted first.
+    fn finish(&self) -> bool {
+        self.state
+            .compare_exchange(SLOT_WAITING, SLOT_DONE, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+}
+
+impl Waiting {
+    fn push(&self) -> Arc<WaitSlot> {
+        let slot = Arc::new(WaitSlot {
+            state: AtomicU8::new(SLOT_WAITING),
+            evict: Notify::new(),
+        });
+        let mut q = self.queue.lock();
+        q.slots.push_back(Arc::clone(&slot));
+        if q.slots.len() > q.sweep_len.max(WAIT_SWEEP_LEN_MIN) {
+            q.slots
+                .retain(|s| s.state.load(Ordering::Acquire) == SLOT_WAITING);
+            q.sweep_len = 2 * q.slots.len();
+        }
+        slot
+    }
+
+    /// Tells the oldest waiting connection to close, and takes its place in the count
+    /// of unauthenticated connections; `false` when none is waiting.
+    fn evict_oldest(&self) -> bool {
+        let mut q = self.queue.lock();
+        while let Some(slot) = q.slots.pop_front() {
+            if slot
+                .state
+                .compare_exchange(
+                    SLOT_WAITING,
+                    SLOT_EVICTED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
+            {
+                slot.evict.notify_one();
+                return true;
+            }
+        }
+        false
+    }
 }
 
 /// Counts a connection as open (and, until it authenticates, as unauthenticated) from
 /// accept until its task ends or is aborted.
 pub(crate) struct OpenConnection {
     state: Arc<ServerState>,
-    unauthenticated: bool,
+    /// Its place among the connections waiting to authenticate, until it has.
+    waiting: Option<Arc<WaitSlot>>,
 }
 
 impl OpenConnection {
-    /// Counts a new connection in, or says which cap it would pass.
+    /// Counts a new connection in, or says which cap it would pass. A connection that
+    /// still has to authenticate, arriving when `unauthenticated_max` are waiting, takes
+    /// the oldest one's place.
     pub fn admit(
         state: &Arc<ServerState>,
+        waiting: &Waiting,
         connections_max: usize,
         unauthenticated_max: usize,
         unauthenticated: bool,
     ) -> Result<Self, Refusal> {
-        state
-            .stats()
-            .try_admit(connections_max, unauthenticated_max, unauthenticated)?;
+        let stats = state.stats();
+        match stats.try_admit(connections_max, unauthenticated_max, unauthenticated) {
+            Ok(()) => {}
+            Err(Refusal::TooManyUnauthenticated) => {
+                // The evicted connection's unauthenticated slot is now this one's.
+                if !waiting.evict_oldest() {
+                    return Err(Refusal::TooManyUnauthenticated);
+                }
+                if let Err(refusal) = stats.try_admit(connections_max, usize::MAX, false) {
+                    stats.unauthenticated_left();
+                    return Err(refusal);
+                }
+            }
+            Err(refusal) => return Err(refusal),
+        }
         Ok(OpenConnection {
             state: Arc::clone(state),
-            unauthenticated,
+            waiting: unauthenticated.then(|| waiting.push()),
         })
     }
 
     /// The connection authenticated: it no longer takes an unauthenticated slot.
-    pub fn authenticated(&mut self) {
-        if std::mem::take(&mut self.unauthenticated) {
-            self.state.stats().unauthenticated_left();
+    /// `false` if it had been evicted to make room for a newer one (it must close).
+    pub fn authenticated(&mut self) -> bool {
+        match self.waiting.take() {
+            Some(slot) if slot.finish() => {
+                self.state.stats().unauthenticated_left();
+                true
+            }
+            Some(_) => false,
+            None => true,
+        }
+    }
+
+    /// Resolves when the connection has been evicted while waiting to authenticate.
+    pub async fn evicted(&self) {
+        match &self.waiting {
+            Some(slot) => slot.evict.notified().await,
+            None => std::future::pending().await,
         }
     }
 }
@@ -89,6 +199,10 @@ impl Drop for OpenConnection {
         self.state.stats().connection_closed();
     }
 }
+
+/// What an evicted connection is told.
+pub(crate) const EVICTED_MESSAGE: &str =
+    "closed to make room: too many connections waiting to authenticate";
 
 /// Resolves after `limit`, or never when there is none.
 pub(crate) async fn sleep_or_never(limit: Option<Duration>) {
@@ -138,6 +252,8 @@ enum End {
     PeerClosed,
     PeerClosedMidFrame(usize),
     HandshakeTimeout,
+    /// Made room for a newer connection while waiting to authenticate.
+    Evicted,
     IdleTimeout,
     NotAClient,
     Fatal(ErrorCode),
@@ -155,6 +271,7 @@ impl fmt::Display for End {
             }
             End::HandshakeTimeout => f.write_str("no HELLO in time"),
             End::IdleTimeout => f.write_str("idle timeout"),
+            End::Evicted => f.write_str("made room for a newer unauthenticated connection"),
             End::NotAClient => f.write_str("not a Camelot client"),
             End::Fatal(code) => write!(f, "closed after FATAL {code}"),
             End::ShutdownRequested | End::Shutdown => f.write_str("server shutdown"),
@@ -265,7 +382,7 @@ pub(crate) async fn refuse(
 /// Half-closes, then reads and drops what the peer still sends for a moment. Closing
 /// with unread bytes queued makes the kernel send a RST, which can destroy our last
 /// frame before the peer has read it. `scratch` is reused as the discard buffer.
-async fn linger_close(stream: &mut TcpStream, scratch: &mut BytesMut) {
+pub(crate) async fn linger_close(stream: &mut TcpStream, scratch: &mut BytesMut) {
     if stream.shutdown().await.is_err() {
         return;
     }
@@ -323,14 +440,17 @@ impl Conn {
     pub async fn serve(mut self, mut open: OpenConnection) {
         let peer = self.peer;
         debug!(%peer, "connection opened");
-        let end = match self.handshake().await {
-            Ok(()) => {
-                open.authenticated();
-                match self.serve_frames().await {
-                    End::ShutdownRequested => self.drain().await,
-                    end => end,
-                }
+        let end = match self.handshake(&open).await {
+            Err(End::Evicted) | Ok(()) if !open.authenticated() => {
+                // Its place is the newcomer's now: stop counting it before lingering.
+                drop(open);
+                self.bufs.out.clear();
+                self.fatal(ErrorCode::TooLarge, EVICTED_MESSAGE).await
             }
+            Ok(()) => match self.serve_frames().await {
+                End::ShutdownRequested => self.drain().await,
+                end => end,
+            },
             Err(end) => end,
         };
         match &end {
@@ -339,12 +459,15 @@ impl Conn {
         }
     }
 
-    async fn handshake(&mut self) -> Result<(), End> {
-        let body =
-            match tokio::time::timeout(self.shared.handshake_timeout, self.read_hello()).await {
+    async fn handshake(&mut self, open: &OpenConnection) -> Result<(), End> {
+        let hello = tokio::time::timeout(self.shared.handshake_timeout, self.read_hello());
+        let body = tokio::select! {
+            read = hello => match read {
                 Ok(body) => body?,
                 Err(_) => return Err(End::HandshakeTimeout),
-            };
+            },
+            _ = open.evicted() => return Err(End::Evicted),
+        };
         let hello = match decode_frame(body) {
             Ok(Frame::Hello(h)) => h,
             Ok(_) => {
@@ -611,6 +734,36 @@ mod tests {
         assert!(!tokens_match(b"secret", b""));
         assert!(!tokens_match(b"\0", b""));
         assert!(tokens_match(b"", b""));
+    }
+
+    #[test]
+    fn the_oldest_waiting_connection_is_evicted_and_only_once() {
+        let w = Waiting::default();
+        let a = w.push();
+        let b = w.push();
+        let c = w.push();
+        // b authenticated: it is skipped, and never evicted afterwards.
+        assert!(b.finish());
+        assert!(w.evict_oldest());
+        assert_eq!(a.state.load(Ordering::Acquire), SLOT_EVICTED);
+        // An evicted connection that authenticates after all is told it lost its place.
+        assert!(!a.finish());
+        assert!(w.evict_oldest());
+        assert_eq!(c.state.load(Ordering::Acquire), SLOT_EVICTED);
+        assert!(!w.evict_oldest());
+        assert_eq!(b.state.load(Ordering::Acquire), SLOT_DONE);
+    }
+
+    #[test]
+    fn finished_slots_are_swept_so_the_queue_stays_short() {
+        let w = Waiting::default();
+        let live = w.push();
+        for _ in 0..10_000 {
+            assert!(w.push().finish());
+        }
+        assert!(w.queue.lock().slots.len() <= 2 * WAIT_SWEEP_LEN_MIN + 2);
+        assert!(w.evict_oldest());
+        assert_eq!(live.state.load(Ordering::Acquire), SLOT_EVICTED);
     }
 
     #[test]

@@ -167,6 +167,13 @@ impl Face {
             Face::Resp(s) => &s.state,
         }
     }
+
+    fn waiting(&self) -> &conn::Waiting {
+        match self {
+            Face::Native(s) => &s.waiting,
+            Face::Resp(s) => &s.waiting,
+        }
+    }
 }
 
 /// How often expired objects are swept (lazily expired ones are already invisible; this
@@ -262,11 +269,13 @@ impl ServerHandle {
         );
         let (stop, stop_rx) = watch::channel(false);
         let resp_addr = resp.as_ref().map(|(_, a)| *a);
+        let waiting = Arc::new(conn::Waiting::default());
         let mut resp_accept = Vec::new();
         if let Some((listener, addr)) = resp {
             info!(%addr, threads = config.resp_threads, "Redis-protocol port listening");
             let face = Face::Resp(Arc::new(resp::RespShared {
                 state: Arc::clone(&state),
+                waiting: Arc::clone(&waiting),
                 token: config.token.clone(),
                 handshake_timeout: config.handshake_timeout,
                 idle_timeout: config.idle_timeout,
@@ -292,6 +301,7 @@ impl ServerHandle {
         tokio::spawn(sweep_loop(Arc::clone(&state), stop_rx.clone()));
         let face = Face::Native(Arc::new(Shared {
             state: Arc::clone(&state),
+            waiting,
             token: config.token,
             handshake_timeout: config.handshake_timeout,
             idle_timeout: config.idle_timeout,
@@ -445,6 +455,7 @@ async fn accept_loop(
                     // Counted here, not in the task, so a burst of accepts cannot overshoot.
                     let admitted = OpenConnection::admit(
                         state,
+                        face.waiting(),
                         connections_max,
                         unauthenticated_max,
                         unauthenticated,

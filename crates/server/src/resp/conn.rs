@@ -14,7 +14,8 @@ use super::commands::{execute, Ctx, Session};
 use crate::budget::OverBudget;
 use crate::buffers::ConnBuffers;
 use crate::conn::{
-    peer_went_away, refusal_message, sleep_or_never, wait_shutdown, write_all_idle, OpenConnection,
+    linger_close, peer_went_away, refusal_message, sleep_or_never, wait_shutdown, write_all_idle,
+    OpenConnection, EVICTED_MESSAGE,
 };
 use crate::state::{Refusal, ServerState};
 use bytes::Buf;
@@ -44,6 +45,8 @@ const NOAUTH: &[u8] = b"-NOAUTH Authentication required.\r\n";
 
 pub(crate) struct RespShared {
     pub state: Arc<ServerState>,
+    /// Connections waiting to authenticate, shared with the native port.
+    pub waiting: Arc<crate::conn::Waiting>,
     pub token: Option<Vec<u8>>,
     /// How long a connection may take to AUTH (when there is a token).
     pub handshake_timeout: Duration,
@@ -58,6 +61,8 @@ enum End {
     /// Sent more than [`UNAUTHENTICATED_INPUT_BYTES_MAX`] before authenticating.
     NoAuth,
     AuthTimeout,
+    /// Still unauthenticated when a newer connection needed its place.
+    Evicted,
     IdleTimeout,
     OverBudget(OverBudget),
     Io(io::Error),
@@ -125,6 +130,7 @@ pub(crate) async fn serve(
             _ = tokio::time::sleep_until(auth_deadline), if unauthenticated => {
                 break End::AuthTimeout
             }
+            _ = open.evicted(), if unauthenticated => break End::Evicted,
             _ = sleep_or_never(shared.idle_timeout) => break End::IdleTimeout,
         };
         let stopping = read.is_none();
@@ -140,8 +146,9 @@ pub(crate) async fn serve(
             None => {}
         }
         let run = run_buffered(&ctx, &mut session, &mut bufs, &mut stream, &shared).await;
-        if !needs_auth(&session) {
-            open.authenticated();
+        if !needs_auth(&session) && !open.authenticated() {
+            bufs.out.clear();
+            break End::Evicted;
         }
         match run {
             Ok(Some(end)) => break end,
@@ -153,15 +160,29 @@ pub(crate) async fn serve(
         }
         bufs.shrink_in(BUF_KEEP_BYTES, READ_CHUNK_BYTES);
     };
+    // Counted no longer: a slot is not held while the reply goes out and we linger.
+    drop(open);
     match &end {
         End::NoAuth => bufs.out.extend_from_slice(NOAUTH),
+        End::Evicted => bufs
+            .out
+            .extend_from_slice(format!("-ERR {EVICTED_MESSAGE}\r\n").as_bytes()),
         End::OverBudget(e) => bufs.out.extend_from_slice(&over_budget_reply(e)),
         _ => {}
     }
     if !bufs.out.is_empty() && !matches!(end, End::Io(_)) {
         let _ = write_out(&mut stream, &mut bufs, &shared).await;
     }
-    let _ = stream.shutdown().await;
+    if matches!(
+        end,
+        End::NoAuth | End::OverBudget(_) | End::Protocol | End::Evicted
+    ) {
+        // The client may still be sending: closing with its bytes unread would reset
+        // the connection and could destroy the reply that says why.
+        linger_close(&mut stream, &mut bufs.inbuf).await;
+    } else {
+        let _ = stream.shutdown().await;
+    }
     match end {
         End::Io(e) if !peer_went_away(&e) => warn!(%peer, error = %e, "RESP connection failed"),
         End::Protocol => debug!(%peer, "RESP connection closed after a protocol error"),
@@ -170,6 +191,7 @@ pub(crate) async fn serve(
             warn!(%peer, "RESP connection sent too much before AUTH; closed")
         }
         End::AuthTimeout => debug!(%peer, "RESP connection did not AUTH in time; closed"),
+        End::Evicted => debug!(%peer, "unauthenticated RESP connection made room for a newer one"),
         End::IdleTimeout => debug!(%peer, "RESP connection idle; closed"),
         End::OverBudget(e) => {
             warn!(%peer, error = %e, "RESP connection over the connection buffer budget; closed")
