@@ -60,7 +60,7 @@ struct ServerArgs {
     /// Memory cap for regions and objects (e.g. 512M, 4G). Allocations past it are refused
     /// with OUT_OF_MEMORY (Redis port: -OOM). Connection buffers have a cap of their own,
     /// --connection-memory; the server's memory stays within the two plus a small
-    /// constant (see README, "Limits").
+    /// constant (see README, "Server limits").
     #[arg(long, default_value = "1G", value_parser = parse_bytes, allow_hyphen_values = true)]
     memory: u64,
     /// Memory cap for all connections' input and output buffers together, on both ports.
