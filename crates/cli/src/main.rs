@@ -7,7 +7,7 @@ mod units;
 
 use anyhow::{anyhow, bail, Context, Result};
 use camelot_bench::threads::ThreadsConfig;
-use camelot_client::{Client, ClientConfig, ClusterMap};
+use camelot_client::{Client, ClientConfig, ClientError, ClusterMap};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
 use camelot_server::{ServerConfig, ServerHandle};
 use clap::{Args, Parser, Subcommand};
@@ -61,15 +61,41 @@ struct ServerArgs {
     /// Address to listen on for the native protocol.
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: String,
-    /// Memory cap for regions and objects (e.g. 512M, 4G). Allocations past it are refused.
-    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    /// Memory cap for regions and objects (e.g. 512M, 4G). Allocations past it are refused
+    /// with OUT_OF_MEMORY (Redis port: -OOM). Connection buffers have a cap of their own,
+    /// --connection-memory; the server's memory stays within the two plus a small
+    /// constant (see README, "Server limits").
+    #[arg(long, default_value = "1G", value_parser = parse_bytes, allow_hyphen_values = true)]
     memory: u64,
+    /// Memory cap for all connections' input and output buffers together, on both ports.
+    /// A connection whose buffers would pass it (a huge request, or replies a client does
+    /// not read) gets an error and is closed; `camelot stats` shows it as "buffers".
+    #[arg(long, value_name = "BYTES", default_value = "256M", value_parser = parse_bytes, allow_hyphen_values = true)]
+    connection_memory: u64,
     /// Cluster token clients must present (also read from CAMELOT_TOKEN).
     #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// Most concurrent client connections.
-    #[arg(long, default_value_t = 1024)]
-    connections_max: usize,
+    /// Most concurrent client connections, both ports together.
+    #[arg(long, default_value_t = camelot_server::CONNECTIONS_MAX_DEFAULT as i64, allow_hyphen_values = true)]
+    connections_max: i64,
+    /// Of those, most that may be open before authenticating (native: before HELLO;
+    /// Redis port with a token: before AUTH). A new one arriving when that many wait
+    /// takes the oldest one's place, so idle sockets cannot lock real clients out. Default: 64, or half of --connections-max if
+    /// that is lower.
+    #[arg(long, value_name = "N", allow_hyphen_values = true)]
+    unauth_connections_max: Option<i64>,
+    /// Seconds a new connection has to authenticate before it is closed.
+    #[arg(long, value_name = "SECONDS", default_value_t = camelot_server::HANDSHAKE_TIMEOUT_DEFAULT.as_secs_f64(), allow_hyphen_values = true)]
+    auth_timeout: f64,
+    /// Close a connection on which nothing arrives, or which takes none of our replies,
+    /// for this many seconds. 0 (default): never, like Redis's `timeout 0`.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 0.0,
+        allow_hyphen_values = true
+    )]
+    idle_timeout: f64,
     /// Worker threads serving the native protocol (0: one per core). Benchmarks set it
     /// to match a peer's thread budget.
     #[arg(long, default_value_t = 0)]
@@ -97,10 +123,13 @@ struct ServerArgs {
 
 #[derive(Args)]
 struct StatsArgs {
-    /// Server address (host:port).
+    /// Server address (host:port): its native port, not its Redis port.
     addr: String,
     #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Seconds to wait for the server to connect and answer the handshake.
+    #[arg(long, value_name = "SECONDS", default_value_t = 2.0)]
+    timeout: f64,
 }
 
 #[derive(Args)]
@@ -460,9 +489,39 @@ fn main() {
     let cli = Cli::parse();
     init_logging(&cli.command);
     if let Err(e) = run(cli) {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", error_text(&e));
         std::process::exit(1);
     }
+}
+
+/// An error and its causes on one line, each said once: a library error that names
+/// its cause in its own message is not followed by that cause again. A refused token
+/// says how to give one.
+fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    let refused = e
+        .chain()
+        .find_map(|c| match c.downcast_ref::<ClientError>() {
+            Some(ClientError::Auth { addr, .. }) => Some(*addr),
+            _ => None,
+        });
+    if let Some(addr) = refused {
+        text = format!(
+            "{addr} refused the cluster token (wrong or missing): give the server's token \
+             with --token or in the CAMELOT_TOKEN environment variable"
+        );
+    }
+    text
 }
 
 fn init_logging(cmd: &Command) {
@@ -544,6 +603,13 @@ impl Signals {
 
 fn server(a: ServerArgs) -> Result<()> {
     let listen = resolve(&a.listen)?;
+    let limits = check_server_limits(&a)?;
+    let ServerLimits {
+        connections_max,
+        unauth_connections_max,
+        auth_timeout,
+        idle_timeout,
+    } = limits;
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();
     if a.threads > 0 {
@@ -554,7 +620,11 @@ fn server(a: ServerArgs) -> Result<()> {
         let mut signals = Signals::install()?;
         let mut cfg = ServerConfig::new(listen, a.memory);
         cfg.token = a.token.map(String::into_bytes);
-        cfg.connections_max = a.connections_max;
+        cfg.connections_max = connections_max;
+        cfg.unauthenticated_connections_max = unauth_connections_max;
+        cfg.connection_buffers_bytes_max = a.connection_memory;
+        cfg.handshake_timeout = auth_timeout;
+        cfg.idle_timeout = idle_timeout;
         cfg.resp_listen = a.resp_listen.as_deref().map(resolve).transpose()?;
         cfg.resp_threads = a.resp_threads;
         cfg.resp_poll = std::time::Duration::from_micros(a.resp_poll_us);
@@ -563,9 +633,10 @@ fn server(a: ServerArgs) -> Result<()> {
             .await
             .with_context(|| format!("cannot start a server on {listen}"))?;
         println!(
-            "camelot server listening on {} (memory cap {})",
+            "camelot server listening on {} (memory cap {}, connection buffers {})",
             handle.local_addr(),
-            format_bytes(a.memory)
+            format_bytes(a.memory),
+            format_bytes(a.connection_memory)
         );
         if let Some(resp) = handle.resp_addr() {
             println!("camelot server speaking the Redis protocol on {resp}");
@@ -577,21 +648,110 @@ fn server(a: ServerArgs) -> Result<()> {
     })
 }
 
+struct ServerLimits {
+    connections_max: usize,
+    unauth_connections_max: usize,
+    auth_timeout: std::time::Duration,
+    idle_timeout: Option<std::time::Duration>,
+}
+
+/// Refuses limits that make no sense, and warns about caps this machine cannot back.
+fn check_server_limits(a: &ServerArgs) -> Result<ServerLimits> {
+    if a.memory == 0 {
+        bail!("--memory 0 leaves no room for any region or object: give a size such as 512M or 4G");
+    }
+    if a.connection_memory < camelot_server::CONNECTION_BUFFERS_BYTES_MIN {
+        bail!(
+            "--connection-memory {} is too small: one connection needs {}",
+            format_bytes(a.connection_memory),
+            format_bytes(camelot_server::CONNECTION_BUFFERS_BYTES_MIN)
+        );
+    }
+    if a.connections_max < 1 {
+        bail!(
+            "--connections-max {} would refuse every client: use at least 1",
+            a.connections_max
+        );
+    }
+    let connections_max = usize::try_from(a.connections_max)?;
+    let unauth_connections_max = match a.unauth_connections_max {
+        // Half at most, so unauthenticated sockets never hold every slot.
+        None => camelot_server::UNAUTHENTICATED_CONNECTIONS_MAX_DEFAULT
+            .min((connections_max / 2).max(1)),
+        Some(n) if n < 1 => bail!(
+            "--unauth-connections-max {n} would refuse every client (each connects before it \
+             authenticates): use at least 1"
+        ),
+        Some(n) if n > a.connections_max => bail!(
+            "--unauth-connections-max {n} is more than --connections-max {}: it must be at \
+             most that, and lower to keep room for authenticated clients",
+            a.connections_max
+        ),
+        Some(n) => usize::try_from(n)?,
+    };
+    let seconds = |flag: &str, v: f64| -> Result<std::time::Duration> {
+        if !(v.is_finite() && v >= 0.0) {
+            bail!("{flag} must be a number of seconds, at least 0, not {v}");
+        }
+        std::time::Duration::try_from_secs_f64(v).with_context(|| format!("{flag} {v} is too long"))
+    };
+    let auth_timeout = seconds("--auth-timeout", a.auth_timeout)?;
+    if auth_timeout.is_zero() {
+        bail!("--auth-timeout 0 would close every connection before it could authenticate");
+    }
+    let idle_timeout = Some(seconds("--idle-timeout", a.idle_timeout)?).filter(|d| !d.is_zero());
+    if let Some(ram) = units::physical_memory_bytes() {
+        let total = a.memory.saturating_add(a.connection_memory);
+        if total > ram {
+            eprintln!(
+                "warning: --memory {} plus --connection-memory {} is more than this machine's {} \
+                 of RAM: the server may be killed by the kernel before it refuses an allocation",
+                format_bytes(a.memory),
+                format_bytes(a.connection_memory),
+                format_bytes(ram)
+            );
+        }
+    }
+    Ok(ServerLimits {
+        connections_max,
+        unauth_connections_max,
+        auth_timeout,
+        idle_timeout,
+    })
+}
+
 fn stats(a: StatsArgs) -> Result<()> {
     let addr = resolve(&a.addr)?;
+    if !(a.timeout.is_finite() && a.timeout > 0.0) {
+        bail!("--timeout must be a number of seconds above 0");
+    }
+    let wait =
+        std::time::Duration::try_from_secs_f64(a.timeout).context("--timeout is too long")?;
     let config = ClientConfig {
         token: a.token.map(String::into_bytes),
+        connections_per_node: 1,
+        connect_timeout: wait,
+        request_timeout: wait,
         ..ClientConfig::default()
     };
-    let client = Client::connect(ClusterMap::from_addrs(&[addr]), config)
-        .with_context(|| format!("cannot reach {addr}"))?;
+    // The client's errors name the address already.
+    let client = Client::connect(ClusterMap::from_addrs(&[addr]), config)?;
     let stats = client.stats(0)?;
     let get = |k: &str| stats.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
     println!("server {addr}");
     println!(
-        "  memory      {} used of {}",
+        "  memory      {} used of {} (regions and objects)",
         format_bytes(get("memory_used_bytes")),
         format_bytes(get("memory_cap_bytes"))
+    );
+    println!(
+        "  buffers     {} used of {} (connection input and output)",
+        format_bytes(get("connection_buffers_used_bytes")),
+        format_bytes(get("connection_buffers_cap_bytes"))
+    );
+    println!(
+        "  total cap   {}",
+        format_bytes(get("memory_cap_bytes").saturating_add(get("connection_buffers_cap_bytes")))
     );
     println!("  regions     {}", get("regions"));
     println!(
@@ -609,6 +769,8 @@ fn stats(a: StatsArgs) -> Result<()> {
                 n.as_str(),
                 "memory_used_bytes"
                     | "memory_cap_bytes"
+                    | "connection_buffers_used_bytes"
+                    | "connection_buffers_cap_bytes"
                     | "regions"
                     | "connections_current"
                     | "connections_total"

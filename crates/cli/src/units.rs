@@ -8,6 +8,11 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, suffix) = t.split_at(split);
+    if t.starts_with('-') {
+        return Err(format!(
+            "'{s}' is negative: a size is at least 0 (try 512M, 2G)"
+        ));
+    }
     if num.is_empty() {
         return Err(format!("'{s}' is not a size (try 4096, 64K, 512M, 2G)"));
     }
@@ -31,6 +36,23 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         return Err(format!("size '{s}' is too large"));
     }
     Ok(bytes.round() as u64)
+}
+
+/// This machine's RAM (`MemTotal` in /proc/meminfo), when it can be read.
+pub fn physical_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_mem_total(&text)
+}
+
+fn parse_mem_total(meminfo: &str) -> Option<u64> {
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
 }
 
 /// Formats a byte count the way [`parse_bytes`] reads it back.
@@ -65,6 +87,16 @@ mod tests {
         assert!(parse_bytes("12Q").is_err());
         assert!(parse_bytes("G").is_err());
         assert!(parse_bytes("99999999999T").is_err());
+        let negative = parse_bytes("-5G").unwrap_err();
+        assert!(negative.contains("negative"), "{negative}");
+    }
+
+    #[test]
+    fn mem_total_is_read_from_meminfo() {
+        let text = "MemTotal:       24000000 kB\nMemFree:        1000 kB\n";
+        assert_eq!(parse_mem_total(text), Some(24_000_000 * 1024));
+        assert_eq!(parse_mem_total("MemFree: 1 kB\n"), None);
+        assert_eq!(parse_mem_total("MemTotal: lots kB\n"), None);
     }
 
     proptest! {

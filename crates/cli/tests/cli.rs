@@ -244,6 +244,9 @@ fn stats_reports_memory_regions_connections_and_ops() {
     for needle in [
         "memory",
         "64.0 MiB",
+        "buffers",
+        "256.0 MiB (connection input and output)",
+        "total cap   320.0 MiB",
         "regions",
         "connections",
         "ops served",
@@ -251,10 +254,16 @@ fn stats_reports_memory_regions_connections_and_ops() {
     ] {
         assert!(out.contains(needle), "{needle:?} missing from:\n{out}");
     }
-    // The wrong token is a clear error and a non-zero exit.
+    // The wrong token is a clear error, said once, with the way to give the right one.
     let (status, _, err) = run(&["stats", &a, "--token", "nope"], Duration::from_secs(30));
     assert!(!status.success());
-    assert!(err.contains("token"), "{err}");
+    assert_eq!(
+        err.trim_end(),
+        format!(
+            "error: {a} refused the cluster token (wrong or missing): give the server's \
+             token with --token or in the CAMELOT_TOKEN environment variable"
+        )
+    );
     server.signal("-TERM");
     assert!(server.wait(Duration::from_secs(30)).success());
 }
@@ -707,4 +716,146 @@ fn bench_hw_net_quick_measures_against_a_net_server_process() {
     server.signal("-TERM");
     assert!(server.wait(Duration::from_secs(10)).success());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Lines of `text` containing `needle`, for checking a message is said exactly once.
+fn occurrences(text: &str, needle: &str) -> usize {
+    text.matches(needle).count()
+}
+
+#[test]
+fn nonsense_limits_are_refused_or_warned_about() {
+    let refused = [
+        (&["server", "--memory", "0"][..], "--memory 0"),
+        (&["server", "--memory", "-5G"][..], "'-5G' is negative"),
+        (
+            &["server", "--connections-max", "0"][..],
+            "--connections-max 0",
+        ),
+        (
+            &["server", "--unauth-connections-max", "0"][..],
+            "--unauth-connections-max 0",
+        ),
+        (
+            &[
+                "server",
+                "--connections-max",
+                "8",
+                "--unauth-connections-max",
+                "9",
+            ][..],
+            "more than --connections-max 8",
+        ),
+        (&["server", "--auth-timeout", "0"][..], "--auth-timeout 0"),
+        (&["server", "--idle-timeout", "-1"][..], "--idle-timeout"),
+        (
+            &["server", "--connection-memory", "1K"][..],
+            "--connection-memory 1.0 KiB is too small",
+        ),
+    ];
+    for (args, needle) in refused {
+        let mut args = args.to_vec();
+        args.extend(["--listen", "127.0.0.1:0"]);
+        let (status, out, err) = run(&args, Duration::from_secs(30));
+        assert!(!status.success(), "{args:?} was accepted: {out}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: {needle:?} missing from {err}"
+        );
+        assert!(!out.contains("listening"), "{args:?} started a server");
+    }
+    // More than this machine has: a warning, naming the machine's RAM, and it still runs.
+    let mut p = Proc::spawn(&["server", "--listen", "127.0.0.1:0", "--memory", "100000T"]);
+    p.line_with("listening on", Duration::from_secs(30));
+    p.signal("-TERM");
+    assert!(p.wait(Duration::from_secs(30)).success());
+    let err = p.stderr();
+    assert_eq!(occurrences(&err, "warning: --memory 100000.0 TiB plus --connection-memory 256.0 MiB is more than this machine's"), 1, "{err}");
+}
+
+#[test]
+fn errors_say_each_thing_once() {
+    let (mut first, addr) = start_server(&[]);
+    let port = addr.to_string();
+    let (status, _, err) = run(&["server", "--listen", &port], Duration::from_secs(30));
+    assert!(!status.success());
+    assert_eq!(occurrences(&err, "Address already in use"), 1, "{err}");
+    assert!(
+        err.starts_with(&format!("error: cannot start a server on {port}")),
+        "{err}"
+    );
+    first.signal("-TERM");
+    assert!(first.wait(Duration::from_secs(30)).success());
+}
+
+#[test]
+fn stats_against_something_else_says_it_is_not_a_camelot_server() {
+    // A port that accepts and never answers (as a Redis port does to our HELLO).
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let silent_addr = silent.local_addr().expect("addr").to_string();
+    let holder = std::thread::spawn(move || {
+        let held: Vec<_> = silent.incoming().take(1).collect();
+        std::thread::sleep(Duration::from_secs(5));
+        drop(held);
+    });
+    let started = Instant::now();
+    let (status, _, err) = run(
+        &["stats", &silent_addr, "--timeout", "1"],
+        Duration::from_secs(30),
+    );
+    assert!(!status.success());
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(err.contains("not a Camelot server"), "{err}");
+    assert!(!err.contains("os error 11"), "{err}");
+    assert_eq!(occurrences(&err, &silent_addr), 1, "{err}");
+    holder.join().expect("holder thread");
+
+    // Camelot's own Redis port is not the native one either.
+    let mut p = Proc::spawn(&[
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--memory",
+        "64M",
+        "--resp-listen",
+        "127.0.0.1:0",
+    ]);
+    let line = p.line_with("Redis protocol on", Duration::from_secs(30));
+    let resp = line.split_whitespace().last().expect("address").to_string();
+    let (status, _, err) = run(&["stats", &resp], Duration::from_secs(30));
+    assert!(!status.success());
+    assert!(err.contains("not a Camelot server"), "{err}");
+    p.signal("-TERM");
+    assert!(p.wait(Duration::from_secs(30)).success());
+}
+
+#[test]
+fn readme_says_where_the_binary_is() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"))
+        .expect("README.md");
+    let quick_start = readme
+        .split("## Quick start")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("a Quick start section");
+    assert!(
+        quick_start.contains("cargo install --path crates/cli"),
+        "{quick_start}"
+    );
+    assert!(
+        quick_start.contains("target/release/camelot"),
+        "{quick_start}"
+    );
+    for flag in [
+        "--connection-memory",
+        "--unauth-connections-max",
+        "--auth-timeout",
+        "--idle-timeout",
+    ] {
+        assert!(readme.contains(flag), "README does not explain {flag}");
+    }
 }

@@ -302,6 +302,14 @@ impl Drop for Conn {
     }
 }
 
+/// Why a peer that never answered HELLO is probably not ours.
+pub(crate) fn silent_peer(waited: Duration) -> String {
+    format!(
+        "no answer to the handshake within {waited:?}: not a Camelot server \
+         (is this its native port, not its Redis port?)"
+    )
+}
+
 fn handshake(
     stream: &TcpStream,
     addr: SocketAddr,
@@ -320,16 +328,20 @@ fn handshake(
         .map_err(io)?;
     (&*stream).write_all(&buf).map_err(io)?;
     let mut len = [0u8; 4];
-    (&*stream).read_exact(&mut len).map_err(|e| {
-        if e.kind() == ErrorKind::UnexpectedEof {
-            ClientError::Handshake {
+    (&*stream)
+        .read_exact(&mut len)
+        .map_err(|e| match e.kind() {
+            ErrorKind::UnexpectedEof => ClientError::Handshake {
                 addr,
                 reason: "server closed the connection during the handshake".into(),
-            }
-        } else {
-            io(e)
-        }
-    })?;
+            },
+            // The read timeout: a server of ours answers HELLO at once.
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => ClientError::Handshake {
+                addr,
+                reason: silent_peer(config.connect_timeout),
+            },
+            _ => io(e),
+        })?;
     let n = u32::from_le_bytes(len) as usize;
     if n == 0 || n > HELLO_ANSWER_BYTES_MAX {
         return Err(ClientError::Handshake {

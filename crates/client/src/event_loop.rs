@@ -278,7 +278,7 @@ impl LoopConn {
             .await
             .map_err(|_| ClientError::Handshake {
                 addr,
-                reason: format!("no answer within {:?}", config.connect_timeout),
+                reason: crate::conn::silent_peer(config.connect_timeout),
             })??;
         let (rd, wr) = stream.into_split();
         let conn = Arc::new(LoopConn {

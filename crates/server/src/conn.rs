@@ -1,25 +1,29 @@
 //! One client connection: handshake, then read → execute → answer, in order.
 
+use crate::buffers::ConnBuffers;
 use crate::exec::exec;
-use crate::state::ServerState;
+use crate::state::{Refusal, ServerState};
 use bytes::{Bytes, BytesMut};
 use camelot_proto::limits::TOKEN_BYTES_MAX;
 use camelot_proto::{
     decode_frame, encode_frame, DecodeError, ErrorCode, ErrorReply, Frame, FrameDecoder, HelloOk,
     ResponseBatchEncoder, PROTOCOL_VERSION,
 };
+use std::collections::VecDeque;
 use std::fmt;
 use std::io::{self, Read};
+
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-const READ_CHUNK_BYTES: usize = 64 << 10;
+pub(crate) const READ_CHUNK_BYTES: usize = 64 << 10;
 /// Responses are coalesced across pipelined frames, but past this much we write anyway:
 /// a few small request frames can ask for very large READs.
 const OUT_FLUSH_BYTES: usize = 1 << 20;
@@ -29,6 +33,12 @@ const BUF_KEEP_BYTES: usize = 4 << 20;
 /// The largest HELLO body. Anything claiming more before the handshake is not a client of
 /// ours, and must not make us reserve a 64 MiB frame buffer before it has authenticated.
 const HELLO_BODY_BYTES_MAX: usize = 1 + 4 + 2 + 1 + TOKEN_BYTES_MAX;
+/// The input buffer a connection starts with: a whole HELLO frame, nothing more, until
+/// it has authenticated.
+const HELLO_FRAME_BYTES_MAX: usize = 4 + HELLO_BODY_BYTES_MAX;
+/// The output buffer a connection starts with (HELLO_OK, or a FATAL); it grows, charged,
+/// as answers need.
+const OUT_START_BYTES: usize = 4 << 10;
 /// How long, and how much, we keep reading (and discarding) after a FATAL before closing.
 const LINGER: Duration = Duration::from_millis(500);
 const LINGER_BYTES_MAX: usize = 1 << 20;
@@ -38,23 +48,202 @@ const DRAIN_PASS_BYTES_MAX: usize = 4 << 20;
 /// Configuration every connection needs.
 pub(crate) struct Shared {
     pub state: Arc<ServerState>,
+    /// Connections waiting to authenticate, shared with the Redis port.
+    pub waiting: Arc<Waiting>,
     pub token: Option<Vec<u8>>,
     pub handshake_timeout: Duration,
+    pub idle_timeout: Option<Duration>,
 }
 
-/// Counts a connection as open from accept until its task ends (or is aborted).
-pub(crate) struct OpenConnection(Arc<ServerState>);
+/// The connections still waiting to authenticate, oldest first, on both ports. When
+/// their cap is reached a new connection takes the oldest one's place (that one is told
+/// and closed), so sockets that never authenticate can delay a real client by one
+/// handshake at most, instead of locking it out until they time out.
+#[derive(Default)]
+pub(crate) struct Waiting {
+    queue: parking_lot::Mutex<WaitQueue>,
+}
+
+#[derive(Default)]
+struct WaitQueue {
+    slots: VecDeque<Arc<WaitSlot>>,
+    /// Past this length, slots of connections that are done are swept out (kept at
+    /// twice the live length after each sweep, so sweeping is amortised O(1)).
+    sweep_len: usize,
+}
+
+/// One waiting connection's place in [`Waiting`].
+pub(crate) struct WaitSlot {
+    state: AtomicU8,
+    evict: Notify,
+}
+
+const SLOT_WAITING: u8 = 0;
+const SLOT_DONE: u8 = 1;
+const SLOT_EVICTED: u8 = 2;
+const WAIT_SWEEP_LEN_MIN: usize = 64;
+
+impl WaitSlot {
+    /// Leaves the queue as authenticated or closed; `false` if it was evicted first.
+    fn finish(&self) -> bool {
+        self.state
+            .compare_exchange(SLOT_WAITING, SLOT_DONE, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+}
+
+impl Waiting {
+    fn push(&self) -> Arc<WaitSlot> {
+        let slot = Arc::new(WaitSlot {
+            state: AtomicU8::new(SLOT_WAITING),
+            evict: Notify::new(),
+        });
+        let mut q = self.queue.lock();
+        q.slots.push_back(Arc::clone(&slot));
+        if q.slots.len() > q.sweep_len.max(WAIT_SWEEP_LEN_MIN) {
+            q.slots
+                .retain(|s| s.state.load(Ordering::Acquire) == SLOT_WAITING);
+            q.sweep_len = 2 * q.slots.len();
+        }
+        slot
+    }
+
+    /// Tells the oldest waiting connection to close, and takes its place in the count
+    /// of unauthenticated connections; `false` when none is waiting.
+    fn evict_oldest(&self) -> bool {
+        let mut q = self.queue.lock();
+        while let Some(slot) = q.slots.pop_front() {
+            if slot
+                .state
+                .compare_exchange(
+                    SLOT_WAITING,
+                    SLOT_EVICTED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
+            {
+                slot.evict.notify_one();
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// Counts a connection as open (and, until it authenticates, as unauthenticated) from
+/// accept until its task ends or is aborted.
+pub(crate) struct OpenConnection {
+    state: Arc<ServerState>,
+    /// Its place among the connections waiting to authenticate, until it has.
+    waiting: Option<Arc<WaitSlot>>,
+}
 
 impl OpenConnection {
-    pub fn new(state: Arc<ServerState>) -> Self {
-        state.stats().connection_opened();
-        OpenConnection(state)
+    /// Counts a new connection in, or says which cap it would pass. A connection that
+    /// still has to authenticate, arriving when `unauthenticated_max` are waiting, takes
+    /// the oldest one's place.
+    pub fn admit(
+        state: &Arc<ServerState>,
+        waiting: &Waiting,
+        connections_max: usize,
+        unauthenticated_max: usize,
+        unauthenticated: bool,
+    ) -> Result<Self, Refusal> {
+        let stats = state.stats();
+        match stats.try_admit(connections_max, unauthenticated_max, unauthenticated) {
+            Ok(()) => {}
+            Err(Refusal::TooManyUnauthenticated) => {
+                // The evicted connection's unauthenticated slot is now this one's.
+                if !waiting.evict_oldest() {
+                    return Err(Refusal::TooManyUnauthenticated);
+                }
+                if let Err(refusal) = stats.try_admit(connections_max, usize::MAX, false) {
+                    stats.unauthenticated_left();
+                    return Err(refusal);
+                }
+            }
+            Err(refusal) => return Err(refusal),
+        }
+        Ok(OpenConnection {
+            state: Arc::clone(state),
+            waiting: unauthenticated.then(|| waiting.push()),
+        })
+    }
+
+    /// The connection authenticated: it no longer takes an unauthenticated slot.
+    /// `false` if it had been evicted to make room for a newer one (it must close).
+    pub fn authenticated(&mut self) -> bool {
+        match self.waiting.take() {
+            Some(slot) if slot.finish() => {
+                self.state.stats().unauthenticated_left();
+                true
+            }
+            Some(_) => false,
+            None => true,
+        }
+    }
+
+    /// Resolves when the connection has been evicted while waiting to authenticate.
+    pub async fn evicted(&self) {
+        match &self.waiting {
+            Some(slot) => slot.evict.notified().await,
+            None => std::future::pending().await,
+        }
     }
 }
 
 impl Drop for OpenConnection {
     fn drop(&mut self) {
-        self.0.stats().connection_closed();
+        self.authenticated();
+        self.state.stats().connection_closed();
+    }
+}
+
+/// What an evicted connection is told.
+pub(crate) const EVICTED_MESSAGE: &str =
+    "closed to make room: too many connections waiting to authenticate";
+
+/// Resolves after `limit`, or never when there is none.
+pub(crate) async fn sleep_or_never(limit: Option<Duration>) {
+    match limit {
+        Some(d) => tokio::time::sleep(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Writes all of `buf`, giving up with `TimedOut` when no byte has been taken for
+/// `idle` (a peer that stopped reading is then closed rather than held forever).
+pub(crate) async fn write_all_idle(
+    stream: &mut TcpStream,
+    buf: &[u8],
+    idle: Option<Duration>,
+) -> io::Result<()> {
+    let Some(idle) = idle else {
+        return stream.write_all(buf).await;
+    };
+    let mut at = 0;
+    while at < buf.len() {
+        match tokio::time::timeout(idle, stream.write(&buf[at..])).await {
+            Ok(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(Ok(n)) => at += n,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the peer took nothing for {idle:?}"),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Words for a refused connection, native and Redis port alike.
+pub(crate) fn refusal_message(refusal: Refusal) -> &'static str {
+    match refusal {
+        Refusal::Full => "too many connections",
+        Refusal::TooManyUnauthenticated => "too many connections waiting to authenticate",
     }
 }
 
@@ -63,6 +252,9 @@ enum End {
     PeerClosed,
     PeerClosedMidFrame(usize),
     HandshakeTimeout,
+    /// Made room for a newer connection while waiting to authenticate.
+    Evicted,
+    IdleTimeout,
     NotAClient,
     Fatal(ErrorCode),
     ShutdownRequested,
@@ -78,6 +270,8 @@ impl fmt::Display for End {
                 write!(f, "peer closed with {n} bytes of an unfinished frame")
             }
             End::HandshakeTimeout => f.write_str("no HELLO in time"),
+            End::IdleTimeout => f.write_str("idle timeout"),
+            End::Evicted => f.write_str("made room for a newer unauthenticated connection"),
             End::NotAClient => f.write_str("not a Camelot client"),
             End::Fatal(code) => write!(f, "closed after FATAL {code}"),
             End::ShutdownRequested | End::Shutdown => f.write_str("server shutdown"),
@@ -91,9 +285,7 @@ pub(crate) struct Conn {
     peer: SocketAddr,
     shared: Arc<Shared>,
     shutdown: watch::Receiver<bool>,
-    inbuf: BytesMut,
-    outbuf: BytesMut,
-    big_frame_seen: bool,
+    bufs: ConnBuffers,
 }
 
 /// Resolves once shutdown is requested, or the handle that could request it is gone.
@@ -137,10 +329,10 @@ enum Drained {
 
 /// Reads what the kernel already holds for us without waiting for more. Done on a plain
 /// socket, not through the reactor, whose cached readiness may not yet know about bytes
-/// that have arrived.
+/// that have arrived. Stops (as if the socket were empty) when the buffer may not grow.
 fn read_available(
     stream: &mut std::net::TcpStream,
-    buf: &mut BytesMut,
+    bufs: &mut ConnBuffers,
     state: &ServerState,
 ) -> io::Result<Drained> {
     let mut taken = 0;
@@ -148,6 +340,10 @@ fn read_available(
         if taken >= DRAIN_PASS_BYTES_MAX {
             return Ok(Drained::MoreWaiting);
         }
+        if bufs.reserve_in(READ_CHUNK_BYTES).is_err() {
+            return Ok(Drained::Empty);
+        }
+        let buf = &mut bufs.inbuf;
         let at = buf.len();
         buf.resize(at + READ_CHUNK_BYTES, 0);
         let r = stream.read(&mut buf[at..]);
@@ -166,33 +362,91 @@ fn read_available(
     }
 }
 
+/// Tells a connection that was not admitted why, then closes it.
+pub(crate) async fn refuse(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    state: Arc<ServerState>,
+    code: ErrorCode,
+    message: &str,
+) {
+    warn!(%peer, reason = message, "refusing connection");
+    state.stats().connection_refused();
+    let mut out = BytesMut::new();
+    if encode_frame(&Frame::Fatal(ErrorReply::new(code, message)), &mut out).is_ok() {
+        let _ = tokio::time::timeout(LINGER, stream.write_all(&out)).await;
+    }
+    linger_close(&mut stream, &mut BytesMut::new()).await;
+}
+
+/// Half-closes, then reads and drops what the peer still sends for a moment. Closing
+/// with unread bytes queued makes the kernel send a RST, which can destroy our last
+/// frame before the peer has read it. `scratch` is reused as the discard buffer.
+pub(crate) async fn linger_close(stream: &mut TcpStream, scratch: &mut BytesMut) {
+    if stream.shutdown().await.is_err() {
+        return;
+    }
+    let deadline = Instant::now() + LINGER;
+    let mut discarded_bytes = 0;
+    let mut chunk = [0u8; 4096];
+    while discarded_bytes < LINGER_BYTES_MAX {
+        scratch.clear();
+        match tokio::time::timeout_at(deadline, stream.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => discarded_bytes += n,
+            _ => break,
+        }
+    }
+}
+
 impl Conn {
-    pub fn new(
+    /// A connection's task; `None` when its starting buffers do not fit the
+    /// connection-buffer budget (it has then been told so and closed).
+    pub async fn start(
         stream: TcpStream,
         peer: SocketAddr,
         shared: Arc<Shared>,
         shutdown: watch::Receiver<bool>,
-    ) -> Self {
+    ) -> Option<Self> {
         if let Err(e) = stream.set_nodelay(true) {
             debug!(%peer, error = %e, "cannot set TCP_NODELAY");
         }
-        Conn {
+        let budget = shared.state.connection_buffers();
+        let bufs = match ConnBuffers::new(budget, HELLO_FRAME_BYTES_MAX, OUT_START_BYTES) {
+            Ok(b) => b,
+            Err(e) => {
+                let msg = format!("connection buffer memory exhausted: {e}");
+                refuse(
+                    stream,
+                    peer,
+                    Arc::clone(&shared.state),
+                    ErrorCode::OutOfMemory,
+                    &msg,
+                )
+                .await;
+                return None;
+            }
+        };
+        Some(Conn {
             stream,
             peer,
             shared,
             shutdown,
-            inbuf: BytesMut::with_capacity(READ_CHUNK_BYTES),
-            outbuf: BytesMut::with_capacity(READ_CHUNK_BYTES),
-            big_frame_seen: false,
-        }
+            bufs,
+        })
     }
 
     /// Serves the connection until the peer leaves, breaks the protocol, or the server
-    /// shuts down. `_open` keeps the connection counted until this returns.
-    pub async fn serve(mut self, _open: OpenConnection) {
+    /// shuts down. `open` keeps the connection counted until this returns.
+    pub async fn serve(mut self, mut open: OpenConnection) {
         let peer = self.peer;
         debug!(%peer, "connection opened");
-        let end = match self.handshake().await {
+        let end = match self.handshake(&open).await {
+            Err(End::Evicted) | Ok(()) if !open.authenticated() => {
+                // Its place is the newcomer's now: stop counting it before lingering.
+                drop(open);
+                self.bufs.out.clear();
+                self.fatal(ErrorCode::TooLarge, EVICTED_MESSAGE).await
+            }
             Ok(()) => match self.serve_frames().await {
                 End::ShutdownRequested => self.drain().await,
                 end => end,
@@ -205,20 +459,15 @@ impl Conn {
         }
     }
 
-    /// Tells a connection over `connections_max` why it is being closed.
-    pub async fn refuse(mut self) {
-        warn!(peer = %self.peer, "refusing connection: connections_max reached");
-        self.shared.state.stats().connection_refused();
-        self.fatal(ErrorCode::TooLarge, "too many connections")
-            .await;
-    }
-
-    async fn handshake(&mut self) -> Result<(), End> {
-        let body =
-            match tokio::time::timeout(self.shared.handshake_timeout, self.read_hello()).await {
+    async fn handshake(&mut self, open: &OpenConnection) -> Result<(), End> {
+        let hello = tokio::time::timeout(self.shared.handshake_timeout, self.read_hello());
+        let body = tokio::select! {
+            read = hello => match read {
                 Ok(body) => body?,
                 Err(_) => return Err(End::HandshakeTimeout),
-            };
+            },
+            _ = open.evicted() => return Err(End::Evicted),
+        };
         let hello = match decode_frame(body) {
             Ok(Frame::Hello(h)) => h,
             Ok(_) => {
@@ -251,39 +500,51 @@ impl Conn {
             epoch: self.shared.state.epoch(),
         });
         // Sent with the answers to whatever the client pipelined behind its HELLO.
-        encode_frame(&ok, &mut self.outbuf)
+        encode_frame(&ok, &mut self.bufs.out)
             .map_err(|e| End::Io(io::Error::new(io::ErrorKind::InvalidData, e.to_string())))?;
+        if let Err(e) = self.bufs.settle_out() {
+            return Err(self.over_budget(e).await);
+        }
         Ok(())
     }
 
     async fn read_hello(&mut self) -> Result<Bytes, End> {
         loop {
-            if self.inbuf.len() >= 4 {
-                let b = &self.inbuf;
+            if self.bufs.inbuf.len() >= 4 {
+                let b = &self.bufs.inbuf;
                 let len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
                 if len == 0 || len > HELLO_BODY_BYTES_MAX {
                     warn!(peer = %self.peer, len, "first frame length is no HELLO's; closing");
                     return Err(End::NotAClient);
                 }
-                match FrameDecoder::split_frame(&mut self.inbuf) {
+                match FrameDecoder::split_frame(&mut self.bufs.inbuf) {
                     Ok(Some(body)) => return Ok(body),
                     Ok(None) => {}
                     Err(_) => return Err(End::NotAClient),
                 }
             }
-            self.inbuf.reserve(READ_CHUNK_BYTES);
-            tokio::select! {
+            // Never more than one HELLO frame: what follows it waits in the socket.
+            let room = HELLO_FRAME_BYTES_MAX.saturating_sub(self.bufs.inbuf.len());
+            if room == 0 {
+                return Err(End::NotAClient);
+            }
+            if let Err(e) = self.bufs.reserve_in(room) {
+                return Err(self.over_budget(e).await);
+            }
+            let mut limited = (&mut self.stream).take(room as u64);
+            let r = tokio::select! {
                 biased;
                 _ = wait_shutdown(&mut self.shutdown) => return Err(End::Shutdown),
-                r = self.stream.read_buf(&mut self.inbuf) => self.after_read(r)?,
-            }
+                r = limited.read_buf(&mut self.bufs.inbuf) => r,
+            };
+            self.after_read(r)?;
         }
     }
 
     fn after_read(&mut self, r: io::Result<usize>) -> Result<(), End> {
         match r {
-            Ok(0) if self.inbuf.is_empty() => Err(End::PeerClosed),
-            Ok(0) => Err(End::PeerClosedMidFrame(self.inbuf.len())),
+            Ok(0) if self.bufs.inbuf.is_empty() => Err(End::PeerClosed),
+            Ok(0) => Err(End::PeerClosedMidFrame(self.bufs.inbuf.len())),
             Ok(n) => {
                 self.shared.state.stats().add_bytes_in(n);
                 Ok(())
@@ -302,28 +563,59 @@ impl Conn {
             if let Err(end) = self.flush().await {
                 return end;
             }
-            self.inbuf.reserve(READ_CHUNK_BYTES);
+            if let Err(e) = self.reserve_for_input() {
+                return self.over_budget(e).await;
+            }
             tokio::select! {
                 biased;
                 _ = wait_shutdown(&mut self.shutdown) => return End::ShutdownRequested,
-                r = self.stream.read_buf(&mut self.inbuf) => {
+                r = self.stream.read_buf(&mut self.bufs.inbuf) => {
                     if let Err(end) = self.after_read(r) {
                         return end;
                     }
                 }
+                _ = sleep_or_never(self.shared.idle_timeout) => return End::IdleTimeout,
             }
         }
+    }
+
+    /// Room for the rest of a frame whose length is known, charged before the frame
+    /// decoder would reserve it (then a no-op), so a big frame is never held uncharged.
+    fn reserve_frame_rest(&mut self) -> Result<(), crate::budget::OverBudget> {
+        let b = &self.bufs.inbuf;
+        if b.len() < 4 {
+            return Ok(());
+        }
+        let len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+        // An impossible length is refused by the decoder before anything is reserved.
+        if FrameDecoder::check_len(len).is_err() || b.len() >= 4 + len {
+            return Ok(());
+        }
+        let rest = 4 + len - b.len();
+        self.bufs.reserve_in(rest)
+    }
+
+    /// Room for the next read: the rest of a frame, and at least a quarter chunk.
+    fn reserve_for_input(&mut self) -> Result<(), crate::budget::OverBudget> {
+        self.reserve_frame_rest()?;
+        let b = &self.bufs.inbuf;
+        if b.capacity() - b.len() < READ_CHUNK_BYTES / 4 {
+            self.bufs.reserve_in(READ_CHUNK_BYTES)?;
+        }
+        Ok(())
     }
 
     /// Executes every complete frame in the input buffer, appending the answers.
     async fn answer_buffered(&mut self) -> Result<(), End> {
         loop {
-            let body = match FrameDecoder::split_frame(&mut self.inbuf) {
+            if let Err(e) = self.reserve_frame_rest() {
+                return Err(self.over_budget(e).await);
+            }
+            let body = match FrameDecoder::split_frame(&mut self.bufs.inbuf) {
                 Ok(Some(body)) => body,
                 Ok(None) => break,
                 Err(e) => return Err(self.protocol_error(e).await),
             };
-            self.big_frame_seen |= body.len() >= BUF_KEEP_BYTES;
             let batch = match decode_frame(body) {
                 Ok(Frame::Requests(batch)) => batch,
                 Ok(_) => {
@@ -334,38 +626,47 @@ impl Conn {
                 }
                 Err(e) => return Err(self.protocol_error(e).await),
             };
-            let start = self.outbuf.len();
-            let mut enc = ResponseBatchEncoder::begin(&mut self.outbuf);
+            let start = self.bufs.out.len();
+            let mut enc = ResponseBatchEncoder::begin(&mut self.bufs.out);
             let res = exec(&self.shared.state, &batch, &mut enc).and_then(|()| enc.finish());
             drop(batch);
             if let Err(e) = res {
-                self.outbuf.truncate(start);
+                self.bufs.out.truncate(start);
                 warn!(peer = %self.peer, error = %e, "cannot encode a response frame; closing");
                 return Err(self.fatal(ErrorCode::Internal, e.to_string()).await);
             }
-            if self.outbuf.len() >= OUT_FLUSH_BYTES {
+            if let Err(e) = self.bufs.settle_out() {
+                return Err(self.over_budget(e).await);
+            }
+            if self.bufs.out.len() >= OUT_FLUSH_BYTES {
                 self.flush().await?;
             }
         }
-        if self.big_frame_seen && self.inbuf.is_empty() {
-            // The empty buffer may still own a frame-sized allocation.
-            self.inbuf = BytesMut::with_capacity(READ_CHUNK_BYTES);
-            self.big_frame_seen = false;
-        }
+        // The empty buffer may still own a frame-sized allocation.
+        self.bufs.shrink_in(BUF_KEEP_BYTES, READ_CHUNK_BYTES);
         Ok(())
     }
 
     async fn flush(&mut self) -> Result<(), End> {
-        if self.outbuf.is_empty() {
+        if self.bufs.out.is_empty() {
             return Ok(());
         }
-        self.stream.write_all(&self.outbuf).await.map_err(End::Io)?;
-        self.shared.state.stats().add_bytes_out(self.outbuf.len());
-        self.outbuf.clear();
-        if self.outbuf.capacity() > BUF_KEEP_BYTES {
-            self.outbuf = BytesMut::with_capacity(READ_CHUNK_BYTES);
-        }
+        write_all_idle(&mut self.stream, &self.bufs.out, self.shared.idle_timeout)
+            .await
+            .map_err(End::Io)?;
+        self.shared.state.stats().add_bytes_out(self.bufs.out.len());
+        self.bufs.clear_out(BUF_KEEP_BYTES, READ_CHUNK_BYTES);
         Ok(())
+    }
+
+    /// The connection's buffers would pass the connection-buffer budget: say so and close.
+    async fn over_budget(&mut self, e: crate::budget::OverBudget) -> End {
+        warn!(peer = %self.peer, error = %e, "connection buffer budget exhausted; closing");
+        self.fatal(
+            ErrorCode::OutOfMemory,
+            format!("connection buffer memory exhausted: {e}"),
+        )
+        .await
     }
 
     async fn protocol_error(&mut self, e: DecodeError) -> End {
@@ -376,32 +677,13 @@ impl Conn {
     /// Sends whatever answers are pending, then FATAL, then closes.
     async fn fatal(&mut self, code: ErrorCode, message: impl Into<String>) -> End {
         let frame = Frame::Fatal(ErrorReply::new(code, message));
-        if encode_frame(&frame, &mut self.outbuf).is_ok() {
+        if encode_frame(&frame, &mut self.bufs.out).is_ok() {
             if let Err(end) = self.flush().await {
                 return end;
             }
         }
-        self.linger_close().await;
+        linger_close(&mut self.stream, &mut self.bufs.inbuf).await;
         End::Fatal(code)
-    }
-
-    /// Half-closes, then reads and drops what the peer still sends for a moment. Closing
-    /// with unread bytes queued makes the kernel send a RST, which can destroy our last
-    /// frame before the peer has read it.
-    async fn linger_close(&mut self) {
-        if self.stream.shutdown().await.is_err() {
-            return;
-        }
-        let deadline = Instant::now() + LINGER;
-        let mut discarded_bytes = 0;
-        while discarded_bytes < LINGER_BYTES_MAX {
-            self.inbuf.clear();
-            self.inbuf.reserve(READ_CHUNK_BYTES);
-            match tokio::time::timeout_at(deadline, self.stream.read_buf(&mut self.inbuf)).await {
-                Ok(Ok(n)) if n > 0 => discarded_bytes += n,
-                _ => break,
-            }
-        }
     }
 
     /// Answers every frame the peer had completely sent when shutdown came, then closes.
@@ -411,7 +693,7 @@ impl Conn {
                 Ok(s) => s,
                 Err(e) => return End::Io(e),
             };
-            let drained = read_available(&mut std_stream, &mut self.inbuf, &self.shared.state);
+            let drained = read_available(&mut std_stream, &mut self.bufs, &self.shared.state);
             self.stream = match TcpStream::from_std(std_stream) {
                 Ok(s) => s,
                 Err(e) => return End::Io(e),
@@ -431,8 +713,8 @@ impl Conn {
                 Drained::Empty | Drained::PeerClosed => break,
             }
         }
-        if !self.inbuf.is_empty() {
-            debug!(peer = %self.peer, bytes = self.inbuf.len(), "dropping an unfinished frame at shutdown");
+        if !self.bufs.inbuf.is_empty() {
+            debug!(peer = %self.peer, bytes = self.bufs.inbuf.len(), "dropping an unfinished frame at shutdown");
         }
         let _ = self.stream.shutdown().await;
         End::Shutdown
@@ -452,6 +734,36 @@ mod tests {
         assert!(!tokens_match(b"secret", b""));
         assert!(!tokens_match(b"\0", b""));
         assert!(tokens_match(b"", b""));
+    }
+
+    #[test]
+    fn the_oldest_waiting_connection_is_evicted_and_only_once() {
+        let w = Waiting::default();
+        let a = w.push();
+        let b = w.push();
+        let c = w.push();
+        // b authenticated: it is skipped, and never evicted afterwards.
+        assert!(b.finish());
+        assert!(w.evict_oldest());
+        assert_eq!(a.state.load(Ordering::Acquire), SLOT_EVICTED);
+        // An evicted connection that authenticates after all is told it lost its place.
+        assert!(!a.finish());
+        assert!(w.evict_oldest());
+        assert_eq!(c.state.load(Ordering::Acquire), SLOT_EVICTED);
+        assert!(!w.evict_oldest());
+        assert_eq!(b.state.load(Ordering::Acquire), SLOT_DONE);
+    }
+
+    #[test]
+    fn finished_slots_are_swept_so_the_queue_stays_short() {
+        let w = Waiting::default();
+        let live = w.push();
+        for _ in 0..10_000 {
+            assert!(w.push().finish());
+        }
+        assert!(w.queue.lock().slots.len() <= 2 * WAIT_SWEEP_LEN_MIN + 2);
+        assert!(w.evict_oldest());
+        assert_eq!(live.state.load(Ordering::Acquire), SLOT_EVICTED);
     }
 
     #[test]

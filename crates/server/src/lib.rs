@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod budget;
+mod buffers;
 mod conn;
 pub mod dev;
 pub mod exec;
@@ -20,6 +21,7 @@ pub use state::{ServerState, Stats};
 pub use store::{Region, RegionStore};
 
 use camelot_proto::limits::TOKEN_BYTES_MAX;
+use camelot_proto::ErrorCode;
 use conn::{Conn, OpenConnection, Shared};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -39,14 +41,28 @@ pub struct ServerConfig {
     pub memory_bytes_max: u64,
     /// Cluster token a client must present; `None` serves anyone who can connect.
     pub token: Option<Vec<u8>>,
-    /// Connections beyond this are told FATAL TOO_LARGE and closed.
+    /// Connections beyond this are told FATAL TOO_LARGE (Redis port: `-ERR max number of
+    /// clients reached`) and closed. At least 1.
     pub connections_max: usize,
+    /// Of those, how many may be open without having authenticated yet (native: before
+    /// HELLO; Redis port with a token: before AUTH), so idle sockets that never
+    /// authenticate cannot lock real clients out. At least 1; a value above
+    /// `connections_max` means `connections_max`.
+    pub unauthenticated_connections_max: usize,
+    /// Bytes all connections' input and output buffers may hold together, a budget of
+    /// its own beside `memory_bytes_max` (shown by STATS as `connection_buffers_*`). A
+    /// connection whose buffers would pass it is answered with an error and closed.
+    pub connection_buffers_bytes_max: u64,
     /// Cluster-map epoch; batches routed with another (non-zero) epoch get STALE_EPOCH.
     pub epoch: u64,
     /// How long [`ServerHandle::shutdown`] waits for connections to finish their answers.
     pub shutdown_grace: Duration,
-    /// How long a new connection may take to send its HELLO.
+    /// How long a new connection may take to authenticate: send its HELLO (native), or
+    /// AUTH successfully (Redis port, when there is a token); then it is closed.
     pub handshake_timeout: Duration,
+    /// A connection on which nothing arrives, or which takes none of our answers, for
+    /// this long is closed (`None`: never, like Redis's `timeout 0`).
+    pub idle_timeout: Option<Duration>,
     /// Where to serve the Redis protocol over the same objects (`None`: not at all).
     pub resp_listen: Option<SocketAddr>,
     /// Threads serving the Redis port, each an event loop of its own (a single-threaded
@@ -70,10 +86,13 @@ impl ServerConfig {
             listen,
             memory_bytes_max,
             token: None,
-            connections_max: 1024,
+            connections_max: CONNECTIONS_MAX_DEFAULT,
+            unauthenticated_connections_max: UNAUTHENTICATED_CONNECTIONS_MAX_DEFAULT,
+            connection_buffers_bytes_max: CONNECTION_BUFFERS_BYTES_DEFAULT,
             epoch: 0,
             shutdown_grace: Duration::from_secs(10),
-            handshake_timeout: Duration::from_secs(5),
+            handshake_timeout: HANDSHAKE_TIMEOUT_DEFAULT,
+            idle_timeout: None,
             resp_listen: None,
             resp_threads: RESP_THREADS_DEFAULT,
             resp_poll: resp::SPIN_IDLE_DEFAULT,
@@ -81,6 +100,20 @@ impl ServerConfig {
         }
     }
 }
+
+/// Concurrent connections unless configured otherwise.
+pub const CONNECTIONS_MAX_DEFAULT: usize = 1024;
+/// Connections that have not authenticated yet, unless configured otherwise: enough for
+/// a burst of clients connecting at once, few enough to leave most slots to clients
+/// that have authenticated.
+pub const UNAUTHENTICATED_CONNECTIONS_MAX_DEFAULT: usize = 64;
+/// The connection-buffer budget unless configured otherwise: 1024 connections' starting
+/// buffers (64 KiB in and out once authenticated) plus room for a few 32 MiB values.
+pub const CONNECTION_BUFFERS_BYTES_DEFAULT: u64 = 256 << 20;
+/// The smallest connection-buffer budget: one authenticated connection's starting buffers.
+pub const CONNECTION_BUFFERS_BYTES_MIN: u64 = 2 * conn::READ_CHUNK_BYTES as u64;
+/// How long a connection may take to authenticate unless configured otherwise.
+pub const HANDSHAKE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
 
 /// The Redis port's event-loop threads unless configured otherwise.
 pub const RESP_THREADS_DEFAULT: usize = 1;
@@ -138,6 +171,13 @@ impl Face {
             Face::Resp(s) => &s.state,
         }
     }
+
+    fn waiting(&self) -> &conn::Waiting {
+        match self {
+            Face::Native(s) => &s.waiting,
+            Face::Resp(s) => &s.waiting,
+        }
+    }
 }
 
 /// How often expired objects are swept (lazily expired ones are already invisible; this
@@ -169,6 +209,35 @@ impl ServerHandle {
                 )));
             }
         }
+        if config.connections_max == 0 {
+            return Err(ServerError::Config(
+                "connections_max must be at least 1: no client could connect".into(),
+            ));
+        }
+        if config.unauthenticated_connections_max == 0 {
+            return Err(ServerError::Config(
+                "unauthenticated_connections_max must be at least 1: no client could \
+                 connect to authenticate"
+                    .into(),
+            ));
+        }
+        if config.memory_bytes_max == 0 {
+            return Err(ServerError::Config(
+                "the memory cap must be more than 0 bytes: nothing could be stored".into(),
+            ));
+        }
+        if config.connection_buffers_bytes_max < CONNECTION_BUFFERS_BYTES_MIN {
+            return Err(ServerError::Config(format!(
+                "the connection-buffer budget must be at least {CONNECTION_BUFFERS_BYTES_MIN} \
+                 bytes (one connection's starting buffers), not {}",
+                config.connection_buffers_bytes_max
+            )));
+        }
+        if config.handshake_timeout.is_zero() || config.idle_timeout.is_some_and(|d| d.is_zero()) {
+            return Err(ServerError::Config(
+                "the handshake and idle timeouts must be longer than zero".into(),
+            ));
+        }
         if config.resp_poll > resp::SPIN_IDLE_MAX {
             return Err(ServerError::Config(format!(
                 "the Redis port polls at most {:?} after its last command, not {:?}",
@@ -188,31 +257,41 @@ impl ServerHandle {
             Some(addr) => Some(bind(addr).await?),
             None => None,
         };
-        let state = Arc::new(ServerState::new(
+        let state = Arc::new(ServerState::with_connection_buffers(
             MemoryBudget::new(config.memory_bytes_max),
+            MemoryBudget::new(config.connection_buffers_bytes_max),
             config.epoch,
         ));
+        let limits = AcceptLimits {
+            connections_max: config.connections_max,
+            unauthenticated_max: config
+                .unauthenticated_connections_max
+                .min(config.connections_max),
+            grace: config.shutdown_grace,
+        };
         info!(
             addr = %local_addr,
             memory_cap_bytes = config.memory_bytes_max,
             token = if config.token.is_some() { "yes" } else { "no" },
             connections_max = config.connections_max,
+            unauthenticated_connections_max = limits.unauthenticated_max,
+            connection_buffers_cap_bytes = config.connection_buffers_bytes_max,
             "memory server listening"
         );
         let (stop, stop_rx) = watch::channel(false);
         let resp_addr = resp.as_ref().map(|(_, a)| *a);
+        let waiting = Arc::new(conn::Waiting::default());
         let mut resp_accept = Vec::new();
         if let Some((listener, addr)) = resp {
             info!(%addr, threads = config.resp_threads, "Redis-protocol port listening");
             let face = Face::Resp(Arc::new(resp::RespShared {
                 state: Arc::clone(&state),
+                waiting: Arc::clone(&waiting),
                 token: config.token.clone(),
                 proto_max_bulk_len: config.proto_max_bulk_len,
+                handshake_timeout: config.handshake_timeout,
+                idle_timeout: config.idle_timeout,
             }));
-            let limits = AcceptLimits {
-                connections_max: config.connections_max,
-                grace: config.shutdown_grace,
-            };
             if config.resp_threads == 0 {
                 resp_accept.push(tokio::spawn(accept_loop(
                     listener,
@@ -234,18 +313,12 @@ impl ServerHandle {
         tokio::spawn(sweep_loop(Arc::clone(&state), stop_rx.clone()));
         let face = Face::Native(Arc::new(Shared {
             state: Arc::clone(&state),
+            waiting,
             token: config.token,
             handshake_timeout: config.handshake_timeout,
+            idle_timeout: config.idle_timeout,
         }));
-        let accept = tokio::spawn(accept_loop(
-            listener,
-            face,
-            stop_rx,
-            AcceptLimits {
-                connections_max: config.connections_max,
-                grace: config.shutdown_grace,
-            },
-        ));
+        let accept = tokio::spawn(accept_loop(listener, face, stop_rx, limits));
         Ok(ServerHandle {
             local_addr,
             resp_addr,
@@ -362,6 +435,7 @@ fn spawn_event_loops(
 #[derive(Debug, Clone, Copy)]
 struct AcceptLimits {
     connections_max: usize,
+    unauthenticated_max: usize,
     grace: Duration,
 }
 
@@ -373,6 +447,7 @@ async fn accept_loop(
 ) -> Result<(), ServerError> {
     let AcceptLimits {
         connections_max,
+        unauthenticated_max,
         grace,
     } = limits;
     let mut conns = JoinSet::new();
@@ -384,24 +459,42 @@ async fn accept_loop(
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     let state = face.state();
+                    // Without a token the Redis port has no handshake to wait for.
+                    let unauthenticated = match &face {
+                        Face::Native(_) => true,
+                        Face::Resp(shared) => shared.token.is_some(),
+                    };
                     // Counted here, not in the task, so a burst of accepts cannot overshoot.
-                    let full = state.stats().connections_current() >= connections_max as u64;
-                    match &face {
-                        Face::Native(shared) => {
-                            let conn = Conn::new(stream, peer, Arc::clone(shared), stop.clone());
-                            if full {
-                                conns.spawn(conn.refuse());
-                            } else {
-                                conns.spawn(conn.serve(OpenConnection::new(Arc::clone(state))));
-                            }
+                    let admitted = OpenConnection::admit(
+                        state,
+                        face.waiting(),
+                        connections_max,
+                        unauthenticated_max,
+                        unauthenticated,
+                    );
+                    match (&face, admitted) {
+                        (Face::Native(shared), Ok(open)) => {
+                            let (shared, stop) = (Arc::clone(shared), stop.clone());
+                            conns.spawn(async move {
+                                if let Some(conn) = Conn::start(stream, peer, shared, stop).await {
+                                    conn.serve(open).await;
+                                }
+                            });
                         }
-                        Face::Resp(shared) => {
-                            if full {
-                                conns.spawn(resp::refuse(stream, Arc::clone(state)));
-                            } else {
-                                let open = OpenConnection::new(Arc::clone(state));
-                                conns.spawn(resp::serve(stream, peer, Arc::clone(shared), stop.clone(), open));
-                            }
+                        (Face::Native(_), Err(refusal)) => {
+                            conns.spawn(conn::refuse(
+                                stream,
+                                peer,
+                                Arc::clone(state),
+                                ErrorCode::TooLarge,
+                                conn::refusal_message(refusal),
+                            ));
+                        }
+                        (Face::Resp(shared), Ok(open)) => {
+                            conns.spawn(resp::serve(stream, peer, Arc::clone(shared), stop.clone(), open));
+                        }
+                        (Face::Resp(_), Err(refusal)) => {
+                            conns.spawn(resp::refuse(stream, peer, Arc::clone(state), refusal));
                         }
                     }
                 }

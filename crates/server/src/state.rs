@@ -28,6 +28,9 @@ pub struct Stats {
     connections_current: AtomicU64,
     connections_total: AtomicU64,
     connections_refused: AtomicU64,
+    /// Connections that have not yet authenticated (native: no HELLO yet; Redis port with
+    /// a token: no successful AUTH yet). Kept apart so they cannot crowd out real clients.
+    connections_unauthenticated: AtomicU64,
     batches: AtomicU64,
     bytes_in: AtomicU64,
     bytes_out: AtomicU64,
@@ -36,7 +39,46 @@ pub struct Stats {
     resp_ops: [AtomicU64; RESP_GROUPS.len()],
 }
 
+/// Why [`Stats::try_admit`] turned a connection away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// `connections_max` connections are open.
+    Full,
+    /// `unauthenticated_connections_max` connections have not authenticated yet.
+    TooManyUnauthenticated,
+}
+
 impl Stats {
+    /// Counts a new connection in, unless that would pass `connections_max` or (for one
+    /// that still has to authenticate) `unauthenticated_max`. Both checks and increments
+    /// are atomic, so accept loops on several threads cannot overshoot together.
+    pub fn try_admit(
+        &self,
+        connections_max: usize,
+        unauthenticated_max: usize,
+        unauthenticated: bool,
+    ) -> Result<(), Refusal> {
+        let bounded_inc = |counter: &AtomicU64, max: usize| {
+            counter
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < max as u64).then_some(n + 1)
+                })
+                .is_ok()
+        };
+        if unauthenticated && !bounded_inc(&self.connections_unauthenticated, unauthenticated_max) {
+            return Err(Refusal::TooManyUnauthenticated);
+        }
+        if !bounded_inc(&self.connections_current, connections_max) {
+            if unauthenticated {
+                self.connections_unauthenticated
+                    .fetch_sub(1, Ordering::AcqRel);
+            }
+            return Err(Refusal::Full);
+        }
+        self.connections_total.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
     pub fn connection_opened(&self) {
         self.connections_current.fetch_add(1, Ordering::Relaxed);
         self.connections_total.fetch_add(1, Ordering::Relaxed);
@@ -44,6 +86,16 @@ impl Stats {
 
     pub fn connection_closed(&self) {
         self.connections_current.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// An admitted unauthenticated connection authenticated or closed.
+    pub fn unauthenticated_left(&self) {
+        self.connections_unauthenticated
+            .fetch_sub(1, Ordering::AcqRel);
+    }
+
+    pub fn connections_unauthenticated(&self) -> u64 {
+        self.connections_unauthenticated.load(Ordering::Acquire)
     }
 
     pub fn connection_refused(&self) {
@@ -90,6 +142,10 @@ impl Stats {
 }
 
 pub struct ServerState {
+    /// What connections' input and output buffers may hold together: a budget of its
+    /// own beside the data's, so heavy traffic never makes an ALLOC fail and a full store
+    /// never leaves a connection without room to answer.
+    connection_buffers: Arc<MemoryBudget>,
     store: RegionStore,
     objects: ObjectStore,
     stats: Stats,
@@ -97,8 +153,19 @@ pub struct ServerState {
 }
 
 impl ServerState {
+    /// A state whose connection buffers are not capped (embedding and tests; the server
+    /// uses [`ServerState::with_connection_buffers`]).
     pub fn new(budget: Arc<MemoryBudget>, epoch: u64) -> Self {
+        Self::with_connection_buffers(budget, MemoryBudget::new(u64::MAX), epoch)
+    }
+
+    pub fn with_connection_buffers(
+        budget: Arc<MemoryBudget>,
+        connection_buffers: Arc<MemoryBudget>,
+        epoch: u64,
+    ) -> Self {
         ServerState {
+            connection_buffers,
             objects: ObjectStore::new(Arc::clone(&budget)),
             store: RegionStore::new(budget),
             stats: Stats::default(),
@@ -122,6 +189,11 @@ impl ServerState {
         self.store.budget()
     }
 
+    /// The budget every connection's I/O buffers are charged to.
+    pub fn connection_buffers(&self) -> &Arc<MemoryBudget> {
+        &self.connection_buffers
+    }
+
     /// The cluster-map epoch batches are checked against (0 in a batch skips the check).
     pub fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)
@@ -135,7 +207,7 @@ impl ServerState {
     pub fn stats_snapshot(&self) -> Vec<(String, u64)> {
         let s = &self.stats;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut out = Vec::with_capacity(12 + OP_KINDS + RESP_GROUPS.len());
+        let mut out = Vec::with_capacity(16 + OP_KINDS + RESP_GROUPS.len());
         out.push(("memory_used_bytes".to_owned(), self.budget().used()));
         out.push(("memory_cap_bytes".to_owned(), self.budget().cap()));
         out.push(("regions".to_owned(), self.store.len() as u64));
@@ -148,6 +220,18 @@ impl ServerState {
         out.push((
             "connections_refused".to_owned(),
             load(&s.connections_refused),
+        ));
+        out.push((
+            "connections_unauthenticated".to_owned(),
+            load(&s.connections_unauthenticated),
+        ));
+        out.push((
+            "connection_buffers_used_bytes".to_owned(),
+            self.connection_buffers.used(),
+        ));
+        out.push((
+            "connection_buffers_cap_bytes".to_owned(),
+            self.connection_buffers.cap(),
         ));
         out.push(("batches".to_owned(), load(&s.batches)));
         out.push(("bytes_in".to_owned(), load(&s.bytes_in)));
@@ -196,5 +280,25 @@ mod tests {
         assert_eq!(get("ops_resp_strings"), Some(2));
         assert_eq!(get("ops_resp_zsets"), Some(1));
         assert_eq!(get("resp_commands"), Some(3));
+        assert_eq!(get("connection_buffers_used_bytes"), Some(0));
+    }
+
+    #[test]
+    fn admission_keeps_both_caps() {
+        let s = Stats::default();
+        assert_eq!(s.try_admit(3, 2, true), Ok(()));
+        assert_eq!(s.try_admit(3, 2, true), Ok(()));
+        assert_eq!(
+            s.try_admit(3, 2, true),
+            Err(Refusal::TooManyUnauthenticated)
+        );
+        // The unauthenticated cap leaves room for a client that needs no handshake.
+        assert_eq!(s.try_admit(3, 2, false), Ok(()));
+        assert_eq!(s.try_admit(3, 2, false), Err(Refusal::Full));
+        s.unauthenticated_left();
+        // Room among the unauthenticated, but none in total: nothing is left counted.
+        assert_eq!(s.try_admit(3, 2, true), Err(Refusal::Full));
+        assert_eq!(s.connections_unauthenticated(), 1);
+        assert_eq!(s.connections_current(), 3);
     }
 }

@@ -7,6 +7,7 @@ mod conn;
 mod protolog;
 mod spin;
 
+pub use conn::UNAUTHENTICATED_INPUT_BYTES_MAX;
 pub(crate) use conn::{refuse, serve, RespShared};
 pub(crate) use spin::spin_loop;
 pub use spin::{SPIN_IDLE_DEFAULT, SPIN_IDLE_MAX};

@@ -1,0 +1,238 @@
+//! Many slow readers against a real `camelot server` process: clients that pipeline
+//! requests for 1 MB values (RESP GETs and native READs) and never read the answers.
+//! The server's resident memory must stay within its caps plus a stated constant, and
+//! it must go on serving. Set `CAMELOT_SLOW_READERS_BIN` to run the same check against
+//! another build (that is how it was shown to fail on the code before the
+//! connection-buffer budget: see ARCHITECTURE.md).
+
+use bytes::{Bytes, BytesMut};
+use camelot_proto::{
+    decode_frame, encode_frame, Frame, FrameDecoder, Hello, Op, Reply, Request, RequestBatch,
+    PROTOCOL_VERSION,
+};
+use camelot_testkit::{CamelotServer, CamelotServerOptions};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+/// `--memory` (regions and objects; this test stores 2 MiB of it).
+const MEMORY_BYTES: u64 = 32 * MIB;
+/// `--connection-memory`: every connection's buffers together.
+const CONNECTION_MEMORY_BYTES: u64 = 32 * MIB;
+/// What the server may hold beyond its two caps: code, the async runtime and its
+/// threads, the allocator's slack and one reply per serving thread in flight (see
+/// ARCHITECTURE.md, "What a server's memory is bounded by").
+const RSS_OVERHEAD_BYTES_MAX: u64 = 48 * MIB;
+const VALUE_BYTES: usize = 1_000_000;
+const RESP_CONNECTIONS: usize = 160;
+const NATIVE_CONNECTIONS: usize = 48;
+const REQUESTS_PER_CONNECTION: usize = 16;
+/// Bound on every network wait.
+const WAIT: Duration = Duration::from_secs(20);
+/// RSS is watched until it has not reached a new high for this long (or `WATCH_MAX`).
+const SETTLED_AFTER: Duration = Duration::from_millis(1500);
+const WATCH_MAX: Duration = Duration::from_secs(20);
+
+fn binary() -> PathBuf {
+    std::env::var_os("CAMELOT_SLOW_READERS_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_camelot")))
+}
+
+fn vm_rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("server status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .expect("VmRSS in /proc/PID/status");
+    kib * 1024
+}
+
+fn connect(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect_timeout(&addr, WAIT).expect("connect");
+    s.set_read_timeout(Some(WAIT)).expect("read timeout");
+    s.set_write_timeout(Some(WAIT)).expect("write timeout");
+    s
+}
+
+fn resp(args: &[&[u8]]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        out.extend_from_slice(a);
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+fn frame(f: &Frame) -> BytesMut {
+    let mut buf = BytesMut::new();
+    encode_frame(f, &mut buf).expect("encode");
+    buf
+}
+
+fn hello() -> BytesMut {
+    frame(&Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token: Bytes::new(),
+    }))
+}
+
+fn recv(s: &mut TcpStream, buf: &mut BytesMut) -> Frame {
+    loop {
+        if let Some(body) = FrameDecoder::split_frame(buf).expect("sane frame") {
+            return decode_frame(body).expect("decodable frame");
+        }
+        let mut chunk = [0u8; 65536];
+        let n = s.read(&mut chunk).expect("read");
+        assert!(n > 0, "server closed");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Stores the value both ports will be asked for; returns the native region's id.
+fn load(server: &CamelotServer) -> u64 {
+    let value = vec![b'v'; VALUE_BYTES];
+    let mut r = connect(server.resp_addr().expect("resp port"));
+    r.write_all(&resp(&[b"SET", b"big", &value])).expect("SET");
+    let mut ok = [0u8; 5];
+    r.read_exact(&mut ok).expect("SET reply");
+    assert_eq!(&ok, b"+OK\r\n");
+
+    let mut n = connect(server.addr());
+    let mut buf = BytesMut::new();
+    n.write_all(&hello()).expect("HELLO");
+    assert!(matches!(recv(&mut n, &mut buf), Frame::HelloOk(_)));
+    let alloc = Frame::Requests(RequestBatch {
+        epoch: 0,
+        requests: vec![Request {
+            id: 1,
+            op: Op::Alloc {
+                size: VALUE_BYTES as u64,
+                name: None,
+            },
+        }],
+    });
+    n.write_all(&frame(&alloc)).expect("ALLOC");
+    match recv(&mut n, &mut buf) {
+        Frame::Responses(r) => match &r.responses[0].result {
+            Ok(Reply::Region(info)) => info.id,
+            other => panic!("ALLOC: {other:?}"),
+        },
+        other => panic!("ALLOC: {other:?}"),
+    }
+}
+
+/// Opens the slow readers: each sends its requests and never reads. Writes that the
+/// server no longer takes (it stopped reading, or closed the connection) are fine.
+fn open_slow_readers(server: &CamelotServer, region: u64) -> Vec<TcpStream> {
+    let get = resp(&[b"GET", b"big"]).repeat(REQUESTS_PER_CONNECTION);
+    let mut native_burst = hello();
+    let reads = Frame::Requests(RequestBatch {
+        epoch: 0,
+        requests: (0..REQUESTS_PER_CONNECTION as u64)
+            .map(|id| Request {
+                id,
+                op: Op::Read {
+                    region,
+                    offset: 0,
+                    len: VALUE_BYTES as u32,
+                },
+            })
+            .collect(),
+    });
+    // One READ per frame, so the server has work after each of its writes.
+    for r in 0..REQUESTS_PER_CONNECTION as u64 {
+        let Frame::Requests(b) = &reads else {
+            unreachable!()
+        };
+        native_burst.extend_from_slice(&frame(&Frame::Requests(RequestBatch {
+            epoch: 0,
+            requests: vec![b.requests[r as usize].clone()],
+        })));
+    }
+    let mut conns = Vec::new();
+    for i in 0..RESP_CONNECTIONS + NATIVE_CONNECTIONS {
+        let (addr, burst) = if i < RESP_CONNECTIONS {
+            (server.resp_addr().expect("resp port"), &get[..])
+        } else {
+            (server.addr(), &native_burst[..])
+        };
+        let mut s = connect(addr);
+        s.set_write_timeout(Some(Duration::from_millis(200)))
+            .expect("write timeout");
+        let _ = s.write_all(burst);
+        conns.push(s);
+    }
+    conns
+}
+
+/// The highest RSS seen until it stops rising (bounded by `WATCH_MAX`).
+fn watch_peak_rss(pid: u32) -> u64 {
+    let start = Instant::now();
+    let mut peak = vm_rss_bytes(pid);
+    let mut last_rise = Instant::now();
+    while last_rise.elapsed() < SETTLED_AFTER && start.elapsed() < WATCH_MAX {
+        std::thread::sleep(Duration::from_millis(20));
+        let rss = vm_rss_bytes(pid);
+        if rss > peak {
+            peak = rss;
+            last_rise = Instant::now();
+        }
+    }
+    peak
+}
+
+#[test]
+fn slow_readers_cannot_take_the_server_past_its_memory_caps() {
+    let bin = binary();
+    let custom = std::env::var_os("CAMELOT_SLOW_READERS_BIN").is_some();
+    let mut args = vec![
+        "--memory".to_string(),
+        MEMORY_BYTES.to_string(),
+        "--threads".into(),
+        "2".into(),
+    ];
+    if !custom {
+        args.extend([
+            "--connection-memory".into(),
+            CONNECTION_MEMORY_BYTES.to_string(),
+        ]);
+    }
+    let server = CamelotServer::start(&bin, &CamelotServerOptions { resp: true, args })
+        .expect("start camelot server");
+    let pid = server.process().pid();
+    let region = load(&server);
+    let idle_rss = vm_rss_bytes(pid);
+
+    let conns = open_slow_readers(&server, region);
+    let peak = watch_peak_rss(pid);
+    let bound = MEMORY_BYTES + CONNECTION_MEMORY_BYTES + RSS_OVERHEAD_BYTES_MAX;
+    eprintln!(
+        "slow readers: {} connections, server RSS {} MiB before, peak {} MiB, bound {} MiB",
+        conns.len(),
+        idle_rss / MIB,
+        peak / MIB,
+        bound / MIB
+    );
+    assert!(
+        peak <= bound,
+        "server RSS reached {} MiB with {} slow readers; the bound is {} MiB",
+        peak / MIB,
+        conns.len(),
+        bound / MIB
+    );
+
+    // Still serving: once the slow readers leave, a new client gets the value.
+    drop(conns);
+    let mut r = connect(server.resp_addr().expect("resp port"));
+    r.write_all(&resp(&[b"STRLEN", b"big"])).expect("STRLEN");
+    let want = format!(":{VALUE_BYTES}\r\n");
+    let mut got = vec![0u8; want.len()];
+    r.read_exact(&mut got).expect("STRLEN reply");
+    assert_eq!(String::from_utf8_lossy(&got), want);
+}
