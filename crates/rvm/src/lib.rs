@@ -103,6 +103,8 @@ pub enum BackendConfig {
     },
     Redis {
         addr: SocketAddr,
+        /// With N > 0, a commit returns only once N Redis replicas acknowledged it (WAIT).
+        wait_replicas: u32,
     },
     File {
         dir: PathBuf,
@@ -110,12 +112,22 @@ pub enum BackendConfig {
 }
 
 impl BackendConfig {
-    /// Parses `pool://HOST:PORT[,HOST:PORT]`, `redis://HOST:PORT` or `file:///dir`.
+    /// Parses `pool://[:TOKEN@]HOST:PORT[,HOST:PORT]`,
+    /// `redis://HOST:PORT[?wait_replicas=N]` or `file:///dir`.
     pub fn parse(s: &str) -> Result<BackendConfig> {
+        // Never echo the string whole: it may carry a token.
+        let shown = match s.find('@') {
+            Some(at) => format!(
+                "{}(token hidden)@{}",
+                &s[..s.find("//").map_or(0, |i| i + 2)],
+                &s[at + 1..]
+            ),
+            None => s.to_owned(),
+        };
         let bad = |why: &str| {
             RvmError::InvalidArgument(format!(
-                "backend {s:?}: {why} (expected pool://HOST:PORT[,HOST:PORT], \
-                 redis://HOST:PORT or file:///DIR)"
+                "backend {shown:?}: {why} (expected pool://[:TOKEN@]HOST:PORT[,HOST:PORT], \
+                 redis://HOST:PORT[?wait_replicas=N] or file:///DIR)"
             ))
         };
         let addr = |a: &str| {
@@ -124,17 +136,45 @@ impl BackendConfig {
                 .map_err(|_| bad("bad address"))
         };
         if let Some(rest) = s.strip_prefix("pool://") {
-            let servers = rest.split(',').map(addr).collect::<Result<Vec<_>>>()?;
+            // The token is a URL's password with no user: `:TOKEN@`.
+            let (token, hosts) = match rest.rsplit_once('@') {
+                Some((cred, hosts)) => {
+                    let token = cred
+                        .strip_prefix(':')
+                        .filter(|t| !t.is_empty())
+                        .ok_or_else(|| bad("a token is written :TOKEN@ before the servers"))?;
+                    (Some(token.as_bytes().to_vec()), hosts)
+                }
+                None => (None, rest),
+            };
+            let servers = hosts.split(',').map(addr).collect::<Result<Vec<_>>>()?;
             if servers.is_empty() || servers.len() > MIRRORS_MAX {
                 return Err(bad("one or two servers"));
             }
             Ok(BackendConfig::Pool {
                 servers,
-                token: None,
+                token,
                 log_bytes: POOL_LOG_BYTES_DEFAULT,
             })
         } else if let Some(rest) = s.strip_prefix("redis://") {
-            Ok(BackendConfig::Redis { addr: addr(rest)? })
+            let (host, query) = rest.split_once('?').unwrap_or((rest, ""));
+            let mut wait_replicas = 0;
+            for pair in query.split('&').filter(|p| !p.is_empty()) {
+                match pair.split_once('=') {
+                    Some(("wait_replicas", n)) => {
+                        wait_replicas = n
+                            .parse::<u32>()
+                            .ok()
+                            .filter(|n| *n <= backend::redis::WAIT_REPLICAS_MAX)
+                            .ok_or_else(|| bad("wait_replicas is a small number"))?;
+                    }
+                    _ => return Err(bad("the only option is wait_replicas=N")),
+                }
+            }
+            Ok(BackendConfig::Redis {
+                addr: addr(host)?,
+                wait_replicas,
+            })
         } else if let Some(rest) = s.strip_prefix("file://") {
             if rest.is_empty() {
                 return Err(bad("empty path"));
@@ -367,9 +407,14 @@ fn open_backend(cfg: &Config) -> Result<Box<dyn Backend>> {
                 cfg.recover,
             )?)
         }
-        BackendConfig::Redis { addr } => {
-            Box::new(backend::redis::RedisBackend::open(*addr, &cfg.name)?)
-        }
+        BackendConfig::Redis {
+            addr,
+            wait_replicas,
+        } => Box::new(backend::redis::RedisBackend::open(
+            *addr,
+            &cfg.name,
+            *wait_replicas,
+        )?),
         BackendConfig::File { dir } => Box::new(backend::file::FileBackend::open(dir)?),
     })
 }
@@ -1316,6 +1361,44 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn backend_urls_keep_the_token_and_options() {
+        let p = BackendConfig::parse("pool://:tok@127.0.0.1:1,127.0.0.1:2").expect("parse");
+        assert_eq!(
+            p,
+            BackendConfig::Pool {
+                servers: vec![
+                    "127.0.0.1:1".parse().unwrap(),
+                    "127.0.0.1:2".parse().unwrap()
+                ],
+                token: Some(b"tok".to_vec()),
+                log_bytes: POOL_LOG_BYTES_DEFAULT,
+            }
+        );
+        let p = BackendConfig::parse("pool://127.0.0.1:1").expect("parse");
+        assert!(matches!(p, BackendConfig::Pool { token: None, .. }));
+        assert_eq!(
+            BackendConfig::parse("redis://127.0.0.1:6379?wait_replicas=2").expect("parse"),
+            BackendConfig::Redis {
+                addr: "127.0.0.1:6379".parse().unwrap(),
+                wait_replicas: 2
+            }
+        );
+        for bad in [
+            "pool://@127.0.0.1:1",
+            "pool://user:tok@127.0.0.1:1",
+            "pool://:@127.0.0.1:1",
+            "redis://127.0.0.1:1?wait_replicas=x",
+            "redis://127.0.0.1:1?other=1",
+            "redis://127.0.0.1:1?wait_replicas=99999",
+        ] {
+            assert!(BackendConfig::parse(bad).is_err(), "{bad} parsed");
+        }
+        // A bad tokened URL's error does not show the token.
+        let e = BackendConfig::parse("pool://:sekrit@nowhere").unwrap_err();
+        assert!(!e.to_string().contains("sekrit"), "{e}");
+    }
 
     #[test]
     fn a_home_covered_whole_by_the_log_is_not_read() {

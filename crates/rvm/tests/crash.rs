@@ -183,7 +183,10 @@ fn crash_redis() {
     let r = Redis::start();
     crash_loop(
         &format!("redis://{}", r.addr),
-        BackendConfig::Redis { addr: r.addr },
+        BackendConfig::Redis {
+            addr: r.addr,
+            wait_replicas: 0,
+        },
     );
 }
 

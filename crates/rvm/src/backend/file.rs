@@ -1,6 +1,8 @@
 //! The file backend, for one machine: a log file, two catalog files and one home file per
 //! segment in a directory. Every call fsyncs what it wrote before returning (and the
-//! directory when it created or removed a file), so "durable" means on the disk.
+//! directory when it created or removed a file), so "committed" means fsync'd to the disk.
+//! One writer at a time: an open takes `flock` on `DIR/lock` and holds it until dropped;
+//! a second open (from any process) fails with [`RvmError::Fenced`].
 
 use super::{Backend, HomeWrite};
 use crate::error::{Result, RvmError};
@@ -15,6 +17,8 @@ use std::path::{Path, PathBuf};
 
 pub struct FileBackend {
     dir: PathBuf,
+    /// Held open for the `flock` on it.
+    _lock: File,
     log: File,
     tail_bytes: Mutex<u64>,
     homes: Mutex<HashMap<u64, File>>,
@@ -30,6 +34,21 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RvmError + '_ {
 impl FileBackend {
     pub fn open(dir: &Path) -> Result<FileBackend> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let lock_path = dir.join("lock");
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(io(&lock_path))?;
+        if !crate::mem::try_lock_exclusive(&lock).map_err(io(&lock_path))? {
+            return Err(RvmError::Fenced(format!(
+                "{} is locked by another open instance (flock on {})",
+                dir.display(),
+                lock_path.display()
+            )));
+        }
         let path = dir.join("log");
         let log = OpenOptions::new()
             .read(true)
@@ -40,6 +59,7 @@ impl FileBackend {
             .map_err(io(&path))?;
         let b = FileBackend {
             dir: dir.to_path_buf(),
+            _lock: lock,
             log,
             tail_bytes: Mutex::new(0),
             homes: Mutex::new(HashMap::new()),
