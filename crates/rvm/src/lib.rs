@@ -9,7 +9,7 @@
 //! let mut txn = rvm.begin();
 //! txn.set_range(&seg, 0, 8)?;
 //! txn.write(&seg, 0, &7u64.to_le_bytes())?;
-//! txn.commit()?; // durable when this returns
+//! txn.commit()?; // committed (fsync'd, for the file backend) when this returns
 //! # Ok::<(), RvmError>(())
 //! ```
 //!
@@ -18,6 +18,22 @@
 //! to the backend's redo log as one record, in one round trip where the backend allows.
 //! The log is truncated — its records applied to the segments' home copies — past a size
 //! threshold, in a background thread or inline, so it never grows without bound.
+//!
+//! # What "committed" means
+//!
+//! A returned [`Txn::commit`] means the record is held by the backend, which is not the
+//! same promise everywhere:
+//! - **pool**: in the memory of the server, or of both mirrors. It survives a crash of
+//!   this process and, mirrored, the loss of either server; not a power loss of both.
+//! - **redis**: acknowledged by redis-server, i.e. in its memory. Whether it survives a
+//!   Redis crash or power loss is Redis's own persistence setting (`appendonly yes` with
+//!   `appendfsync always` fsyncs before acknowledging). `wait_replicas=N` also waits
+//!   (WAIT) until N replicas hold it.
+//! - **file**: written and `fdatasync`'d to the local disk.
+//!
+//! One writer at a time: a second open of the same instance either fails (file: `flock`)
+//! or fences the first (pool, redis: a newer epoch), whose next commit then fails with
+//! [`RvmError::Fenced`].
 
 pub mod backend;
 mod error;
@@ -696,8 +712,8 @@ impl Rvm {
         self.inner.backend.describe()
     }
 
-    /// A new segment of `bytes` (rounded up to whole pages, zeroed), durable when this
-    /// returns. Allocation is not part of any transaction.
+    /// A new segment of `bytes` (rounded up to whole pages, zeroed), committed to the
+    /// backend (see the crate docs) when this returns. Allocation is not part of any transaction.
     pub fn alloc(&self, tag: &str, bytes: u64) -> Result<Segment> {
         self.inner.alloc(tag, bytes)
     }
@@ -730,7 +746,8 @@ impl Rvm {
         }
     }
 
-    /// Makes every `commit_lazy` so far durable.
+    /// Commits every `commit_lazy` so far to the backend (see the crate docs for what
+    /// that survives).
     pub fn flush(&self) -> Result<()> {
         let mut log = self.inner.log.lock();
         self.inner.check_failed()?;
@@ -1231,12 +1248,14 @@ impl Txn {
         Ok(())
     }
 
-    /// Returns once the changes are durable on the backend.
+    /// Returns once the backend holds the changes: in the memory of the pool server(s),
+    /// acknowledged by Redis (and its `wait_replicas`), or fsync'd to the file; see the
+    /// crate docs for what each survives.
     pub fn commit(mut self) -> Result<()> {
         self.finish(false)
     }
 
-    /// Returns at once; the changes become durable at the next `flush`, `commit` or
+    /// Returns at once; the changes reach the backend at the next `flush`, `commit` or
     /// truncation (LRVM's no-flush commit).
     pub fn commit_lazy(mut self) -> Result<()> {
         self.finish(true)
