@@ -15,6 +15,10 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+/// How long an open waits for the directory's lock before it fails.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+const LOCK_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+
 pub struct FileBackend {
     dir: PathBuf,
     /// Held open for the `flock` on it.
@@ -42,12 +46,21 @@ impl FileBackend {
             .truncate(false)
             .open(&lock_path)
             .map_err(io(&lock_path))?;
-        if !crate::mem::try_lock_exclusive(&lock).map_err(io(&lock_path))? {
-            return Err(RvmError::Fenced(format!(
-                "{} is locked by another open instance (flock on {})",
-                dir.display(),
-                lock_path.display()
-            )));
+        // A lock released a moment ago can still be held for a moment: a child that a
+        // thread of the last holder's process forked keeps the descriptor (and the lock)
+        // until it execs. So a held lock is retried briefly before it counts as a live
+        // second writer. (Seen in the 1000-kill crash run: 1 open in ~1000 refused.)
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        while !crate::mem::try_lock_exclusive(&lock).map_err(io(&lock_path))? {
+            if std::time::Instant::now() >= deadline {
+                return Err(RvmError::Fenced(format!(
+                    "{} is locked by another open instance (flock on {}, held for {} ms)",
+                    dir.display(),
+                    lock_path.display(),
+                    LOCK_WAIT.as_millis()
+                )));
+            }
+            std::thread::sleep(LOCK_POLL);
         }
         let path = dir.join("log");
         let log = OpenOptions::new()
