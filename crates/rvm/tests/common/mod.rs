@@ -58,6 +58,8 @@ pub enum Fixture {
     Pool(DevCluster),
     Mirrored(DevCluster, DevCluster),
     Redis(Redis),
+    /// The redis backend against Camelot's own Redis-protocol port (`--resp-listen`).
+    Resp(DevCluster),
     File(PathBuf),
 }
 
@@ -67,6 +69,16 @@ impl Fixture {
             "pool" => Fixture::Pool(dev_node()),
             "pool-mirrored" => Fixture::Mirrored(dev_node(), dev_node()),
             "redis" => Fixture::Redis(Redis::start()),
+            "camelot-resp" => Fixture::Resp(
+                DevCluster::start(DevClusterConfig {
+                    nodes: 1,
+                    memory_bytes_per_node: NODE_MEMORY_BYTES,
+                    worker_threads: 1,
+                    resp: true,
+                    ..DevClusterConfig::default()
+                })
+                .expect("dev cluster with a RESP port starts"),
+            ),
             "file" => Fixture::File(scratch("file")),
             other => panic!("unknown backend {other}"),
         }
@@ -83,6 +95,10 @@ impl Fixture {
                 servers: vec![a.addrs()[0], b.addrs()[0]],
                 token: None,
                 log_bytes: POOL_LOG_BYTES,
+            },
+            Fixture::Resp(c) => BackendConfig::Redis {
+                addr: c.resp_addrs()[0],
+                wait_replicas: 0,
             },
             Fixture::Redis(r) => BackendConfig::Redis {
                 addr: r.addr,
