@@ -166,7 +166,10 @@ impl Fresh {
                 token: None,
                 log_bytes: camelot_rvm::limits::POOL_LOG_BYTES_DEFAULT,
             },
-            Fresh::Redis(r) => BackendConfig::Redis { addr: r.addr() },
+            Fresh::Redis(r) => BackendConfig::Redis {
+                addr: r.addr(),
+                wait_replicas: 0,
+            },
             Fresh::File(dir) => BackendConfig::File { dir: dir.clone() },
         }
     }

@@ -2,7 +2,10 @@
  *
  * Segments are mapped at the same virtual address in every process that recovers them,
  * so pointers stored inside recoverable memory stay valid. Declare bytes with
- * rvm_set_range before writing them; rvm_txn_commit returns once they are durable.
+ * rvm_set_range before writing them; rvm_txn_commit returns once the backend holds them:
+ * in the memory of the pool server(s) (surviving this process's crash and, mirrored, the
+ * loss of one server), acknowledged by Redis (its AOF/fsync settings decide power-loss
+ * survival), or fsync'd to the file.
  * Functions returning int give 0 on success and -1 on failure; pointer-returning ones
  * give NULL. rvm_last_error() then describes the failure (per thread).
  */
@@ -24,7 +27,8 @@ typedef struct rvm_txn rvm_txn_t;
 rvm_cfg_t *rvm_cfg_create(const char *backend, const char *name, int recover);
 void rvm_cfg_destroy(rvm_cfg_t *cfg);
 
-/* A new zeroed, page-aligned segment of at least `bytes`, durable on return. */
+/* A new zeroed, page-aligned segment of at least `bytes`, committed to the backend on
+ * return. */
 void *rvm_alloc(rvm_cfg_t *cfg, const char *tag, size_t bytes);
 /* The segment tagged `tag` (e.g. after recovery), or NULL. */
 void *rvm_segment(rvm_cfg_t *cfg, const char *tag);

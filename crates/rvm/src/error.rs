@@ -55,6 +55,21 @@ pub enum RvmError {
     Pool(#[from] camelot_client::ClientError),
     #[error("redis at {addr}: {detail}")]
     Redis { addr: String, detail: String },
+    /// The backend holds an instance created with different geometry than this open
+    /// asks for; reopening with the stored value (or without recovery) works.
+    #[error(
+        "{what}: the instance was created with {stored}, this open asks for {requested} \
+         (reopen with {stored}, or open without recovery to discard it and start over)"
+    )]
+    Geometry {
+        what: &'static str,
+        stored: u64,
+        requested: u64,
+    },
+    /// Another process opened this instance after this one (it took a newer epoch or
+    /// holds the lock): this one may no longer write.
+    #[error("fenced: {0}")]
+    Fenced(String),
     #[error("backend unavailable: {0}")]
     Unavailable(String),
     /// A commit failed after it may have reached the backend: the in-memory state can no

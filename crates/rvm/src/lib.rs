@@ -9,7 +9,7 @@
 //! let mut txn = rvm.begin();
 //! txn.set_range(&seg, 0, 8)?;
 //! txn.write(&seg, 0, &7u64.to_le_bytes())?;
-//! txn.commit()?; // durable when this returns
+//! txn.commit()?; // committed (fsync'd, for the file backend) when this returns
 //! # Ok::<(), RvmError>(())
 //! ```
 //!
@@ -18,6 +18,22 @@
 //! to the backend's redo log as one record, in one round trip where the backend allows.
 //! The log is truncated — its records applied to the segments' home copies — past a size
 //! threshold, in a background thread or inline, so it never grows without bound.
+//!
+//! # What "committed" means
+//!
+//! A returned [`Txn::commit`] means the record is held by the backend, which is not the
+//! same promise everywhere:
+//! - **pool**: in the memory of the server, or of both mirrors. It survives a crash of
+//!   this process and, mirrored, the loss of either server; not a power loss of both.
+//! - **redis**: acknowledged by redis-server, i.e. in its memory. Whether it survives a
+//!   Redis crash or power loss is Redis's own persistence setting (`appendonly yes` with
+//!   `appendfsync always` fsyncs before acknowledging). `wait_replicas=N` also waits
+//!   (WAIT) until N replicas hold it.
+//! - **file**: written and `fdatasync`'d to the local disk.
+//!
+//! One writer at a time: a second open of the same instance either fails (file: `flock`)
+//! or fences the first (pool, redis: a newer epoch), whose next commit then fails with
+//! [`RvmError::Fenced`].
 
 pub mod backend;
 mod error;
@@ -103,6 +119,8 @@ pub enum BackendConfig {
     },
     Redis {
         addr: SocketAddr,
+        /// With N > 0, a commit returns only once N Redis replicas acknowledged it (WAIT).
+        wait_replicas: u32,
     },
     File {
         dir: PathBuf,
@@ -110,12 +128,22 @@ pub enum BackendConfig {
 }
 
 impl BackendConfig {
-    /// Parses `pool://HOST:PORT[,HOST:PORT]`, `redis://HOST:PORT` or `file:///dir`.
+    /// Parses `pool://[:TOKEN@]HOST:PORT[,HOST:PORT]`,
+    /// `redis://HOST:PORT[?wait_replicas=N]` or `file:///dir`.
     pub fn parse(s: &str) -> Result<BackendConfig> {
+        // Never echo the string whole: it may carry a token.
+        let shown = match s.find('@') {
+            Some(at) => format!(
+                "{}(token hidden)@{}",
+                &s[..s.find("//").map_or(0, |i| i + 2)],
+                &s[at + 1..]
+            ),
+            None => s.to_owned(),
+        };
         let bad = |why: &str| {
             RvmError::InvalidArgument(format!(
-                "backend {s:?}: {why} (expected pool://HOST:PORT[,HOST:PORT], \
-                 redis://HOST:PORT or file:///DIR)"
+                "backend {shown:?}: {why} (expected pool://[:TOKEN@]HOST:PORT[,HOST:PORT], \
+                 redis://HOST:PORT[?wait_replicas=N] or file:///DIR)"
             ))
         };
         let addr = |a: &str| {
@@ -124,17 +152,45 @@ impl BackendConfig {
                 .map_err(|_| bad("bad address"))
         };
         if let Some(rest) = s.strip_prefix("pool://") {
-            let servers = rest.split(',').map(addr).collect::<Result<Vec<_>>>()?;
+            // The token is a URL's password with no user: `:TOKEN@`.
+            let (token, hosts) = match rest.rsplit_once('@') {
+                Some((cred, hosts)) => {
+                    let token = cred
+                        .strip_prefix(':')
+                        .filter(|t| !t.is_empty())
+                        .ok_or_else(|| bad("a token is written :TOKEN@ before the servers"))?;
+                    (Some(token.as_bytes().to_vec()), hosts)
+                }
+                None => (None, rest),
+            };
+            let servers = hosts.split(',').map(addr).collect::<Result<Vec<_>>>()?;
             if servers.is_empty() || servers.len() > MIRRORS_MAX {
                 return Err(bad("one or two servers"));
             }
             Ok(BackendConfig::Pool {
                 servers,
-                token: None,
+                token,
                 log_bytes: POOL_LOG_BYTES_DEFAULT,
             })
         } else if let Some(rest) = s.strip_prefix("redis://") {
-            Ok(BackendConfig::Redis { addr: addr(rest)? })
+            let (host, query) = rest.split_once('?').unwrap_or((rest, ""));
+            let mut wait_replicas = 0;
+            for pair in query.split('&').filter(|p| !p.is_empty()) {
+                match pair.split_once('=') {
+                    Some(("wait_replicas", n)) => {
+                        wait_replicas = n
+                            .parse::<u32>()
+                            .ok()
+                            .filter(|n| *n <= backend::redis::WAIT_REPLICAS_MAX)
+                            .ok_or_else(|| bad("wait_replicas is a small number"))?;
+                    }
+                    _ => return Err(bad("the only option is wait_replicas=N")),
+                }
+            }
+            Ok(BackendConfig::Redis {
+                addr: addr(host)?,
+                wait_replicas,
+            })
         } else if let Some(rest) = s.strip_prefix("file://") {
             if rest.is_empty() {
                 return Err(bad("empty path"));
@@ -367,9 +423,14 @@ fn open_backend(cfg: &Config) -> Result<Box<dyn Backend>> {
                 cfg.recover,
             )?)
         }
-        BackendConfig::Redis { addr } => {
-            Box::new(backend::redis::RedisBackend::open(*addr, &cfg.name)?)
-        }
+        BackendConfig::Redis {
+            addr,
+            wait_replicas,
+        } => Box::new(backend::redis::RedisBackend::open(
+            *addr,
+            &cfg.name,
+            *wait_replicas,
+        )?),
         BackendConfig::File { dir } => Box::new(backend::file::FileBackend::open(dir)?),
     })
 }
@@ -651,8 +712,8 @@ impl Rvm {
         self.inner.backend.describe()
     }
 
-    /// A new segment of `bytes` (rounded up to whole pages, zeroed), durable when this
-    /// returns. Allocation is not part of any transaction.
+    /// A new segment of `bytes` (rounded up to whole pages, zeroed), committed to the
+    /// backend (see the crate docs) when this returns. Allocation is not part of any transaction.
     pub fn alloc(&self, tag: &str, bytes: u64) -> Result<Segment> {
         self.inner.alloc(tag, bytes)
     }
@@ -685,7 +746,8 @@ impl Rvm {
         }
     }
 
-    /// Makes every `commit_lazy` so far durable.
+    /// Commits every `commit_lazy` so far to the backend (see the crate docs for what
+    /// that survives).
     pub fn flush(&self) -> Result<()> {
         let mut log = self.inner.log.lock();
         self.inner.check_failed()?;
@@ -1186,12 +1248,14 @@ impl Txn {
         Ok(())
     }
 
-    /// Returns once the changes are durable on the backend.
+    /// Returns once the backend holds the changes: in the memory of the pool server(s),
+    /// acknowledged by Redis (and its `wait_replicas`), or fsync'd to the file; see the
+    /// crate docs for what each survives.
     pub fn commit(mut self) -> Result<()> {
         self.finish(false)
     }
 
-    /// Returns at once; the changes become durable at the next `flush`, `commit` or
+    /// Returns at once; the changes reach the backend at the next `flush`, `commit` or
     /// truncation (LRVM's no-flush commit).
     pub fn commit_lazy(mut self) -> Result<()> {
         self.finish(true)
@@ -1316,6 +1380,44 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn backend_urls_keep_the_token_and_options() {
+        let p = BackendConfig::parse("pool://:tok@127.0.0.1:1,127.0.0.1:2").expect("parse");
+        assert_eq!(
+            p,
+            BackendConfig::Pool {
+                servers: vec![
+                    "127.0.0.1:1".parse().unwrap(),
+                    "127.0.0.1:2".parse().unwrap()
+                ],
+                token: Some(b"tok".to_vec()),
+                log_bytes: POOL_LOG_BYTES_DEFAULT,
+            }
+        );
+        let p = BackendConfig::parse("pool://127.0.0.1:1").expect("parse");
+        assert!(matches!(p, BackendConfig::Pool { token: None, .. }));
+        assert_eq!(
+            BackendConfig::parse("redis://127.0.0.1:6379?wait_replicas=2").expect("parse"),
+            BackendConfig::Redis {
+                addr: "127.0.0.1:6379".parse().unwrap(),
+                wait_replicas: 2
+            }
+        );
+        for bad in [
+            "pool://@127.0.0.1:1",
+            "pool://user:tok@127.0.0.1:1",
+            "pool://:@127.0.0.1:1",
+            "redis://127.0.0.1:1?wait_replicas=x",
+            "redis://127.0.0.1:1?other=1",
+            "redis://127.0.0.1:1?wait_replicas=99999",
+        ] {
+            assert!(BackendConfig::parse(bad).is_err(), "{bad} parsed");
+        }
+        // A bad tokened URL's error does not show the token.
+        let e = BackendConfig::parse("pool://:sekrit@nowhere").unwrap_err();
+        assert!(!e.to_string().contains("sekrit"), "{e}");
+    }
 
     #[test]
     fn a_home_covered_whole_by_the_log_is_not_read() {

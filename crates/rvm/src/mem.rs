@@ -5,6 +5,7 @@
 //! mapping only through `&mut` (segments keep it behind a mutex), so Rust callers never
 //! race on its bytes; C callers of `rvm-c` write through the raw pointer and keep LRVM's
 //! rule of declaring a range before writing it, from one thread per range.
+//! [`try_lock_exclusive`] (the file backend's `flock`) is here for the same reason.
 
 use crate::error::{Result, RvmError};
 use std::ptr::NonNull;
@@ -216,6 +217,26 @@ impl Drop for Mapping {
         unsafe {
             libc::munmap(self.ptr.as_ptr().cast(), self.len);
         }
+    }
+}
+
+/// Takes `flock(LOCK_EX | LOCK_NB)` on `file`: `Ok(false)` when another open file
+/// description holds it. The lock lives as long as the descriptor (closing `file`, or the
+/// process dying, releases it), so a crashed writer never leaves it held. std's
+/// `File::try_lock` is newer than the workspace's minimum Rust.
+pub fn try_lock_exclusive(file: &std::fs::File) -> std::io::Result<bool> {
+    use std::os::unix::io::AsRawFd;
+    // SAFETY: flock only reads its two integer arguments; the descriptor is valid for the
+    // duration of the call because `file` is borrowed.
+    let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
     }
 }
 

@@ -1,31 +1,46 @@
-//! Crash consistency: a writer process doing balanced transfers is SIGKILLed at random
-//! moments; every recovery must find the total unchanged and the sequence number at the
-//! last commit that returned (or the one in flight at the kill, which may have become
-//! durable before the writer could report it).
+//! Crash consistency, by SIGKILL: a writer process doing balanced transfers (and bumping a
+//! sequence number with each) is killed at random moments — and so are the servers under
+//! it: one pool mirror, or redis-server (run with `appendfsync always`). After every
+//! kill, recovery in this process must find the total unchanged and the sequence number
+//! at least at the last commit the writer reported, at most one past it (the commit in
+//! flight at the kill may have landed whole before the writer could report it).
 //!
-//! CI runs a few kills per backend; the full run is
-//! `RVM_CRASH_KILLS=200 cargo test -p camelot-rvm --release --test crash`.
+//! The checker is shown able to fail: `*_catches_early_acks` runs the same loops with a
+//! writer that reports each commit before making it, and expects violations.
+//!
+//! CI runs `KILLS_DEFAULT` kills per loop; the full run, quoted in BENCHMARKS.md, is
+//! `RVM_CRASH_KILLS=1000 cargo test -p camelot-rvm --release --test crash -- --nocapture`.
 
 mod common;
 
 use camelot_rvm::{BackendConfig, Config, Rvm, RvmError};
-use common::{dev_node, scratch, Fixture, Redis};
+use camelot_testkit::RedisServer;
+use common::{dev_node, scratch, Fixture, LineChild};
 use rand::{Rng, SeedableRng};
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 const SEGMENTS: u64 = 4;
 const ACCOUNTS_PER_SEGMENT: u64 = 64;
 const ACCOUNT_STRIDE_BYTES: u64 = 200;
 const INITIAL_BALANCE: u64 = 1000;
-const KILLS_DEFAULT: usize = 6;
-/// Commits the writer reports before it is killed: random in 1..=this.
+const KILLS_DEFAULT: usize = 50;
+/// Kills of the runs with a deliberately broken writer: enough to see a violation.
+const BROKEN_KILLS: usize = 3;
+/// Commits the writer reports before a kill: random in 1..=this.
 const COMMITS_BEFORE_KILL_MAX: u64 = 60;
 /// Small, so truncation (and crashes during it) happen every few dozen commits.
 const TRUNCATE_BYTES: u64 = 16 << 10;
-const WRITER_LINE_TIMEOUT: Duration = Duration::from_secs(20);
+/// After a server kill the writer's next commit must fail and the writer exit; past
+/// this it is killed too, and the run counts a violation.
+const WRITER_EXIT_DEADLINE: Duration = Duration::from_secs(10);
+/// The broken writer never notices a dead server (its commits stay in memory): it is
+/// killed sooner, the violation is what those runs are for.
+const BROKEN_WRITER_EXIT_DEADLINE: Duration = Duration::from_millis(300);
+/// A restarted redis-server answers -LOADING until it has replayed its AOF.
+const REDIS_LOAD_DEADLINE: Duration = Duration::from_secs(30);
+const ACK_EARLY: (&str, &str) = ("RVM_CRASH_WRITER_ACK_EARLY", "1");
 
 fn kills() -> usize {
     std::env::var("RVM_CRASH_KILLS")
@@ -34,167 +49,435 @@ fn kills() -> usize {
         .unwrap_or(KILLS_DEFAULT)
 }
 
-struct Writer {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Writer {
-    fn spawn(backend: &str, name: &str, seed: u64) -> Writer {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_rvm-crash-writer"))
-            .args([backend, name, &common::POOL_LOG_BYTES.to_string()])
-            .args([TRUNCATE_BYTES.to_string(), seed.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("writer starts");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Writer { child, lines }
-    }
-
-    /// The next line, failing the test if the writer is silent too long.
-    fn line(&mut self) -> String {
-        match self.lines.recv_timeout(WRITER_LINE_TIMEOUT) {
-            Ok(l) => l,
-            Err(e) => {
-                let status = self.child.try_wait();
-                panic!(
-                    "writer said nothing within {WRITER_LINE_TIMEOUT:?} ({e}); status {status:?}"
-                )
-            }
-        }
-    }
-
-    /// SIGKILLs the writer and returns the lines it wrote before dying (commits that
-    /// returned while we were not looking).
-    fn kill(mut self) -> Vec<String> {
-        self.child.kill().expect("SIGKILL");
-        self.child.wait().expect("reaped");
-        // The pipe reaches EOF now, which ends the reader thread and the channel.
-        let mut rest = Vec::new();
-        let deadline = Instant::now() + WRITER_LINE_TIMEOUT;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => rest.push(l),
-                Err(mpsc::RecvTimeoutError::Disconnected) => return rest,
-                Err(mpsc::RecvTimeoutError::Timeout) => panic!("writer pipe never closed"),
-            }
-        }
-    }
-}
-
 fn number(line: &str, prefix: &str) -> u64 {
     line.strip_prefix(prefix)
         .and_then(|n| n.trim().parse().ok())
         .unwrap_or_else(|| panic!("expected {prefix:?}N from the writer, got {line:?}"))
 }
 
-/// Recovers in this process and checks the invariant; returns the sequence number.
-fn check(backend: &BackendConfig, name: &str) -> Option<u64> {
+fn spawn_writer(spec: &str, name: &str, seed: u64, envs: &[(&str, &str)]) -> LineChild {
+    let args = [
+        spec.to_owned(),
+        name.to_owned(),
+        common::POOL_LOG_BYTES.to_string(),
+        TRUNCATE_BYTES.to_string(),
+        seed.to_string(),
+    ];
+    LineChild::writer(&args, envs)
+}
+
+/// Waits for the writer's `ready`, then for a random number of reported commits; returns
+/// the last one reported.
+fn run_until_target(w: &mut LineChild, rng: &mut impl Rng) -> u64 {
+    let ready = number(&w.line(), "ready ");
+    let target = rng.gen_range(1..=COMMITS_BEFORE_KILL_MAX);
+    let mut reported = ready;
+    while reported < ready + target {
+        reported = number(&w.line(), "committed ");
+    }
+    reported
+}
+
+/// After a server under it was killed: the writer's commits must start failing, so it
+/// exits; returns the last commit it reported, and whether it did exit in time.
+fn drain_until_exit(mut w: LineChild, mut reported: u64, broken: bool) -> (u64, bool) {
+    let wait = if broken {
+        BROKEN_WRITER_EXIT_DEADLINE
+    } else {
+        WRITER_EXIT_DEADLINE
+    };
+    let deadline = Instant::now() + wait;
+    let mut exited = false;
+    while Instant::now() < deadline {
+        match w.child.try_wait() {
+            Ok(Some(_)) => {
+                exited = true;
+                break;
+            }
+            Ok(None) => {}
+            Err(e) => panic!("waiting for the writer: {e}"),
+        }
+        // Lines arrive on their own thread; take what is there without blocking long.
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for line in w.kill() {
+        reported = number(&line, "committed ");
+    }
+    (reported, exited)
+}
+
+/// Recovers in this process and checks the invariant; `Ok(None)` before the writer's
+/// first run finished initialising, `Err` for a violation.
+fn check(backend: &BackendConfig, name: &str) -> Result<Option<u64>, String> {
     let mut cfg = Config::new(backend.clone(), name).recover(true);
     cfg.background_truncation = false;
-    let rvm = Rvm::open(cfg).expect("recovery succeeds after a kill");
-    let meta = rvm.segment("meta")?;
+    let rvm = Rvm::open(cfg).map_err(|e| format!("recovery failed: {e}"))?;
+    let Some(meta) = rvm.segment("meta") else {
+        return Ok(None);
+    };
     let mut total = 0;
     for s in 0..SEGMENTS {
         let seg = rvm
             .segment(&format!("acct-{s}"))
-            .expect("accounts exist once meta does");
+            .ok_or("accounts missing although meta exists")?;
         for i in 0..ACCOUNTS_PER_SEGMENT {
-            total += seg.read_u64(i * ACCOUNT_STRIDE_BYTES).expect("read");
+            total += seg
+                .read_u64(i * ACCOUNT_STRIDE_BYTES)
+                .map_err(|e| e.to_string())?;
         }
     }
-    assert_eq!(
-        total,
-        SEGMENTS * ACCOUNTS_PER_SEGMENT * INITIAL_BALANCE,
-        "money was made or lost"
-    );
-    Some(meta.read_u64(0).expect("read"))
+    if total != SEGMENTS * ACCOUNTS_PER_SEGMENT * INITIAL_BALANCE {
+        return Err(format!("torn: money was made or lost (total {total})"));
+    }
+    Ok(Some(meta.read_u64(0).map_err(|e| e.to_string())?))
 }
 
-fn crash_loop(spec: &str, backend: BackendConfig) {
+/// What a loop of kills found.
+#[derive(Default)]
+struct Outcome {
+    kills: usize,
+    /// "lost: …" (an acknowledged commit missing), "torn: …", "ahead: …", "failed: …".
+    violations: Vec<String>,
+    recovery_ms: Vec<f64>,
+}
+
+impl Outcome {
+    /// Judges one recovery: `reported` is the last commit the writer reported, `last` the
+    /// sequence number the previous recovery found.
+    fn judge(
+        &mut self,
+        k: usize,
+        checked: Result<Option<u64>, String>,
+        reported: u64,
+        last: &mut u64,
+    ) {
+        self.kills += 1;
+        let seq = match checked {
+            Ok(Some(seq)) => seq,
+            Ok(None) if reported == 0 => return,
+            Ok(None) => {
+                self.violations.push(format!(
+                    "lost: kill {k}: nothing recovered after commit {reported}"
+                ));
+                return;
+            }
+            Err(e) => {
+                self.violations.push(format!("kill {k}: {e}"));
+                return;
+            }
+        };
+        if seq < reported {
+            self.violations.push(format!(
+                "lost: kill {k}: recovered seq {seq}, but commit {reported} was reported"
+            ));
+        } else if seq > reported + 1 {
+            self.violations.push(format!(
+                "ahead: kill {k}: recovered seq {seq}, more than one past {reported}"
+            ));
+        }
+        if seq < *last {
+            self.violations
+                .push(format!("lost: kill {k}: went back from {last} to {seq}"));
+        }
+        *last = seq;
+    }
+
+    fn report(&self, label: &str, started: Instant) {
+        let mut ms = self.recovery_ms.clone();
+        ms.sort_by(f64::total_cmp);
+        let pct = |p: f64| {
+            ms.get(((ms.len() as f64 * p).ceil() as usize).saturating_sub(1))
+                .copied()
+                .unwrap_or(f64::NAN)
+        };
+        eprintln!(
+            "{label}: {} kills, {} violations, {:.1} s; recovery p50 {:.1} ms, p99 {:.1} ms",
+            self.kills,
+            self.violations.len(),
+            started.elapsed().as_secs_f64(),
+            pct(0.50),
+            pct(0.99),
+        );
+        for v in self.violations.iter().take(5) {
+            eprintln!("  {v}");
+        }
+    }
+
+    fn assert_clean(&self) {
+        assert!(
+            self.violations.is_empty(),
+            "violations: {:?}",
+            self.violations
+        );
+    }
+
+    fn assert_lost_some(&self) {
+        assert!(
+            self.violations.iter().any(|v| v.starts_with("lost:")),
+            "the checker missed a writer that acknowledges before committing: {:?}",
+            self.violations
+        );
+    }
+}
+
+/// Kills of the writer alone (mid-commit, mid-truncation, mid-recovery: wherever the
+/// random moment falls).
+fn writer_kill_loop(
+    spec: &str,
+    backend: BackendConfig,
+    kills: usize,
+    envs: &[(&str, &str)],
+) -> Outcome {
     let name = "crash";
-    let kills = kills();
     let mut rng = rand::rngs::SmallRng::seed_from_u64(0x5eed);
-    let mut last_returned = 0u64;
+    let mut out = Outcome::default();
+    let mut last = 0;
     let started = Instant::now();
     for k in 0..kills {
-        let mut w = Writer::spawn(spec, name, rng.gen());
-        let ready = number(&w.line(), "ready ");
-        let target = rng.gen_range(1..=COMMITS_BEFORE_KILL_MAX);
-        let mut reported = ready;
-        while reported < ready + target {
-            reported = number(&w.line(), "committed ");
-        }
+        let mut w = spawn_writer(spec, name, rng.gen(), envs);
+        // Every few kills, during the writer's own recovery instead.
+        let mut reported = if k % 5 == 4 {
+            last
+        } else {
+            run_until_target(&mut w, &mut rng)
+        };
         for line in w.kill() {
-            reported = number(&line, "committed ");
+            if let Some(n) = line.strip_prefix("committed ") {
+                reported = n.trim().parse().unwrap_or(reported);
+            }
         }
-        let seq = check(&backend, name).expect("initialised before the first report");
-        assert!(
-            seq >= reported && seq <= reported + 1,
-            "kill {k}: recovered seq {seq}, but the last reported commit was {reported}"
-        );
-        assert!(
-            seq >= last_returned,
-            "kill {k}: went back from {last_returned} to {seq}"
-        );
-        last_returned = seq;
+        let t = Instant::now();
+        let checked = check(&backend, name);
+        out.recovery_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        out.judge(k, checked, reported, &mut last);
     }
-    eprintln!(
-        "{spec}: {kills} kills in {:.1} s",
-        started.elapsed().as_secs_f64()
-    );
+    out.report(&format!("writer kills, {spec}"), started);
+    out
 }
 
 #[test]
 fn crash_pool() {
     let f = Fixture::start("pool");
-    let BackendConfig::Pool { servers, .. } = f.backend() else {
-        unreachable!()
-    };
-    crash_loop(&format!("pool://{}", servers[0]), f.backend());
+    writer_kill_loop(&f.spec(), f.backend(), kills(), &[]).assert_clean();
 }
 
 #[test]
 fn crash_pool_mirrored() {
     let f = Fixture::start("pool-mirrored");
-    let BackendConfig::Pool { servers, .. } = f.backend() else {
-        unreachable!()
-    };
-    crash_loop(
-        &format!("pool://{},{}", servers[0], servers[1]),
-        f.backend(),
-    );
+    writer_kill_loop(&f.spec(), f.backend(), kills(), &[]).assert_clean();
 }
 
 #[test]
 fn crash_redis() {
-    let r = Redis::start();
-    crash_loop(
-        &format!("redis://{}", r.addr),
-        BackendConfig::Redis { addr: r.addr },
-    );
+    let f = Fixture::start("redis");
+    writer_kill_loop(&f.spec(), f.backend(), kills(), &[]).assert_clean();
 }
 
 #[test]
 fn crash_file() {
-    let dir = scratch("crash-file");
-    crash_loop(
-        &format!("file://{}", dir.display()),
-        BackendConfig::File { dir: dir.clone() },
-    );
+    let f = Fixture::start("file");
+    writer_kill_loop(&f.spec(), f.backend(), kills(), &[]).assert_clean();
+}
+
+#[test]
+fn writer_kill_checker_catches_early_acks() {
+    let f = Fixture::start("pool");
+    writer_kill_loop(&f.spec(), f.backend(), BROKEN_KILLS, &[ACK_EARLY]).assert_lost_some();
+}
+
+/// Not a test of its own: with `RVM_TEST_SERVE=1` this test binary, started again by
+/// [`ServerChild::start`], runs a Camelot memory server until it is killed, so that a
+/// mirror can die by SIGKILL like any server process.
+#[test]
+#[ignore = "not a test: the server process the mirror-kill tests start"]
+fn serve_child_process() {
+    if std::env::var("RVM_TEST_SERVE").as_deref() != Ok("1") {
+        return;
+    }
+    let node = dev_node();
+    println!("serving {}", node.addrs()[0]);
+    let _ = std::io::stdout().flush();
+    loop {
+        std::thread::park();
+    }
+}
+
+/// A Camelot memory server in a process of its own.
+struct ServerChild {
+    child: Option<LineChild>,
+    addr: SocketAddr,
+}
+
+impl ServerChild {
+    fn start() -> ServerChild {
+        let exe = std::env::current_exe().expect("own test binary");
+        let args = [
+            "--exact",
+            "serve_child_process",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ]
+        .map(String::from);
+        let mut child = LineChild::spawn(&exe.to_string_lossy(), &args, &[("RVM_TEST_SERVE", "1")]);
+        loop {
+            let line = child.line();
+            // libtest may print "test serve_child_process ... " first on the same line.
+            if let Some((_, addr)) = line.split_once("serving ") {
+                let addr = addr.trim().parse().expect("server address");
+                return ServerChild {
+                    child: Some(child),
+                    addr,
+                };
+            }
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(c) = self.child.take() {
+            c.kill();
+        }
+    }
+}
+
+impl Drop for ServerChild {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// SIGKILL of one pool mirror (picked at random) while the writer commits: the writer's
+/// next commit must fail, and recovery from the survivor alone must hold every commit
+/// reported before the kill. The dead mirror is replaced by a fresh server, which the
+/// next writer's recovery resyncs.
+fn mirror_kill_loop(kills: usize, envs: &[(&str, &str)]) -> Outcome {
+    let name = "mirror-crash";
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(0x3141);
+    let mut servers = [ServerChild::start(), ServerChild::start()];
+    let mut out = Outcome::default();
+    let mut last = 0;
+    let started = Instant::now();
+    for k in 0..kills {
+        let addrs = vec![servers[0].addr, servers[1].addr];
+        let spec = format!("pool://{},{}", addrs[0], addrs[1]);
+        let mut w = spawn_writer(&spec, name, rng.gen(), envs);
+        let reported = run_until_target(&mut w, &mut rng);
+        let victim = rng.gen_range(0..2);
+        servers[victim].kill();
+        let (reported, exited) = drain_until_exit(w, reported, !envs.is_empty());
+        if !exited {
+            out.violations.push(format!(
+                "kill {k}: the writer kept running after its mirror died"
+            ));
+        }
+        let backend = BackendConfig::Pool {
+            servers: addrs,
+            token: None,
+            log_bytes: common::POOL_LOG_BYTES,
+        };
+        let t = Instant::now();
+        let checked = check(&backend, name);
+        out.recovery_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        out.judge(k, checked, reported, &mut last);
+        servers[victim] = ServerChild::start();
+    }
+    out.report("mirror kills, pool (2 mirrors)", started);
+    out
+}
+
+#[test]
+fn crash_pool_mirror_kill() {
+    mirror_kill_loop(kills(), &[]).assert_clean();
+}
+
+#[test]
+fn mirror_kill_checker_catches_early_acks() {
+    mirror_kill_loop(BROKEN_KILLS, &[ACK_EARLY]).assert_lost_some();
+}
+
+/// Waits until redis-server at `addr` answers PING with PONG (not -LOADING).
+fn wait_redis_loaded(addr: SocketAddr) {
+    let deadline = Instant::now() + REDIS_LOAD_DEADLINE;
+    loop {
+        let pong = TcpStream::connect(addr).and_then(|mut s| {
+            s.set_read_timeout(Some(Duration::from_secs(1)))?;
+            s.write_all(b"PING\r\n")?;
+            let mut buf = [0u8; 64];
+            let n = s.read(&mut buf)?;
+            Ok(buf[..n].starts_with(b"+PONG"))
+        });
+        if matches!(pong, Ok(true)) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "redis at {addr} never finished loading"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// SIGKILL of redis-server (AOF on, fsync on every write) while the writer commits, then
+/// a restart on the same data directory: every commit Redis acknowledged is there.
+fn redis_kill_loop(kills: usize, envs: &[(&str, &str)]) -> Outcome {
+    let name = "redis-crash";
+    let dir = scratch("redis-aof");
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let dir_arg = dir.to_string_lossy().into_owned();
+    let start = || {
+        let r = RedisServer::start_with(&[
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--dir",
+            &dir_arg,
+        ])
+        .expect("redis-server starts");
+        wait_redis_loaded(r.addr());
+        r
+    };
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(0x2718);
+    let mut redis = start();
+    let mut out = Outcome::default();
+    let mut last = 0;
+    let started = Instant::now();
+    for k in 0..kills {
+        let spec = format!("redis://{}", redis.addr());
+        let mut w = spawn_writer(&spec, name, rng.gen(), envs);
+        let reported = run_until_target(&mut w, &mut rng);
+        redis.process_mut().kill().expect("SIGKILL redis-server");
+        let (reported, exited) = drain_until_exit(w, reported, !envs.is_empty());
+        if !exited {
+            out.violations.push(format!(
+                "kill {k}: the writer kept running after Redis died"
+            ));
+        }
+        drop(redis);
+        redis = start();
+        let backend = BackendConfig::Redis {
+            addr: redis.addr(),
+            wait_replicas: 0,
+        };
+        let t = Instant::now();
+        let checked = check(&backend, name);
+        out.recovery_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        out.judge(k, checked, reported, &mut last);
+    }
+    out.report("redis-server kills (appendfsync always)", started);
+    drop(redis);
     let _ = std::fs::remove_dir_all(dir);
+    out
+}
+
+#[test]
+fn crash_redis_server_kill() {
+    redis_kill_loop(kills(), &[]).assert_clean();
+}
+
+#[test]
+fn redis_kill_checker_catches_early_acks() {
+    redis_kill_loop(BROKEN_KILLS, &[ACK_EARLY]).assert_lost_some();
 }
 
 /// Mirrored pool: a server dies between commits; recovery from the survivor loses

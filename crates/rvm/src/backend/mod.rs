@@ -18,8 +18,9 @@ pub struct HomeWrite {
     pub data: Bytes,
 }
 
-/// Storage for one RVM instance. Every method returns only when what it wrote is durable
-/// (held by every replica, fsynced), because the caller builds ordering on that.
+/// Storage for one RVM instance. Every method returns only when the backend holds what it
+/// wrote (in every pool mirror's memory; acknowledged by Redis; fsync'd to the file),
+/// because the caller builds ordering on that.
 pub trait Backend: Send + Sync {
     /// A short description for errors and bench output.
     fn describe(&self) -> String;

@@ -2,6 +2,24 @@
 //! is one pipelined batch of WRITEs (one round trip); with two servers every batch goes to
 //! both at once and returns when both answered, so mirroring costs about one round trip
 //! more of bandwidth, not a second round trip.
+//!
+//! Each replica holds a header region (`rvm/NS/hdr`) written when the instance is
+//! created: the log's geometry, so a reopen never trusts the caller's `log_bytes`, and
+//! the fencing epoch. Every open takes a new epoch (FETCH_ADD on the header word) before
+//! it reads anything, and every batch that changes the instance ends with a CAS of the
+//! header word against the writer's own epoch. A server runs one connection's requests in
+//! order, so a batch whose CAS still sees the writer's epoch ran entirely before any
+//! newer open took over (which then reads it), and a batch whose CAS sees a newer epoch
+//! fails with [`RvmError::Fenced`]: an older writer can no longer have a commit
+//! acknowledged once a newer one has opened.
+//!
+//! A CAS at the end of a batch cannot stop the batch's WRITEs, though, and an older writer
+//! that does not know it was fenced would append at its own log tail — where the newer
+//! owner appends too. So the log region belongs to one epoch: before its first change, a
+//! newer owner copies the unapplied log into a fresh region `rvm/NS/log.EPOCH`, records
+//! that generation in the header and frees the old region. Region ids are never reused, so
+//! the older writer's next WRITEs fail at the server. Truncation's home and catalog
+//! batches (rare, and not per commit) check the epoch with a CAS before they are sent.
 
 use super::{Backend, HomeWrite};
 use crate::error::{Result, RvmError};
@@ -24,10 +42,29 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// A request unanswered this long fails the batch (a 40 MB commit takes milliseconds).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// The header region: one page, of which the first `HEADER_USED_BYTES` are used.
+const HEADER_BYTES: u64 = crate::limits::PAGE_BYTES;
+const HEADER_USED_BYTES: u32 = 40;
+/// "RVMHDR01", little-endian: a header that was written (a new region reads as zeros).
+const HEADER_MAGIC: u64 = u64::from_le_bytes(*b"RVMHDR01");
+const HEADER_MAGIC_OFFSET: u64 = 0;
+/// The log region's size in bytes, fixed when the instance was created.
+const HEADER_LOG_BYTES_OFFSET: u64 = 8;
+/// The fencing epoch (8-byte aligned: FETCH_ADD and CAS need it).
+const HEADER_EPOCH_OFFSET: u64 = 16;
+/// Who took the current epoch (process id and start time), for error messages.
+const HEADER_OWNER_OFFSET: u64 = 24;
+/// The epoch whose log region holds the log (0: `rvm/NS/log`, from before generations).
+const HEADER_LOG_GEN_OFFSET: u64 = 32;
+
 struct Replica {
     addr: SocketAddr,
     client: Client,
-    log: Region,
+    header: Region,
+    /// The epoch this open took on this replica.
+    epoch: u64,
+    /// The log region and the epoch that created it; replaced by [`PoolBackend::own_log`].
+    log: parking_lot::RwLock<(Region, u64)>,
     catalogs: [Region; 2],
     homes: Mutex<HashMap<u64, Region>>,
 }
@@ -75,9 +112,14 @@ impl PoolBackend {
         let mut replicas = Vec::new();
         let mut last_err = None;
         for &addr in servers {
-            match Replica::open(addr, ns, token.clone(), log_capacity_bytes) {
+            match Replica::open(addr, ns, token.clone(), log_capacity_bytes, allow_down) {
                 Ok(r) => replicas.push(Some(r)),
-                Err(e) if allow_down && servers.len() > 1 => {
+                // A geometry mismatch is an answer, not an outage.
+                Err(e)
+                    if allow_down
+                        && servers.len() > 1
+                        && !matches!(e, RvmError::Geometry { .. }) =>
+                {
                     tracing::warn!("rvm: replica {addr} is down: {e}");
                     last_err = Some(e);
                     replicas.push(None);
@@ -186,9 +228,15 @@ impl PoolBackend {
             let pending = replicas
                 .iter()
                 .zip(batches)
-                .map(|(r, batch)| submit_all(r, batch))
+                .map(|(r, batch)| submit_all(r, batch).map(|p| (*r, p)))
                 .collect::<Result<Vec<_>>>()?;
-            return wait_all(pending.into_iter().flatten());
+            let mut first_err = None;
+            for (r, p) in pending {
+                if let Err(e) = wait_all(r, p) {
+                    first_err.get_or_insert(e);
+                }
+            }
+            return first_err.map_or(Ok(()), Err);
         }
         std::thread::scope(|scope| {
             let mut helpers = Vec::new();
@@ -197,14 +245,16 @@ impl PoolBackend {
             for (r, batch) in replicas[1..].iter().zip(batches) {
                 let spawned = std::thread::Builder::new()
                     .name("rvm-mirror".into())
-                    .spawn_scoped(scope, move || submit_all(r, batch).and_then(wait_all));
+                    .spawn_scoped(scope, move || {
+                        submit_all(r, batch).and_then(|p| wait_all(r, p))
+                    });
                 match spawned {
                     Ok(h) => helpers.push(Ok(h)),
                     // No thread to be had: this mirror is fed from here, after the first.
                     Err(_) => helpers.push(Err(*r)),
                 }
             }
-            let mut result = submit_all(replicas[0], first).and_then(wait_all);
+            let mut result = submit_all(replicas[0], first).and_then(|p| wait_all(replicas[0], p));
             for h in helpers {
                 let r = match h {
                     Ok(h) => h.join().unwrap_or_else(|_| {
@@ -214,7 +264,7 @@ impl PoolBackend {
                     }),
                     Err(r) => ops(r)
                         .and_then(|batch| submit_all(r, batch))
-                        .and_then(wait_all),
+                        .and_then(|p| wait_all(r, p)),
                 };
                 if let (Ok(()), Err(e)) = (&result, r) {
                     result = Err(e);
@@ -230,26 +280,85 @@ impl PoolBackend {
 /// transfer (a 4 MiB write takes milliseconds, starting a thread tens of microseconds).
 const MIRROR_THREAD_BYTES_MIN: usize = 4 << 20;
 
-fn submit_all(r: &Replica, batch: Vec<Op>) -> Result<Vec<Pending>> {
-    batch
+/// Submits `batch` followed by the fencing CAS (see the module comment), which the
+/// server runs after every op of the batch.
+fn submit_all(r: &Replica, batch: Vec<Op>) -> Result<(Vec<Pending>, Pending)> {
+    let pending = batch
         .into_iter()
         .map(|op| r.client.submit(0, op).map_err(Into::into))
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    let fence = r
+        .client
+        .submit(0, r.header.cas_op(HEADER_EPOCH_OFFSET, r.epoch, r.epoch))?;
+    Ok((pending, fence))
 }
 
 /// Waits for every answer (even after a failure, so nothing is left in flight) and
-/// returns the first error.
-fn wait_all(pending: impl IntoIterator<Item = Pending>) -> Result<()> {
-    let mut first_err = None;
+/// returns the first error; a fencing CAS that found a newer epoch is one.
+fn wait_all(r: &Replica, (pending, fence): (Vec<Pending>, Pending)) -> Result<()> {
+    let mut first_err: Option<RvmError> = None;
     for p in pending {
         if let Err(e) = reply::done(p.wait()) {
-            first_err.get_or_insert(e);
+            first_err.get_or_insert(e.into());
+        }
+    }
+    match reply::word(fence.wait()) {
+        Ok(epoch) if epoch == r.epoch => {}
+        Ok(epoch) => {
+            // The newer owner's error wins: the batch's own errors follow from it.
+            return Err(RvmError::Fenced(format!(
+                "{} now has epoch {epoch}; this writer opened with epoch {} and another \
+                 open took over since",
+                r.addr, r.epoch
+            )));
+        }
+        Err(e) => {
+            first_err.get_or_insert(e.into());
         }
     }
     match first_err {
-        Some(e) => Err(e.into()),
+        Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// A region named `name` of at least `size` bytes: the existing one, or a new one. An
+/// existing one that is smaller is an error, never freed: it may hold committed data.
+fn lookup_or_alloc(client: &Client, name: &str, size: u64) -> Result<Region> {
+    let rounded = size.div_ceil(crate::limits::PAGE_BYTES) * crate::limits::PAGE_BYTES;
+    match client.lookup(name) {
+        Ok(r) if r.size >= rounded => return Ok(r),
+        Ok(r) => {
+            return Err(RvmError::Corrupt(format!(
+                "region {name:?} has {} bytes, fewer than the {rounded} its header records",
+                r.size
+            )))
+        }
+        Err(e) if e.code() == Some(ErrorCode::NameNotFound) => {}
+        Err(e) => return Err(e.into()),
+    }
+    match client.alloc_on(0, rounded, Some(name)) {
+        Ok(r) => Ok(r),
+        // Another opener created it between our lookup and alloc.
+        Err(e) if e.code() == Some(ErrorCode::NameExists) => Ok(client.lookup(name)?),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn word_at(bytes: &[u8], offset: u64) -> u64 {
+    let at = offset as usize;
+    bytes
+        .get(at..at + 8)
+        .and_then(|b| b.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
+/// This process and the moment it opened, as the header's owner word.
+fn owner_word() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    (u64::from(std::process::id()) << 32) | u64::from(nanos)
 }
 
 fn chunked_writes(region: &Region, offset: u64, data: &Bytes, ops: &mut Vec<Op>) {
@@ -273,7 +382,16 @@ fn get_or_alloc(client: &Client, name: &str, size: u64) -> Result<Region> {
 }
 
 impl Replica {
-    fn open(addr: SocketAddr, ns: &str, token: Option<Vec<u8>>, log_bytes: u64) -> Result<Replica> {
+    /// Connects, checks the stored geometry against `log_bytes`, takes a new epoch and
+    /// opens the regions. With `recover`, a different stored log size is refused; without,
+    /// the instance is being discarded anyway and its log is re-created at the new size.
+    fn open(
+        addr: SocketAddr,
+        ns: &str,
+        token: Option<Vec<u8>>,
+        log_bytes: u64,
+        recover: bool,
+    ) -> Result<Replica> {
         let cfg = ClientConfig {
             token,
             // One connection: a commit's ops stay in order on it and share frames.
@@ -283,7 +401,60 @@ impl Replica {
             ..ClientConfig::default()
         };
         let client = Client::connect(ClusterMap::from_addrs(&[addr]), cfg)?;
-        let log = get_or_alloc(&client, &format!("rvm/{ns}/log"), log_bytes)?;
+        let header = lookup_or_alloc(&client, &format!("rvm/{ns}/hdr"), HEADER_BYTES)?;
+        let head = client.read(&header, 0, HEADER_USED_BYTES)?;
+        let log_gen = if word_at(&head, HEADER_MAGIC_OFFSET) == HEADER_MAGIC {
+            word_at(&head, HEADER_LOG_GEN_OFFSET)
+        } else {
+            0
+        };
+        let log_name = log_region_name(ns, log_gen);
+        let requested = log_bytes.div_ceil(crate::limits::PAGE_BYTES) * crate::limits::PAGE_BYTES;
+        let existing_log = match client.lookup(&log_name) {
+            Ok(r) => Some(r),
+            Err(e) if e.code() == Some(ErrorCode::NameNotFound) => None,
+            Err(e) => return Err(e.into()),
+        };
+        // The header's value; without a header (created before headers existed, or a
+        // crash between creating the log and writing the header), the log's own size.
+        let stored = if word_at(&head, HEADER_MAGIC_OFFSET) == HEADER_MAGIC {
+            Some(word_at(&head, HEADER_LOG_BYTES_OFFSET))
+        } else {
+            existing_log.as_ref().map(|r| r.size)
+        };
+        if let Some(stored) = stored.filter(|s| *s != requested) {
+            if recover {
+                return Err(RvmError::Geometry {
+                    what: "pool log bytes",
+                    stored,
+                    requested,
+                });
+            }
+        }
+        // Fence any earlier opener before touching anything it may still write.
+        let epoch = client
+            .fetch_add(&header, HEADER_EPOCH_OFFSET, 1)?
+            .wrapping_add(1);
+        client.write(
+            &header,
+            HEADER_OWNER_OFFSET,
+            Bytes::copy_from_slice(&owner_word().to_le_bytes()),
+        )?;
+        let log = match existing_log {
+            Some(old) if old.size != requested => {
+                // Only reached without recovery: the instance is discarded anyway.
+                client.free(&old)?;
+                lookup_or_alloc(&client, &log_name, requested)?
+            }
+            Some(old) => old,
+            None => lookup_or_alloc(&client, &log_name, requested)?,
+        };
+        if stored != Some(requested) || word_at(&head, HEADER_MAGIC_OFFSET) != HEADER_MAGIC {
+            let mut geometry = Vec::with_capacity(16);
+            geometry.extend_from_slice(&HEADER_MAGIC.to_le_bytes());
+            geometry.extend_from_slice(&requested.to_le_bytes());
+            client.write(&header, HEADER_MAGIC_OFFSET, Bytes::from(geometry))?;
+        }
         let cat = |i: usize| {
             get_or_alloc(
                 &client,
@@ -295,7 +466,9 @@ impl Replica {
         Ok(Replica {
             addr,
             client: client.clone(),
-            log,
+            header,
+            epoch,
+            log: parking_lot::RwLock::new((log, log_gen)),
             catalogs,
             homes: Mutex::new(HashMap::new()),
         })
@@ -397,10 +570,29 @@ impl Replica {
     }
 
     fn scan(&self, first_seq: u64, capacity: u64) -> Result<(Vec<Record>, u64)> {
-        let capacity = capacity.min(self.log.size);
+        let log = self.log.read().0.clone();
+        let capacity = capacity.min(log.size);
         scan_stream(capacity, first_seq, IO_CHUNK_BYTES, |off, len, buf| {
-            self.read_region_with(&self.log, off, len, |data| buf.extend_from_slice(data))
+            self.read_region_with(&log, off, len, |data| buf.extend_from_slice(data))
         })
+    }
+
+    /// A CAS of the epoch word that must find this writer's epoch, waited for: sent before
+    /// a batch whose WRITEs must not land once another open took over.
+    fn check_epoch(&self) -> Result<Pending> {
+        Ok(self.client.submit(
+            0,
+            self.header
+                .cas_op(HEADER_EPOCH_OFFSET, self.epoch, self.epoch),
+        )?)
+    }
+
+    fn fenced(&self, epoch: u64) -> RvmError {
+        RvmError::Fenced(format!(
+            "{} now has epoch {epoch}; this writer opened with epoch {} and another open \
+             took over since",
+            self.addr, self.epoch
+        ))
     }
 }
 
@@ -417,6 +609,7 @@ impl Backend for PoolBackend {
     fn append_log(&self, records: &[(u64, Bytes)]) -> Result<()> {
         let replicas = self.live()?;
         let mut tail = self.tail_bytes.lock();
+        self.own_log(&replicas, *tail)?;
         let total: u64 = records.iter().map(|(_, b)| b.len() as u64).sum();
         if *tail + total > self.log_capacity_bytes {
             return Err(RvmError::TooLarge {
@@ -429,8 +622,9 @@ impl Backend for PoolBackend {
         self.on_all(&replicas, |r| {
             let mut ops = Vec::new();
             let mut at = start;
+            let log = r.log.read();
             for (_, b) in records {
-                chunked_writes(&r.log, at, b, &mut ops);
+                chunked_writes(&log.0, at, b, &mut ops);
                 at += b.len() as u64;
             }
             Ok(ops)
@@ -459,17 +653,16 @@ impl Backend for PoolBackend {
             return Ok(None);
         }
         let r = self.source()?;
-        let capacity = self.log_capacity_bytes.min(r.log.size);
+        let log = r.log.read().0.clone();
+        let capacity = self.log_capacity_bytes.min(log.size);
         let (records, end, clean) = scan_stream_placing(
             capacity,
             first_seq,
             IO_CHUNK_BYTES,
-            |off, len, buf| {
-                r.read_region_with(&r.log, off, len, |data| buf.extend_from_slice(data))
-            },
+            |off, len, buf| r.read_region_with(&log, off, len, |data| buf.extend_from_slice(data)),
             |off, out, filled| {
                 let mut at = 0;
-                r.read_region_with(&r.log, off, out.len(), |data| {
+                r.read_region_with(&log, off, out.len(), |data| {
                     let piece = &mut out[at..at + data.len()];
                     piece.copy_from_slice(data);
                     filled(piece);
@@ -487,14 +680,15 @@ impl Backend for PoolBackend {
 
     fn read_log(&self, offset: u64, len: u64) -> Result<Bytes> {
         let r = self.source()?;
+        let log = r.log.read().0.clone();
         let len = usize::try_from(len)
             .ok()
-            .filter(|_| offset.checked_add(len).is_some_and(|e| e <= r.log.size))
+            .filter(|_| offset.checked_add(len).is_some_and(|e| e <= log.size))
             .ok_or_else(|| {
                 RvmError::Corrupt(format!("log range {offset}+{len} is outside the log"))
             })?;
         let mut buf = Vec::with_capacity(len);
-        r.read_region_with(&r.log, offset, len, |d| buf.extend_from_slice(d))?;
+        r.read_region_with(&log, offset, len, |d| buf.extend_from_slice(d))?;
         Ok(Bytes::from(buf))
     }
 
@@ -522,6 +716,8 @@ impl Backend for PoolBackend {
             });
         }
         let replicas = self.live_or_alive();
+        self.own_log(&replicas, *self.tail_bytes.lock())?;
+        self.check_epochs(&replicas)?;
         self.on_all(&replicas, |r| {
             Ok(vec![r.catalogs[slot].write_op(0, catalog.clone())])
         })
@@ -537,6 +733,8 @@ impl Backend for PoolBackend {
 
     fn write_home(&self, writes: &[HomeWrite]) -> Result<()> {
         let replicas = self.live_or_alive();
+        self.own_log(&replicas, *self.tail_bytes.lock())?;
+        self.check_epochs(&replicas)?;
         self.on_all(&replicas, |r| {
             let mut ops = Vec::new();
             for w in writes {
@@ -584,5 +782,75 @@ impl PoolBackend {
     /// which refuses to commit without every mirror.
     fn live_or_alive(&self) -> Vec<&Replica> {
         self.replicas.iter().flatten().collect()
+    }
+
+    /// Fails unless every replica still holds this writer's epoch (one round trip).
+    fn check_epochs(&self, replicas: &[&Replica]) -> Result<()> {
+        let pending = replicas
+            .iter()
+            .map(|r| r.check_epoch().map(|p| (*r, p)))
+            .collect::<Result<Vec<_>>>()?;
+        let mut first_err = None;
+        for (r, p) in pending {
+            let e = match reply::word(p.wait()) {
+                Ok(epoch) if epoch == r.epoch => continue,
+                Ok(epoch) => r.fenced(epoch),
+                Err(e) => e.into(),
+            };
+            first_err.get_or_insert(e);
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Before this open's first change: moves each replica's log (its first `tail` bytes,
+    /// the records not yet applied) into a region of this epoch and frees the old one, so
+    /// that an older writer still appending fails at the server (see the module comment).
+    fn own_log(&self, replicas: &[&Replica], tail: u64) -> Result<()> {
+        for r in replicas {
+            let mut log = r.log.write();
+            if log.1 == r.epoch {
+                continue;
+            }
+            r.check_epoch().and_then(|p| match reply::word(p.wait())? {
+                epoch if epoch == r.epoch => Ok(()),
+                epoch => Err(r.fenced(epoch)),
+            })?;
+            let old = log.0.clone();
+            let name = log_region_name(&self.ns, r.epoch);
+            // A region left by an open of this same epoch that crashed cannot exist
+            // (epochs are taken once), but one of a failed earlier attempt here can.
+            let fresh = lookup_or_alloc(&r.client, &name, old.size)?;
+            let len = tail.min(old.size);
+            let mut at = 0u64;
+            while at < len {
+                let n = (len - at).min(READ_WINDOW_BYTES as u64) as usize;
+                let mut buf = Vec::with_capacity(n);
+                r.read_region_with(&old, at, n, |d| buf.extend_from_slice(d))?;
+                let mut ops = Vec::new();
+                chunked_writes(&fresh, at, &Bytes::from(buf), &mut ops);
+                wait_all(r, submit_all(r, ops)?)?;
+                at += n as u64;
+            }
+            let gen = Bytes::copy_from_slice(&r.epoch.to_le_bytes());
+            wait_all(
+                r,
+                submit_all(r, vec![r.header.write_op(HEADER_LOG_GEN_OFFSET, gen)])?,
+            )?;
+            match r.client.free(&old) {
+                Ok(()) => {}
+                Err(e) if e.code() == Some(ErrorCode::NoSuchRegion) => {}
+                Err(e) => return Err(e.into()),
+            }
+            *log = (fresh, r.epoch);
+        }
+        Ok(())
+    }
+}
+
+fn log_region_name(ns: &str, gen: u64) -> String {
+    if gen == 0 {
+        format!("rvm/{ns}/log")
+    } else {
+        format!("rvm/{ns}/log.{gen}")
     }
 }

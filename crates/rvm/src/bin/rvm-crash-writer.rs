@@ -4,6 +4,15 @@
 //! recovers and carries on from where the last commit left things.
 //!
 //! Usage: rvm-crash-writer BACKEND NAME LOG_BYTES TRUNCATE_BYTES SEED
+//!        rvm-crash-writer lazy BACKEND NAME LOG_BYTES flush|noflush|commit
+//!
+//! The `lazy` form makes lazy commits (see [`lazy`]), prints `parked` and waits to be
+//! SIGKILLed, so that only what reached the backend survives: Rvm's drop, which would
+//! flush, never runs.
+//!
+//! With `RVM_CRASH_WRITER_ACK_EARLY=1` the transfer loop reports each commit *before*
+//! making it (a deliberately broken writer): the crash tests use it to show their checker
+//! catches an acknowledged commit that is not there.
 
 use camelot_rvm::{BackendConfig, Config, Rvm, Segment};
 use rand::{Rng, SeedableRng};
@@ -38,6 +47,10 @@ fn num(s: &str, what: &str) -> Result<u64, String> {
 
 fn run() -> Result<(), String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("lazy") {
+        return lazy(&args[1..]);
+    }
+    let ack_early = std::env::var("RVM_CRASH_WRITER_ACK_EARLY").is_ok_and(|v| v == "1");
     let mut backend =
         BackendConfig::parse(&arg(&args, 0, "backend")?).map_err(|e| e.to_string())?;
     let name = arg(&args, 1, "name")?;
@@ -92,6 +105,13 @@ fn run() -> Result<(), String> {
         seq += 1;
         t.set_range(&meta, 0, 8).map_err(|e| e.to_string())?;
         t.write_u64(&meta, 0, seq).map_err(|e| e.to_string())?;
+        if ack_early {
+            writeln!(out, "committed {seq}").map_err(|e| e.to_string())?;
+            out.flush().map_err(|e| e.to_string())?;
+            // Lazy: a kill from here on loses a commit that was reported.
+            t.commit_lazy().map_err(|e| format!("commit {seq}: {e}"))?;
+            continue;
+        }
         t.commit().map_err(|e| format!("commit {seq}: {e}"))?;
         writeln!(out, "committed {seq}").map_err(|e| e.to_string())?;
         out.flush().map_err(|e| e.to_string())?;
@@ -121,4 +141,62 @@ fn init(rvm: &Rvm) -> Result<(Vec<Segment>, Segment), String> {
     // "meta" last: its presence means the accounts are initialised and committed.
     let meta = rvm.alloc("meta", 4096).map_err(e)?;
     Ok((accounts, meta))
+}
+
+/// Offsets in segment "lazy" of the `lazy` mode's values.
+const LAZY_FLUSHED_OFFSET: u64 = 0;
+const LAZY_FLUSHED_TOO_OFFSET: u64 = 8;
+const LAZY_NEVER_FLUSHED_OFFSET: u64 = 16;
+const LAZY_BEFORE_COMMIT_OFFSET: u64 = 24;
+const LAZY_COMMITTED_OFFSET: u64 = 32;
+
+/// `flush`: lazy commits of 1..=10 at 0 and 77 at 8, `flush`, a lazy 99 at 16.
+/// `noflush`: the same without the flush. `commit` (after `flush`): a lazy 55 at 24, then
+/// a plain commit of 88 at 32, which carries the lazy one with it.
+fn lazy(args: &[String]) -> Result<(), String> {
+    let e = |e: camelot_rvm::RvmError| e.to_string();
+    let mut backend = BackendConfig::parse(&arg(args, 0, "backend")?).map_err(|e| e.to_string())?;
+    let name = arg(args, 1, "name")?;
+    let log_bytes = num(&arg(args, 2, "log bytes")?, "log bytes")?;
+    let phase = arg(args, 3, "flush|noflush|commit")?;
+    if let BackendConfig::Pool { log_bytes: l, .. } = &mut backend {
+        *l = log_bytes;
+    }
+    let lazy_write = |rvm: &Rvm, s: &Segment, off: u64, v: u64| {
+        let mut t = rvm.begin();
+        t.set_range(s, off, 8)?;
+        t.write_u64(s, off, v)?;
+        t.commit_lazy()
+    };
+    let rvm = Rvm::open(Config::new(backend, &name).recover(phase == "commit")).map_err(e)?;
+    match phase.as_str() {
+        "flush" | "noflush" => {
+            let s = rvm.alloc("lazy", 4096).map_err(e)?;
+            for n in 1..=10 {
+                lazy_write(&rvm, &s, LAZY_FLUSHED_OFFSET, n).map_err(e)?;
+            }
+            lazy_write(&rvm, &s, LAZY_FLUSHED_TOO_OFFSET, 77).map_err(e)?;
+            if phase == "flush" {
+                rvm.flush().map_err(e)?;
+            }
+            lazy_write(&rvm, &s, LAZY_NEVER_FLUSHED_OFFSET, 99).map_err(e)?;
+        }
+        "commit" => {
+            let s = rvm.segment("lazy").ok_or("segment lazy missing")?;
+            lazy_write(&rvm, &s, LAZY_BEFORE_COMMIT_OFFSET, 55).map_err(e)?;
+            let mut t = rvm.begin();
+            t.set_range(&s, LAZY_COMMITTED_OFFSET, 8).map_err(e)?;
+            t.write_u64(&s, LAZY_COMMITTED_OFFSET, 88).map_err(e)?;
+            t.commit().map_err(e)?;
+        }
+        other => return Err(format!("unknown lazy phase {other:?}")),
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "parked").map_err(|e| e.to_string())?;
+    out.flush().map_err(|e| e.to_string())?;
+    drop(out);
+    // Killed here; `rvm` is never dropped.
+    loop {
+        std::thread::park();
+    }
 }
