@@ -93,7 +93,9 @@ impl Layout {
         size_bytes: u64,
     ) -> Result<Layout, BlocksError> {
         let invalid = |what: String| Err(BlocksError::InvalidArgument(what));
-        if !(2..=MEMBERS_MAX).contains(&members) && !(members == 1 && level == Level::Raid0) {
+        let shape_ok =
+            (2..=MEMBERS_MAX).contains(&members) || (members == 1 && level == Level::Raid0);
+        if !shape_ok {
             return invalid(format!(
                 "a volume has 2 to {MEMBERS_MAX} members, not {members}"
             ));
@@ -110,12 +112,12 @@ impl Layout {
             Level::Raid4 | Level::Raid5 if members < 3 => {
                 return invalid(format!("{} needs at least 3 members", level.name()));
             }
-            Level::Rs { k, m } => {
-                if k == 0 || m == 0 || usize::from(k) + usize::from(m) != members {
-                    return invalid(format!(
-                        "rs:{k}+{m} needs k ≥ 1, m ≥ 1 and k + m = {members} members"
-                    ));
-                }
+            Level::Rs { k, m }
+                if k == 0 || m == 0 || usize::from(k) + usize::from(m) != members =>
+            {
+                return invalid(format!(
+                    "rs:{k}+{m} needs k ≥ 1, m ≥ 1 and k + m = {members} members"
+                ));
             }
             _ => {}
         }

@@ -121,7 +121,7 @@ mod tests {
             let mut last_stripe = None;
             for s in &spans {
                 prop_assert!(s.stripe < stripes);
-                prop_assert!(last_stripe.map_or(true, |l| l < s.stripe));
+                prop_assert!(last_stripe < Some(s.stripe));
                 last_stripe = Some(s.stripe);
                 for p in &s.pieces {
                     prop_assert_eq!(p.buf_from, next_buf);
