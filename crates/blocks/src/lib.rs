@@ -11,8 +11,10 @@ pub mod layout;
 pub mod parity;
 pub mod plan;
 pub mod superblock;
+pub mod volume;
 
 pub use layout::{Layout, Level};
+pub use volume::{ScrubReport, Volume, VolumeConfig, VolumeStatus};
 
 use camelot_client::ClientError;
 
