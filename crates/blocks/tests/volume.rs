@@ -271,3 +271,53 @@ fn bad_arguments_are_refused() {
     assert!(vol.read(vol.capacity_bytes() - 5, &mut buf).is_err());
     assert!(vol.write(u64::MAX - 2, &buf).is_err());
 }
+
+#[test]
+fn rebuild_runs_in_the_background_while_the_volume_serves() {
+    let (mut servers, addrs) = servers(4);
+    let vol = std::sync::Arc::new(
+        Volume::create(
+            "t7",
+            Level::Raid5,
+            &addrs,
+            CHUNK,
+            768 << 10,
+            &VolumeConfig::default(),
+        )
+        .expect("create"),
+    );
+    let mut shadow = vec![0u8; vol.capacity_bytes() as usize];
+    let mut rng = SmallRng::seed_from_u64(77);
+    exercise(&vol, &mut shadow, &mut rng, 40);
+    servers.remove(2).shutdown().expect("stop");
+    exercise(&vol, &mut shadow, &mut rng, 20);
+    assert_eq!(vol.status().missing, vec![2]);
+
+    let fresh = server();
+    let target = fresh.addrs()[0];
+    // 256 stripes of 4 KiB at 2 MiB/s: about half a second of rebuilding to serve through.
+    let rebuilder = {
+        let vol = vol.clone();
+        std::thread::spawn(move || vol.rebuild(2, target, 2 << 20))
+    };
+    let mut saw_progress = false;
+    let mut rounds = 0;
+    while !rebuilder.is_finished() {
+        exercise(&vol, &mut shadow, &mut rng, 5);
+        rounds += 1;
+        if let Some((member, done, total)) = vol.status().rebuild {
+            assert_eq!(member, 2);
+            saw_progress |= done > 0 && done < total;
+        }
+        assert!(rounds < 100_000, "rebuild never finished");
+    }
+    rebuilder.join().expect("rebuild thread").expect("rebuild");
+    assert!(saw_progress, "never saw the rebuild part-way");
+    assert!(!vol.status().degraded());
+    assert_eq!(read_all(&vol), shadow);
+    assert_eq!(vol.scrub(false).expect("scrub").mismatches, 0);
+    // The rebuilt member now carries its share: lose another and read through it.
+    servers.remove(0).shutdown().expect("stop another");
+    assert_eq!(read_all(&vol), shadow);
+    drop(fresh);
+}
