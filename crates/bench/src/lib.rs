@@ -44,13 +44,16 @@ quick_config!(
     api::ApiConfig,
     ycsb::YcsbConfig,
     resp::RespBenchConfig,
-    rvm::RvmBenchConfig
+    rvm::RvmBenchConfig,
+    raid::EncodeConfig,
+    raid::CompareConfig
 );
 
 pub mod all;
 pub mod api;
 pub mod demo;
 pub mod hw;
+pub mod raid;
 pub mod resp;
 pub mod rvm;
 pub mod threads;

@@ -1,0 +1,676 @@
+//! `camelot bench raid …`: block volumes (seed 000's RAID figures, issue 17).
+//!
+//! - `encode`: GB/s of parity and Reed–Solomon encode and decode on one core, no network.
+//!   Every decode is checked against the data it must restore, so neither the compiler
+//!   nor a broken codec can flatter the figure.
+//! - `compare` (seed 000's *RaidComparison*): raid0, raid1, raid4, raid5 and rs:4+2 over
+//!   real servers — full-stripe write, 4 KiB random write, 4 KiB random read, the same
+//!   read with one member's server killed, and memory overhead — with the issue's target
+//!   ratios against raid0 (and against the normal read) in `comparisons`. Every member is
+//!   a server of its own, so one can be killed; every read is checked.
+
+use crate::hw::{best_of, compiled_simd};
+use crate::side::{CamelotNodes, CamelotSpec, Placement};
+use crate::BenchError;
+use camelot_blocks::layout::Code;
+use camelot_blocks::parity::Codec;
+use camelot_blocks::{Level, Volume, VolumeConfig};
+use camelot_results::output;
+use camelot_results::plot::{Figure, Panel};
+use camelot_results::schema::{now_rfc3339, BenchResult, Comparison, Point, Series};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Most threads a raid bench drives.
+pub const THREADS_MAX: usize = 64;
+/// Repeats per encode point; the best is reported (the machine is shared).
+const ENCODE_REPEATS: usize = 3;
+
+#[derive(Debug, Clone)]
+pub struct EncodeConfig {
+    /// Chunk sizes (bytes) to encode at.
+    pub chunk_bytes: Vec<u64>,
+    pub seconds_per_point: f64,
+    pub quick: bool,
+}
+
+impl Default for EncodeConfig {
+    fn default() -> Self {
+        EncodeConfig {
+            chunk_bytes: vec![4 << 10, 64 << 10, 1 << 20],
+            seconds_per_point: 1.0,
+            quick: false,
+        }
+    }
+}
+
+impl EncodeConfig {
+    pub fn apply_quick(&mut self) {
+        self.quick = true;
+        self.seconds_per_point = self.seconds_per_point.min(0.15);
+        self.chunk_bytes = vec![64 << 10];
+    }
+
+    pub fn validate(&self) -> Result<(), BenchError> {
+        if self.chunk_bytes.is_empty()
+            || self
+                .chunk_bytes
+                .iter()
+                .any(|&c| !c.is_power_of_two() || !(64..=(16 << 20)).contains(&c))
+        {
+            return Err(BenchError::InvalidConfig(
+                "chunk sizes are powers of two from 64 B to 16 MiB".into(),
+            ));
+        }
+        if !(self.seconds_per_point.is_finite() && self.seconds_per_point > 0.0) {
+            return Err(BenchError::InvalidConfig(
+                "seconds per point must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The codecs `encode` measures: (label, codec, slots lost for the decode).
+fn encode_codecs() -> Vec<(&'static str, Codec, usize)> {
+    vec![
+        (
+            "xor (raid5 4+1)",
+            Codec {
+                code: Code::Xor,
+                k: 4,
+                m: 1,
+            },
+            1,
+        ),
+        (
+            "rs:4+2",
+            Codec {
+                code: Code::Rs,
+                k: 4,
+                m: 2,
+            },
+            2,
+        ),
+        (
+            "rs:8+3",
+            Codec {
+                code: Code::Rs,
+                k: 8,
+                m: 3,
+            },
+            3,
+        ),
+    ]
+}
+
+fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut v = vec![0u8; len];
+    rng.fill(&mut v[..]);
+    v
+}
+
+/// Data bytes encoded (or restored from) per second over `seconds`.
+fn encode_rate(codec: Codec, chunk: usize, seconds: f64) -> Result<f64, BenchError> {
+    let data: Vec<Vec<u8>> = (0..codec.k)
+        .map(|i| pseudo_random(chunk, i as u64))
+        .collect();
+    let refs: Vec<&[u8]> = data.iter().map(|d| &d[..]).collect();
+    let mut parity = vec![Vec::new(); codec.m];
+    let deadline = Instant::now() + Duration::from_secs_f64(seconds);
+    let started = Instant::now();
+    let mut stripes = 0u64;
+    while Instant::now() < deadline {
+        for _ in 0..8 {
+            codec
+                .encode(&refs, &mut parity)
+                .map_err(|e| BenchError::Check(e.to_string()))?;
+            stripes += 1;
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    // The parity must rebuild the data: a codec that skipped work fails here.
+    let mut slots: Vec<Option<Vec<u8>>> = data
+        .iter()
+        .cloned()
+        .chain(parity.iter().cloned())
+        .map(Some)
+        .collect();
+    slots[0] = None;
+    codec
+        .reconstruct(&mut slots)
+        .map_err(|e| BenchError::Check(e.to_string()))?;
+    if slots[0].as_deref() != Some(&data[0][..]) {
+        return Err(BenchError::Check(
+            "encoded parity does not restore the data".into(),
+        ));
+    }
+    Ok((stripes * (codec.k * chunk) as u64) as f64 / elapsed)
+}
+
+/// Data bytes of stripes reconstructed per second, with `lost` data slots missing.
+fn decode_rate(codec: Codec, chunk: usize, lost: usize, seconds: f64) -> Result<f64, BenchError> {
+    let data: Vec<Vec<u8>> = (0..codec.k)
+        .map(|i| pseudo_random(chunk, 100 + i as u64))
+        .collect();
+    let refs: Vec<&[u8]> = data.iter().map(|d| &d[..]).collect();
+    let mut parity = vec![Vec::new(); codec.m];
+    codec
+        .encode(&refs, &mut parity)
+        .map_err(|e| BenchError::Check(e.to_string()))?;
+    let full: Vec<Option<Vec<u8>>> = data
+        .iter()
+        .cloned()
+        .chain(parity.iter().cloned())
+        .map(Some)
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs_f64(seconds);
+    let started = Instant::now();
+    let mut stripes = 0u64;
+    while Instant::now() < deadline {
+        let mut slots = full.clone();
+        for s in slots.iter_mut().take(lost.min(codec.k)) {
+            *s = None;
+        }
+        codec
+            .reconstruct(&mut slots)
+            .map_err(|e| BenchError::Check(e.to_string()))?;
+        if slots[0].as_deref() != Some(&data[0][..]) {
+            return Err(BenchError::Check("decode restored wrong bytes".into()));
+        }
+        stripes += 1;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    Ok((stripes * (codec.k * chunk) as u64) as f64 / elapsed)
+}
+
+/// Runs `bench raid encode`: writes `raid-encode.json` and its figure.
+pub fn run_encode(cfg: &EncodeConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
+    cfg.validate()?;
+    let started = now_rfc3339();
+    let per = cfg.seconds_per_point / ENCODE_REPEATS as f64;
+    let mut series = Vec::new();
+    let mut rs42_encode_best = None;
+    for (label, codec, lost) in encode_codecs() {
+        let mut enc = Series::new(format!("{label} encode"));
+        let mut dec = Series::new(format!("{label} decode ({lost} lost)"));
+        for &chunk in &cfg.chunk_bytes {
+            let chunk = chunk as usize;
+            let e: Vec<f64> = (0..ENCODE_REPEATS)
+                .map(|_| encode_rate(codec, chunk, per))
+                .collect::<Result<_, _>>()?;
+            let d: Vec<f64> = (0..ENCODE_REPEATS)
+                .map(|_| decode_rate(codec, chunk, lost, per))
+                .collect::<Result<_, _>>()?;
+            let (e, d) = (best_of(&e).unwrap_or(0.0), best_of(&d).unwrap_or(0.0));
+            if label == "rs:4+2" && chunk == 64 << 10 {
+                rs42_encode_best = Some(e);
+            }
+            let mut p = Point::new(chunk as u64 / 1024);
+            p.bytes_per_sec = Some(e);
+            p.extra.insert("gb_per_s".into(), json!(e / 1e9));
+            enc.points.push(p);
+            let mut p = Point::new(chunk as u64 / 1024);
+            p.bytes_per_sec = Some(d);
+            p.extra.insert("gb_per_s".into(), json!(d / 1e9));
+            dec.points.push(p);
+        }
+        series.push(enc);
+        series.push(dec);
+    }
+    let config = json!({
+        "x": "chunk (KiB)",
+        "chunk_bytes": cfg.chunk_bytes,
+        "seconds_per_point": cfg.seconds_per_point,
+        "repeats": ENCODE_REPEATS,
+        "reported": "best of the repeats, one thread, data bytes per second",
+        "rs_crate": "reed-solomon-simd 3 (SIMD picked at run time)",
+        "xor": "64-byte blocks the compiler vectorises",
+        "compiled_simd": compiled_simd(),
+        "quick": cfg.quick,
+    });
+    let mut result = BenchResult::new("raid-encode", started, config, series);
+    if let Some(rate) = rs42_encode_best {
+        result.comparisons.push(
+            Comparison::new(
+                "rs:4+2 encode, 64 KiB chunks, one core",
+                rate,
+                RS42_ENCODE_TARGET_BYTES_PER_S,
+                "B/s",
+                "issue 17's floor (5 GB/s per core)",
+            )
+            .with_target(1.0, false),
+        );
+    }
+    let fig = Figure::new("RAID parity and Reed–Solomon: encode and decode, one core").panel(
+        result.series.iter().fold(
+            Panel::new("encode / decode", "chunk (KiB)", "GB/s").log_x(),
+            |panel, s| {
+                panel.line(
+                    &s.label,
+                    camelot_results::plot::series_points(s, |p| p.bytes_per_sec.map(|v| v / 1e9)),
+                )
+            },
+        ),
+    );
+    Ok(output::write_result_with_figure(out, &result, &fig)?)
+}
+
+/// The issue's floor for RS(4+2) encode on one core.
+pub const RS42_ENCODE_TARGET_BYTES_PER_S: f64 = 5e9;
+
+#[derive(Debug, Clone)]
+pub struct CompareConfig {
+    pub threads: usize,
+    pub chunk_bytes: u64,
+    /// Volume size (data bytes).
+    pub volume_bytes: u64,
+    pub seconds_per_point: f64,
+    pub in_process: bool,
+    pub quick: bool,
+}
+
+impl Default for CompareConfig {
+    fn default() -> Self {
+        CompareConfig {
+            threads: 4,
+            chunk_bytes: 64 << 10,
+            volume_bytes: 256 << 20,
+            seconds_per_point: 2.0,
+            in_process: false,
+            quick: false,
+        }
+    }
+}
+
+impl CompareConfig {
+    pub fn apply_quick(&mut self) {
+        self.quick = true;
+        self.volume_bytes = 16 << 20;
+        self.seconds_per_point = 0.3;
+        self.threads = self.threads.min(2);
+    }
+
+    pub fn validate(&self) -> Result<(), BenchError> {
+        if self.threads == 0 || self.threads > THREADS_MAX {
+            return Err(BenchError::InvalidConfig(format!(
+                "threads must be 1 to {THREADS_MAX}"
+            )));
+        }
+        if !(self.seconds_per_point.is_finite() && self.seconds_per_point > 0.0) {
+            return Err(BenchError::InvalidConfig(
+                "seconds per point must be positive".into(),
+            ));
+        }
+        if self.volume_bytes < 4 * self.chunk_bytes * 4 {
+            return Err(BenchError::InvalidConfig(
+                "the volume must hold a few stripes".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The levels `compare` measures, each with four data chunks a stripe (raid1: a 2-way
+/// mirror), so a full stripe moves the same data everywhere.
+fn compare_levels() -> Vec<(Level, usize)> {
+    vec![
+        (Level::Raid0, 4),
+        (Level::Raid1, 2),
+        (Level::Raid4, 5),
+        (Level::Raid5, 5),
+        (Level::Rs { k: 4, m: 2 }, 6),
+    ]
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Load {
+    FullStripeWrite,
+    RandomWrite4k,
+    RandomRead4k,
+}
+
+/// Runs `threads` closed-loop threads of `load` for `seconds`; returns (ops/s, B/s).
+/// Reads are checked against the pattern `fill` wrote.
+fn drive(
+    vol: &Arc<Volume>,
+    load: Load,
+    threads: usize,
+    seconds: f64,
+) -> Result<(f64, f64), BenchError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let ops = Arc::new(AtomicU64::new(0));
+    let bytes = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let workers: Vec<_> = (0..threads)
+        .map(|t| {
+            let (vol, stop, ops, bytes) = (vol.clone(), stop.clone(), ops.clone(), bytes.clone());
+            std::thread::spawn(move || -> Result<(), String> {
+                let mut rng = SmallRng::seed_from_u64(t as u64 + 1);
+                let stripe = vol.layout().stripe_data_bytes();
+                let stripes = vol.layout().stripes;
+                let blocks = vol.capacity_bytes() / 4096;
+                let mut full = vec![0u8; stripe as usize];
+                let mut buf = vec![0u8; 4096];
+                while !stop.load(Ordering::Relaxed) {
+                    match load {
+                        Load::FullStripeWrite => {
+                            let s = rng.gen_range(0..stripes);
+                            // The same pattern `fill` wrote, so later reads can check it.
+                            for (i, block) in full.chunks_mut(4096).enumerate() {
+                                block.fill(pattern(s * stripe / 4096 + i as u64));
+                            }
+                            vol.write(s * stripe, &full).map_err(|e| e.to_string())?;
+                            bytes.fetch_add(stripe, Ordering::Relaxed);
+                        }
+                        Load::RandomWrite4k => {
+                            let b = rng.gen_range(0..blocks);
+                            buf.iter_mut().for_each(|x| *x = pattern(b));
+                            vol.write(b * 4096, &buf).map_err(|e| e.to_string())?;
+                            bytes.fetch_add(4096, Ordering::Relaxed);
+                        }
+                        Load::RandomRead4k => {
+                            let b = rng.gen_range(0..blocks);
+                            vol.read(b * 4096, &mut buf).map_err(|e| e.to_string())?;
+                            if buf.iter().any(|&x| x != pattern(b)) {
+                                return Err(format!("block {b} read back wrong"));
+                            }
+                            bytes.fetch_add(4096, Ordering::Relaxed);
+                        }
+                    }
+                    ops.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    while started.elapsed().as_secs_f64() < seconds && !workers.iter().any(|w| w.is_finished()) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join()
+            .map_err(|_| BenchError::Check("a raid worker panicked".into()))?
+            .map_err(BenchError::Check)?;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    Ok((
+        ops.load(Ordering::Relaxed) as f64 / elapsed,
+        bytes.load(Ordering::Relaxed) as f64 / elapsed,
+    ))
+}
+
+/// The byte every 4 KiB block holds after `fill` and the random writes.
+fn pattern(block: u64) -> u8 {
+    (block.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
+}
+
+fn fill(vol: &Volume) -> Result<(), BenchError> {
+    let step = (vol.layout().stripe_data_bytes() * 16).min(16 << 20);
+    let mut at = 0;
+    while at < vol.capacity_bytes() {
+        let len = step.min(vol.capacity_bytes() - at);
+        let data: Vec<u8> = (0..len).map(|i| pattern((at + i) / 4096)).collect();
+        vol.write(at, &data)
+            .map_err(|e| BenchError::Check(format!("fill: {e}")))?;
+        at += len;
+    }
+    Ok(())
+}
+
+/// Runs `bench raid compare`: writes `raid-compare.json` and its figure.
+pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
+    cfg.validate()?;
+    let started = now_rfc3339();
+    let placement = Placement::choose(cfg.in_process)?;
+    let levels = compare_levels();
+    let names: Vec<String> = levels.iter().map(|(l, _)| l.name()).collect();
+    let metrics = [
+        ("full-stripe write", "bytes_per_sec"),
+        ("4 KiB random write", "ops_per_sec"),
+        ("4 KiB random read", "ops_per_sec"),
+        ("4 KiB degraded read", "ops_per_sec"),
+    ];
+    let mut series: Vec<Series> = metrics.iter().map(|(m, _)| Series::new(*m)).collect();
+    let mut overhead = Series::new("memory overhead ×");
+    let mut figures: std::collections::BTreeMap<(String, usize), f64> = Default::default();
+    for (level, n) in &levels {
+        // A server per member, each its own process, so one can be killed.
+        let memory = cfg.volume_bytes * 2 / (*n as u64).max(1) + (64 << 20);
+        let mut nodes: Vec<Option<CamelotNodes>> = (0..*n)
+            .map(|_| CamelotNodes::start(&CamelotSpec::new(1, memory), &placement).map(Some))
+            .collect::<Result<_, _>>()?;
+        let addrs: Vec<_> = nodes.iter().flatten().map(|c| c.addrs()[0]).collect();
+        let vol = Arc::new(
+            Volume::create(
+                "bench",
+                *level,
+                &addrs,
+                cfg.chunk_bytes,
+                cfg.volume_bytes,
+                &VolumeConfig::default(),
+            )
+            .map_err(|e| BenchError::Setup(e.to_string()))?,
+        );
+        fill(&vol)?;
+        let x = names.iter().position(|nm| *nm == level.name()).unwrap_or(0);
+        let loads = [
+            Load::FullStripeWrite,
+            Load::RandomWrite4k,
+            Load::RandomRead4k,
+        ];
+        for (i, load) in loads.into_iter().enumerate() {
+            let (ops, bytes) = drive(&vol, load, cfg.threads, cfg.seconds_per_point)?;
+            let mut p = Point::new(x);
+            p.ops_per_sec = Some(ops);
+            p.bytes_per_sec = Some(bytes);
+            p.extra.insert("level".into(), json!(level.name()));
+            series[i].points.push(p);
+            figures.insert((level.name(), i), if i == 0 { bytes } else { ops });
+        }
+        if *level != Level::Raid0 {
+            // Kill member 1's server; reads must go on, reconstructed.
+            if let Some(node) = nodes[1].take() {
+                node.stop()?;
+            }
+            let (ops, bytes) = drive(&vol, Load::RandomRead4k, cfg.threads, cfg.seconds_per_point)?;
+            if !vol.status().degraded() {
+                return Err(BenchError::Check(format!(
+                    "{}: a member was killed but the volume is not degraded",
+                    level.name()
+                )));
+            }
+            let mut p = Point::new(x);
+            p.ops_per_sec = Some(ops);
+            p.bytes_per_sec = Some(bytes);
+            p.extra.insert("level".into(), json!(level.name()));
+            series[3].points.push(p);
+            figures.insert((level.name(), 3), ops);
+        }
+        let mut p = Point::new(x);
+        p.extra.insert(
+            "memory_overhead".into(),
+            json!(vol.layout().memory_overhead()),
+        );
+        p.extra.insert("level".into(), json!(level.name()));
+        overhead.points.push(p);
+        drop(vol);
+        for node in nodes.into_iter().flatten() {
+            node.stop()?;
+        }
+    }
+    series.push(overhead);
+    let config = json!({
+        "x": "level",
+        "levels": levels.iter().map(|(l, n)| json!({"level": l.name(), "members": n})).collect::<Vec<_>>(),
+        "threads": cfg.threads,
+        "chunk_bytes": cfg.chunk_bytes,
+        "volume_bytes": cfg.volume_bytes,
+        "seconds_per_point": cfg.seconds_per_point,
+        "servers": placement.name(),
+        "server_per_member": true,
+        "degraded": "member 1's server stopped (killed when separate), reads reconstruct",
+        "quick": cfg.quick,
+    });
+    let mut result = BenchResult::new("raid-compare", started, config, series);
+    let get = |l: &str, i: usize| figures.get(&(l.to_string(), i)).copied();
+    let mut compare =
+        |name: &str, a: Option<f64>, b: Option<f64>, unit: &str, peer: &str, target: f64| {
+            if let (Some(a), Some(b)) = (a, b) {
+                result
+                    .comparisons
+                    .push(Comparison::new(name, a, b, unit, peer).with_target(target, false));
+            }
+        };
+    compare(
+        "raid5 full-stripe write",
+        get("raid5", 0),
+        get("raid0", 0),
+        "B/s",
+        "raid0",
+        0.8,
+    );
+    compare(
+        "rs:4+2 full-stripe write",
+        get("rs:4+2", 0),
+        get("raid0", 0),
+        "B/s",
+        "raid0",
+        0.7,
+    );
+    compare(
+        "raid5 4 KiB random write",
+        get("raid5", 1),
+        get("raid0", 1),
+        "ops/s",
+        "raid0",
+        0.4,
+    );
+    compare(
+        "raid5 degraded read",
+        get("raid5", 3),
+        get("raid5", 2),
+        "ops/s",
+        "raid5 normal read",
+        0.6,
+    );
+    compare(
+        "rs:4+2 degraded read",
+        get("rs:4+2", 3),
+        get("rs:4+2", 2),
+        "ops/s",
+        "rs:4+2 normal read",
+        0.6,
+    );
+    let fig = compare_figure(&result, &names);
+    Ok(output::write_result_with_figure(out, &result, &fig)?)
+}
+
+fn compare_figure(result: &BenchResult, names: &[String]) -> Figure {
+    let bars = |title: &str, y: &str, pick: &dyn Fn(&Point) -> Option<f64>, which: &[usize]| {
+        which.iter().fold(
+            Panel::new(title, "level", y).bars(names.to_vec()),
+            |panel, &i| {
+                let s = &result.series[i];
+                panel.line(&s.label, camelot_results::plot::series_points(s, pick))
+            },
+        )
+    };
+    Figure::new("Block volumes: RAID levels and Reed–Solomon (seed 000's RaidComparison)")
+        .panel(bars(
+            "full-stripe write",
+            "GB/s",
+            &|p| p.bytes_per_sec.map(|v| v / 1e9),
+            &[0],
+        ))
+        .panel(bars(
+            "4 KiB random I/O",
+            "ops/s",
+            &|p| p.ops_per_sec,
+            &[1, 2, 3],
+        ))
+        .panel(bars(
+            "memory overhead",
+            "× data",
+            &|p| p.extra.get("memory_overhead")?.as_f64(),
+            &[4],
+        ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quick_encode_writes_a_result_whose_figures_are_positive() -> Result<(), BenchError> {
+        let dir = crate::scratch_dir("raid-encode");
+        let files = run_encode(&EncodeConfig::defaults_quick(), &dir)?;
+        let result = output::read_result(&files[0])?;
+        assert_eq!(result.bench, "raid-encode");
+        assert_eq!(result.series.len(), 6);
+        for s in &result.series {
+            assert!(s
+                .points
+                .iter()
+                .all(|p| p.bytes_per_sec.is_some_and(|b| b > 0.0)));
+        }
+        assert_eq!(result.comparisons.len(), 1);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[test]
+    fn quick_compare_in_process_has_every_level_and_ratio() -> Result<(), BenchError> {
+        let dir = crate::scratch_dir("raid-compare");
+        let cfg = CompareConfig {
+            in_process: true,
+            seconds_per_point: 0.1,
+            ..CompareConfig::defaults_quick()
+        };
+        let files = run_compare(&cfg, &dir)?;
+        let result = output::read_result(&files[0])?;
+        assert_eq!(result.series[0].points.len(), 5);
+        assert_eq!(
+            result.series[3].points.len(),
+            4,
+            "every level but raid0 degrades"
+        );
+        assert_eq!(result.comparisons.len(), 5);
+        assert!(result
+            .comparisons
+            .iter()
+            .all(|c| c.ratio.is_finite() && c.ratio > 0.0));
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        let mut e = EncodeConfig::default();
+        e.chunk_bytes = vec![1000];
+        assert!(e.validate().is_err());
+        let c = CompareConfig {
+            threads: 0,
+            ..CompareConfig::default()
+        };
+        assert!(c.validate().is_err());
+    }
+
+    impl EncodeConfig {
+        fn defaults_quick() -> EncodeConfig {
+            <EncodeConfig as crate::QuickConfig>::defaults(true)
+        }
+    }
+
+    impl CompareConfig {
+        fn defaults_quick() -> CompareConfig {
+            <CompareConfig as crate::QuickConfig>::defaults(true)
+        }
+    }
+}
