@@ -652,8 +652,10 @@ mod tests {
 
     #[test]
     fn bad_configs_are_refused() {
-        let mut e = EncodeConfig::default();
-        e.chunk_bytes = vec![1000];
+        let e = EncodeConfig {
+            chunk_bytes: vec![1000],
+            ..EncodeConfig::default()
+        };
         assert!(e.validate().is_err());
         let c = CompareConfig {
             threads: 0,
