@@ -164,7 +164,7 @@ fn decode_rate(codec: Codec, chunk: usize, lost: usize, seconds: f64) -> Result<
     codec
         .encode(&refs, &mut parity)
         .map_err(|e| BenchError::Check(e.to_string()))?;
-    let full: Vec<Option<Vec<u8>>> = data
+    let mut slots: Vec<Option<Vec<u8>>> = data
         .iter()
         .cloned()
         .chain(parity.iter().cloned())
@@ -174,7 +174,8 @@ fn decode_rate(codec: Codec, chunk: usize, lost: usize, seconds: f64) -> Result<
     let started = Instant::now();
     let mut stripes = 0u64;
     while Instant::now() < deadline {
-        let mut slots = full.clone();
+        // Lose the first `lost` data slots; the survivors stay where they are, as a
+        // degraded read holds them.
         for s in slots.iter_mut().take(lost.min(codec.k)) {
             *s = None;
         }

@@ -35,6 +35,8 @@ thread_local! {
     // Building an encoder allocates its work space; one per thread, reset per use, keeps
     // the hot path allocation-light.
     static RS_ENCODER: RefCell<Option<ReedSolomonEncoder>> = const { RefCell::new(None) };
+    // The same for decoding: building a decoder costs more than decoding a 4 KiB stripe.
+    static RS_DECODER: RefCell<Option<ReedSolomonDecoder>> = const { RefCell::new(None) };
 }
 
 fn rs_error(e: reed_solomon_simd::Error) -> BlocksError {
@@ -181,26 +183,38 @@ impl Codec {
                 let len = slots.iter().flatten().next().map_or(0, Vec::len);
                 let data_missing = slots[..self.k].iter().any(Option::is_none);
                 if data_missing {
-                    let mut dec = ReedSolomonDecoder::new(self.k, self.m, len).map_err(rs_error)?;
-                    for (i, s) in slots[..self.k].iter().enumerate() {
-                        if let Some(s) = s {
-                            dec.add_original_shard(i, s).map_err(rs_error)?;
+                    RS_DECODER.with(|cell| -> Result<(), BlocksError> {
+                        let mut slot = cell.borrow_mut();
+                        let dec = match slot.as_mut() {
+                            Some(dec) => {
+                                dec.reset(self.k, self.m, len).map_err(rs_error)?;
+                                dec
+                            }
+                            None => slot.insert(
+                                ReedSolomonDecoder::new(self.k, self.m, len).map_err(rs_error)?,
+                            ),
+                        };
+                        for (i, s) in slots[..self.k].iter().enumerate() {
+                            if let Some(s) = s {
+                                dec.add_original_shard(i, s).map_err(rs_error)?;
+                            }
                         }
-                    }
-                    for (j, s) in slots[self.k..].iter().enumerate() {
-                        if let Some(s) = s {
-                            dec.add_recovery_shard(j, s).map_err(rs_error)?;
+                        for (j, s) in slots[self.k..].iter().enumerate() {
+                            if let Some(s) = s {
+                                dec.add_recovery_shard(j, s).map_err(rs_error)?;
+                            }
                         }
-                    }
-                    let result = dec.decode().map_err(rs_error)?;
-                    for (i, s) in slots[..self.k].iter_mut().enumerate() {
-                        if s.is_none() {
-                            let restored = result.restored_original(i).ok_or_else(|| {
-                                BlocksError::Codec(format!("data slot {i} not restored"))
-                            })?;
-                            *s = Some(restored.to_vec());
+                        let result = dec.decode().map_err(rs_error)?;
+                        for (i, s) in slots[..self.k].iter_mut().enumerate() {
+                            if s.is_none() {
+                                let restored = result.restored_original(i).ok_or_else(|| {
+                                    BlocksError::Codec(format!("data slot {i} not restored"))
+                                })?;
+                                *s = Some(restored.to_vec());
+                            }
                         }
-                    }
+                        Ok(())
+                    })?;
                 }
                 if slots[self.k..].iter().any(Option::is_none) {
                     let data: Vec<&[u8]> =
