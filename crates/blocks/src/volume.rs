@@ -1,7 +1,7 @@
 //! A volume over real servers: the pure modules put behind the client's request API.
 //!
-//! Each member holds one region named `camelot-vol.NAME.I`: the superblock, then one
-//! 8-byte intent word per stripe, then the stripe chunks. One call's chunk I/O is grouped
+//! Each member holds one region named `camelot-vol.NAME.I`: the superblock, then the
+//! 8-byte intent words, then the stripe chunks. One call's chunk I/O is grouped
 //! by member and sent with `submit_many` to every member before any answer is awaited, so
 //! it leaves as one batch per server, in parallel across servers.
 //!
@@ -10,12 +10,16 @@
 //! survivors — and the call is retried degraded: reads reconstruct from the survivors,
 //! writes rewrite parity so the lost chunk stays recoverable.
 //!
-//! The write hole is closed with per-stripe intent words: before a stripe's data or parity
-//! is written, FETCH_ADD +1 on its word on every parity member is acknowledged (riding with
-//! the read-modify-write reads, so a partial write pays no extra round trip); after every
-//! write of the call is acknowledged, −1. `open` resyncs every stripe whose word is not 0
-//! (parity recomputed from data: an unacknowledged write may land either way, but parity
-//! never silently disagrees).
+//! The write hole is closed the way md's write-intent bitmap closes it: stripes are grouped
+//! in zones of `INTENT_ZONE_STRIPES`, each with an intent word on every member. Before the
+//! first write into a zone, the word is set on every present member and acknowledged (it
+//! rides with the read-modify-write reads, so a partial write pays no extra round trip).
+//! The mark then stays while the zone is written to, and is cleared lazily — only while
+//! every stripe lock of the zone is held, so no write into it is in flight — when more
+//! than `MARKED_ZONES_MAX` zones are marked, when a zone has been idle for
+//! `MARK_IDLE`, or when the volume is dropped. `open` resyncs every stripe of every marked
+//! zone (parity recomputed from data: an unacknowledged write may land either way, but
+//! parity never silently disagrees).
 
 use crate::layout::{Code, Layout, Level};
 use crate::parity::{xor_into, Codec, RS_ALIGN};
@@ -26,6 +30,7 @@ use bytes::Bytes;
 use camelot_client::{reply, Client, ClientConfig, ClientError, ClusterMap, NodeId, NodeInfo};
 use camelot_proto::{ErrorCode, Op, Reply};
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -39,6 +44,13 @@ const META_READ_BYTES_MAX: u64 = 4 << 20;
 const STRIPES_PER_ROUND: u64 = 16;
 /// Intent word byte size.
 const INTENT_BYTES: u64 = 8;
+/// Stripes one intent word covers: a crash costs a resync of this many stripes per zone
+/// it left marked, and a write pays for a mark only on its zone's first write.
+pub const INTENT_ZONE_STRIPES: u64 = 64;
+/// Most zones kept marked at once; past it the least recently written are cleared.
+const MARKED_ZONES_MAX: usize = 256;
+/// A zone not written to for this long is cleared at the next write or drop.
+const MARK_IDLE: Duration = Duration::from_secs(1);
 
 /// How to reach the members.
 #[derive(Debug, Clone)]
@@ -172,6 +184,9 @@ pub struct Volume {
     sb_lock: Mutex<()>,
     rebuild_running: AtomicBool,
     rebuild_done: AtomicU64,
+    /// Zones whose intent word is set (and acknowledged) on every present member, with
+    /// when they were last written.
+    marked: Mutex<HashMap<u64, Instant>>,
 }
 
 fn map_of(members: &[Member]) -> ClusterMap {
@@ -294,6 +309,7 @@ impl Volume {
             sb_lock: Mutex::new(()),
             rebuild_running: AtomicBool::new(false),
             rebuild_done: AtomicU64::new(0),
+            marked: Mutex::new(HashMap::new()),
         }
     }
 
@@ -562,11 +578,50 @@ impl Volume {
         }
     }
 
-    fn intent_op(&self, st: &State, member: usize, stripe: u64, delta: u64) -> Op {
-        Op::FetchAdd {
+    fn mark_op(&self, st: &State, member: usize, zone: u64, value: u64) -> Op {
+        Op::Write {
             region: st.members[member].region,
-            offset: SUPERBLOCK_BYTES + stripe * INTENT_BYTES,
-            delta,
+            offset: SUPERBLOCK_BYTES + zone * INTENT_BYTES,
+            data: Bytes::copy_from_slice(&value.to_le_bytes()),
+        }
+    }
+
+    /// Clears the marks of idle zones (all of them when `all`), or of the least recently
+    /// written when too many are marked. Called with no stripe lock held.
+    fn clear_marks(&self, all: bool) {
+        let victims: Vec<u64> = {
+            let marked = self.marked.lock();
+            let mut by_age: Vec<(Instant, u64)> = marked.iter().map(|(z, t)| (*t, *z)).collect();
+            by_age.sort_unstable();
+            let excess = marked.len().saturating_sub(MARKED_ZONES_MAX);
+            by_age
+                .into_iter()
+                .enumerate()
+                .filter(|(i, (t, _))| all || *i < excess || t.elapsed() >= MARK_IDLE)
+                .map(|(_, (_, z))| z)
+                .collect()
+        };
+        for zone in victims {
+            let first = zone * INTENT_ZONE_STRIPES;
+            let last = (first + INTENT_ZONE_STRIPES).min(self.layout.stripes);
+            let spans: Vec<StripeSpan> = (first..last)
+                .map(|stripe| StripeSpan {
+                    stripe,
+                    pieces: vec![],
+                })
+                .collect();
+            // Every stripe of the zone locked: no write into it is in flight.
+            let _locks = self.write_locks(&spans);
+            if self.marked.lock().remove(&zone).is_none() {
+                continue;
+            }
+            let st = self.state.read().clone();
+            let ops = (0..st.members.len())
+                .filter(|&m| st.members[m].state == MemberState::Active)
+                .map(|m| (m, self.mark_op(&st, m, zone, 0)))
+                .collect();
+            // A clear that fails leaves a mark: one needless resync at the next open.
+            let _ = self.exchange(ops);
         }
     }
 
@@ -681,16 +736,14 @@ impl Volume {
     /// Writes `data` at `offset`.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), BlocksError> {
         let spans = plan::split(&self.layout, offset, data.len() as u64)?;
-        let _locks = self.write_locks(&spans);
-        self.retrying(|| self.try_write(&spans, data))
-    }
-
-    fn parity_members(&self, st: &State, stripe: u64) -> Vec<usize> {
-        let k = self.layout.data_slots();
-        (k..self.layout.members)
-            .map(|slot| self.layout.member_of(stripe, slot))
-            .filter(|&m| st.present(m, stripe))
-            .collect()
+        let result = {
+            let _locks = self.write_locks(&spans);
+            self.retrying(|| self.try_write(&spans, data))
+        };
+        if self.write_intent && self.layout.code() != Code::None {
+            self.clear_marks(false);
+        }
+        result
     }
 
     fn try_write(&self, spans: &[StripeSpan], data: &[u8]) -> Result<(), Stop> {
@@ -733,24 +786,29 @@ impl Volume {
             Slot { span: usize, slot: usize },
         }
         let mut gots = Vec::new();
-        let mut intents: Vec<(usize, u64)> = Vec::new();
-        for (si, span) in spans.iter().enumerate() {
-            let s = span.stripe;
-            if self.write_intent && code != Code::None {
-                let targets = if code == Code::Mirror {
-                    (0..n)
-                        .map(|j| self.layout.member_of(s, j))
-                        .filter(|&m| st.present(m, s))
-                        .collect()
-                } else {
-                    self.parity_members(&st, s)
-                };
-                for m in targets {
-                    ops.push((m, self.intent_op(&st, m, s, 1)));
-                    gots.push(Got::Intent);
-                    intents.push((m, s));
+        // Zones this call writes into that are not marked yet: mark them on every present
+        // member before any data or parity goes out.
+        let mut new_marks: Vec<u64> = Vec::new();
+        if self.write_intent && code != Code::None {
+            let now = Instant::now();
+            let mut marked = self.marked.lock();
+            for span in spans {
+                let zone = span.stripe / INTENT_ZONE_STRIPES;
+                match marked.get_mut(&zone) {
+                    Some(t) => *t = now,
+                    None if !new_marks.contains(&zone) => new_marks.push(zone),
+                    None => {}
                 }
             }
+        }
+        for &zone in &new_marks {
+            for m in (0..n).filter(|&m| st.members[m].state == MemberState::Active) {
+                ops.push((m, self.mark_op(&st, m, zone, 1)));
+                gots.push(Got::Intent);
+            }
+        }
+        for (si, span) in spans.iter().enumerate() {
+            let s = span.stripe;
             let (lo, hi) = span.range(RS_ALIGN, chunk);
             match modes[si] {
                 Mode::Plain | Mode::Full => {}
@@ -785,10 +843,17 @@ impl Volume {
         let mut slots: Vec<Vec<Option<Vec<u8>>>> = vec![vec![None; n]; spans.len()];
         if !ops.is_empty() {
             let replies = self.exchange_all(ops)?;
+            if !new_marks.is_empty() {
+                let now = Instant::now();
+                let mut marked = self.marked.lock();
+                for &zone in &new_marks {
+                    marked.insert(zone, now);
+                }
+            }
             for (reply, got) in replies.into_iter().zip(gots) {
                 match got {
                     Got::Intent => {
-                        reply::word(Ok(reply)).map_err(BlocksError::from)?;
+                        reply::done(Ok(reply)).map_err(BlocksError::from)?;
                     }
                     Got::OldPiece { span, piece } => {
                         old_pieces[span][piece] =
@@ -923,15 +988,6 @@ impl Volume {
         }
         self.exchange_all(writes)?;
 
-        // Phase 3: every write is in; clear the intents. Not awaited: a lost decrement
-        // only costs one needless resync of the stripe at the next open.
-        if !intents.is_empty() {
-            let ops: Vec<(NodeId, Op)> = intents
-                .iter()
-                .map(|&(m, s)| (m as NodeId, self.intent_op(&st, m, s, u64::MAX)))
-                .collect();
-            let _ = self.client.submit_many(ops);
-        }
         Ok(())
     }
 
@@ -1020,16 +1076,17 @@ impl Volume {
         Ok(report)
     }
 
-    /// Finds stripes a writer left marked (killed between data and parity) and makes
-    /// their parity agree with their data again, then clears the marks.
+    /// Finds zones a writer left marked (killed, perhaps between data and parity) and makes
+    /// the parity of their stripes agree with their data again, then clears the marks.
     pub fn resync_intents(&self) -> Result<ScrubReport, BlocksError> {
         let mut report = ScrubReport::default();
         if self.layout.code() == Code::None {
             return Ok(report);
         }
         let st = self.state.read().clone();
-        let words_bytes = self.layout.stripes * INTENT_BYTES;
-        let mut dirty = vec![false; self.layout.stripes as usize];
+        let zones = self.layout.stripes.div_ceil(INTENT_ZONE_STRIPES);
+        let words_bytes = zones * INTENT_BYTES;
+        let mut dirty = vec![false; zones as usize];
         let mut clear = Vec::new();
         for (m, member) in st.members.iter().enumerate() {
             if member.state != MemberState::Active {
@@ -1067,7 +1124,7 @@ impl Volume {
             }
         }
         let marked: Vec<u64> = (0..self.layout.stripes)
-            .filter(|&s| dirty[s as usize])
+            .filter(|&s| dirty[(s / INTENT_ZONE_STRIPES) as usize])
             .collect();
         for batch in marked.chunks(STRIPES_PER_ROUND as usize) {
             let spans: Vec<StripeSpan> = batch
@@ -1241,6 +1298,15 @@ impl Volume {
         }
         self.write_superblock(false)?;
         Ok(())
+    }
+}
+
+impl Drop for Volume {
+    /// Clears the marks of a volume closed cleanly, so the next open resyncs nothing.
+    fn drop(&mut self) {
+        if self.write_intent && self.layout.code() != Code::None {
+            self.clear_marks(true);
+        }
     }
 }
 
