@@ -425,6 +425,15 @@ fn fill(vol: &Volume) -> Result<(), BenchError> {
     Ok(())
 }
 
+/// The volume's client for benches: a long request timeout, because on a shared machine a
+/// multi-megabyte fill can wait seconds for CPU; a killed member is still noticed at once
+/// (its connection is reset).
+fn bench_volume_config() -> VolumeConfig {
+    let mut cfg = VolumeConfig::default();
+    cfg.client.request_timeout = Duration::from_secs(20);
+    cfg
+}
+
 /// Runs `bench raid compare`: writes `raid-compare.json` and its figure.
 pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
     cfg.validate()?;
@@ -455,7 +464,7 @@ pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, Benc
                 &addrs,
                 cfg.chunk_bytes,
                 cfg.volume_bytes,
-                &VolumeConfig::default(),
+                &bench_volume_config(),
             )
             .map_err(|e| BenchError::Setup(e.to_string()))?,
         );
