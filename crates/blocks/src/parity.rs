@@ -9,8 +9,10 @@
 
 use crate::layout::Code;
 use crate::BlocksError;
+use reed_solomon_simd::engine::{tables, DefaultEngine, Engine, GfElement};
 use reed_solomon_simd::{ReedSolomonDecoder, ReedSolomonEncoder};
 use std::cell::RefCell;
+use std::collections::HashMap;
 
 /// Reed–Solomon ranges start and end on this many bytes within a chunk.
 pub const RS_ALIGN: u64 = 64;
@@ -37,6 +39,77 @@ thread_local! {
     static RS_ENCODER: RefCell<Option<ReedSolomonEncoder>> = const { RefCell::new(None) };
     // The same for decoding: building a decoder costs more than decoding a 4 KiB stripe.
     static RS_DECODER: RefCell<Option<ReedSolomonDecoder>> = const { RefCell::new(None) };
+    // Decode matrices by erasure pattern, and the SIMD engine that applies them.
+    static RS_MATRICES: RefCell<HashMap<Pattern, Matrix>> = RefCell::new(HashMap::new());
+    static RS_ENGINE: DefaultEngine = DefaultEngine::new();
+}
+
+/// An erasure pattern: (k, m, bitmask of the k slots read).
+type Pattern = (usize, usize, u64);
+/// Per missing data slot: (slot, one GF(2^16) coefficient per slot read, in slot order).
+type Matrix = Vec<(usize, Vec<GfElement>)>;
+/// Most patterns a thread remembers (k + m ≤ 32 members, so in practice a handful).
+const RS_MATRICES_MAX: usize = 64;
+
+/// The coefficients that rebuild each missing data slot from the slots read. A
+/// Reed–Solomon decode in `reed-solomon-simd` costs a fixed transform over all of GF(2^16)
+/// (about a millisecond) whatever the shard size, which would make every degraded 4 KiB
+/// read CPU-bound; but the code is linear and the same for every element position, so
+/// decoding once per read slot with a unit element gives the map, and later stripes with
+/// the same losses are one multiply-and-XOR per slot read.
+fn decode_matrix(k: usize, m: usize, read: &[usize]) -> Result<Matrix, BlocksError> {
+    let missing: Vec<usize> = (0..k).filter(|i| !read.contains(i)).collect();
+    let mut columns: Vec<Vec<GfElement>> = vec![vec![0; read.len()]; missing.len()];
+    let mut dec = ReedSolomonDecoder::new(k, m, 64).map_err(rs_error)?;
+    for (col, _) in read.iter().enumerate() {
+        dec.reset(k, m, 64).map_err(rs_error)?;
+        for (j, &slot) in read.iter().enumerate() {
+            let mut shard = [0u8; 64];
+            // Element 0 of a 64-byte block: low byte at 0, high byte at 32.
+            shard[0] = u8::from(j == col);
+            if slot < k {
+                dec.add_original_shard(slot, shard).map_err(rs_error)?;
+            } else {
+                dec.add_recovery_shard(slot - k, shard).map_err(rs_error)?;
+            }
+        }
+        let result = dec.decode().map_err(rs_error)?;
+        for (row, &slot) in missing.iter().enumerate() {
+            let got = result
+                .restored_original(slot)
+                .ok_or_else(|| BlocksError::Codec(format!("slot {slot} not restored")))?;
+            columns[row][col] = GfElement::from(got[0]) | (GfElement::from(got[32]) << 8);
+        }
+    }
+    Ok(missing.into_iter().zip(columns).collect())
+}
+
+/// `dst ^= c · src` over GF(2^16), in the shard layout of `reed-solomon-simd`.
+fn mul_xor_into(
+    engine: &DefaultEngine,
+    dst: &mut [u8],
+    src: &[u8],
+    c: GfElement,
+    scratch: &mut Vec<[u8; 64]>,
+) {
+    if c == 0 {
+        return;
+    }
+    if c == 1 {
+        xor_into(dst, src);
+        return;
+    }
+    scratch.clear();
+    scratch.extend(src.chunks_exact(64).map(|b| {
+        let mut a = [0u8; 64];
+        a.copy_from_slice(b);
+        a
+    }));
+    let log = tables::get_exp_log().log[usize::from(c)];
+    engine.mul(scratch, log);
+    for (d, s) in dst.chunks_exact_mut(64).zip(scratch.iter()) {
+        xor_into(d, s);
+    }
 }
 
 fn rs_error(e: reed_solomon_simd::Error) -> BlocksError {
@@ -182,7 +255,42 @@ impl Codec {
             Code::Rs => {
                 let len = slots.iter().flatten().next().map_or(0, Vec::len);
                 let data_missing = slots[..self.k].iter().any(Option::is_none);
-                if data_missing {
+                if data_missing && len & 63 == 0 && self.k + self.m <= 64 {
+                    let read: Vec<usize> = (0..self.k + self.m)
+                        .filter(|&i| slots[i].is_some())
+                        .take(self.k)
+                        .collect();
+                    let mask = read.iter().fold(0u64, |a, &i| a | 1 << i);
+                    let key = (self.k, self.m, mask);
+                    let matrix = RS_MATRICES.with(|cell| -> Result<Matrix, BlocksError> {
+                        let mut cache = cell.borrow_mut();
+                        if let Some(m) = cache.get(&key) {
+                            return Ok(m.clone());
+                        }
+                        let m = decode_matrix(self.k, self.m, &read)?;
+                        if cache.len() >= RS_MATRICES_MAX {
+                            cache.clear();
+                        }
+                        cache.insert(key, m.clone());
+                        Ok(m)
+                    })?;
+                    let mut scratch = Vec::new();
+                    let mut restored = Vec::with_capacity(matrix.len());
+                    RS_ENGINE.with(|engine| {
+                        for (slot, coefficients) in &matrix {
+                            let mut out = vec![0u8; len];
+                            for (&j, &c) in read.iter().zip(coefficients) {
+                                if let Some(src) = slots[j].as_deref() {
+                                    mul_xor_into(engine, &mut out, src, c, &mut scratch);
+                                }
+                            }
+                            restored.push((*slot, out));
+                        }
+                    });
+                    for (slot, out) in restored {
+                        slots[slot] = Some(out);
+                    }
+                } else if data_missing {
                     RS_DECODER.with(|cell| -> Result<(), BlocksError> {
                         let mut slot = cell.borrow_mut();
                         let dec = match slot.as_mut() {
