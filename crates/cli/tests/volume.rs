@@ -200,6 +200,7 @@ fn a_member_sigkilled_under_load_loses_nothing_and_stalls_under_a_second() {
 fn the_kill_checker_sees_failures_where_there_is_no_redundancy() {
     // raid0 cannot survive the kill: the same checker must count failed operations.
     let (o, _vol) = kill_under_load(Level::Raid0, 4);
+    println!("raid0: {o:?}");
     assert!(
         o.failed_reads + o.failed_writes + o.lost_acknowledged_writes > 0,
         "raid0 lost a member and the checker saw nothing: {o:?}"
