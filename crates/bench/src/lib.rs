@@ -46,7 +46,8 @@ quick_config!(
     resp::RespBenchConfig,
     rvm::RvmBenchConfig,
     raid::EncodeConfig,
-    raid::CompareConfig
+    raid::CompareConfig,
+    raid::OverheadConfig
 );
 
 pub mod all;

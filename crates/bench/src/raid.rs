@@ -335,7 +335,26 @@ enum Load {
     FullStripeWrite,
     RandomWrite4k,
     RandomRead4k,
+    /// Each thread writes whole stripes in order from its own starting point.
+    SeqWrite,
+    /// Each thread reads 1 MiB at a time in order from its own starting point.
+    SeqRead,
 }
+
+impl Load {
+    fn label(self) -> &'static str {
+        match self {
+            Load::FullStripeWrite => "full-stripe write",
+            Load::RandomWrite4k => "4 KiB random write",
+            Load::RandomRead4k => "4 KiB random read",
+            Load::SeqWrite => "sequential write",
+            Load::SeqRead => "sequential read",
+        }
+    }
+}
+
+/// Bytes a sequential read asks for at a time.
+const SEQ_READ_BYTES: u64 = 1 << 20;
 
 /// Runs `threads` closed-loop threads of `load` for `seconds`; returns (ops/s, B/s).
 /// Reads are checked against the pattern `fill` wrote.
@@ -359,8 +378,36 @@ fn drive(
                 let blocks = vol.capacity_bytes() / 4096;
                 let mut full = vec![0u8; stripe as usize];
                 let mut buf = vec![0u8; 4096];
+                let mut big = vec![0u8; SEQ_READ_BYTES.min(vol.capacity_bytes()) as usize];
+                let mut next_stripe = stripes * t as u64 / threads as u64;
+                let mut next_read = (vol.capacity_bytes() * t as u64 / threads as u64)
+                    / SEQ_READ_BYTES
+                    * SEQ_READ_BYTES;
                 while !stop.load(Ordering::Relaxed) {
                     match load {
+                        Load::SeqWrite => {
+                            let s = next_stripe % stripes;
+                            next_stripe += 1;
+                            for (i, block) in full.chunks_mut(4096).enumerate() {
+                                block.fill(pattern(s * stripe / 4096 + i as u64));
+                            }
+                            vol.write(s * stripe, &full).map_err(|e| e.to_string())?;
+                            bytes.fetch_add(stripe, Ordering::Relaxed);
+                        }
+                        Load::SeqRead => {
+                            if next_read + big.len() as u64 > vol.capacity_bytes() {
+                                next_read = 0;
+                            }
+                            vol.read(next_read, &mut big).map_err(|e| e.to_string())?;
+                            for (i, block) in big.chunks(4096).enumerate() {
+                                let b = next_read / 4096 + i as u64;
+                                if block.iter().any(|&x| x != pattern(b)) {
+                                    return Err(format!("block {b} read back wrong"));
+                                }
+                            }
+                            bytes.fetch_add(big.len() as u64, Ordering::Relaxed);
+                            next_read += big.len() as u64;
+                        }
                         Load::FullStripeWrite => {
                             let s = rng.gen_range(0..stripes);
                             // The same pattern `fill` wrote, so later reads can check it.
@@ -582,6 +629,195 @@ pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, Benc
     Ok(output::write_result_with_figure(out, &result, &fig)?)
 }
 
+#[derive(Debug, Clone)]
+pub struct OverheadConfig {
+    pub threads: Vec<usize>,
+    pub chunk_bytes: u64,
+    pub volume_bytes: u64,
+    pub seconds_per_point: f64,
+    /// Seconds iperf3 streams beside the volumes (0: no iperf3).
+    pub peer_seconds: u64,
+    pub in_process: bool,
+    pub quick: bool,
+}
+
+impl Default for OverheadConfig {
+    fn default() -> Self {
+        OverheadConfig {
+            threads: vec![1, 2, 4, 8],
+            chunk_bytes: 64 << 10,
+            volume_bytes: 256 << 20,
+            seconds_per_point: 1.0,
+            peer_seconds: 2,
+            in_process: false,
+            quick: false,
+        }
+    }
+}
+
+impl OverheadConfig {
+    pub fn apply_quick(&mut self) {
+        self.quick = true;
+        self.threads = vec![1, 2];
+        self.volume_bytes = 16 << 20;
+        self.seconds_per_point = 0.2;
+        self.peer_seconds = self.peer_seconds.min(1);
+    }
+
+    pub fn validate(&self) -> Result<(), BenchError> {
+        if self.threads.is_empty() || self.threads.iter().any(|&t| t == 0 || t > THREADS_MAX) {
+            return Err(BenchError::InvalidConfig(format!(
+                "threads must be 1 to {THREADS_MAX}"
+            )));
+        }
+        if !(self.seconds_per_point.is_finite() && self.seconds_per_point > 0.0) {
+            return Err(BenchError::InvalidConfig(
+                "seconds per point must be positive".into(),
+            ));
+        }
+        if self.volume_bytes < 4 * self.chunk_bytes * 4 {
+            return Err(BenchError::InvalidConfig(
+                "the volume must hold a few stripes".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Runs `bench raid overhead` (seed 000's Raid4Overhead): sequential and 4 KiB random
+/// reads and writes on raid4 (5 servers) and raid0 (4) against threads, with an iperf3
+/// stream beside. Writes `raid-overhead.json` and its figure.
+pub fn run_overhead(cfg: &OverheadConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
+    cfg.validate()?;
+    let started = now_rfc3339();
+    let placement = Placement::choose(cfg.in_process)?;
+    let loads = [
+        Load::SeqWrite,
+        Load::SeqRead,
+        Load::RandomWrite4k,
+        Load::RandomRead4k,
+    ];
+    let mut series = Vec::new();
+    let mut at_most_threads: std::collections::BTreeMap<(String, &str), f64> = Default::default();
+    for (level, n) in [(Level::Raid0, 4), (Level::Raid4, 5)] {
+        let memory = cfg.volume_bytes * 2 / n as u64 + (64 << 20);
+        let nodes: Vec<CamelotNodes> = (0..n)
+            .map(|_| CamelotNodes::start(&CamelotSpec::new(1, memory), &placement))
+            .collect::<Result<_, _>>()?;
+        let addrs: Vec<_> = nodes.iter().map(|c| c.addrs()[0]).collect();
+        let vol = Arc::new(
+            Volume::create(
+                "overhead",
+                level,
+                &addrs,
+                cfg.chunk_bytes,
+                cfg.volume_bytes,
+                &bench_volume_config(),
+            )
+            .map_err(|e| BenchError::Setup(e.to_string()))?,
+        );
+        fill(&vol)?;
+        for load in loads {
+            let mut s = Series::new(format!("{} {}", level.name(), load.label()));
+            for &threads in &cfg.threads {
+                let (ops, bytes) = drive(&vol, load, threads, cfg.seconds_per_point)?;
+                let mut p = Point::new(threads);
+                p.ops_per_sec = Some(ops);
+                p.bytes_per_sec = Some(bytes);
+                s.points.push(p);
+                let key = (level.name(), load.label());
+                let figure = if matches!(load, Load::SeqWrite | Load::SeqRead) {
+                    bytes
+                } else {
+                    ops
+                };
+                at_most_threads.insert(key, figure);
+            }
+            series.push(s);
+        }
+        drop(vol);
+        for node in nodes {
+            node.stop()?;
+        }
+    }
+    let iperf = if cfg.peer_seconds > 0 {
+        Some(crate::peers::iperf3_tcp_stream(Duration::from_secs(
+            cfg.peer_seconds,
+        ))?)
+    } else {
+        None
+    };
+    let most = cfg.threads.iter().max().copied().unwrap_or(1);
+    let config = json!({
+        "x": "threads",
+        "threads": cfg.threads,
+        "levels": [{"level": "raid0", "members": 4}, {"level": "raid4", "members": 5}],
+        "chunk_bytes": cfg.chunk_bytes,
+        "volume_bytes": cfg.volume_bytes,
+        "seconds_per_point": cfg.seconds_per_point,
+        "servers": placement.name(),
+        "iperf3": iperf.as_ref().map(|i| i.command.clone()),
+        "quick": cfg.quick,
+    });
+    let mut result = BenchResult::new("raid-overhead", started, config, series);
+    if let Some(i) = &iperf {
+        result.references.push(camelot_results::schema::Reference {
+            label: "iperf3 stream (loopback)".into(),
+            metric: "bytes_per_sec".into(),
+            value: i.bytes_per_sec,
+        });
+    }
+    for load in loads {
+        let label = load.label();
+        if let (Some(a), Some(b)) = (
+            at_most_threads.get(&("raid4".to_string(), label)),
+            at_most_threads.get(&("raid0".to_string(), label)),
+        ) {
+            let unit = if matches!(load, Load::SeqWrite | Load::SeqRead) {
+                "B/s"
+            } else {
+                "ops/s"
+            };
+            result.comparisons.push(Comparison::new(
+                format!("raid4 {label}, {most} threads"),
+                *a,
+                *b,
+                unit,
+                "raid0",
+            ));
+        }
+    }
+    let fig = Figure::new("RAID-4 against RAID-0 (seed 000's Raid4Overhead)")
+        .panel(
+            result
+                .series
+                .iter()
+                .filter(|s| s.label.contains("sequential"))
+                .fold(Panel::new("sequential", "threads", "GB/s"), |p, s| {
+                    p.line(
+                        &s.label,
+                        camelot_results::plot::series_points(s, |pt| {
+                            pt.bytes_per_sec.map(|v| v / 1e9)
+                        }),
+                    )
+                })
+                .references_from(&result, "bytes_per_sec", 1e-9),
+        )
+        .panel(
+            result
+                .series
+                .iter()
+                .filter(|s| s.label.contains("4 KiB"))
+                .fold(Panel::new("4 KiB random", "threads", "ops/s"), |p, s| {
+                    p.line(
+                        &s.label,
+                        camelot_results::plot::series_points(s, |pt| pt.ops_per_sec),
+                    )
+                }),
+        );
+    Ok(output::write_result_with_figure(out, &result, &fig)?)
+}
+
 fn compare_figure(result: &BenchResult, names: &[String]) -> Figure {
     let bars = |title: &str, y: &str, pick: &dyn Fn(&Point) -> Option<f64>, which: &[usize]| {
         which.iter().fold(
@@ -656,6 +892,27 @@ mod tests {
             .comparisons
             .iter()
             .all(|c| c.ratio.is_finite() && c.ratio > 0.0));
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[test]
+    fn quick_overhead_in_process_has_both_levels() -> Result<(), BenchError> {
+        let dir = crate::scratch_dir("raid-overhead");
+        let cfg = OverheadConfig {
+            in_process: true,
+            peer_seconds: 0,
+            seconds_per_point: 0.05,
+            ..<OverheadConfig as crate::QuickConfig>::defaults(true)
+        };
+        let files = run_overhead(&cfg, &dir)?;
+        let result = output::read_result(&files[0])?;
+        assert_eq!(result.series.len(), 8);
+        assert!(result.series.iter().all(|s| s.points.len() == 2
+            && s.points
+                .iter()
+                .all(|p| p.ops_per_sec.is_some_and(|o| o > 0.0))));
+        assert_eq!(result.comparisons.len(), 4);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }

@@ -146,6 +146,9 @@ enum RaidKind {
     /// raid0, raid1, raid4, raid5, rs:4+2 over real servers: full-stripe write, 4 KiB
     /// random write and read, degraded read, memory overhead (seed 000's RaidComparison).
     Compare,
+    /// raid4 (5 servers) against raid0 (4): sequential and 4 KiB random reads and
+    /// writes at 1, 2, 4, 8 threads, an iperf3 stream beside (seed 000's Raid4Overhead).
+    Overhead,
 }
 
 #[derive(Args)]
@@ -155,9 +158,9 @@ struct RaidArgs {
     /// Scaled down to finish in seconds.
     #[arg(long)]
     quick: bool,
-    /// compare: client threads.
-    #[arg(long)]
-    threads: Option<usize>,
+    /// compare: client threads; overhead: thread counts, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    threads: Option<Vec<usize>>,
     /// compare: run the servers inside this process (labelled) instead of as
     /// `camelot server` processes.
     #[arg(long)]
@@ -268,7 +271,8 @@ enum BenchCommand {
     /// RVM recovery time against pages, per backend (seed 001), beside iperf3.
     RvmRecovery(RvmArgs),
     /// Block volumes (issue 17): `raid encode` (parity and Reed–Solomon GB/s per core),
-    /// `raid compare` (every level over real servers, degraded reads included).
+    /// `raid compare` (every level over real servers, degraded reads included), `raid
+    /// overhead` (raid4 against raid0 by threads, iperf3 beside).
     Raid(RaidArgs),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
@@ -1084,10 +1088,20 @@ fn bench_raid(a: RaidArgs) -> Result<()> {
                 in_process: a.in_process,
                 ..CompareConfig::defaults(a.quick)
             };
+            if let Some(t) = a.threads.as_ref().and_then(|t| t.first()) {
+                cfg.threads = *t;
+            }
+            camelot_bench::raid::run_compare(&cfg, &a.out)?
+        }
+        RaidKind::Overhead => {
+            let mut cfg = camelot_bench::raid::OverheadConfig {
+                in_process: a.in_process,
+                ..camelot_bench::raid::OverheadConfig::defaults(a.quick)
+            };
             if let Some(t) = a.threads {
                 cfg.threads = t;
             }
-            camelot_bench::raid::run_compare(&cfg, &a.out)?
+            camelot_bench::raid::run_overhead(&cfg, &a.out)?
         }
     };
     if let Some(json) = written.first() {
