@@ -47,7 +47,8 @@ quick_config!(
     rvm::RvmBenchConfig,
     raid::EncodeConfig,
     raid::CompareConfig,
-    raid::OverheadConfig
+    raid::OverheadConfig,
+    raid::RebuildConfig
 );
 
 pub mod all;

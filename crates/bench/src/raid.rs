@@ -339,6 +339,8 @@ enum Load {
     SeqWrite,
     /// Each thread reads 1 MiB at a time in order from its own starting point.
     SeqRead,
+    /// Half 4 KiB random reads, half 4 KiB random writes (YCSB A's mix on blocks).
+    Mixed4k,
 }
 
 impl Load {
@@ -349,6 +351,7 @@ impl Load {
             Load::RandomRead4k => "4 KiB random read",
             Load::SeqWrite => "sequential write",
             Load::SeqRead => "sequential read",
+            Load::Mixed4k => "4 KiB 50/50 read/write",
         }
     }
 }
@@ -363,6 +366,16 @@ fn drive(
     load: Load,
     threads: usize,
     seconds: f64,
+) -> Result<(f64, f64), BenchError> {
+    drive_while(vol, load, threads, &|elapsed| elapsed < seconds)
+}
+
+/// [`drive`] for as long as `keep_going(seconds elapsed)` says.
+fn drive_while(
+    vol: &Arc<Volume>,
+    load: Load,
+    threads: usize,
+    keep_going: &dyn Fn(f64) -> bool,
 ) -> Result<(f64, f64), BenchError> {
     let stop = Arc::new(AtomicBool::new(false));
     let ops = Arc::new(AtomicU64::new(0));
@@ -423,7 +436,13 @@ fn drive(
                             vol.write(b * 4096, &buf).map_err(|e| e.to_string())?;
                             bytes.fetch_add(4096, Ordering::Relaxed);
                         }
-                        Load::RandomRead4k => {
+                        Load::Mixed4k if rng.gen_bool(0.5) => {
+                            let b = rng.gen_range(0..blocks);
+                            buf.iter_mut().for_each(|x| *x = pattern(b));
+                            vol.write(b * 4096, &buf).map_err(|e| e.to_string())?;
+                            bytes.fetch_add(4096, Ordering::Relaxed);
+                        }
+                        Load::RandomRead4k | Load::Mixed4k => {
                             let b = rng.gen_range(0..blocks);
                             vol.read(b * 4096, &mut buf).map_err(|e| e.to_string())?;
                             if buf.iter().any(|&x| x != pattern(b)) {
@@ -438,7 +457,7 @@ fn drive(
             })
         })
         .collect();
-    while started.elapsed().as_secs_f64() < seconds && !workers.iter().any(|w| w.is_finished()) {
+    while keep_going(started.elapsed().as_secs_f64()) && !workers.iter().any(|w| w.is_finished()) {
         std::thread::sleep(Duration::from_millis(5));
     }
     stop.store(true, Ordering::Relaxed);
@@ -818,6 +837,218 @@ pub fn run_overhead(cfg: &OverheadConfig, out: &Path) -> Result<Vec<PathBuf>, Be
     Ok(output::write_result_with_figure(out, &result, &fig)?)
 }
 
+#[derive(Debug, Clone)]
+pub struct RebuildConfig {
+    pub threads: usize,
+    pub chunk_bytes: u64,
+    pub volume_bytes: u64,
+    /// Seconds of load measured before the member is lost.
+    pub baseline_seconds: f64,
+    /// Rebuild rate limit in bytes a second (0: unlimited).
+    pub rate_bytes_per_s: u64,
+    pub peer_seconds: u64,
+    pub in_process: bool,
+    pub quick: bool,
+}
+
+impl Default for RebuildConfig {
+    fn default() -> Self {
+        RebuildConfig {
+            threads: 4,
+            chunk_bytes: 64 << 10,
+            volume_bytes: 256 << 20,
+            baseline_seconds: 2.0,
+            rate_bytes_per_s: 0,
+            peer_seconds: 2,
+            in_process: false,
+            quick: false,
+        }
+    }
+}
+
+impl RebuildConfig {
+    pub fn apply_quick(&mut self) {
+        self.quick = true;
+        self.threads = self.threads.min(2);
+        self.volume_bytes = 16 << 20;
+        self.baseline_seconds = 0.2;
+        self.peer_seconds = self.peer_seconds.min(1);
+    }
+
+    pub fn validate(&self) -> Result<(), BenchError> {
+        if self.threads == 0 || self.threads > THREADS_MAX {
+            return Err(BenchError::InvalidConfig(format!(
+                "threads must be 1 to {THREADS_MAX}"
+            )));
+        }
+        if !(self.baseline_seconds.is_finite() && self.baseline_seconds > 0.0) {
+            return Err(BenchError::InvalidConfig(
+                "baseline seconds must be positive".into(),
+            ));
+        }
+        if self.volume_bytes < 4 * self.chunk_bytes * 4 {
+            return Err(BenchError::InvalidConfig(
+                "the volume must hold a few stripes".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Runs `bench raid rebuild`: raid5 over 5 servers under a 4 KiB 50/50 load; one member's
+/// server is killed, the load goes on degraded, then the member is rebuilt onto a fresh
+/// server while the load keeps running. Reports the rebuild rate (against an iperf3
+/// stream) and the load's throughput before and during the rebuild.
+pub fn run_rebuild(cfg: &RebuildConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
+    cfg.validate()?;
+    let started = now_rfc3339();
+    let placement = Placement::choose(cfg.in_process)?;
+    let n = 5;
+    let memory = cfg.volume_bytes * 2 / n as u64 + (64 << 20);
+    let mut nodes: Vec<Option<CamelotNodes>> = (0..n)
+        .map(|_| CamelotNodes::start(&CamelotSpec::new(1, memory), &placement).map(Some))
+        .collect::<Result<_, _>>()?;
+    let addrs: Vec<_> = nodes.iter().flatten().map(|c| c.addrs()[0]).collect();
+    let vol = Arc::new(
+        Volume::create(
+            "rebuild",
+            Level::Raid5,
+            &addrs,
+            cfg.chunk_bytes,
+            cfg.volume_bytes,
+            &bench_volume_config(),
+        )
+        .map_err(|e| BenchError::Setup(e.to_string()))?,
+    );
+    fill(&vol)?;
+    let (before_ops, _) = drive(&vol, Load::Mixed4k, cfg.threads, cfg.baseline_seconds)?;
+    if let Some(node) = nodes[1].take() {
+        node.stop()?;
+    }
+    let (degraded_ops, _) = drive(&vol, Load::Mixed4k, cfg.threads, cfg.baseline_seconds)?;
+    let fresh = CamelotNodes::start(&CamelotSpec::new(1, memory), &placement)?;
+    let target = fresh.addrs()[0];
+    let rebuilder = {
+        let vol = vol.clone();
+        let rate = cfg.rate_bytes_per_s;
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            vol.rebuild(1, target, rate).map(|()| t.elapsed())
+        })
+    };
+    let (during_ops, _) = drive_while(&vol, Load::Mixed4k, cfg.threads, &|_| {
+        !rebuilder.is_finished()
+    })?;
+    let took = rebuilder
+        .join()
+        .map_err(|_| BenchError::Check("the rebuild thread panicked".into()))?
+        .map_err(|e| BenchError::Check(format!("rebuild: {e}")))?;
+    let rebuilt_bytes = vol.layout().member_data_bytes();
+    let rebuild_rate = rebuilt_bytes as f64 / took.as_secs_f64().max(f64::MIN_POSITIVE);
+    let scrub = vol
+        .scrub(false)
+        .map_err(|e| BenchError::Check(format!("scrub after rebuild: {e}")))?;
+    if scrub.mismatches > 0 || vol.status().degraded() {
+        return Err(BenchError::Check(format!(
+            "after the rebuild: {scrub:?}, degraded {}",
+            vol.status().degraded()
+        )));
+    }
+    drop(vol);
+    drop(fresh);
+    for node in nodes.into_iter().flatten() {
+        node.stop()?;
+    }
+    let iperf = if cfg.peer_seconds > 0 {
+        Some(crate::peers::iperf3_tcp_stream(Duration::from_secs(
+            cfg.peer_seconds,
+        ))?)
+    } else {
+        None
+    };
+    let mut load = Series::new("4 KiB 50/50 load");
+    for (x, ops) in [
+        ("before", before_ops),
+        ("degraded", degraded_ops),
+        ("during rebuild", during_ops),
+    ] {
+        let mut p = Point::new(x);
+        p.ops_per_sec = Some(ops);
+        load.points.push(p);
+    }
+    let mut rebuild = Series::new("rebuild");
+    let mut p = Point::new("during rebuild");
+    p.bytes_per_sec = Some(rebuild_rate);
+    p.extra.insert("rebuilt_bytes".into(), json!(rebuilt_bytes));
+    p.extra.insert("seconds".into(), json!(took.as_secs_f64()));
+    rebuild.points.push(p);
+    let config = json!({
+        "x": "phase",
+        "level": "raid5",
+        "members": n,
+        "threads": cfg.threads,
+        "chunk_bytes": cfg.chunk_bytes,
+        "volume_bytes": cfg.volume_bytes,
+        "baseline_seconds": cfg.baseline_seconds,
+        "rate_bytes_per_s": cfg.rate_bytes_per_s,
+        "servers": placement.name(),
+        "iperf3": iperf.as_ref().map(|i| i.command.clone()),
+        "quick": cfg.quick,
+    });
+    let mut result = BenchResult::new("raid-rebuild", started, config, vec![load, rebuild]);
+    result.comparisons.push(
+        Comparison::new(
+            "load during rebuild ÷ before",
+            during_ops,
+            before_ops,
+            "ops/s",
+            "the same load before the loss",
+        )
+        .with_target(0.7, false),
+    );
+    if let Some(i) = &iperf {
+        result.references.push(camelot_results::schema::Reference {
+            label: "iperf3 stream (loopback)".into(),
+            metric: "bytes_per_sec".into(),
+            value: i.bytes_per_sec,
+        });
+        result.comparisons.push(
+            Comparison::new(
+                "rebuild rate",
+                rebuild_rate,
+                i.bytes_per_sec,
+                "B/s",
+                "iperf3 stream (loopback)",
+            )
+            .with_target(0.5, false),
+        );
+    }
+    let names: Vec<String> = ["before", "degraded", "during rebuild"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let fig = Figure::new("RAID-5 rebuild while serving")
+        .panel(
+            Panel::new("load", "phase", "ops/s")
+                .bars(names.clone())
+                .line(
+                    "4 KiB 50/50 load",
+                    [before_ops, degraded_ops, during_ops]
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| (i as f64, *v))
+                        .collect(),
+                ),
+        )
+        .panel(
+            Panel::new("rebuild", "phase", "GB/s")
+                .bars(vec!["rebuild".into()])
+                .line("rebuild rate", vec![(0.0, rebuild_rate / 1e9)])
+                .references_from(&result, "bytes_per_sec", 1e-9),
+        );
+    Ok(output::write_result_with_figure(out, &result, &fig)?)
+}
+
 fn compare_figure(result: &BenchResult, names: &[String]) -> Figure {
     let bars = |title: &str, y: &str, pick: &dyn Fn(&Point) -> Option<f64>, which: &[usize]| {
         which.iter().fold(
@@ -913,6 +1144,26 @@ mod tests {
                 .iter()
                 .all(|p| p.ops_per_sec.is_some_and(|o| o > 0.0))));
         assert_eq!(result.comparisons.len(), 4);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[test]
+    fn quick_rebuild_in_process_rebuilds_and_reports() -> Result<(), BenchError> {
+        let dir = crate::scratch_dir("raid-rebuild");
+        let cfg = RebuildConfig {
+            in_process: true,
+            peer_seconds: 0,
+            baseline_seconds: 0.05,
+            ..<RebuildConfig as crate::QuickConfig>::defaults(true)
+        };
+        let files = run_rebuild(&cfg, &dir)?;
+        let result = output::read_result(&files[0])?;
+        assert_eq!(result.series[0].points.len(), 3);
+        assert!(result.series[1].points[0]
+            .bytes_per_sec
+            .is_some_and(|b| b > 0.0));
+        assert_eq!(result.comparisons.len(), 1);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }

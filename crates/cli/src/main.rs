@@ -149,6 +149,9 @@ enum RaidKind {
     /// raid4 (5 servers) against raid0 (4): sequential and 4 KiB random reads and
     /// writes at 1, 2, 4, 8 threads, an iperf3 stream beside (seed 000's Raid4Overhead).
     Overhead,
+    /// raid5 under a 4 KiB 50/50 load: a member's server killed, then rebuilt onto a
+    /// fresh one while the load runs; rebuild rate against iperf3, the load's dip.
+    Rebuild,
 }
 
 #[derive(Args)]
@@ -158,7 +161,7 @@ struct RaidArgs {
     /// Scaled down to finish in seconds.
     #[arg(long)]
     quick: bool,
-    /// compare: client threads; overhead: thread counts, comma-separated.
+    /// compare, rebuild: client threads; overhead: thread counts, comma-separated.
     #[arg(long, value_delimiter = ',')]
     threads: Option<Vec<usize>>,
     /// compare: run the servers inside this process (labelled) instead of as
@@ -272,7 +275,8 @@ enum BenchCommand {
     RvmRecovery(RvmArgs),
     /// Block volumes (issue 17): `raid encode` (parity and Reed–Solomon GB/s per core),
     /// `raid compare` (every level over real servers, degraded reads included), `raid
-    /// overhead` (raid4 against raid0 by threads, iperf3 beside).
+    /// overhead` (raid4 against raid0 by threads, iperf3 beside), `raid rebuild`
+    /// (rebuild rate under load, the load's dip).
     Raid(RaidArgs),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
@@ -1102,6 +1106,16 @@ fn bench_raid(a: RaidArgs) -> Result<()> {
                 cfg.threads = t;
             }
             camelot_bench::raid::run_overhead(&cfg, &a.out)?
+        }
+        RaidKind::Rebuild => {
+            let mut cfg = camelot_bench::raid::RebuildConfig {
+                in_process: a.in_process,
+                ..camelot_bench::raid::RebuildConfig::defaults(a.quick)
+            };
+            if let Some(t) = a.threads.as_ref().and_then(|t| t.first()) {
+                cfg.threads = *t;
+            }
+            camelot_bench::raid::run_rebuild(&cfg, &a.out)?
         }
     };
     if let Some(json) = written.first() {
