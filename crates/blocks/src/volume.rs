@@ -1232,12 +1232,17 @@ impl Volume {
         let chunk = self.layout.chunk_bytes;
         let n = self.layout.members;
         let k = self.layout.data_slots();
-        for s in 0..self.layout.stripes {
-            let span = [StripeSpan {
-                stripe: s,
-                pieces: vec![],
-            }];
-            let _lock = self.write_locks(&span);
+        let mut first = 0;
+        while first < self.layout.stripes {
+            // A round of stripes: one batch of reads, one of writes, under their locks.
+            let last = (first + STRIPES_PER_ROUND).min(self.layout.stripes);
+            let spans: Vec<StripeSpan> = (first..last)
+                .map(|stripe| StripeSpan {
+                    stripe,
+                    pieces: vec![],
+                })
+                .collect();
+            let locks = self.write_locks(&spans);
             self.retrying(|| {
                 let st = self.state.read().clone();
                 if st.rebuild.map(|(m, _)| m) != Some(member) {
@@ -1246,42 +1251,51 @@ impl Volume {
                         source: ClientError::ConnectionLost { addr: replacement },
                     }));
                 }
-                let sources: Vec<usize> = (0..n)
-                    .filter(|&slot| {
-                        let m = self.layout.member_of(s, slot);
-                        m != member && st.present(m, s)
-                    })
-                    .take(if self.layout.code() == Code::Mirror {
-                        1
-                    } else {
-                        k
-                    })
-                    .collect();
                 let mut ops = Vec::new();
-                for &slot in &sources {
-                    let m = self.layout.member_of(s, slot);
-                    ops.push((m, self.read_op(&st, m, s, 0, chunk)));
+                let mut wanted = Vec::new();
+                for s in first..last {
+                    let sources: Vec<usize> = (0..n)
+                        .filter(|&slot| {
+                            let m = self.layout.member_of(s, slot);
+                            m != member && st.present(m, s)
+                        })
+                        .take(if self.layout.code() == Code::Mirror {
+                            1
+                        } else {
+                            k
+                        })
+                        .collect();
+                    for &slot in &sources {
+                        let m = self.layout.member_of(s, slot);
+                        ops.push((m, self.read_op(&st, m, s, 0, chunk)));
+                        wanted.push((s, slot));
+                    }
                 }
                 let replies = self.exchange_all(ops)?;
-                let mut slots: Vec<Option<Vec<u8>>> = vec![None; n];
-                for (slot, r) in sources.iter().zip(replies) {
-                    slots[*slot] = Some(reply::data(Ok(r)).map_err(BlocksError::from)?.to_vec());
+                let mut slots: Vec<Vec<Option<Vec<u8>>>> =
+                    vec![vec![None; n]; (last - first) as usize];
+                for ((s, slot), r) in wanted.into_iter().zip(replies) {
+                    slots[(s - first) as usize][slot] =
+                        Some(reply::data(Ok(r)).map_err(BlocksError::from)?.to_vec());
                 }
-                self.codec.reconstruct(&mut slots)?;
-                let mine = self.layout.slot_of(s, member);
-                let bytes = slots[mine].take().unwrap_or_default();
-                self.exchange_all(vec![(
-                    member,
-                    self.write_op(&st, member, s, 0, Bytes::from(bytes)),
-                )])?;
+                let mut writes = Vec::new();
+                for (i, stripe_slots) in slots.iter_mut().enumerate() {
+                    let s = first + i as u64;
+                    self.codec.reconstruct(stripe_slots)?;
+                    let mine = self.layout.slot_of(s, member);
+                    let bytes = stripe_slots[mine].take().unwrap_or_default();
+                    writes.push((member, self.write_op(&st, member, s, 0, Bytes::from(bytes))));
+                }
+                self.exchange_all(writes)?;
                 Ok(())
             })?;
             if let Some((_, cursor)) = self.state.write().rebuild.as_mut() {
-                *cursor = s + 1;
+                *cursor = last;
             }
-            self.rebuild_done.store(s + 1, Ordering::Relaxed);
-            drop(_lock);
-            bytes_done += chunk;
+            self.rebuild_done.store(last, Ordering::Relaxed);
+            drop(locks);
+            bytes_done += chunk * (last - first);
+            first = last;
             if rate_bytes_per_s > 0 {
                 // Rate limit: sleeping until the budget allows the bytes done so far.
                 let due = Duration::from_secs_f64(bytes_done as f64 / rate_bytes_per_s as f64);
