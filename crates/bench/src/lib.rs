@@ -47,7 +47,11 @@ quick_config!(
     rvm::RvmBenchConfig,
     paging::PagingConfig,
     sort::SortConfig,
-    prefetch::PrefetchConfig
+    prefetch::PrefetchConfig,
+    raid::EncodeConfig,
+    raid::CompareConfig,
+    raid::OverheadConfig,
+    raid::RebuildConfig
 );
 
 pub mod all;
@@ -56,6 +60,7 @@ pub mod demo;
 pub mod hw;
 pub mod paging;
 pub mod prefetch;
+pub mod raid;
 pub mod resp;
 pub mod rvm;
 pub mod sort;

@@ -48,6 +48,133 @@ enum Command {
     /// Far memory: the page cache's eviction policies, without a server.
     #[command(subcommand)]
     Farmem(farmem::FarmemCommand),
+    /// Block volumes striped over memory servers (raid0/1/4/5, rs:K+M): create, status,
+    /// rebuild, scrub, read and write.
+    #[command(subcommand)]
+    Volume(VolumeCommand),
+}
+
+#[derive(Subcommand)]
+enum VolumeCommand {
+    /// Create a volume from one region on each server, e.g.
+    /// `camelot volume create --level raid5 --servers a,b,c,d --size 1GiB NAME`.
+    Create(VolumeCreateArgs),
+    /// Members, their state, whether the volume is degraded; opening it also resyncs
+    /// stripes a killed writer left marked.
+    Status(VolumeRef),
+    /// Rebuild a lost member onto a replacement server (or the same one restarted):
+    /// `--replace OLD=NEW`, addresses as host:port.
+    Rebuild(VolumeRebuildArgs),
+    /// Read every stripe, check parity against data, repair mismatches from data.
+    Scrub(VolumeScrubArgs),
+    /// Write LEN bytes at OFFSET to stdout, raw.
+    Read(VolumeReadArgs),
+    /// Write stdin's bytes at OFFSET (at most to the volume's end).
+    Write(VolumeWriteArgs),
+}
+
+#[derive(Args)]
+struct VolumeRef {
+    /// The volume's name.
+    name: String,
+    /// Any one member server (host:port): the superblock there names the others.
+    #[arg(long, env = "CAMELOT_VOLUME_SERVER")]
+    server: String,
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+#[derive(Args)]
+struct VolumeCreateArgs {
+    /// The volume's name ([A-Za-z0-9._-], at most 64 bytes).
+    name: String,
+    /// raid0, raid1 (n-way mirror), raid4, raid5 or rs:K+M (K data, M parity, K+M servers).
+    #[arg(long)]
+    level: String,
+    /// Member servers (host:port), comma-separated, one region on each.
+    #[arg(long, value_delimiter = ',', required = true)]
+    servers: Vec<String>,
+    /// Data capacity (rounded up to whole stripes), e.g. 1GiB.
+    #[arg(long, value_parser = parse_bytes)]
+    size: u64,
+    /// Chunk size: a power of two from 4K to 4M.
+    #[arg(long, default_value = "64K", value_parser = parse_bytes)]
+    chunk: u64,
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+#[derive(Args)]
+struct VolumeRebuildArgs {
+    #[command(flatten)]
+    volume: VolumeRef,
+    /// OLD=NEW: the lost member's address and the server to rebuild it on.
+    #[arg(long)]
+    replace: String,
+    /// Most bytes a second the rebuild writes (e.g. 200M); 0: unlimited.
+    #[arg(long, default_value = "0", value_parser = parse_bytes)]
+    rate: u64,
+}
+
+#[derive(Args)]
+struct VolumeScrubArgs {
+    #[command(flatten)]
+    volume: VolumeRef,
+    /// Only report mismatches; do not rewrite parity.
+    #[arg(long)]
+    no_repair: bool,
+}
+
+#[derive(Args)]
+struct VolumeReadArgs {
+    #[command(flatten)]
+    volume: VolumeRef,
+    #[arg(long, value_parser = parse_bytes)]
+    offset: u64,
+    #[arg(long, value_parser = parse_bytes)]
+    len: u64,
+}
+
+#[derive(Args)]
+struct VolumeWriteArgs {
+    #[command(flatten)]
+    volume: VolumeRef,
+    #[arg(long, value_parser = parse_bytes)]
+    offset: u64,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RaidKind {
+    /// GB/s of XOR and Reed–Solomon encode and decode on one core (no network).
+    Encode,
+    /// raid0, raid1, raid4, raid5, rs:4+2 over real servers: full-stripe write, 4 KiB
+    /// random write and read, degraded read, memory overhead (seed 000's RaidComparison).
+    Compare,
+    /// raid4 (5 servers) against raid0 (4): sequential and 4 KiB random reads and
+    /// writes at 1, 2, 4, 8 threads, an iperf3 stream beside (seed 000's Raid4Overhead).
+    Overhead,
+    /// raid5 under a 4 KiB 50/50 load: a member's server killed, then rebuilt onto a
+    /// fresh one while the load runs; rebuild rate against iperf3, the load's dip.
+    Rebuild,
+}
+
+#[derive(Args)]
+struct RaidArgs {
+    #[arg(value_enum)]
+    kind: RaidKind,
+    /// Scaled down to finish in seconds.
+    #[arg(long)]
+    quick: bool,
+    /// compare, rebuild: client threads; overhead: thread counts, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    threads: Option<Vec<usize>>,
+    /// compare: run the servers inside this process (labelled) instead of as
+    /// `camelot server` processes.
+    #[arg(long)]
+    in_process: bool,
+    /// Directory for raid-<kind>.json and its figure.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -192,6 +319,11 @@ enum BenchCommand {
     Sort(farmem::SortArgs),
     /// A sequential scan of far memory with each prefetcher, beside an iperf3 stream.
     Prefetch(farmem::PrefetchArgs),
+    /// Block volumes (issue 17): `raid encode` (parity and Reed–Solomon GB/s per core),
+    /// `raid compare` (every level over real servers, degraded reads included), `raid
+    /// overhead` (raid4 against raid0 by threads, iperf3 beside), `raid rebuild`
+    /// (rebuild rate under load, the load's dip).
+    Raid(RaidArgs),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
 }
@@ -558,6 +690,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Hw(a)) => bench_hw(a),
         Command::Report(a) => report(a),
         Command::Farmem(c) => farmem::run(c),
+        Command::Bench(BenchCommand::Raid(a)) => bench_raid(a),
+        Command::Volume(c) => volume(c),
     }
 }
 
@@ -1129,3 +1263,220 @@ fn net_server(listen: &str) -> Result<()> {
     drop(server);
     Ok(())
 }
+
+fn bench_raid(a: RaidArgs) -> Result<()> {
+    use camelot_bench::raid::{CompareConfig, EncodeConfig};
+    use camelot_bench::QuickConfig;
+    let written = match a.kind {
+        RaidKind::Encode => {
+            camelot_bench::raid::run_encode(&EncodeConfig::defaults(a.quick), &a.out)?
+        }
+        RaidKind::Compare => {
+            let mut cfg = CompareConfig {
+                in_process: a.in_process,
+                ..CompareConfig::defaults(a.quick)
+            };
+            if let Some(t) = a.threads.as_ref().and_then(|t| t.first()) {
+                cfg.threads = *t;
+            }
+            camelot_bench::raid::run_compare(&cfg, &a.out)?
+        }
+        RaidKind::Overhead => {
+            let mut cfg = camelot_bench::raid::OverheadConfig {
+                in_process: a.in_process,
+                ..camelot_bench::raid::OverheadConfig::defaults(a.quick)
+            };
+            if let Some(t) = a.threads {
+                cfg.threads = t;
+            }
+            camelot_bench::raid::run_overhead(&cfg, &a.out)?
+        }
+        RaidKind::Rebuild => {
+            let mut cfg = camelot_bench::raid::RebuildConfig {
+                in_process: a.in_process,
+                ..camelot_bench::raid::RebuildConfig::defaults(a.quick)
+            };
+            if let Some(t) = a.threads.as_ref().and_then(|t| t.first()) {
+                cfg.threads = *t;
+            }
+            camelot_bench::raid::run_rebuild(&cfg, &a.out)?
+        }
+    };
+    if let Some(json) = written.first() {
+        let result = camelot_results::output::read_result(json)?;
+        print!("{}", camelot_results::summary::comparison_table(&result));
+    }
+    for p in written {
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+fn volume_config(token: Option<String>) -> camelot_blocks::VolumeConfig {
+    let mut cfg = camelot_blocks::VolumeConfig::default();
+    cfg.client.token = token.map(String::into_bytes);
+    cfg
+}
+
+fn open_volume(r: &VolumeRef) -> Result<camelot_blocks::Volume> {
+    let (vol, resync) = camelot_blocks::Volume::open(
+        resolve(&r.server)?,
+        &r.name,
+        &volume_config(r.token.clone()),
+    )?;
+    if resync.stripes_checked > 0 {
+        eprintln!(
+            "resynced {} stripes a writer left marked ({} had parity to repair)",
+            resync.stripes_checked, resync.repaired
+        );
+    }
+    Ok(vol)
+}
+
+fn print_status(vol: &camelot_blocks::Volume) {
+    let st = vol.status();
+    println!(
+        "volume {}: {}, {} members, chunk {}, capacity {}, memory overhead {:.2}x, generation {}",
+        st.name,
+        st.layout.level.name(),
+        st.layout.members,
+        format_bytes(st.layout.chunk_bytes),
+        format_bytes(st.layout.capacity_bytes()),
+        st.layout.memory_overhead(),
+        st.generation
+    );
+    if st.degraded() {
+        println!("state: degraded, missing members {:?}", st.missing);
+    } else {
+        println!("state: healthy");
+    }
+    if let Some((m, done, total)) = st.rebuild {
+        println!("rebuild: member {m}, {done}/{total} stripes");
+    }
+    for (i, m) in st.members.iter().enumerate() {
+        let state = match m.state {
+            camelot_blocks::superblock::MemberState::Active => "active",
+            camelot_blocks::superblock::MemberState::Missing => "missing",
+        };
+        println!("member {i}: {} region {} {state}", m.addr, m.region);
+    }
+}
+
+fn volume(c: VolumeCommand) -> Result<()> {
+    use std::io::{Read, Write};
+    match c {
+        VolumeCommand::Create(a) => {
+            let servers = a
+                .servers
+                .iter()
+                .map(|s| resolve(s))
+                .collect::<Result<Vec<_>>>()?;
+            let vol = camelot_blocks::Volume::create(
+                &a.name,
+                camelot_blocks::Level::parse(&a.level)?,
+                &servers,
+                a.chunk,
+                a.size,
+                &volume_config(a.token),
+            )?;
+            print_status(&vol);
+        }
+        VolumeCommand::Status(r) => print_status(&open_volume(&r)?),
+        VolumeCommand::Rebuild(a) => {
+            let vol = std::sync::Arc::new(open_volume(&a.volume)?);
+            let (old, new) = a
+                .replace
+                .split_once('=')
+                .ok_or_else(|| anyhow!("--replace wants OLD=NEW, not {:?}", a.replace))?;
+            let (old, new) = (resolve(old)?, resolve(new)?);
+            let member = vol
+                .status()
+                .members
+                .iter()
+                .position(|m| m.addr == old)
+                .ok_or_else(|| anyhow!("{old} is not a member of {}", vol.name()))?;
+            let worker = {
+                let vol = vol.clone();
+                std::thread::spawn(move || vol.rebuild(member, new, a.rate))
+            };
+            let mut last = std::time::Instant::now();
+            while !worker.is_finished() {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                if last.elapsed() >= std::time::Duration::from_secs(1) {
+                    if let Some((_, done, total)) = vol.status().rebuild {
+                        println!("rebuild: {done}/{total} stripes");
+                    }
+                    last = std::time::Instant::now();
+                }
+            }
+            worker
+                .join()
+                .map_err(|_| anyhow!("the rebuild thread panicked"))??;
+            println!("rebuilt member {member} onto {new}");
+            print_status(&vol);
+        }
+        VolumeCommand::Scrub(a) => {
+            let vol = open_volume(&a.volume)?;
+            let r = vol.scrub(!a.no_repair)?;
+            println!(
+                "scrub: {} stripes checked, {} mismatches, {} repaired, {} skipped (members missing)",
+                r.stripes_checked, r.mismatches, r.repaired, r.skipped
+            );
+            if r.mismatches > r.repaired {
+                bail!(
+                    "{} stripes have parity that disagrees with data",
+                    r.mismatches - r.repaired
+                );
+            }
+        }
+        VolumeCommand::Read(a) => {
+            let vol = open_volume(&a.volume)?;
+            let mut out = std::io::stdout().lock();
+            let mut at = a.offset;
+            let end = a
+                .offset
+                .checked_add(a.len)
+                .ok_or_else(|| anyhow!("offset + len overflows"))?;
+            let mut buf = vec![0u8; VOLUME_IO_STEP_BYTES.min(a.len) as usize];
+            while at < end {
+                let n = (end - at).min(VOLUME_IO_STEP_BYTES) as usize;
+                vol.read(at, &mut buf[..n])?;
+                out.write_all(&buf[..n])?;
+                at += n as u64;
+            }
+            out.flush()?;
+        }
+        VolumeCommand::Write(a) => {
+            let vol = open_volume(&a.volume)?;
+            let room = vol.capacity_bytes().saturating_sub(a.offset);
+            let mut input = std::io::stdin().lock();
+            let mut at = a.offset;
+            let mut buf = vec![0u8; VOLUME_IO_STEP_BYTES.min(room.max(1)) as usize];
+            loop {
+                let mut n = 0;
+                while n < buf.len() {
+                    match input.read(&mut buf[n..])? {
+                        0 => break,
+                        got => n += got,
+                    }
+                }
+                if n == 0 {
+                    break;
+                }
+                if at + n as u64 > vol.capacity_bytes() {
+                    bail!(
+                        "input runs past the volume's end ({} bytes)",
+                        vol.capacity_bytes()
+                    );
+                }
+                vol.write(at, &buf[..n])?;
+                at += n as u64;
+            }
+            println!("wrote {} bytes at {}", at - a.offset, a.offset);
+        }
+    }
+    Ok(())
+}
+
+/// Bytes `volume read`/`write` move per call.
+const VOLUME_IO_STEP_BYTES: u64 = 8 << 20;

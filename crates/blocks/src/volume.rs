@@ -1,0 +1,1364 @@
+//! A volume over real servers: the pure modules put behind the client's request API.
+//!
+//! Each member holds one region named `camelot-vol.NAME.I`: the superblock, then the
+//! 8-byte intent words, then the stripe chunks. One call's chunk I/O is grouped
+//! by member and sent with `submit_many` to every member before any answer is awaited, so
+//! it leaves as one batch per server, in parallel across servers.
+//!
+//! A member whose request fails with a connection error, a timeout or "no such region" (a
+//! restarted, empty server) is marked missing — in memory and in the superblock of the
+//! survivors — and the call is retried degraded: reads reconstruct from the survivors,
+//! writes rewrite parity so the lost chunk stays recoverable.
+//!
+//! The write hole is closed the way md's write-intent bitmap closes it: stripes are grouped
+//! in zones of `INTENT_ZONE_STRIPES`, each with an intent word on every member. Before the
+//! first write into a zone, the word is set on every present member and acknowledged (it
+//! rides with the read-modify-write reads, so a partial write pays no extra round trip).
+//! The mark then stays while the zone is written to, and is cleared lazily — only while
+//! every stripe lock of the zone is held, so no write into it is in flight — when more
+//! than `MARKED_ZONES_MAX` zones are marked, when a zone has been idle for
+//! `MARK_IDLE`, or when the volume is dropped. `open` resyncs every stripe of every marked
+//! zone (parity recomputed from data: an unacknowledged write may land either way, but
+//! parity never silently disagrees).
+
+use crate::layout::{Code, Layout, Level};
+use crate::parity::{xor_into, Codec, RS_ALIGN};
+use crate::plan::{self, StripeSpan};
+use crate::superblock::{check_name, Member, MemberState, Superblock, SUPERBLOCK_BYTES};
+use crate::BlocksError;
+use bytes::Bytes;
+use camelot_client::{reply, Client, ClientConfig, ClientError, ClusterMap, NodeId, NodeInfo};
+use camelot_proto::{ErrorCode, Op, Reply};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Stripe locks, hashed by stripe: callers touching one stripe serialise (a partial write
+/// is read-then-write), callers on different stripes rarely meet.
+const STRIPE_LOCKS: usize = 4096;
+/// Largest single READ the volume sends for metadata (the intent words).
+const META_READ_BYTES_MAX: u64 = 4 << 20;
+/// Stripes a scrub, resync or rebuild round handles in one batch.
+const STRIPES_PER_ROUND: u64 = 16;
+/// Intent word byte size.
+const INTENT_BYTES: u64 = 8;
+/// Stripes one intent word covers: a crash costs a resync of this many stripes per zone
+/// it left marked, and a write pays for a mark only on its zone's first write.
+pub const INTENT_ZONE_STRIPES: u64 = 64;
+/// Most zones kept marked at once; past it the least recently written are cleared.
+const MARKED_ZONES_MAX: usize = 256;
+/// A zone not written to for this long is cleared at the next write or drop.
+const MARK_IDLE: Duration = Duration::from_secs(1);
+
+/// How to reach the members.
+#[derive(Debug, Clone)]
+pub struct VolumeConfig {
+    /// Token and timeouts. The request timeout bounds how long an unreachable member can
+    /// stall a call before the volume goes degraded.
+    pub client: ClientConfig,
+    /// Mark stripes with intent words around writes (the write-hole fix). Off only to
+    /// show, in tests, that the write-hole checker catches what it is there to catch.
+    pub write_intent: bool,
+}
+
+impl Default for VolumeConfig {
+    fn default() -> Self {
+        VolumeConfig {
+            client: ClientConfig {
+                connect_timeout: Duration::from_secs(1),
+                request_timeout: Duration::from_secs(2),
+                connections_per_node: 2,
+                ..ClientConfig::default()
+            },
+            write_intent: true,
+        }
+    }
+}
+
+/// What `status` reports.
+#[derive(Debug, Clone)]
+pub struct VolumeStatus {
+    pub name: String,
+    pub layout: Layout,
+    pub generation: u64,
+    pub members: Vec<Member>,
+    /// Members whose data is not trusted (lost, or replaced and not yet rebuilt).
+    pub missing: Vec<usize>,
+    /// (member, stripes rebuilt, stripes in all) while a rebuild runs.
+    pub rebuild: Option<(usize, u64, u64)>,
+}
+
+impl VolumeStatus {
+    pub fn degraded(&self) -> bool {
+        !self.missing.is_empty()
+    }
+}
+
+/// What a scrub or an intent resync found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScrubReport {
+    pub stripes_checked: u64,
+    /// Stripes whose parity disagreed with their data.
+    pub mismatches: u64,
+    /// Of those, rewritten from data.
+    pub repaired: u64,
+    /// Stripes that could not be checked (too many members missing).
+    pub skipped: u64,
+}
+
+#[derive(Debug, Clone)]
+struct State {
+    generation: u64,
+    members: Vec<Member>,
+    /// A member being rebuilt and the first stripe not yet rebuilt on it.
+    rebuild: Option<(usize, u64)>,
+}
+
+impl State {
+    fn present(&self, member: usize, stripe: u64) -> bool {
+        match self.rebuild {
+            Some((m, cursor)) if m == member => stripe < cursor,
+            _ => self.members[member].state == MemberState::Active,
+        }
+    }
+}
+
+/// A stripe range read for reconstruction: (from, to) in the chunk and the slots read.
+type Rebuilt = (u64, u64, Vec<Option<Vec<u8>>>);
+
+/// Why one attempt of a call stopped.
+enum Stop {
+    /// These members failed: mark them missing and try again.
+    Lost(Vec<usize>),
+    Fatal(BlocksError),
+}
+
+impl From<BlocksError> for Stop {
+    fn from(e: BlocksError) -> Stop {
+        Stop::Fatal(e)
+    }
+}
+
+fn is_member_failure(e: &ClientError) -> bool {
+    match e {
+        ClientError::Connect { .. }
+        | ClientError::Io { .. }
+        | ClientError::Timeout { .. }
+        | ClientError::ConnectionLost { .. }
+        | ClientError::Handshake { .. }
+        | ClientError::Protocol { .. } => true,
+        ClientError::Server(r) => {
+            matches!(r.code, ErrorCode::NoSuchRegion | ErrorCode::ShuttingDown)
+        }
+        _ => false,
+    }
+}
+
+pub fn region_name(volume: &str, member: usize) -> String {
+    format!("camelot-vol.{volume}.{member}")
+}
+
+/// Where the stripe chunks start in a member region.
+fn data_base(layout: &Layout) -> u64 {
+    (SUPERBLOCK_BYTES + layout.stripes * INTENT_BYTES).div_ceil(4096) * 4096
+}
+
+fn member_region_bytes(layout: &Layout) -> u64 {
+    data_base(layout) + layout.member_data_bytes()
+}
+
+/// A block volume. Cheap to share across threads (`Arc<Volume>`); every method takes
+/// `&self`.
+pub struct Volume {
+    client: Client,
+    name: String,
+    layout: Layout,
+    codec: Codec,
+    data_base: u64,
+    write_intent: bool,
+    state: RwLock<State>,
+    locks: Vec<RwLock<()>>,
+    /// Serialises superblock writes so generations go out in order.
+    sb_lock: Mutex<()>,
+    rebuild_running: AtomicBool,
+    rebuild_done: AtomicU64,
+    /// Zones whose intent word is set (and acknowledged) on every present member, with
+    /// when they were last written.
+    marked: Mutex<HashMap<u64, Instant>>,
+}
+
+fn map_of(members: &[Member]) -> ClusterMap {
+    ClusterMap {
+        epoch: 0,
+        nodes: members
+            .iter()
+            .enumerate()
+            .map(|(i, m)| NodeInfo {
+                id: i as NodeId,
+                addr: m.addr,
+            })
+            .collect(),
+    }
+}
+
+/// A client that connects lazily, so an unreachable member does not stop `open`.
+fn lazy_client(members: &[Member], config: &ClientConfig) -> Result<Client, BlocksError> {
+    let client = Client::connect(
+        ClusterMap {
+            epoch: 0,
+            nodes: vec![],
+        },
+        config.clone(),
+    )?;
+    client.set_map(map_of(members));
+    Ok(client)
+}
+
+impl Volume {
+    /// Allocates a member region on each server and writes the superblock on all of them.
+    pub fn create(
+        name: &str,
+        level: Level,
+        servers: &[SocketAddr],
+        chunk_bytes: u64,
+        size_bytes: u64,
+        config: &VolumeConfig,
+    ) -> Result<Volume, BlocksError> {
+        check_name(name)?;
+        let layout = Layout::new(level, servers.len(), chunk_bytes, size_bytes)?;
+        for (i, a) in servers.iter().enumerate() {
+            if servers[..i].contains(a) {
+                return Err(BlocksError::InvalidArgument(format!(
+                    "server {a} is listed twice: its members would fail together"
+                )));
+            }
+        }
+        if member_region_bytes(&layout) > camelot_proto::limits::REGION_BYTES_MAX {
+            return Err(BlocksError::InvalidArgument(
+                "a member region would exceed the server's region limit".into(),
+            ));
+        }
+        let placeholder: Vec<Member> = servers
+            .iter()
+            .map(|&addr| Member {
+                addr,
+                region: 0,
+                state: MemberState::Active,
+            })
+            .collect();
+        let client = lazy_client(&placeholder, &config.client)?;
+        let mut members = Vec::with_capacity(servers.len());
+        for (i, &addr) in servers.iter().enumerate() {
+            let region = client.alloc_on(
+                i as NodeId,
+                member_region_bytes(&layout),
+                Some(&region_name(name, i)),
+            );
+            match region {
+                Ok(r) => members.push(Member {
+                    addr,
+                    region: r.id,
+                    state: MemberState::Active,
+                }),
+                Err(e) => {
+                    for (j, m) in members.iter().enumerate() {
+                        let _ = client.call(j as NodeId, Op::Free { region: m.region });
+                    }
+                    return Err(BlocksError::Member {
+                        member: i,
+                        source: e,
+                    });
+                }
+            }
+        }
+        let volume = Volume::from_superblock(
+            client,
+            Superblock {
+                name: name.to_string(),
+                layout,
+                generation: 1,
+                members,
+            },
+            config,
+        );
+        volume.write_superblock(true)?;
+        Ok(volume)
+    }
+
+    fn from_superblock(client: Client, sb: Superblock, config: &VolumeConfig) -> Volume {
+        let layout = sb.layout;
+        Volume {
+            client,
+            name: sb.name,
+            codec: Codec {
+                code: layout.code(),
+                k: layout.data_slots(),
+                m: layout.parity_slots(),
+            },
+            data_base: data_base(&layout),
+            layout,
+            write_intent: config.write_intent,
+            state: RwLock::new(State {
+                generation: sb.generation,
+                members: sb.members,
+                rebuild: None,
+            }),
+            locks: (0..STRIPE_LOCKS).map(|_| RwLock::new(())).collect(),
+            sb_lock: Mutex::new(()),
+            rebuild_running: AtomicBool::new(false),
+            rebuild_done: AtomicU64::new(0),
+            marked: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Opens a volume knowing one member's address: reads its superblock, then every
+    /// other member's, trusts the highest generation, marks unreachable members missing
+    /// and resyncs stripes a killed writer left marked.
+    pub fn open(
+        seed: SocketAddr,
+        name: &str,
+        config: &VolumeConfig,
+    ) -> Result<(Volume, ScrubReport), BlocksError> {
+        check_name(name)?;
+        let first = read_superblock_at(seed, name, &config.client)?;
+        let client = lazy_client(&first.members, &config.client)?;
+        let mut best = first;
+        let mut unreachable = Vec::new();
+        for (i, m) in best.members.clone().iter().enumerate() {
+            if m.addr == seed {
+                continue;
+            }
+            match read_member_superblock(&client, i, m.region) {
+                Ok(sb) if sb.name == best.name && sb.generation > best.generation => best = sb,
+                Ok(_) => {}
+                Err(_) => unreachable.push(i),
+            }
+        }
+        client.set_map(map_of(&best.members));
+        let volume = Volume::from_superblock(client, best, config);
+        let newly_lost: Vec<usize> = unreachable
+            .into_iter()
+            .filter(|&i| volume.state.read().members[i].state == MemberState::Active)
+            .collect();
+        if !newly_lost.is_empty() {
+            volume.mark_missing(&newly_lost);
+        }
+        let report = volume.resync_intents()?;
+        Ok((volume, report))
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    pub fn capacity_bytes(&self) -> u64 {
+        self.layout.capacity_bytes()
+    }
+
+    pub fn status(&self) -> VolumeStatus {
+        let st = self.state.read().clone();
+        let missing = (0..st.members.len())
+            .filter(|&i| st.members[i].state != MemberState::Active)
+            .collect();
+        VolumeStatus {
+            name: self.name.clone(),
+            layout: self.layout,
+            generation: st.generation,
+            members: st.members.clone(),
+            missing,
+            rebuild: st.rebuild.map(|(m, _)| {
+                (
+                    m,
+                    self.rebuild_done.load(Ordering::Relaxed),
+                    self.layout.stripes,
+                )
+            }),
+        }
+    }
+
+    /// Writes the superblock to every present member. `all` makes any failure an error
+    /// (create); otherwise members that fail are ignored (they are being marked lost).
+    fn write_superblock(&self, all: bool) -> Result<(), BlocksError> {
+        let _order = self.sb_lock.lock();
+        let st = self.state.read().clone();
+        let bytes = Bytes::from(
+            Superblock {
+                name: self.name.clone(),
+                layout: self.layout,
+                generation: st.generation,
+                members: st.members.clone(),
+            }
+            .encode(),
+        );
+        let ops: Vec<(usize, Op)> = (0..st.members.len())
+            .filter(|&i| st.members[i].state == MemberState::Active || all)
+            .map(|i| {
+                (
+                    i,
+                    Op::Write {
+                        region: st.members[i].region,
+                        offset: 0,
+                        data: bytes.clone(),
+                    },
+                )
+            })
+            .collect();
+        for (i, r) in self.exchange(ops).into_iter() {
+            if let Err(e) = reply::done(r) {
+                if all {
+                    return Err(BlocksError::Member {
+                        member: i,
+                        source: e,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn mark_missing(&self, lost: &[usize]) {
+        {
+            let mut st = self.state.write();
+            let mut changed = false;
+            for &m in lost {
+                if st.members[m].state == MemberState::Active {
+                    st.members[m].state = MemberState::Missing;
+                    changed = true;
+                }
+                if st.rebuild.is_some_and(|(r, _)| r == m) {
+                    st.rebuild = None;
+                    changed = true;
+                }
+            }
+            if !changed {
+                return;
+            }
+            st.generation += 1;
+            tracing::warn!(volume = %self.name, ?lost, "volume degraded: members lost");
+        }
+        let _ = self.write_superblock(false);
+    }
+
+    /// Sends every op, grouped per member, all before awaiting any; answers in order.
+    fn exchange(&self, ops: Vec<(usize, Op)>) -> Vec<(usize, Result<Reply, ClientError>)> {
+        let mut members: Vec<usize> = ops.iter().map(|(m, _)| *m).collect();
+        members.sort_unstable();
+        members.dedup();
+        let mut slots: Vec<Option<Result<Reply, ClientError>>> = vec![None; ops.len()];
+        let mut pendings = Vec::new();
+        let mut who = Vec::with_capacity(ops.len());
+        let mut grouped: Vec<Vec<(usize, Op)>> = vec![Vec::new(); members.len()];
+        for (at, (m, op)) in ops.into_iter().enumerate() {
+            who.push(m);
+            let g = members.binary_search(&m).unwrap_or(0);
+            grouped[g].push((at, op));
+        }
+        for (g, batch) in grouped.into_iter().enumerate() {
+            let node = members[g] as NodeId;
+            let (ats, ops): (Vec<usize>, Vec<Op>) = batch.into_iter().unzip();
+            match self
+                .client
+                .submit_many(ops.into_iter().map(|op| (node, op)))
+            {
+                Ok(ps) => pendings.push((ats, ps)),
+                Err(e) => {
+                    for at in ats {
+                        slots[at] = Some(Err(e.clone()));
+                    }
+                }
+            }
+        }
+        for (ats, ps) in pendings {
+            for (at, p) in ats.into_iter().zip(ps) {
+                slots[at] = Some(p.wait());
+            }
+        }
+        who.into_iter()
+            .zip(slots)
+            .map(|(m, r)| (m, r.unwrap_or(Err(ClientError::AlreadyTaken))))
+            .collect()
+    }
+
+    /// Like `exchange`, but member failures stop the attempt and other errors are fatal.
+    fn exchange_all(&self, ops: Vec<(usize, Op)>) -> Result<Vec<Reply>, Stop> {
+        let answers = self.exchange(ops);
+        let mut lost = Vec::new();
+        let mut out = Vec::with_capacity(answers.len());
+        let mut fatal = None;
+        for (m, r) in answers {
+            match r {
+                Ok(reply) => out.push(reply),
+                Err(e) if is_member_failure(&e) => {
+                    if !lost.contains(&m) {
+                        lost.push(m);
+                    }
+                    out.push(Reply::Done);
+                }
+                Err(e) => {
+                    fatal.get_or_insert(BlocksError::Member {
+                        member: m,
+                        source: e,
+                    });
+                    out.push(Reply::Done);
+                }
+            }
+        }
+        if !lost.is_empty() {
+            return Err(Stop::Lost(lost));
+        }
+        if let Some(e) = fatal {
+            return Err(Stop::Fatal(e));
+        }
+        Ok(out)
+    }
+
+    /// Runs one attempt after another, marking members missing between them, until one
+    /// succeeds or an error is not about a lost member.
+    fn retrying<T>(&self, mut attempt: impl FnMut() -> Result<T, Stop>) -> Result<T, BlocksError> {
+        for _ in 0..=self.layout.members {
+            match attempt() {
+                Ok(v) => return Ok(v),
+                Err(Stop::Fatal(e)) => return Err(e),
+                Err(Stop::Lost(lost)) => self.mark_missing(&lost),
+            }
+        }
+        Err(BlocksError::TooManyLost {
+            lost: self.status().missing.len(),
+            tolerated: self.layout.parity_slots(),
+        })
+    }
+
+    fn lock_indices(spans: &[StripeSpan]) -> Vec<usize> {
+        let mut idx: Vec<usize> = spans
+            .iter()
+            .map(|s| (s.stripe % STRIPE_LOCKS as u64) as usize)
+            .collect();
+        idx.sort_unstable();
+        idx.dedup();
+        idx
+    }
+
+    fn read_locks(&self, spans: &[StripeSpan]) -> Vec<RwLockReadGuard<'_, ()>> {
+        Self::lock_indices(spans)
+            .into_iter()
+            .map(|i| self.locks[i].read())
+            .collect()
+    }
+
+    fn write_locks(&self, spans: &[StripeSpan]) -> Vec<RwLockWriteGuard<'_, ()>> {
+        Self::lock_indices(spans)
+            .into_iter()
+            .map(|i| self.locks[i].write())
+            .collect()
+    }
+
+    fn chunk_at(&self, stripe: u64, from: u64) -> u64 {
+        self.data_base + self.layout.chunk_offset(stripe) + from
+    }
+
+    fn read_op(&self, st: &State, member: usize, stripe: u64, from: u64, len: u64) -> Op {
+        Op::Read {
+            region: st.members[member].region,
+            offset: self.chunk_at(stripe, from),
+            len: len as u32,
+        }
+    }
+
+    fn write_op(&self, st: &State, member: usize, stripe: u64, from: u64, data: Bytes) -> Op {
+        Op::Write {
+            region: st.members[member].region,
+            offset: self.chunk_at(stripe, from),
+            data,
+        }
+    }
+
+    fn mark_op(&self, st: &State, member: usize, zone: u64, value: u64) -> Op {
+        Op::Write {
+            region: st.members[member].region,
+            offset: SUPERBLOCK_BYTES + zone * INTENT_BYTES,
+            data: Bytes::copy_from_slice(&value.to_le_bytes()),
+        }
+    }
+
+    /// Clears the marks of idle zones (all of them when `all`), or of the least recently
+    /// written when too many are marked. Called with no stripe lock held.
+    fn clear_marks(&self, all: bool) {
+        let victims: Vec<u64> = {
+            let marked = self.marked.lock();
+            let mut by_age: Vec<(Instant, u64)> = marked.iter().map(|(z, t)| (*t, *z)).collect();
+            by_age.sort_unstable();
+            let excess = marked.len().saturating_sub(MARKED_ZONES_MAX);
+            by_age
+                .into_iter()
+                .enumerate()
+                .filter(|(i, (t, _))| all || *i < excess || t.elapsed() >= MARK_IDLE)
+                .map(|(_, (_, z))| z)
+                .collect()
+        };
+        for zone in victims {
+            let first = zone * INTENT_ZONE_STRIPES;
+            let last = (first + INTENT_ZONE_STRIPES).min(self.layout.stripes);
+            let spans: Vec<StripeSpan> = (first..last)
+                .map(|stripe| StripeSpan {
+                    stripe,
+                    pieces: vec![],
+                })
+                .collect();
+            // Every stripe of the zone locked: no write into it is in flight.
+            let _locks = self.write_locks(&spans);
+            if self.marked.lock().remove(&zone).is_none() {
+                continue;
+            }
+            let st = self.state.read().clone();
+            let ops = (0..st.members.len())
+                .filter(|&m| st.members[m].state == MemberState::Active)
+                .map(|m| (m, self.mark_op(&st, m, zone, 0)))
+                .collect();
+            // A clear that fails leaves a mark: one needless resync at the next open.
+            let _ = self.exchange(ops);
+        }
+    }
+
+    /// Reads `buf.len()` bytes at `offset`.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), BlocksError> {
+        let spans = plan::split(&self.layout, offset, buf.len() as u64)?;
+        let _locks = self.read_locks(&spans);
+        self.retrying(|| self.try_read(&spans, buf))
+    }
+
+    fn try_read(&self, spans: &[StripeSpan], buf: &mut [u8]) -> Result<(), Stop> {
+        let st = self.state.read().clone();
+        let k = self.layout.data_slots();
+        let n = self.layout.members;
+        enum Dest {
+            Buf { at: usize, len: usize },
+            Slot { span: usize, slot: usize },
+        }
+        let mut ops = Vec::new();
+        let mut dests = Vec::new();
+        // Per span needing reconstruction: its range and its slots.
+        let mut rebuilt: Vec<Option<Rebuilt>> = vec![None; spans.len()];
+        for (si, span) in spans.iter().enumerate() {
+            let s = span.stripe;
+            let direct = |slot: usize| -> Option<usize> {
+                if self.layout.code() == Code::Mirror {
+                    (0..n)
+                        .map(|j| self.layout.member_of(s, j))
+                        .find(|&m| st.present(m, s))
+                } else {
+                    let m = self.layout.member_of(s, slot);
+                    st.present(m, s).then_some(m)
+                }
+            };
+            if span.pieces.iter().all(|p| direct(p.slot).is_some()) {
+                for p in &span.pieces {
+                    let m = direct(p.slot).unwrap_or(0);
+                    ops.push((m, self.read_op(&st, m, s, p.chunk_from, p.len)));
+                    dests.push(Dest::Buf {
+                        at: p.buf_from,
+                        len: p.len as usize,
+                    });
+                }
+                continue;
+            }
+            if self.layout.code() == Code::None {
+                return Err(Stop::Fatal(BlocksError::TooManyLost {
+                    lost: 1,
+                    tolerated: 0,
+                }));
+            }
+            let (lo, hi) = span.range(RS_ALIGN, self.layout.chunk_bytes);
+            let present: Vec<usize> = (0..n)
+                .filter(|&slot| st.present(self.layout.member_of(s, slot), s))
+                .take(k)
+                .collect();
+            if present.len() < k {
+                return Err(Stop::Fatal(BlocksError::TooManyLost {
+                    lost: n - present.len(),
+                    tolerated: n - k,
+                }));
+            }
+            for slot in present {
+                let m = self.layout.member_of(s, slot);
+                ops.push((m, self.read_op(&st, m, s, lo, hi - lo)));
+                dests.push(Dest::Slot { span: si, slot });
+            }
+            rebuilt[si] = Some((lo, hi, vec![None; n]));
+        }
+        let replies = self.exchange_all(ops)?;
+        for (reply, dest) in replies.into_iter().zip(dests) {
+            let data = reply::data(Ok(reply)).map_err(BlocksError::from)?;
+            match dest {
+                Dest::Buf { at, len } => {
+                    if data.len() != len {
+                        return Err(Stop::Fatal(BlocksError::Codec("short read".into())));
+                    }
+                    buf[at..at + len].copy_from_slice(&data);
+                }
+                Dest::Slot { span, slot } => {
+                    if let Some((_, _, slots)) = rebuilt[span].as_mut() {
+                        slots[slot] = Some(data.to_vec());
+                    }
+                }
+            }
+        }
+        for (si, r) in rebuilt.iter_mut().enumerate() {
+            let Some((lo, hi, slots)) = r.as_mut() else {
+                continue;
+            };
+            // Fewer than n slots were read on purpose; pad the unread parity as missing.
+            let mut full: Vec<Option<Vec<u8>>> = std::mem::take(slots);
+            if full.iter().filter(|s| s.is_some()).count() < k {
+                return Err(Stop::Fatal(BlocksError::Codec("too few slots read".into())));
+            }
+            self.codec.reconstruct(&mut full)?;
+            for p in &spans[si].pieces {
+                let from = (p.chunk_from - *lo) as usize;
+                let src = full[p.slot].as_deref().unwrap_or(&[]);
+                if from + p.len as usize > src.len() || *hi < p.chunk_from + p.len {
+                    return Err(Stop::Fatal(BlocksError::Codec(
+                        "reconstructed short".into(),
+                    )));
+                }
+                buf[p.buf_from..p.buf_from + p.len as usize]
+                    .copy_from_slice(&src[from..from + p.len as usize]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), BlocksError> {
+        let spans = plan::split(&self.layout, offset, data.len() as u64)?;
+        let result = {
+            let _locks = self.write_locks(&spans);
+            self.retrying(|| self.try_write(&spans, data))
+        };
+        if self.write_intent && self.layout.code() != Code::None {
+            self.clear_marks(false);
+        }
+        result
+    }
+
+    fn try_write(&self, spans: &[StripeSpan], data: &[u8]) -> Result<(), Stop> {
+        let st = self.state.read().clone();
+        let k = self.layout.data_slots();
+        let n = self.layout.members;
+        let code = self.layout.code();
+        let chunk = self.layout.chunk_bytes;
+
+        #[derive(Clone, Copy, PartialEq)]
+        enum Mode {
+            /// No parity to keep (raid0) or parity is a copy (raid1): just write.
+            Plain,
+            /// Whole stripe: parity from the new data, nothing read.
+            Full,
+            /// Old data of the pieces and old parity over the range; parity ^= enc(Δ).
+            Rmw,
+            /// A member is missing: read every present slot over the range, rebuild the
+            /// missing ones, apply the data, re-encode parity.
+            Reconstruct,
+        }
+        let modes: Vec<Mode> = spans
+            .iter()
+            .map(|span| {
+                let all_present = (0..n).all(|m| st.present(m, span.stripe));
+                match code {
+                    Code::None | Code::Mirror => Mode::Plain,
+                    _ if !all_present => Mode::Reconstruct,
+                    _ if span.is_full(&self.layout) => Mode::Full,
+                    _ => Mode::Rmw,
+                }
+            })
+            .collect();
+
+        // Phase 1: intents (and the reads a partial or degraded write needs).
+        let mut ops = Vec::new();
+        enum Got {
+            Intent,
+            OldPiece { span: usize, piece: usize },
+            Slot { span: usize, slot: usize },
+        }
+        let mut gots = Vec::new();
+        // Zones this call writes into that are not marked yet: mark them on every present
+        // member before any data or parity goes out.
+        let mut new_marks: Vec<u64> = Vec::new();
+        if self.write_intent && code != Code::None {
+            let now = Instant::now();
+            let mut marked = self.marked.lock();
+            for span in spans {
+                let zone = span.stripe / INTENT_ZONE_STRIPES;
+                match marked.get_mut(&zone) {
+                    Some(t) => *t = now,
+                    None if !new_marks.contains(&zone) => new_marks.push(zone),
+                    None => {}
+                }
+            }
+        }
+        for &zone in &new_marks {
+            for m in (0..n).filter(|&m| st.members[m].state == MemberState::Active) {
+                ops.push((m, self.mark_op(&st, m, zone, 1)));
+                gots.push(Got::Intent);
+            }
+        }
+        for (si, span) in spans.iter().enumerate() {
+            let s = span.stripe;
+            let (lo, hi) = span.range(RS_ALIGN, chunk);
+            match modes[si] {
+                Mode::Plain | Mode::Full => {}
+                Mode::Rmw => {
+                    for (pi, p) in span.pieces.iter().enumerate() {
+                        let m = self.layout.member_of(s, p.slot);
+                        ops.push((m, self.read_op(&st, m, s, p.chunk_from, p.len)));
+                        gots.push(Got::OldPiece {
+                            span: si,
+                            piece: pi,
+                        });
+                    }
+                    for slot in k..n {
+                        let m = self.layout.member_of(s, slot);
+                        ops.push((m, self.read_op(&st, m, s, lo, hi - lo)));
+                        gots.push(Got::Slot { span: si, slot });
+                    }
+                }
+                Mode::Reconstruct => {
+                    for slot in 0..n {
+                        let m = self.layout.member_of(s, slot);
+                        if st.present(m, s) {
+                            ops.push((m, self.read_op(&st, m, s, lo, hi - lo)));
+                            gots.push(Got::Slot { span: si, slot });
+                        }
+                    }
+                }
+            }
+        }
+        let mut old_pieces: Vec<Vec<Option<Bytes>>> =
+            spans.iter().map(|s| vec![None; s.pieces.len()]).collect();
+        let mut slots: Vec<Vec<Option<Vec<u8>>>> = vec![vec![None; n]; spans.len()];
+        if !ops.is_empty() {
+            let replies = self.exchange_all(ops)?;
+            if !new_marks.is_empty() {
+                let now = Instant::now();
+                let mut marked = self.marked.lock();
+                for &zone in &new_marks {
+                    marked.insert(zone, now);
+                }
+            }
+            for (reply, got) in replies.into_iter().zip(gots) {
+                match got {
+                    Got::Intent => {
+                        reply::done(Ok(reply)).map_err(BlocksError::from)?;
+                    }
+                    Got::OldPiece { span, piece } => {
+                        old_pieces[span][piece] =
+                            Some(reply::data(Ok(reply)).map_err(BlocksError::from)?);
+                    }
+                    Got::Slot { span, slot } => {
+                        slots[span][slot] =
+                            Some(reply::data(Ok(reply)).map_err(BlocksError::from)?.to_vec());
+                    }
+                }
+            }
+        }
+
+        // Phase 2: data and parity.
+        let mut writes = Vec::new();
+        for (si, span) in spans.iter().enumerate() {
+            let s = span.stripe;
+            let piece_bytes = |p: &plan::Piece| &data[p.buf_from..p.buf_from + p.len as usize];
+            let (lo, hi) = span.range(RS_ALIGN, chunk);
+            match modes[si] {
+                Mode::Plain => {
+                    for p in &span.pieces {
+                        let bytes = Bytes::copy_from_slice(piece_bytes(p));
+                        let copies: Vec<usize> = if code == Code::Mirror {
+                            (0..n).map(|j| self.layout.member_of(s, j)).collect()
+                        } else {
+                            vec![self.layout.member_of(s, p.slot)]
+                        };
+                        let mut any = false;
+                        for m in copies.into_iter().filter(|&m| st.present(m, s)) {
+                            writes.push((m, self.write_op(&st, m, s, p.chunk_from, bytes.clone())));
+                            any = true;
+                        }
+                        if !any {
+                            return Err(Stop::Fatal(BlocksError::TooManyLost {
+                                lost: n - self.layout.data_slots() + 1,
+                                tolerated: n - self.layout.data_slots(),
+                            }));
+                        }
+                    }
+                }
+                Mode::Full => {
+                    let chunks: Vec<&[u8]> = span.pieces.iter().map(piece_bytes).collect();
+                    let mut parity = vec![Vec::new(); n - k];
+                    self.codec.encode(&chunks, &mut parity)?;
+                    for p in &span.pieces {
+                        let m = self.layout.member_of(s, p.slot);
+                        writes.push((
+                            m,
+                            self.write_op(&st, m, s, 0, Bytes::copy_from_slice(piece_bytes(p))),
+                        ));
+                    }
+                    for (j, par) in parity.into_iter().enumerate() {
+                        let m = self.layout.member_of(s, k + j);
+                        writes.push((m, self.write_op(&st, m, s, 0, Bytes::from(par))));
+                    }
+                }
+                Mode::Rmw => {
+                    let width = (hi - lo) as usize;
+                    let mut deltas: Vec<Option<Vec<u8>>> = vec![None; k];
+                    for (pi, p) in span.pieces.iter().enumerate() {
+                        let old = old_pieces[si][pi].as_deref().unwrap_or(&[]);
+                        let new = piece_bytes(p);
+                        if old.len() != new.len() {
+                            return Err(Stop::Fatal(BlocksError::Codec("short read".into())));
+                        }
+                        let d = deltas[p.slot].get_or_insert_with(|| vec![0u8; width]);
+                        let at = (p.chunk_from - lo) as usize;
+                        let dst = &mut d[at..at + new.len()];
+                        dst.copy_from_slice(old);
+                        xor_into(dst, new);
+                        writes.push((
+                            self.layout.member_of(s, p.slot),
+                            self.write_op(
+                                &st,
+                                self.layout.member_of(s, p.slot),
+                                s,
+                                p.chunk_from,
+                                Bytes::copy_from_slice(new),
+                            ),
+                        ));
+                    }
+                    let mut parity: Vec<Vec<u8>> = (k..n)
+                        .map(|slot| slots[si][slot].take().unwrap_or_default())
+                        .collect();
+                    if parity.iter().any(|p| p.len() != width) {
+                        return Err(Stop::Fatal(BlocksError::Codec("short parity read".into())));
+                    }
+                    let refs: Vec<Option<&[u8]>> = deltas.iter().map(|d| d.as_deref()).collect();
+                    self.codec.apply_delta(&refs, &mut parity)?;
+                    for (j, par) in parity.into_iter().enumerate() {
+                        let m = self.layout.member_of(s, k + j);
+                        writes.push((m, self.write_op(&st, m, s, lo, Bytes::from(par))));
+                    }
+                }
+                Mode::Reconstruct => {
+                    let mut full = std::mem::take(&mut slots[si]);
+                    self.codec.reconstruct(&mut full)?;
+                    for p in &span.pieces {
+                        let at = (p.chunk_from - lo) as usize;
+                        if let Some(d) = full[p.slot].as_mut() {
+                            d[at..at + p.len as usize].copy_from_slice(piece_bytes(p));
+                        }
+                        let m = self.layout.member_of(s, p.slot);
+                        if st.present(m, s) {
+                            writes.push((
+                                m,
+                                self.write_op(
+                                    &st,
+                                    m,
+                                    s,
+                                    p.chunk_from,
+                                    Bytes::copy_from_slice(piece_bytes(p)),
+                                ),
+                            ));
+                        }
+                    }
+                    let data_slots: Vec<&[u8]> = full[..k]
+                        .iter()
+                        .map(|d| d.as_deref().unwrap_or(&[]))
+                        .collect();
+                    let mut parity = vec![Vec::new(); n - k];
+                    self.codec.encode(&data_slots, &mut parity)?;
+                    for (j, par) in parity.into_iter().enumerate() {
+                        let m = self.layout.member_of(s, k + j);
+                        if st.present(m, s) {
+                            writes.push((m, self.write_op(&st, m, s, lo, Bytes::from(par))));
+                        }
+                    }
+                }
+            }
+        }
+        self.exchange_all(writes)?;
+
+        Ok(())
+    }
+
+    /// Reads every stripe in `stripes` whole, checks parity against data, and (when
+    /// `repair`) rewrites parity from data where they disagree.
+    fn check_stripes(
+        &self,
+        stripes: &[u64],
+        repair: bool,
+        report: &mut ScrubReport,
+    ) -> Result<(), Stop> {
+        let st = self.state.read().clone();
+        let n = self.layout.members;
+        let k = self.layout.data_slots();
+        let chunk = self.layout.chunk_bytes;
+        let mut ops = Vec::new();
+        let mut at = Vec::new();
+        let mut checkable = Vec::new();
+        for (i, &s) in stripes.iter().enumerate() {
+            if !(0..n).all(|m| st.present(m, s)) {
+                report.skipped += 1;
+                continue;
+            }
+            checkable.push(i);
+            for slot in 0..n {
+                let m = self.layout.member_of(s, slot);
+                ops.push((m, self.read_op(&st, m, s, 0, chunk)));
+                at.push((i, slot));
+            }
+        }
+        let replies = self.exchange_all(ops)?;
+        let mut slots: Vec<Vec<Vec<u8>>> = vec![vec![Vec::new(); n]; stripes.len()];
+        for (reply, (i, slot)) in replies.into_iter().zip(at) {
+            slots[i][slot] = reply::data(Ok(reply)).map_err(BlocksError::from)?.to_vec();
+        }
+        let mut writes = Vec::new();
+        for i in checkable {
+            report.stripes_checked += 1;
+            if self.codec.verify(&slots[i])? {
+                continue;
+            }
+            report.mismatches += 1;
+            if repair {
+                let s = stripes[i];
+                let data: Vec<&[u8]> = slots[i][..k].iter().map(|v| &v[..]).collect();
+                let mut parity = vec![Vec::new(); n - k];
+                self.codec.encode(&data, &mut parity)?;
+                for (j, par) in parity.into_iter().enumerate() {
+                    let m = self.layout.member_of(s, k + j);
+                    writes.push((m, self.write_op(&st, m, s, 0, Bytes::from(par))));
+                }
+                report.repaired += 1;
+            }
+        }
+        if !writes.is_empty() {
+            self.exchange_all(writes)?;
+        }
+        Ok(())
+    }
+
+    /// Reads every stripe, checks parity, repairs mismatches from data.
+    pub fn scrub(&self, repair: bool) -> Result<ScrubReport, BlocksError> {
+        let mut report = ScrubReport::default();
+        let mut s = 0;
+        while s < self.layout.stripes {
+            let batch: Vec<u64> = (s..(s + STRIPES_PER_ROUND).min(self.layout.stripes)).collect();
+            let spans: Vec<StripeSpan> = batch
+                .iter()
+                .map(|&stripe| StripeSpan {
+                    stripe,
+                    pieces: vec![],
+                })
+                .collect();
+            let _locks = self.write_locks(&spans);
+            let mut round = ScrubReport::default();
+            self.retrying(|| {
+                round = ScrubReport::default();
+                self.check_stripes(&batch, repair, &mut round)
+            })?;
+            report.stripes_checked += round.stripes_checked;
+            report.mismatches += round.mismatches;
+            report.repaired += round.repaired;
+            report.skipped += round.skipped;
+            s += STRIPES_PER_ROUND;
+        }
+        Ok(report)
+    }
+
+    /// Finds zones a writer left marked (killed, perhaps between data and parity) and makes
+    /// the parity of their stripes agree with their data again, then clears the marks.
+    pub fn resync_intents(&self) -> Result<ScrubReport, BlocksError> {
+        let mut report = ScrubReport::default();
+        if self.layout.code() == Code::None {
+            return Ok(report);
+        }
+        let st = self.state.read().clone();
+        let zones = self.layout.stripes.div_ceil(INTENT_ZONE_STRIPES);
+        let words_bytes = zones * INTENT_BYTES;
+        let mut dirty = vec![false; zones as usize];
+        let mut clear = Vec::new();
+        for (m, member) in st.members.iter().enumerate() {
+            if member.state != MemberState::Active {
+                continue;
+            }
+            let mut from = 0;
+            while from < words_bytes {
+                let len = (words_bytes - from).min(META_READ_BYTES_MAX);
+                let got = self.client.call(
+                    m as NodeId,
+                    Op::Read {
+                        region: member.region,
+                        offset: SUPERBLOCK_BYTES + from,
+                        len: len as u32,
+                    },
+                );
+                let bytes = match reply::data(got) {
+                    Ok(b) => b,
+                    Err(e) if is_member_failure(&e) => {
+                        self.mark_missing(&[m]);
+                        break;
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                for (i, w) in bytes.chunks_exact(8).enumerate() {
+                    if w != [0u8; 8] {
+                        let s = (from / INTENT_BYTES) as usize + i;
+                        if let Some(d) = dirty.get_mut(s) {
+                            *d = true;
+                        }
+                        clear.push((m, s as u64));
+                    }
+                }
+                from += len;
+            }
+        }
+        let marked: Vec<u64> = (0..self.layout.stripes)
+            .filter(|&s| dirty[(s / INTENT_ZONE_STRIPES) as usize])
+            .collect();
+        for batch in marked.chunks(STRIPES_PER_ROUND as usize) {
+            let spans: Vec<StripeSpan> = batch
+                .iter()
+                .map(|&stripe| StripeSpan {
+                    stripe,
+                    pieces: vec![],
+                })
+                .collect();
+            let _locks = self.write_locks(&spans);
+            let mut round = ScrubReport::default();
+            self.retrying(|| {
+                round = ScrubReport::default();
+                self.check_stripes(batch, true, &mut round)
+            })?;
+            report.stripes_checked += round.stripes_checked;
+            report.mismatches += round.mismatches;
+            report.repaired += round.repaired;
+            report.skipped += round.skipped;
+        }
+        let st = self.state.read().clone();
+        let zero = Bytes::from_static(&[0u8; 8]);
+        let ops: Vec<(usize, Op)> = clear
+            .into_iter()
+            .filter(|&(m, _)| st.members[m].state == MemberState::Active)
+            .map(|(m, s)| {
+                (
+                    m,
+                    Op::Write {
+                        region: st.members[m].region,
+                        offset: SUPERBLOCK_BYTES + s * INTENT_BYTES,
+                        data: zero.clone(),
+                    },
+                )
+            })
+            .collect();
+        let _ = self.exchange(ops);
+        Ok(report)
+    }
+
+    /// Rebuilds member `member` onto `replacement` (a new server, or the same one
+    /// restarted empty): allocates its region there, then reconstructs stripe after
+    /// stripe while the volume keeps serving, at most `rate_bytes_per_s` of rebuilt
+    /// chunks a second (0: unlimited). Blocks until done; run it on a thread of its own
+    /// to rebuild in the background and watch `status().rebuild`.
+    pub fn rebuild(
+        &self,
+        member: usize,
+        replacement: SocketAddr,
+        rate_bytes_per_s: u64,
+    ) -> Result<(), BlocksError> {
+        if member >= self.layout.members {
+            return Err(BlocksError::InvalidArgument(format!("no member {member}")));
+        }
+        if self.rebuild_running.swap(true, Ordering::SeqCst) {
+            return Err(BlocksError::InvalidArgument(
+                "a rebuild is already running".into(),
+            ));
+        }
+        let result = self.rebuild_inner(member, replacement, rate_bytes_per_s);
+        self.rebuild_running.store(false, Ordering::SeqCst);
+        if result.is_err() {
+            self.state.write().rebuild = None;
+        }
+        result
+    }
+
+    fn rebuild_inner(
+        &self,
+        member: usize,
+        replacement: SocketAddr,
+        rate_bytes_per_s: u64,
+    ) -> Result<(), BlocksError> {
+        // Take the member out of service before touching the replacement.
+        {
+            let mut st = self.state.write();
+            st.members[member].state = MemberState::Missing;
+            st.members[member].addr = replacement;
+            st.generation += 1;
+            let map = map_of(&st.members);
+            drop(st);
+            self.client.set_map(map);
+        }
+        let name = region_name(&self.name, member);
+        let node = member as NodeId;
+        // A region of that name may survive from an earlier attempt: start it afresh.
+        let found = self.client.call(node, Op::Lookup { name: name.clone() });
+        if let Ok(old) = reply::region(node, found) {
+            let _ = self.client.free(&old);
+        }
+        let region = self
+            .client
+            .alloc_on(node, member_region_bytes(&self.layout), Some(&name))
+            .map_err(|e| BlocksError::Member { member, source: e })?;
+        {
+            let mut st = self.state.write();
+            st.members[member].region = region.id;
+            st.rebuild = Some((member, 0));
+            st.generation += 1;
+        }
+        self.write_superblock(false)?;
+        self.rebuild_done.store(0, Ordering::Relaxed);
+        let started = Instant::now();
+        let mut bytes_done = 0u64;
+        let chunk = self.layout.chunk_bytes;
+        let n = self.layout.members;
+        let k = self.layout.data_slots();
+        let mut first = 0;
+        while first < self.layout.stripes {
+            // A round of stripes: one batch of reads, one of writes, under their locks.
+            let last = (first + STRIPES_PER_ROUND).min(self.layout.stripes);
+            let spans: Vec<StripeSpan> = (first..last)
+                .map(|stripe| StripeSpan {
+                    stripe,
+                    pieces: vec![],
+                })
+                .collect();
+            let locks = self.write_locks(&spans);
+            self.retrying(|| {
+                let st = self.state.read().clone();
+                if st.rebuild.map(|(m, _)| m) != Some(member) {
+                    return Err(Stop::Fatal(BlocksError::Member {
+                        member,
+                        source: ClientError::ConnectionLost { addr: replacement },
+                    }));
+                }
+                let mut ops = Vec::new();
+                let mut wanted = Vec::new();
+                for s in first..last {
+                    let sources: Vec<usize> = (0..n)
+                        .filter(|&slot| {
+                            let m = self.layout.member_of(s, slot);
+                            m != member && st.present(m, s)
+                        })
+                        .take(if self.layout.code() == Code::Mirror {
+                            1
+                        } else {
+                            k
+                        })
+                        .collect();
+                    for &slot in &sources {
+                        let m = self.layout.member_of(s, slot);
+                        ops.push((m, self.read_op(&st, m, s, 0, chunk)));
+                        wanted.push((s, slot));
+                    }
+                }
+                let replies = self.exchange_all(ops)?;
+                let mut slots: Vec<Vec<Option<Vec<u8>>>> =
+                    vec![vec![None; n]; (last - first) as usize];
+                for ((s, slot), r) in wanted.into_iter().zip(replies) {
+                    slots[(s - first) as usize][slot] =
+                        Some(reply::data(Ok(r)).map_err(BlocksError::from)?.to_vec());
+                }
+                let mut writes = Vec::new();
+                for (i, stripe_slots) in slots.iter_mut().enumerate() {
+                    let s = first + i as u64;
+                    self.codec.reconstruct(stripe_slots)?;
+                    let mine = self.layout.slot_of(s, member);
+                    let bytes = stripe_slots[mine].take().unwrap_or_default();
+                    writes.push((member, self.write_op(&st, member, s, 0, Bytes::from(bytes))));
+                }
+                self.exchange_all(writes)?;
+                Ok(())
+            })?;
+            if let Some((_, cursor)) = self.state.write().rebuild.as_mut() {
+                *cursor = last;
+            }
+            self.rebuild_done.store(last, Ordering::Relaxed);
+            drop(locks);
+            bytes_done += chunk * (last - first);
+            first = last;
+            if rate_bytes_per_s > 0 {
+                // Rate limit: sleeping until the budget allows the bytes done so far.
+                let due = Duration::from_secs_f64(bytes_done as f64 / rate_bytes_per_s as f64);
+                if let Some(wait) = due.checked_sub(started.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+            }
+        }
+        {
+            let mut st = self.state.write();
+            st.members[member].state = MemberState::Active;
+            st.rebuild = None;
+            st.generation += 1;
+        }
+        self.write_superblock(false)?;
+        Ok(())
+    }
+}
+
+impl Drop for Volume {
+    /// Clears the marks of a volume closed cleanly, so the next open resyncs nothing.
+    fn drop(&mut self) {
+        if self.write_intent && self.layout.code() != Code::None {
+            self.clear_marks(true);
+        }
+    }
+}
+
+fn read_member_superblock(
+    client: &Client,
+    member: usize,
+    region: u64,
+) -> Result<Superblock, BlocksError> {
+    let bytes = reply::data(client.call(
+        member as NodeId,
+        Op::Read {
+            region,
+            offset: 0,
+            len: SUPERBLOCK_BYTES as u32,
+        },
+    ))?;
+    Superblock::decode(&bytes)
+}
+
+/// Finds the volume's region on one server by its name and reads its superblock.
+fn read_superblock_at(
+    addr: SocketAddr,
+    name: &str,
+    config: &ClientConfig,
+) -> Result<Superblock, BlocksError> {
+    let client = Client::connect(ClusterMap::from_addrs(&[addr]), config.clone())?;
+    let prefix = format!("camelot-vol.{name}.");
+    let region = client
+        .list(0)?
+        .into_iter()
+        .find(|r| r.name.as_deref().is_some_and(|n| n.starts_with(&prefix)))
+        .ok_or_else(|| BlocksError::NotFound(name.to_string()))?;
+    let sb = read_member_superblock(&client, 0, region.id)?;
+    if sb.name != name {
+        return Err(BlocksError::BadSuperblock(format!(
+            "region {prefix}… holds volume {:?}",
+            sb.name
+        )));
+    }
+    Ok(sb)
+}

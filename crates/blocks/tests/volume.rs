@@ -1,0 +1,323 @@
+//! Volumes over real servers on loopback (one dev cluster a server, so a test can stop one
+//! and the volume sees a server gone). The SIGKILL tests, which need `camelot server`
+//! processes and a killable writer, live in the CLI crate's tests.
+
+use camelot_blocks::{Level, ScrubReport, Volume, VolumeConfig};
+use camelot_server::dev::{DevCluster, DevClusterConfig};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::net::SocketAddr;
+
+const CHUNK: u64 = 4096;
+
+fn server() -> DevCluster {
+    DevCluster::start(DevClusterConfig {
+        nodes: 1,
+        memory_bytes_per_node: 64 << 20,
+        worker_threads: 1,
+        ..DevClusterConfig::default()
+    })
+    .expect("server")
+}
+
+fn servers(n: usize) -> (Vec<DevCluster>, Vec<SocketAddr>) {
+    let s: Vec<DevCluster> = (0..n).map(|_| server()).collect();
+    let addrs = s.iter().map(|c| c.addrs()[0]).collect();
+    (s, addrs)
+}
+
+fn levels() -> Vec<(Level, usize)> {
+    vec![
+        (Level::Raid0, 3),
+        (Level::Raid1, 3),
+        (Level::Raid4, 4),
+        (Level::Raid5, 4),
+        (Level::Rs { k: 4, m: 2 }, 6),
+    ]
+}
+
+/// Random writes of random sizes and alignments, mirrored in a shadow buffer; every read
+/// must match it.
+fn exercise(vol: &Volume, shadow: &mut [u8], rng: &mut SmallRng, rounds: usize) {
+    let cap = shadow.len() as u64;
+    for _ in 0..rounds {
+        let len = match rng.gen_range(0..4) {
+            0 => rng.gen_range(1..64),
+            1 => 4096,
+            2 => rng.gen_range(1..(4 * CHUNK)),
+            _ => rng.gen_range(1..(16 * CHUNK)),
+        }
+        .min(cap);
+        let off = rng.gen_range(0..=cap - len);
+        if rng.gen_bool(0.6) {
+            let data: Vec<u8> = (0..len).map(|_| rng.gen()).collect();
+            vol.write(off, &data).expect("write");
+            shadow[off as usize..(off + len) as usize].copy_from_slice(&data);
+        } else {
+            let mut buf = vec![0u8; len as usize];
+            vol.read(off, &mut buf).expect("read");
+            assert!(
+                buf == shadow[off as usize..(off + len) as usize],
+                "read [{off}, +{len}) differs from what was written"
+            );
+        }
+    }
+}
+
+fn read_all(vol: &Volume) -> Vec<u8> {
+    let mut buf = vec![0u8; vol.capacity_bytes() as usize];
+    vol.read(0, &mut buf).expect("read all");
+    buf
+}
+
+#[test]
+fn every_level_reads_back_what_it_wrote_and_scrubs_clean() {
+    for (level, n) in levels() {
+        let (_servers, addrs) = servers(n);
+        let vol = Volume::create(
+            "t1",
+            level,
+            &addrs,
+            CHUNK,
+            1 << 20,
+            &VolumeConfig::default(),
+        )
+        .expect("create");
+        let mut shadow = vec![0u8; vol.capacity_bytes() as usize];
+        let mut rng = SmallRng::seed_from_u64(17);
+        exercise(&vol, &mut shadow, &mut rng, 150);
+        assert_eq!(read_all(&vol), shadow, "{}", level.name());
+        let report = vol.scrub(false).expect("scrub");
+        assert_eq!(report.mismatches, 0, "{}: {report:?}", level.name());
+        assert_eq!(report.stripes_checked, vol.layout().stripes);
+    }
+}
+
+#[test]
+fn scrub_finds_and_repairs_a_corrupted_parity_chunk() {
+    let (servers, addrs) = servers(4);
+    let cfg = VolumeConfig::default();
+    let vol = Volume::create("t2", Level::Raid5, &addrs, CHUNK, 256 << 10, &cfg).expect("create");
+    let data: Vec<u8> = (0..vol.capacity_bytes())
+        .map(|i| (i * 31 % 251) as u8)
+        .collect();
+    vol.write(0, &data).expect("write");
+    // Corrupt stripe 0's parity chunk behind the volume's back.
+    let parity_member = vol.layout().member_of(0, 3);
+    let client = camelot_client::Client::connect(
+        camelot_client::ClusterMap::from_addrs(&[addrs[parity_member]]),
+        camelot_client::ClientConfig::default(),
+    )
+    .expect("client");
+    let region = client
+        .lookup(&camelot_blocks::volume::region_name("t2", parity_member))
+        .expect("region");
+    let base = region.size - vol.layout().member_data_bytes();
+    client
+        .write(&region, base + 10, vec![0xEEu8; 5])
+        .expect("corrupt");
+    let found = vol.scrub(true).expect("scrub");
+    assert_eq!(found.mismatches, 1, "{found:?}");
+    assert_eq!(found.repaired, 1);
+    assert_eq!(vol.scrub(false).expect("scrub").mismatches, 0);
+    drop(servers);
+}
+
+#[test]
+fn a_lost_member_degrades_reads_and_writes_then_rebuild_restores_it() {
+    for (level, n) in levels().into_iter().skip(1) {
+        let (mut servers, addrs) = servers(n);
+        let vol = Volume::create(
+            "t3",
+            level,
+            &addrs,
+            CHUNK,
+            512 << 10,
+            &VolumeConfig::default(),
+        )
+        .expect("create");
+        let mut shadow = vec![0u8; vol.capacity_bytes() as usize];
+        let mut rng = SmallRng::seed_from_u64(5);
+        exercise(&vol, &mut shadow, &mut rng, 60);
+
+        // Lose member 1: its server stops.
+        servers.remove(1).shutdown().expect("stop");
+        assert_eq!(read_all(&vol), shadow, "{} degraded read", level.name());
+        let st = vol.status();
+        assert!(st.degraded(), "{}", level.name());
+        assert_eq!(st.missing, vec![1]);
+        exercise(&vol, &mut shadow, &mut rng, 80);
+        assert_eq!(
+            read_all(&vol),
+            shadow,
+            "{} after degraded writes",
+            level.name()
+        );
+
+        // Rebuild onto a fresh server while the volume is idle, then lose another member
+        // so reads must use the rebuilt one.
+        let fresh = server();
+        vol.rebuild(1, fresh.addrs()[0], 0).expect("rebuild");
+        assert!(!vol.status().degraded());
+        assert_eq!(
+            vol.scrub(false).expect("scrub").mismatches,
+            0,
+            "{}",
+            level.name()
+        );
+        servers.remove(0).shutdown().expect("stop another");
+        assert_eq!(
+            read_all(&vol),
+            shadow,
+            "{} reads through the rebuilt member",
+            level.name()
+        );
+        drop(fresh);
+    }
+}
+
+#[test]
+fn rs_survives_any_two_lost_members() {
+    let (mut servers, addrs) = servers(6);
+    let vol = Volume::create(
+        "t4",
+        Level::Rs { k: 4, m: 2 },
+        &addrs,
+        CHUNK,
+        512 << 10,
+        &VolumeConfig::default(),
+    )
+    .expect("create");
+    let mut shadow = vec![0u8; vol.capacity_bytes() as usize];
+    let mut rng = SmallRng::seed_from_u64(9);
+    exercise(&vol, &mut shadow, &mut rng, 60);
+    servers.remove(4).shutdown().expect("stop");
+    servers.remove(2).shutdown().expect("stop");
+    assert_eq!(read_all(&vol), shadow);
+    exercise(&vol, &mut shadow, &mut rng, 60);
+    assert_eq!(read_all(&vol), shadow);
+    assert_eq!(vol.status().missing, vec![2, 4]);
+}
+
+#[test]
+fn open_needs_one_member_and_sees_the_degraded_state() {
+    let (mut servers, addrs) = servers(4);
+    let cfg = VolumeConfig::default();
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i % 241) as u8).collect();
+    {
+        let vol = Volume::create("t5", Level::Raid5, &addrs, CHUNK, 1 << 20, &cfg).expect("create");
+        vol.write(12_345, &data).expect("write");
+    }
+    servers.remove(0).shutdown().expect("stop");
+    let (vol, resync) = Volume::open(addrs[2], "t5", &cfg).expect("open");
+    assert_eq!(resync, ScrubReport::default());
+    assert_eq!(vol.status().missing, vec![0]);
+    let mut buf = vec![0u8; data.len()];
+    vol.read(12_345, &mut buf).expect("read");
+    assert!(buf == data);
+    assert!(Volume::open(addrs[2], "nope", &cfg).is_err());
+}
+
+#[test]
+fn concurrent_writers_on_shared_stripes_keep_parity_consistent() {
+    let (_servers, addrs) = servers(4);
+    let vol = std::sync::Arc::new(
+        Volume::create(
+            "t6",
+            Level::Raid5,
+            &addrs,
+            CHUNK,
+            256 << 10,
+            &VolumeConfig::default(),
+        )
+        .expect("create"),
+    );
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let vol = vol.clone();
+            std::thread::spawn(move || {
+                let mut rng = SmallRng::seed_from_u64(t);
+                for _ in 0..100 {
+                    // 512-byte writes owned by thread t: disjoint bytes, shared stripes.
+                    let slot = rng.gen_range(0..vol.capacity_bytes() / 2048);
+                    let off = slot * 2048 + t * 512;
+                    vol.write(off, &[t as u8 + 1; 512]).expect("write");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("writer");
+    }
+    assert_eq!(vol.scrub(false).expect("scrub").mismatches, 0);
+}
+
+#[test]
+fn bad_arguments_are_refused() {
+    let (_servers, addrs) = servers(3);
+    let cfg = VolumeConfig::default();
+    assert!(Volume::create("bad name", Level::Raid5, &addrs, CHUNK, 1 << 20, &cfg).is_err());
+    assert!(Volume::create(
+        "x",
+        Level::Raid5,
+        &[addrs[0], addrs[0], addrs[1]],
+        CHUNK,
+        1 << 20,
+        &cfg
+    )
+    .is_err());
+    let vol = Volume::create("x", Level::Raid5, &addrs, CHUNK, 1 << 20, &cfg).expect("create");
+    let mut buf = [0u8; 10];
+    assert!(vol.read(vol.capacity_bytes() - 5, &mut buf).is_err());
+    assert!(vol.write(u64::MAX - 2, &buf).is_err());
+}
+
+#[test]
+fn rebuild_runs_in_the_background_while_the_volume_serves() {
+    let (mut servers, addrs) = servers(4);
+    let vol = std::sync::Arc::new(
+        Volume::create(
+            "t7",
+            Level::Raid5,
+            &addrs,
+            CHUNK,
+            768 << 10,
+            &VolumeConfig::default(),
+        )
+        .expect("create"),
+    );
+    let mut shadow = vec![0u8; vol.capacity_bytes() as usize];
+    let mut rng = SmallRng::seed_from_u64(77);
+    exercise(&vol, &mut shadow, &mut rng, 40);
+    servers.remove(2).shutdown().expect("stop");
+    exercise(&vol, &mut shadow, &mut rng, 20);
+    assert_eq!(vol.status().missing, vec![2]);
+
+    let fresh = server();
+    let target = fresh.addrs()[0];
+    // 256 stripes of 4 KiB at 2 MiB/s: about half a second of rebuilding to serve through.
+    let rebuilder = {
+        let vol = vol.clone();
+        std::thread::spawn(move || vol.rebuild(2, target, 2 << 20))
+    };
+    let mut saw_progress = false;
+    let mut rounds = 0;
+    while !rebuilder.is_finished() {
+        exercise(&vol, &mut shadow, &mut rng, 5);
+        rounds += 1;
+        if let Some((member, done, total)) = vol.status().rebuild {
+            assert_eq!(member, 2);
+            saw_progress |= done > 0 && done < total;
+        }
+        assert!(rounds < 100_000, "rebuild never finished");
+    }
+    rebuilder.join().expect("rebuild thread").expect("rebuild");
+    assert!(saw_progress, "never saw the rebuild part-way");
+    assert!(!vol.status().degraded());
+    assert_eq!(read_all(&vol), shadow);
+    assert_eq!(vol.scrub(false).expect("scrub").mismatches, 0);
+    // The rebuilt member now carries its share: lose another and read through it.
+    servers.remove(0).shutdown().expect("stop another");
+    assert_eq!(read_all(&vol), shadow);
+    drop(fresh);
+}

@@ -1,0 +1,320 @@
+//! Block volumes over `camelot server` processes: a member SIGKILLed under load, and the
+//! `camelot volume` commands as a script would use them.
+
+use camelot_blocks::{Level, Volume, VolumeConfig};
+use camelot_testkit::{CamelotServer, CamelotServerOptions};
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const CAMELOT: &str = env!("CARGO_BIN_EXE_camelot");
+const BLOCK: u64 = 4096;
+/// Writes done before the kill, and after it, before the load stops.
+const WRITES_BEFORE_KILL: u64 = 300;
+const WRITES_AFTER_KILL: u64 = 300;
+const LOAD_DEADLINE: Duration = Duration::from_secs(60);
+
+fn server() -> CamelotServer {
+    CamelotServer::start(
+        Path::new(CAMELOT),
+        &CamelotServerOptions {
+            resp: false,
+            args: vec![
+                "--memory".into(),
+                "128M".into(),
+                "--threads".into(),
+                "1".into(),
+            ],
+        },
+    )
+    .expect("camelot server")
+}
+
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// What a load with one member SIGKILLed part-way saw.
+#[derive(Debug, Default)]
+struct Outcome {
+    failed_reads: u64,
+    failed_writes: u64,
+    wrong_reads: u64,
+    lost_acknowledged_writes: u64,
+    slowest_op: Duration,
+    ops_after_kill: u64,
+}
+
+/// Readers check a static half of the volume; a writer rewrites blocks of the other half
+/// and records each acknowledged value; member 2's server is SIGKILLed after
+/// `WRITES_BEFORE_KILL` writes. Afterwards every acknowledged write is read back.
+fn kill_under_load(level: Level, n: usize) -> (Outcome, Volume) {
+    let mut servers: Vec<CamelotServer> = (0..n).map(|_| server()).collect();
+    let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
+    let vol = Arc::new(
+        Volume::create(
+            "load",
+            level,
+            &addrs,
+            16 << 10,
+            4 << 20,
+            &VolumeConfig::default(),
+        )
+        .expect("create"),
+    );
+    let blocks = vol.capacity_bytes() / BLOCK;
+    let half = blocks / 2;
+    let static_byte = |b: u64| (b * 7 + 1) as u8;
+    for b in 0..half {
+        vol.write(b * BLOCK, &[static_byte(b); BLOCK as usize])
+            .expect("fill");
+    }
+    let acked: Arc<Mutex<Vec<Option<u8>>>> = Arc::new(Mutex::new(vec![None; blocks as usize]));
+    let writes = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let killed = Arc::new(AtomicBool::new(false));
+    let outcome = Arc::new(Mutex::new(Outcome::default()));
+
+    let mut workers = Vec::new();
+    {
+        let (vol, acked, writes, stop, outcome, killed) = (
+            vol.clone(),
+            acked.clone(),
+            writes.clone(),
+            stop.clone(),
+            outcome.clone(),
+            killed.clone(),
+        );
+        workers.push(std::thread::spawn(move || {
+            let mut x = 0x5eed_u64;
+            while !stop.load(Ordering::Relaxed) {
+                let b = half + xorshift(&mut x) % (blocks - half);
+                let v = (xorshift(&mut x) % 255) as u8 + 1;
+                let t = Instant::now();
+                let r = vol.write(b * BLOCK, &[v; BLOCK as usize]);
+                let took = t.elapsed();
+                let mut o = outcome.lock().expect("outcome");
+                o.slowest_op = o.slowest_op.max(took);
+                if killed.load(Ordering::Relaxed) {
+                    o.ops_after_kill += 1;
+                }
+                match r {
+                    Ok(()) => {
+                        acked.lock().expect("acked")[b as usize] = Some(v);
+                        writes.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => o.failed_writes += 1,
+                }
+            }
+        }));
+    }
+    for r in 0..2u64 {
+        let (vol, stop, outcome, killed) =
+            (vol.clone(), stop.clone(), outcome.clone(), killed.clone());
+        workers.push(std::thread::spawn(move || {
+            let mut x = 0xfeed + r;
+            let mut buf = vec![0u8; BLOCK as usize];
+            while !stop.load(Ordering::Relaxed) {
+                let b = xorshift(&mut x) % half;
+                let t = Instant::now();
+                let res = vol.read(b * BLOCK, &mut buf);
+                let took = t.elapsed();
+                let mut o = outcome.lock().expect("outcome");
+                o.slowest_op = o.slowest_op.max(took);
+                if killed.load(Ordering::Relaxed) {
+                    o.ops_after_kill += 1;
+                }
+                match res {
+                    Ok(()) if buf.iter().all(|&c| c == static_byte(b)) => {}
+                    Ok(()) => o.wrong_reads += 1,
+                    Err(_) => o.failed_reads += 1,
+                }
+            }
+        }));
+    }
+    let deadline = Instant::now() + LOAD_DEADLINE;
+    let wait_writes = |target: u64| {
+        while writes.load(Ordering::Relaxed) < target && Instant::now() < deadline {
+            if workers.iter().all(|w| w.is_finished()) {
+                break;
+            }
+            std::thread::yield_now();
+        }
+    };
+    wait_writes(WRITES_BEFORE_KILL);
+    servers[2].process_mut().kill().expect("SIGKILL member 2");
+    killed.store(true, Ordering::Relaxed);
+    let at_kill = writes.load(Ordering::Relaxed);
+    wait_writes(at_kill + WRITES_AFTER_KILL);
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().expect("worker");
+    }
+    let mut o = std::mem::take(&mut *outcome.lock().expect("outcome"));
+    let mut buf = vec![0u8; BLOCK as usize];
+    for (b, v) in acked.lock().expect("acked").iter().enumerate() {
+        if let Some(v) = v {
+            match vol.read(b as u64 * BLOCK, &mut buf) {
+                Ok(()) if buf.iter().all(|c| c == v) => {}
+                _ => o.lost_acknowledged_writes += 1,
+            }
+        }
+    }
+    drop(servers);
+    let vol = Arc::try_unwrap(vol).ok().expect("sole owner");
+    (o, vol)
+}
+
+#[test]
+fn a_member_sigkilled_under_load_loses_nothing_and_stalls_under_a_second() {
+    for (level, n) in [(Level::Raid5, 4), (Level::Rs { k: 2, m: 2 }, 4)] {
+        let (o, vol) = kill_under_load(level, n);
+        println!("{}: {o:?}", level.name());
+        assert_eq!(o.failed_reads, 0, "{}: {o:?}", level.name());
+        assert_eq!(o.failed_writes, 0, "{}: {o:?}", level.name());
+        assert_eq!(o.wrong_reads, 0, "{}: {o:?}", level.name());
+        assert_eq!(o.lost_acknowledged_writes, 0, "{}: {o:?}", level.name());
+        assert!(
+            o.ops_after_kill > 0,
+            "{}: nothing ran after the kill",
+            level.name()
+        );
+        assert!(
+            o.slowest_op < Duration::from_secs(1),
+            "{}: an operation took {:?}",
+            level.name(),
+            o.slowest_op
+        );
+        assert_eq!(vol.status().missing, vec![2]);
+    }
+}
+
+#[test]
+fn the_kill_checker_sees_failures_where_there_is_no_redundancy() {
+    // raid0 cannot survive the kill: the same checker must count failed operations.
+    let (o, _vol) = kill_under_load(Level::Raid0, 4);
+    println!("raid0: {o:?}");
+    assert!(
+        o.failed_reads + o.failed_writes + o.lost_acknowledged_writes > 0,
+        "raid0 lost a member and the checker saw nothing: {o:?}"
+    );
+}
+
+fn camelot(args: &[&str], stdin: Option<&[u8]>) -> (bool, Vec<u8>, String) {
+    let mut child = Command::new(CAMELOT)
+        .args(args)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("camelot runs");
+    {
+        let mut input = child.stdin.take().expect("stdin");
+        if let Some(data) = stdin {
+            input.write_all(data).expect("stdin write");
+        }
+    }
+    let out = child.wait_with_output().expect("camelot ends");
+    (
+        out.status.success(),
+        out.stdout,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn volume_commands_create_write_read_degrade_rebuild_and_scrub() {
+    let mut servers: Vec<CamelotServer> = (0..3).map(|_| server()).collect();
+    let addrs: Vec<String> = servers.iter().map(|s| s.addr().to_string()).collect();
+    let list = addrs.join(",");
+    let (ok, out, err) = camelot(
+        &[
+            "volume",
+            "create",
+            "--level",
+            "raid5",
+            "--servers",
+            &list,
+            "--size",
+            "1M",
+            "--chunk",
+            "16K",
+            "cli",
+        ],
+        None,
+    );
+    assert!(ok, "{err}");
+    assert!(String::from_utf8_lossy(&out).contains("raid5, 3 members"));
+
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i % 253) as u8).collect();
+    let (ok, _, err) = camelot(
+        &[
+            "volume", "write", "cli", "--server", &addrs[1], "--offset", "777",
+        ],
+        Some(&data),
+    );
+    assert!(ok, "{err}");
+    let read = |server: &str| {
+        camelot(
+            &[
+                "volume", "read", "cli", "--server", server, "--offset", "777", "--len", "100000",
+            ],
+            None,
+        )
+    };
+    let (ok, out, err) = read(&addrs[2]);
+    assert!(ok && out == data, "{err}");
+
+    servers[0].process_mut().kill().expect("SIGKILL");
+    let (ok, out, err) = read(&addrs[2]);
+    assert!(ok && out == data, "degraded read: {err}");
+    let (ok, out, err) = camelot(&["volume", "status", "cli", "--server", &addrs[1]], None);
+    let status = String::from_utf8_lossy(&out);
+    assert!(
+        ok && status.contains("degraded, missing members [0]"),
+        "{status} {err}"
+    );
+
+    let fresh = server();
+    let replace = format!("{}={}", addrs[0], fresh.addr());
+    let (ok, out, err) = camelot(
+        &[
+            "volume",
+            "rebuild",
+            "cli",
+            "--server",
+            &addrs[1],
+            "--replace",
+            &replace,
+        ],
+        None,
+    );
+    let text = String::from_utf8_lossy(&out);
+    assert!(ok && text.contains("state: healthy"), "{text} {err}");
+    let (ok, out, err) = camelot(
+        &[
+            "volume",
+            "scrub",
+            "cli",
+            "--server",
+            &addrs[2],
+            "--no-repair",
+        ],
+        None,
+    );
+    let text = String::from_utf8_lossy(&out);
+    assert!(ok && text.contains(", 0 mismatches"), "{text} {err}");
+    // Lose another member: the rebuilt one must now carry its share.
+    servers[1].process_mut().kill().expect("SIGKILL");
+    let (ok, out, err) = read(&addrs[2]);
+    assert!(ok && out == data, "read through the rebuilt member: {err}");
+    drop(fresh);
+}
