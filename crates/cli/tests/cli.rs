@@ -155,6 +155,7 @@ fn sigterm_answers_in_flight_requests_and_exits_zero() {
         &Frame::Hello(Hello {
             version: PROTOCOL_VERSION,
             token: Bytes::new(),
+            principal: String::new(),
         }),
     );
     assert!(matches!(recv(&mut s, &mut buf), Some(Frame::HelloOk(_))));
@@ -167,6 +168,7 @@ fn sigterm_answers_in_flight_requests_and_exits_zero() {
                 op: Op::Alloc {
                     size: 32 << 20,
                     name: None,
+                    mode: camelot_proto::AccessMode::Private,
                 },
             }],
         }),

@@ -2,11 +2,11 @@
 
 use crate::exec::exec;
 use crate::state::ServerState;
+use crate::store::Principal;
 use bytes::{Bytes, BytesMut};
-use camelot_proto::limits::TOKEN_BYTES_MAX;
 use camelot_proto::{
     decode_frame, encode_frame, DecodeError, ErrorCode, ErrorReply, Frame, FrameDecoder, HelloOk,
-    ResponseBatchEncoder, PROTOCOL_VERSION,
+    ResponseBatchEncoder, HELLO_BODY_BYTES_MAX, PRINCIPAL_DEFAULT, PROTOCOL_VERSION,
 };
 use std::fmt;
 use std::io::{self, Read};
@@ -26,9 +26,6 @@ const OUT_FLUSH_BYTES: usize = 1 << 20;
 /// A buffer that grew past this for one big frame is replaced once empty, so an idle
 /// connection does not keep pinning up to a frame's worth of memory.
 const BUF_KEEP_BYTES: usize = 4 << 20;
-/// The largest HELLO body. Anything claiming more before the handshake is not a client of
-/// ours, and must not make us reserve a 64 MiB frame buffer before it has authenticated.
-const HELLO_BODY_BYTES_MAX: usize = 1 + 4 + 2 + 1 + TOKEN_BYTES_MAX;
 /// How long, and how much, we keep reading (and discarding) after a FATAL before closing.
 const LINGER: Duration = Duration::from_millis(500);
 const LINGER_BYTES_MAX: usize = 1 << 20;
@@ -94,6 +91,8 @@ pub(crate) struct Conn {
     inbuf: BytesMut,
     outbuf: BytesMut,
     big_frame_seen: bool,
+    /// Who this connection acts as, from its HELLO: owner of what it allocates.
+    principal: Principal,
 }
 
 /// Resolves once shutdown is requested, or the handle that could request it is gone.
@@ -184,6 +183,7 @@ impl Conn {
             inbuf: BytesMut::with_capacity(READ_CHUNK_BYTES),
             outbuf: BytesMut::with_capacity(READ_CHUNK_BYTES),
             big_frame_seen: false,
+            principal: Principal::from(PRINCIPAL_DEFAULT),
         }
     }
 
@@ -245,6 +245,9 @@ impl Conn {
                     .fatal(ErrorCode::AuthFailed, "wrong or missing cluster token")
                     .await);
             }
+        }
+        if !hello.principal.is_empty() {
+            self.principal = Principal::from(hello.principal);
         }
         let ok = Frame::HelloOk(HelloOk {
             version: PROTOCOL_VERSION,
@@ -336,7 +339,8 @@ impl Conn {
             };
             let start = self.outbuf.len();
             let mut enc = ResponseBatchEncoder::begin(&mut self.outbuf);
-            let res = exec(&self.shared.state, &batch, &mut enc).and_then(|()| enc.finish());
+            let res = exec(&self.shared.state, &self.principal, &batch, &mut enc)
+                .and_then(|()| enc.finish());
             drop(batch);
             if let Err(e) = res {
                 self.outbuf.truncate(start);

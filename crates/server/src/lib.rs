@@ -16,8 +16,8 @@ pub mod store;
 
 pub use budget::{MemoryBudget, OverBudget, Reservation};
 pub use exec::exec;
-pub use state::{ServerState, Stats};
-pub use store::{Region, RegionStore};
+pub use state::{ServerState, Stats, STAT_EXPOSED_WITHOUT_TOKEN};
+pub use store::{Principal, Quota, Region, RegionStore, Usage};
 
 use camelot_proto::limits::TOKEN_BYTES_MAX;
 use conn::{Conn, OpenConnection, Shared};
@@ -59,6 +59,10 @@ pub struct ServerConfig {
     /// its CPU is not wanted by others (see `resp::spin`); zero: sleep at once, as
     /// Redis does. At most [`resp::SPIN_IDLE_MAX`].
     pub resp_poll: Duration,
+    /// What each principal may hold in regions (default: no limit but the memory cap).
+    pub quota: Quota,
+    /// Refuse to start without a token, instead of warning when serving beyond loopback.
+    pub require_token: bool,
 }
 
 impl ServerConfig {
@@ -74,6 +78,8 @@ impl ServerConfig {
             resp_listen: None,
             resp_threads: RESP_THREADS_DEFAULT,
             resp_poll: resp::SPIN_IDLE_DEFAULT,
+            quota: Quota::UNLIMITED,
+            require_token: false,
         }
     }
 }
@@ -165,6 +171,13 @@ impl ServerHandle {
                 )));
             }
         }
+        if config.require_token && config.token.is_none() {
+            return Err(ServerError::Config(
+                "a token is required (--require-token) but none was given: \
+                 set --token or CAMELOT_TOKEN"
+                    .into(),
+            ));
+        }
         if config.resp_poll > resp::SPIN_IDLE_MAX {
             return Err(ServerError::Config(format!(
                 "the Redis port polls at most {:?} after its last command, not {:?}",
@@ -177,10 +190,23 @@ impl ServerHandle {
             Some(addr) => Some(bind(addr).await?),
             None => None,
         };
-        let state = Arc::new(ServerState::new(
+        let state = Arc::new(ServerState::with_quota(
             MemoryBudget::new(config.memory_bytes_max),
             config.epoch,
+            config.quota,
         ));
+        let exposed = state::exposed_without_token(
+            config.token.is_some(),
+            std::iter::once(local_addr).chain(resp.as_ref().map(|(_, a)| *a)),
+        );
+        if exposed {
+            warn!(
+                addr = %local_addr,
+                "serving beyond loopback WITHOUT A TOKEN: anyone who can reach this port \
+                 can read, write and free memory; set --token (or --require-token)"
+            );
+        }
+        state.set_exposed_without_token(exposed);
         info!(
             addr = %local_addr,
             memory_cap_bytes = config.memory_bytes_max,
