@@ -905,3 +905,21 @@ async fn stats_say_whether_the_server_is_exposed() {
     assert_eq!(stat(&stats, STAT_EXPOSED_WITHOUT_TOKEN), 0);
     server.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_client_is_told_version_mismatch() {
+    // A version 1 HELLO ends after its token (no principal): it must still be read as a
+    // HELLO, so the old client learns why it is refused instead of seeing a bad frame.
+    let server = start(config()).await;
+    let mut p = Peer::connect(server.local_addr()).await;
+    let mut body = vec![1u8];
+    body.extend_from_slice(b"CMLT");
+    body.extend_from_slice(&1u16.to_le_bytes());
+    body.push(0);
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    p.send_raw(&frame).await;
+    assert_eq!(fatal_code(p.recv().await), ErrorCode::VersionMismatch);
+    p.expect_closed().await;
+    server.shutdown().await.unwrap();
+}
