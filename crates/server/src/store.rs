@@ -835,8 +835,10 @@ mod tests {
 
     #[test]
     fn quotas_bound_each_principal_separately_and_are_credited_on_free() {
+        // Each refusal is for one limit only: bytes while regions are left, regions
+        // while bytes are left.
         let quota = Quota {
-            bytes_max: 3 * PAGE,
+            bytes_max: 4 * PAGE,
             regions_max: 2,
         };
         let s = RegionStore::with_quota(MemoryBudget::new(1 << 30), quota);
@@ -844,13 +846,13 @@ mod tests {
         let a1 = s
             .alloc(&alice, 2 * PAGE, None, AccessMode::Private)
             .unwrap();
-        // Bytes: 2 pages held, 2 more would make 4 > 3.
+        // Bytes: 2 pages held, 3 more would make 5 > 4.
         let e = s
-            .alloc(&alice, 2 * PAGE, None, AccessMode::Private)
+            .alloc(&alice, 3 * PAGE, None, AccessMode::Private)
             .unwrap_err();
         assert_eq!(e.code, ErrorCode::QuotaExceeded);
         let a2 = s.alloc(&alice, PAGE, None, AccessMode::Shared).unwrap();
-        // Regions: 2 held.
+        // Regions: 2 held; one more page would still fit the bytes (4 <= 4).
         let e = s.alloc(&alice, 1, None, AccessMode::Private).unwrap_err();
         assert_eq!(e.code, ErrorCode::QuotaExceeded);
         assert_eq!(

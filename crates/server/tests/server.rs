@@ -796,8 +796,10 @@ async fn region_ids_are_not_sequential() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quotas_are_per_principal_and_distinct_from_the_memory_cap() {
     let mut cfg = config();
+    // Each refusal below is for one limit only: the byte one while regions are left,
+    // the region one while bytes are left.
     cfg.quota = Quota {
-        bytes_max: 3 * 4096,
+        bytes_max: 16 * 4096,
         regions_max: 2,
     };
     let server = start(cfg).await;
@@ -811,7 +813,7 @@ async fn quotas_are_per_principal_and_distinct_from_the_memory_cap() {
                 mode: AccessMode::Private,
             },
             Op::Alloc {
-                size: 8192,
+                size: 15 * 4096,
                 name: None,
                 mode: AccessMode::Private,
             },
