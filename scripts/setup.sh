@@ -1,19 +1,49 @@
 #!/usr/bin/env bash
-# Installs what Camelot's tests and benchmarks need on a Debian machine: the real
-# programs the tests start (Redis, memcached, etcd), the peers benchmarks compare
-# against (iperf3, sockperf, fio, sysbench, redis-benchmark) and Chromium for the report
-# test. Safe to run again: installs only what is missing.
+# Installs what Camelot's tests, benchmarks and scripts call on a Debian machine: the real
+# programs the tests start (Redis, memcached, etcd), the peers benchmarks compare against
+# (iperf3, sockperf, fio, sysbench, redis-benchmark), Chromium for the report test, a C
+# compiler for the rvm.h example, and the tools the scripts use (jq, ss from iproute2,
+# kill from procps, python3). Safe to run again: it asks apt only when something is
+# missing, and then runs `apt-get update` once.
+#
+#   scripts/setup.sh             install what is missing
+#   scripts/setup.sh --check     list what is missing and exit 1 if anything is; no apt
+#   scripts/setup.sh --optional  also try the optional tools (perf for profiling, nbd and
+#                                qemu-img for block-volume work); one that apt does not
+#                                have is reported, not fatal
 set -euo pipefail
 
 packages=(
   redis-server redis-tools memcached etcd-server etcd-client
   iperf3 sockperf fio sysbench chromium
+  gcc libc6-dev
+  jq iproute2 procps coreutils python3
 )
+optional=(linux-perf libnbd-bin qemu-utils)
+
+mode="install"
+case "${1:-}" in
+  "") ;;
+  --check) mode="check" ;;
+  --optional) packages+=("${optional[@]}"); mode="optional" ;;
+  *) echo "usage: $0 [--check|--optional]" >&2; exit 2 ;;
+esac
+
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 
 missing=()
 for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  installed "$p" || missing+=("$p")
 done
+
+if [ "$mode" = check ]; then
+  if ((${#missing[@]})); then
+    echo "setup: missing ${missing[*]}"
+    exit 1
+  fi
+  echo "setup: nothing missing"
+  exit 0
+fi
 
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
@@ -21,7 +51,18 @@ if ((${#missing[@]})); then
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  required=()
+  for p in "${missing[@]}"; do
+    if [[ " ${optional[*]} " == *" $p "* ]]; then
+      $SUDO apt-get install -y -qq --no-install-recommends "$p" >/dev/null ||
+        echo "setup: optional $p could not be installed; skipped" >&2
+    else
+      required+=("$p")
+    fi
+  done
+  if ((${#required[@]})); then
+    $SUDO apt-get install -y -qq --no-install-recommends "${required[@]}" >/dev/null
+  fi
 fi
 
 if ! command -v cargo >/dev/null 2>&1; then

@@ -1,19 +1,5 @@
-//! Any bytes a `bench hw net` peer can send the net-server (or the server its client):
-//! decoding must never panic, never ask for bytes past the message limit, and whatever
-//! decodes must re-encode to the same message.
+//! libFuzzer's entry to the `decode_netctl` body in `src/lib.rs` (what it checks is described there).
 #![no_main]
-use camelot_bench::hw::netctl::{decode, encode, Decoded, MESSAGE_BYTES_MAX};
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| {
-    match decode(data) {
-        Ok(Decoded::Message(m, used)) => {
-            assert!(used <= data.len() && used <= MESSAGE_BYTES_MAX);
-            assert_eq!(decode(&encode(&m)), Ok(Decoded::Message(m, used)));
-        }
-        Ok(Decoded::Incomplete { needed_bytes }) => {
-            assert!(needed_bytes >= 1 && data.len() + needed_bytes <= MESSAGE_BYTES_MAX);
-        }
-        Err(_) => {}
-    }
-});
+fuzz_target!(|data: &[u8]| camelot_fuzz::decode_netctl(data));

@@ -149,7 +149,10 @@ fn clear_empties_a_camelot_store_so_the_next_load_starts_empty() {
     }
     assert_eq!(client.scan(b"", 10).expect("scan").len(), 10);
 
-    let kind = TargetKind::Camelot(cluster.addrs().to_vec());
+    let kind = TargetKind::Camelot {
+        addrs: cluster.addrs().to_vec(),
+        token: None,
+    };
     clear(&kind).expect("clear");
     assert!(client.scan(b"", 10).expect("scan").is_empty());
     assert_eq!(client.get(b"stray00000").expect("get"), None);
@@ -171,4 +174,38 @@ fn clear_empties_a_camelot_store_so_the_next_load_starts_empty() {
     let _: () = redis::cmd("FLUSHALL").query(&mut con).expect("flushall");
     clear(&kind).expect("empty again");
     cluster.shutdown().expect("shutdown");
+}
+
+#[test]
+fn a_camelot_target_with_a_token_in_its_url_reaches_a_tokened_cluster() {
+    let cluster = DevCluster::start(DevClusterConfig {
+        nodes: 1,
+        memory_bytes_per_node: 64 << 20,
+        token: Some(b"s3cret".to_vec()),
+        worker_threads: 2,
+        ..DevClusterConfig::default()
+    })
+    .expect("dev cluster");
+    let addr = cluster.addrs()[0];
+    let out = std::env::temp_dir().join(format!("camelot-ycsb-token-{}", std::process::id()));
+    let cfg = |url: &str| YcsbConfig {
+        workloads: vec![Workload::A],
+        records: 200,
+        operations: 400,
+        threads: 2,
+        targets: vec![("camelot".into(), TargetKind::parse(url).expect("url"))],
+        ..YcsbConfig::default()
+    };
+    let report = run(&cfg(&format!("camelot://:s3cret@{addr}")), &out, |_| {}).expect("runs");
+    assert_eq!((report.errors, report.mismatches), (0, 0));
+    let json = std::fs::read_to_string(out.join("ycsb.json")).expect("ycsb.json");
+    assert!(!json.contains("s3cret"), "the token leaked into ycsb.json");
+    // Without it (or with a wrong one) the cluster refuses the bench.
+    for url in [
+        format!("camelot://{addr}"),
+        format!("camelot://:wrong@{addr}"),
+    ] {
+        assert!(run(&cfg(&url), &out, |_| {}).is_err(), "{url} was let in");
+    }
+    let _ = std::fs::remove_dir_all(&out);
 }

@@ -246,6 +246,17 @@ struct ServerArgs {
     /// close. Values stored are still capped at 32 MiB (an error reply, not a close).
     #[arg(long, value_name = "BYTES", default_value_t = camelot_server::resp::codec::PROTO_MAX_BULK_LEN_DEFAULT)]
     proto_max_bulk_len: usize,
+    /// Refuse to start without a token. Without this flag a server listening beyond
+    /// loopback with no token starts, but warns (in its log and in `camelot stats`).
+    #[arg(long)]
+    require_token: bool,
+    /// Most region bytes one principal (a client's HELLO name) may hold (e.g. 256M);
+    /// past it ALLOC answers QUOTA_EXCEEDED. Default: no limit but --memory.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    quota_bytes: Option<u64>,
+    /// Most regions one principal may hold at once. Default: no limit.
+    #[arg(long, value_name = "N")]
+    quota_regions: Option<u64>,
 }
 
 #[derive(Args)]
@@ -443,10 +454,14 @@ struct YcsbArgs {
     /// Bytes per field (at least 16).
     #[arg(long, default_value_t = 100)]
     field_bytes: usize,
-    /// A store to drive: camelot://HOST:PORT[,HOST:PORT…], resp://HOST:PORT (Camelot's
-    /// Redis port), redis://HOST:PORT, memcached://HOST:PORT. Repeatable.
+    /// A store to drive: camelot://[:TOKEN@]HOST:PORT[,HOST:PORT…], resp://HOST:PORT
+    /// (Camelot's Redis port), redis://HOST:PORT, memcached://HOST:PORT. Repeatable.
     #[arg(long = "target", value_name = "URL")]
     targets: Vec<String>,
+    /// Cluster token for camelot:// targets whose URL gives none (also read from
+    /// CAMELOT_TOKEN).
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
     /// Stores to start for this run, comma-separated (needs --spawn), each its own
     /// server process on loopback: camelot (the native client, one value per record),
     /// resp (Camelot's Redis port with redis-server's budget: one thread; YCSB's Redis
@@ -763,6 +778,11 @@ fn server(a: ServerArgs) -> Result<()> {
         cfg.resp_threads = a.resp_threads;
         cfg.resp_poll = std::time::Duration::from_micros(a.resp_poll_us);
         cfg.proto_max_bulk_len = a.proto_max_bulk_len;
+        cfg.require_token = a.require_token;
+        cfg.quota = camelot_server::Quota {
+            bytes_max: a.quota_bytes.unwrap_or(u64::MAX),
+            regions_max: a.quota_regions.unwrap_or(u64::MAX),
+        };
         let handle = ServerHandle::start(cfg)
             .await
             .with_context(|| format!("cannot start a server on {listen}"))?;
@@ -774,6 +794,13 @@ fn server(a: ServerArgs) -> Result<()> {
         );
         if let Some(resp) = handle.resp_addr() {
             println!("camelot server speaking the Redis protocol on {resp}");
+        }
+        if handle.state().exposed_without_token() {
+            eprintln!(
+                "WARNING: listening beyond loopback without a token: anyone who can reach \
+                 this port can read, write and free its memory (set --token; \
+                 --require-token refuses to start without one)"
+            );
         }
         signals.wait().await;
         tracing::info!("signal received; answering in-flight requests, then stopping");
@@ -873,6 +900,12 @@ fn stats(a: StatsArgs) -> Result<()> {
     let stats = client.stats(0)?;
     let get = |k: &str| stats.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
     println!("server {addr}");
+    if get(camelot_server::STAT_EXPOSED_WITHOUT_TOKEN) != 0 {
+        println!(
+            "  WARNING     serving beyond loopback without a token: anyone who can reach \
+             it can read, write and free its memory"
+        );
+    }
     println!(
         "  memory      {} used of {} (regions and objects)",
         format_bytes(get("memory_used_bytes")),
@@ -1094,7 +1127,10 @@ fn bench_ycsb(a: YcsbArgs) -> Result<()> {
         .iter()
         .map(|url| {
             let label = url.split("://").next().unwrap_or(url).to_string();
-            Ok((label, TargetKind::parse(url)?))
+            Ok((
+                label,
+                TargetKind::parse(url)?.with_default_token(a.token.as_deref()),
+            ))
         })
         .collect::<Result<Vec<_>>>()?;
     let mut cfg = YcsbConfig {

@@ -155,6 +155,7 @@ fn sigterm_answers_in_flight_requests_and_exits_zero() {
         &Frame::Hello(Hello {
             version: PROTOCOL_VERSION,
             token: Bytes::new(),
+            principal: String::new(),
         }),
     );
     assert!(matches!(recv(&mut s, &mut buf), Some(Frame::HelloOk(_))));
@@ -167,6 +168,7 @@ fn sigterm_answers_in_flight_requests_and_exits_zero() {
                 op: Op::Alloc {
                     size: 32 << 20,
                     name: None,
+                    mode: camelot_proto::AccessMode::Private,
                 },
             }],
         }),
@@ -858,4 +860,73 @@ fn readme_says_where_the_binary_is() {
     ] {
         assert!(readme.contains(flag), "README does not explain {flag}");
     }
+}
+
+#[test]
+fn require_token_refuses_to_start_without_one() {
+    let (status, _, err) = run(
+        &["server", "--listen", "127.0.0.1:0", "--require-token"],
+        Duration::from_secs(30),
+    );
+    assert!(!status.success(), "started without a token");
+    assert!(err.contains("--require-token"), "{err}");
+    // With a token it starts, and on loopback `stats` has nothing to warn about.
+    let (mut server, addr) = start_server(&["--require-token", "--token", "tok"]);
+    let (status, out, err) = run(
+        &["stats", &addr.to_string(), "--token", "tok"],
+        Duration::from_secs(30),
+    );
+    assert!(status.success(), "{err}");
+    assert!(out.contains("exposed_without_token 0"), "{out}");
+    assert!(!out.contains("WARNING"), "{out}");
+    server.signal("-TERM");
+    assert!(server.wait(Duration::from_secs(30)).success());
+}
+
+#[test]
+fn bench_ycsb_reaches_a_tokened_server_by_url_or_flag() {
+    let (mut server, addr) = start_server(&["--token", "zq9secret", "--quota-regions", "4"]);
+    let out = temp_dir("ycsb-token");
+    let out_s = out.to_string_lossy().to_string();
+    let by_url = format!("camelot://:zq9secret@{addr}");
+    let plain = format!("camelot://{addr}");
+    let common = [
+        "bench",
+        "ycsb",
+        "--workload",
+        "c",
+        "--records",
+        "200",
+        "--operations",
+        "200",
+        "--threads",
+        "2",
+        "--out",
+        &out_s,
+    ];
+    for extra in [
+        vec!["--target", &by_url],
+        vec!["--target", &plain, "--token", "zq9secret"],
+    ] {
+        let args: Vec<&str> = common.iter().copied().chain(extra).collect();
+        let (status, _, err) = run(&args, Duration::from_secs(120));
+        assert!(status.success(), "{args:?}: {err}");
+        let json = std::fs::read_to_string(out.join("ycsb.json")).expect("ycsb.json");
+        assert!(
+            !json.contains("zq9secret"),
+            "the token leaked into ycsb.json"
+        );
+    }
+    // Without a token the server refuses the bench, and says why.
+    let args: Vec<&str> = common
+        .iter()
+        .copied()
+        .chain(["--target", plain.as_str()])
+        .collect();
+    let (status, _, err) = run(&args, Duration::from_secs(120));
+    assert!(!status.success());
+    assert!(err.contains("token"), "{err}");
+    server.signal("-TERM");
+    assert!(server.wait(Duration::from_secs(30)).success());
+    let _ = std::fs::remove_dir_all(&out);
 }

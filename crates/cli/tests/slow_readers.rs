@@ -79,6 +79,7 @@ fn hello() -> BytesMut {
     frame(&Frame::Hello(Hello {
         version: PROTOCOL_VERSION,
         token: Bytes::new(),
+        principal: String::new(),
     }))
 }
 
@@ -114,6 +115,7 @@ fn load(server: &CamelotServer) -> u64 {
             op: Op::Alloc {
                 size: VALUE_BYTES as u64,
                 name: None,
+                mode: camelot_proto::AccessMode::Private,
             },
         }],
     });

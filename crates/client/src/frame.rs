@@ -28,17 +28,18 @@ pub(crate) struct Submission {
     pub slot: Arc<Completion>,
 }
 
-/// A HELLO frame for `config`'s token.
+/// A HELLO frame for `config`'s token and principal.
 pub(crate) fn hello_frame(config: &ClientConfig) -> Result<BytesMut, ClientError> {
     let mut buf = BytesMut::new();
     encode_frame(
         &Frame::Hello(Hello {
             version: PROTOCOL_VERSION,
             token: Bytes::from(config.token.clone().unwrap_or_default()),
+            principal: config.principal.clone().unwrap_or_default(),
         }),
         &mut buf,
     )
-    .map_err(|e| ClientError::InvalidArgument(format!("token: {e}")))?;
+    .map_err(|e| ClientError::InvalidArgument(format!("HELLO: {e}")))?;
     Ok(buf)
 }
 
@@ -359,6 +360,7 @@ mod tests {
     fn the_handshake_round_trips_and_refusals_are_typed() {
         let config = ClientConfig {
             token: Some(b"s3cret".to_vec()),
+            principal: Some("alice".into()),
             ..ClientConfig::default()
         };
         let mut hello = hello_frame(&config).expect("hello");
@@ -369,8 +371,8 @@ mod tests {
             panic!("not a HELLO");
         };
         assert_eq!(
-            (h.version, h.token.as_ref()),
-            (PROTOCOL_VERSION, &b"s3cret"[..])
+            (h.version, h.token.as_ref(), h.principal.as_str()),
+            (PROTOCOL_VERSION, &b"s3cret"[..], "alice")
         );
 
         let answer = |frame: Frame| {

@@ -2,8 +2,11 @@
 
 use bytes::Bytes;
 use camelot_client::proto::{ErrorCode, Op, Reply};
-use camelot_client::{Client, ClientConfig, ClientError, ClusterMap, LoopClient, Region};
+use camelot_client::{
+    AccessMode, Client, ClientConfig, ClientError, ClusterMap, LoopClient, Region,
+};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
+use camelot_server::Quota;
 use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -942,4 +945,139 @@ fn both_faces_refuse_the_same_impossible_settings() {
             );
         }
     }
+}
+
+fn client_as(c: &DevCluster, principal: &str) -> Client {
+    client(
+        c,
+        ClientConfig {
+            principal: Some(principal.into()),
+            ..ClientConfig::default()
+        },
+    )
+    .expect("connect")
+}
+
+#[test]
+fn private_regions_are_their_owners_and_shared_ones_are_freed_only_by_them() {
+    let c = cluster(2, 1 << 20, None);
+    let alice = client_as(&c, "alice");
+    let bob = client_as(&c, "bob");
+    let private = alice.alloc(4096, Some("alice-private")).expect("alloc");
+    assert_eq!(private.mode, AccessMode::Private, "alloc's default");
+    let shared = alice
+        .alloc_with(4096, Some("alice-shared"), AccessMode::Shared)
+        .expect("alloc shared");
+    assert_eq!(shared.mode, AccessMode::Shared);
+    alice.write(&private, 0, &b"mine"[..]).expect("write");
+    alice.write(&shared, 0, &b"ours"[..]).expect("write");
+
+    // Bob holding alice's private region's id (say, guessed) changes nothing.
+    let code = |e: ClientError| e.code();
+    assert_eq!(
+        bob.read(&private, 0, 4).map_err(code).unwrap_err(),
+        Some(ErrorCode::NoSuchRegion)
+    );
+    assert_eq!(
+        bob.write(&private, 0, &b"evil"[..])
+            .map_err(code)
+            .unwrap_err(),
+        Some(ErrorCode::NoSuchRegion)
+    );
+    assert_eq!(
+        bob.free(&private).map_err(code).unwrap_err(),
+        Some(ErrorCode::NoSuchRegion)
+    );
+    assert_eq!(
+        bob.lookup("alice-private").map_err(code).unwrap_err(),
+        Some(ErrorCode::NameNotFound)
+    );
+    // The shared one he finds, reads and writes, but cannot free.
+    let found = bob.lookup("alice-shared").expect("lookup shared");
+    assert_eq!(found.id, shared.id);
+    assert_eq!(&bob.read(&found, 0, 4).expect("read")[..], b"ours");
+    bob.write(&found, 4, &b"+bob"[..]).expect("write shared");
+    assert_eq!(
+        bob.free(&found).map_err(code).unwrap_err(),
+        Some(ErrorCode::Forbidden)
+    );
+    let bobs_view: Vec<u64> = c
+        .addrs()
+        .iter()
+        .enumerate()
+        .flat_map(|(n, _)| bob.list(n as u32).expect("list"))
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(bobs_view, vec![shared.id]);
+
+    assert_eq!(&alice.read(&private, 0, 4).expect("read")[..], b"mine");
+    assert_eq!(&alice.read(&shared, 0, 8).expect("read")[..], b"ours+bob");
+    alice.free(&private).expect("free own private");
+    alice.free(&shared).expect("free own shared");
+
+    // A second client with alice's principal (a restart) finds what the first left.
+    let kept = alice.alloc(4096, Some("kept")).expect("alloc");
+    drop(alice);
+    let again = client_as(&c, "alice");
+    assert_eq!(again.lookup("kept").expect("found again").id, kept.id);
+    again.free(&kept).expect("free");
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
+fn quota_exceeded_is_its_own_error() {
+    let c = DevCluster::start(DevClusterConfig {
+        nodes: 1,
+        memory_bytes_per_node: 1 << 20,
+        worker_threads: 2,
+        quota: Quota {
+            bytes_max: 64 << 10,
+            regions_max: 3,
+        },
+        ..DevClusterConfig::default()
+    })
+    .expect("dev cluster starts");
+    let alice = client_as(&c, "alice");
+    let e = alice
+        .alloc(128 << 10, None)
+        .expect_err("past the byte quota");
+    assert_eq!(e.code(), Some(ErrorCode::QuotaExceeded), "{e}");
+    let held: Vec<Region> = (0..3)
+        .map(|_| alice.alloc(4096, None).expect("within quota"))
+        .collect();
+    let e = alice.alloc(4096, None).expect_err("past the region quota");
+    assert_eq!(e.code(), Some(ErrorCode::QuotaExceeded), "{e}");
+    // Another principal is not affected, and the whole memory cap is a different error.
+    let bob = client_as(&c, "bob");
+    bob.alloc(4096, None).expect("bob's own quota");
+    alice.free(&held[0]).expect("free");
+    alice.alloc(4096, None).expect("room again after free");
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
+fn region_ids_cannot_be_guessed_from_each_other() {
+    let c = cluster(1, 1 << 20, None);
+    let cl = client(&c, ClientConfig::default()).expect("connect");
+    let ids: Vec<u64> = (0..16)
+        .map(|_| cl.alloc(1, None).expect("alloc").id)
+        .collect();
+    for w in ids.windows(2) {
+        assert!(w[0].abs_diff(w[1]) > 1 << 32, "ids {} then {}", w[0], w[1]);
+    }
+    c.shutdown().expect("shutdown");
+}
+
+#[test]
+fn an_overlong_principal_is_refused_before_connecting() {
+    let c = cluster(1, 1 << 20, None);
+    let r = client(
+        &c,
+        ClientConfig {
+            principal: Some("p".repeat(65)),
+            ..ClientConfig::default()
+        },
+    );
+    assert!(matches!(r, Err(ClientError::InvalidArgument(_))));
+    c.shutdown().expect("shutdown");
 }

@@ -15,14 +15,17 @@ mod wire;
 
 pub use wire::{
     FrameDecoder, RequestBatchEncoder, ResponseBatchEncoder, ERROR_RESPONSE_BYTES_MAX,
-    ITEM_OVERHEAD_BYTES, REQUESTS_HEADER_BYTES, RESPONSES_HEADER_BYTES, RESPONSE_OK_BUDGET_BYTES,
+    HELLO_BODY_BYTES_MAX, ITEM_OVERHEAD_BYTES, REQUESTS_HEADER_BYTES, RESPONSES_HEADER_BYTES,
+    RESPONSE_OK_BUDGET_BYTES,
 };
 
 use bytes::Bytes;
 use std::fmt;
 
 /// The version this build speaks. A server refuses any other at handshake.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// 2: HELLO names a principal, ALLOC carries an access mode, region infos carry it back,
+/// and errors QUOTA_EXCEEDED and FORBIDDEN exist.
+pub const PROTOCOL_VERSION: u16 = 2;
 /// First bytes of a HELLO, so a stray client (HTTP, Redis) is told apart at once.
 pub const HELLO_MAGIC: [u8; 4] = *b"CMLT";
 
@@ -61,6 +64,41 @@ pub struct Hello {
     pub version: u16,
     /// Empty when the client has no token.
     pub token: Bytes,
+    /// Who the client says it is: the owner of the regions it allocates. Empty means
+    /// [`PRINCIPAL_DEFAULT`]. At most [`limits::PRINCIPAL_BYTES_MAX`] bytes.
+    pub principal: String,
+}
+
+/// The principal of a client that names none.
+pub const PRINCIPAL_DEFAULT: &str = "anonymous";
+
+/// Who may use a region besides its owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[repr(u8)]
+pub enum AccessMode {
+    /// Only the owner sees it: to anyone else it does not exist.
+    #[default]
+    Private = 0,
+    /// Any principal that got past the handshake may find, read and write it; only the
+    /// owner may free it.
+    Shared = 1,
+}
+
+impl AccessMode {
+    pub fn from_u8(v: u8) -> Option<AccessMode> {
+        match v {
+            0 => Some(AccessMode::Private),
+            1 => Some(AccessMode::Shared),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AccessMode::Private => "private",
+            AccessMode::Shared => "shared",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,6 +129,7 @@ pub enum Op {
     Alloc {
         size: u64,
         name: Option<String>,
+        mode: AccessMode,
     },
     Lookup {
         name: String,
@@ -305,6 +344,7 @@ pub struct RegionInfo {
     pub id: RegionId,
     pub size: u64,
     pub name: Option<String>,
+    pub mode: AccessMode,
 }
 
 /// A typed error the server reports for one request (or, as [`Frame::Fatal`], for the
@@ -370,6 +410,12 @@ pub enum ErrorCode {
     VersionConflict,
     /// The key holds a value of another type (a Redis hash or sorted set).
     WrongType,
+    /// The principal's quota (bytes or regions) would be exceeded; distinct from
+    /// OUT_OF_MEMORY, which is the whole server's cap.
+    QuotaExceeded,
+    /// The principal may see the region but not do this to it (FREE of a shared region
+    /// it does not own).
+    Forbidden,
     Unknown(u16),
 }
 
@@ -392,6 +438,8 @@ impl ErrorCode {
             ErrorCode::NoSuchKey => 14,
             ErrorCode::VersionConflict => 15,
             ErrorCode::WrongType => 16,
+            ErrorCode::QuotaExceeded => 17,
+            ErrorCode::Forbidden => 18,
             ErrorCode::Unknown(c) => c,
         }
     }
@@ -414,6 +462,8 @@ impl ErrorCode {
             14 => ErrorCode::NoSuchKey,
             15 => ErrorCode::VersionConflict,
             16 => ErrorCode::WrongType,
+            17 => ErrorCode::QuotaExceeded,
+            18 => ErrorCode::Forbidden,
             c => ErrorCode::Unknown(c),
         }
     }
@@ -438,6 +488,8 @@ impl fmt::Display for ErrorCode {
             ErrorCode::NoSuchKey => "NO_SUCH_KEY",
             ErrorCode::VersionConflict => "VERSION_CONFLICT",
             ErrorCode::WrongType => "WRONG_TYPE",
+            ErrorCode::QuotaExceeded => "QUOTA_EXCEEDED",
+            ErrorCode::Forbidden => "FORBIDDEN",
             ErrorCode::Unknown(c) => return write!(f, "UNKNOWN_ERROR_{c}"),
         };
         f.write_str(s)

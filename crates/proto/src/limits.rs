@@ -26,6 +26,10 @@ pub const REGION_PAGE_BYTES: u64 = 4096;
 pub const NAME_BYTES_MAX: usize = 255;
 /// Longest cluster token.
 pub const TOKEN_BYTES_MAX: usize = 255;
+/// Longest principal name a client may give in HELLO. Short: it is a name, kept per
+/// region and per quota entry, and it bounds the HELLO a server accepts before
+/// authentication.
+pub const PRINCIPAL_BYTES_MAX: usize = 64;
 /// Longest human-readable error message carried on the wire.
 pub const MESSAGE_BYTES_MAX: usize = 1024;
 /// Most regions one LIST reply carries.
@@ -55,6 +59,7 @@ const _: () = assert!(REGION_BYTES_MAX & (REGION_PAGE_BYTES - 1) == 0);
 // Names, tokens and keys are length-prefixed with one byte (names, tokens) or two (keys).
 const _: () = assert!(NAME_BYTES_MAX <= u8::MAX as usize);
 const _: () = assert!(TOKEN_BYTES_MAX <= u8::MAX as usize);
+const _: () = assert!(PRINCIPAL_BYTES_MAX <= u8::MAX as usize);
 const _: () = assert!(KEY_BYTES_MAX <= u16::MAX as usize);
 // STATS replies count their entries in 16 bits; error messages carry a 16-bit length.
 const _: () = assert!(STATS_ENTRIES_MAX <= u16::MAX as usize);

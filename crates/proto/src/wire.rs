@@ -3,7 +3,9 @@
 //! ```text
 //! frame     := len:u32 body                       (len = body bytes, 1..=FRAME_BYTES_MAX)
 //! body      := kind:u8 payload
-//! HELLO     := kind=1 magic:[4] version:u16 token_len:u8 token
+//! HELLO     := kind=1 magic:[4] version:u16 token_len:u8 token [principal_len:u8 principal]
+//!              (a missing principal, as version 1 clients send, decodes as empty, so
+//!              such a client is told VERSION_MISMATCH rather than "bad frame")
 //! HELLO_OK  := kind=2 version:u16 epoch:u64
 //! REQUESTS  := kind=3 epoch:u64 count:u16 request*
 //! RESPONSES := kind=4 count:u16 response*
@@ -44,7 +46,9 @@ pub const ERROR_RESPONSE_BYTES_MAX: usize = 8 + 2 + 2 + MESSAGE_BYTES_MAX;
 pub const RESPONSE_OK_BUDGET_BYTES: usize =
     FRAME_BYTES_MAX - BATCH_OPS_MAX * ERROR_RESPONSE_BYTES_MAX;
 
-const REGION_INFO_BYTES_MAX: usize = 8 + 8 + 1 + NAME_BYTES_MAX;
+const REGION_INFO_BYTES_MAX: usize = 8 + 8 + 1 + 1 + NAME_BYTES_MAX;
+/// The largest HELLO body: what a server may accept before the handshake.
+pub const HELLO_BODY_BYTES_MAX: usize = 1 + 4 + 2 + 1 + TOKEN_BYTES_MAX + 1 + PRINCIPAL_BYTES_MAX;
 const STATS_REPLY_BYTES_MAX: usize = 2 + STATS_ENTRIES_MAX * (1 + STAT_NAME_BYTES_MAX + 8);
 const LIST_REPLY_BYTES_MAX: usize = 4 + LIST_ENTRIES_MAX * REGION_INFO_BYTES_MAX;
 /// A key on the wire: `len:u16 bytes`.
@@ -58,7 +62,7 @@ pub(crate) fn request_encoded_len(op: &Op) -> usize {
     8 + 1
         + match op {
             Op::Ping | Op::Stats | Op::List => 0,
-            Op::Alloc { name, .. } => 8 + 1 + name.as_ref().map_or(0, |n| n.len()),
+            Op::Alloc { name, .. } => 8 + 1 + name.as_ref().map_or(0, |n| n.len()) + 1,
             Op::Lookup { name } => 1 + name.len(),
             Op::Free { .. } => 8,
             Op::Read { .. } => 8 + 8 + 4,
@@ -150,7 +154,7 @@ fn encode_op(buf: &mut BytesMut, op: &Op, payloads: &mut Payloads<'_>) -> Result
     buf.put_u8(op.kind() as u8);
     match op {
         Op::Ping | Op::Stats | Op::List => {}
-        Op::Alloc { size, name } => {
+        Op::Alloc { size, name, mode } => {
             buf.put_u64_le(*size);
             match name {
                 Some(n) => {
@@ -166,6 +170,7 @@ fn encode_op(buf: &mut BytesMut, op: &Op, payloads: &mut Payloads<'_>) -> Result
                 }
                 None => buf.put_u8(0),
             }
+            buf.put_u8(*mode as u8);
         }
         Op::Lookup { name } => {
             limit("region name", name.len(), NAME_BYTES_MAX)?;
@@ -243,6 +248,7 @@ fn encode_op(buf: &mut BytesMut, op: &Op, payloads: &mut Payloads<'_>) -> Result
 fn encode_region_info(buf: &mut BytesMut, r: &RegionInfo) -> Result<(), EncodeError> {
     buf.put_u64_le(r.id);
     buf.put_u64_le(r.size);
+    buf.put_u8(r.mode as u8);
     match &r.name {
         Some(n) => put_short_str(buf, n, "region name")?,
         None => buf.put_u8(0),
@@ -359,11 +365,13 @@ pub fn encode_frame(frame: &Frame, buf: &mut BytesMut) -> Result<(), EncodeError
     let res = (|| match frame {
         Frame::Hello(h) => {
             limit("token", h.token.len(), TOKEN_BYTES_MAX)?;
+            limit("principal", h.principal.len(), PRINCIPAL_BYTES_MAX)?;
             begin_frame(buf, KIND_HELLO);
             buf.put_slice(&HELLO_MAGIC);
             buf.put_u16_le(h.version);
             buf.put_u8(h.token.len() as u8);
             buf.put_slice(&h.token);
+            put_short_str(buf, &h.principal, "principal")?;
             end_frame(buf, start)
         }
         Frame::HelloOk(h) => {
@@ -681,6 +689,9 @@ impl Cursor {
         check_limit("value", n as u64, VALUE_BYTES_MAX as u64)?;
         self.bytes(n)
     }
+    fn mode(&mut self) -> Result<AccessMode, DecodeError> {
+        AccessMode::from_u8(self.u8()?).ok_or(DecodeError::Invalid("access mode"))
+    }
     fn short_str(&mut self, what: &'static str, max: usize) -> Result<String, DecodeError> {
         let n = self.u8()? as usize;
         check_limit(what, n as u64, max as u64)?;
@@ -729,7 +740,8 @@ fn decode_op(c: &mut Cursor) -> Result<Op, DecodeError> {
             } else {
                 Some(c.string(n, "region name")?)
             };
-            Op::Alloc { size, name }
+            let mode = c.mode()?;
+            Op::Alloc { size, name, mode }
         }
         OpKind::Lookup => {
             let name = c.short_str("region name", NAME_BYTES_MAX)?;
@@ -795,13 +807,19 @@ fn decode_op(c: &mut Cursor) -> Result<Op, DecodeError> {
 fn decode_region_info(c: &mut Cursor) -> Result<RegionInfo, DecodeError> {
     let id = c.u64()?;
     let size = c.u64()?;
+    let mode = c.mode()?;
     let n = c.u8()? as usize;
     let name = if n == 0 {
         None
     } else {
         Some(c.string(n, "region name")?)
     };
-    Ok(RegionInfo { id, size, name })
+    Ok(RegionInfo {
+        id,
+        size,
+        name,
+        mode,
+    })
 }
 
 fn decode_reply(c: &mut Cursor) -> Result<Reply, DecodeError> {
@@ -820,7 +838,7 @@ fn decode_reply(c: &mut Cursor) -> Result<Reply, DecodeError> {
         }
         TAG_LIST => {
             let n = c.u32()? as usize;
-            let n = c.count(n, "list entries", LIST_ENTRIES_MAX, 8 + 8 + 1)?;
+            let n = c.count(n, "list entries", LIST_ENTRIES_MAX, 8 + 8 + 1 + 1)?;
             let mut regions = Vec::with_capacity(n);
             for _ in 0..n {
                 regions.push(decode_region_info(c)?);
@@ -879,9 +897,16 @@ pub fn decode_frame(body: Bytes) -> Result<Frame, DecodeError> {
             let version = c.u16()?;
             let n = c.u8()? as usize;
             check_limit("token", n as u64, TOKEN_BYTES_MAX as u64)?;
+            let token = c.bytes(n)?;
+            let principal = if c.buf.has_remaining() {
+                c.short_str("principal", PRINCIPAL_BYTES_MAX)?
+            } else {
+                String::new()
+            };
             Frame::Hello(Hello {
                 version,
-                token: c.bytes(n)?,
+                token,
+                principal,
             })
         }
         KIND_HELLO_OK => Frame::HelloOk(HelloOk {

@@ -11,6 +11,10 @@ fn blob(max: usize) -> impl Strategy<Value = Bytes> {
     proptest::collection::vec(any::<u8>(), 0..max).prop_map(Bytes::from)
 }
 
+fn mode() -> impl Strategy<Value = AccessMode> {
+    prop_oneof![Just(AccessMode::Private), Just(AccessMode::Shared)]
+}
+
 fn object_op() -> impl Strategy<Value = Op> {
     prop_oneof![
         blob(40).prop_map(|key| Op::Get { key }),
@@ -33,8 +37,8 @@ fn op() -> impl Strategy<Value = Op> {
         Just(Op::Ping),
         Just(Op::Stats),
         Just(Op::List),
-        (0..REGION_BYTES_MAX, proptest::option::of(name()))
-            .prop_map(|(size, name)| Op::Alloc { size, name }),
+        (0..REGION_BYTES_MAX, proptest::option::of(name()), mode())
+            .prop_map(|(size, name, mode)| Op::Alloc { size, name, mode }),
         name().prop_map(|name| Op::Lookup { name }),
         any::<u64>().prop_map(|region| Op::Free { region }),
         (any::<u64>(), any::<u64>(), 0..=IO_BYTES_MAX as u32).prop_map(|(region, offset, len)| {
@@ -73,8 +77,18 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn region_info() -> impl Strategy<Value = RegionInfo> {
-    (any::<u64>(), any::<u64>(), proptest::option::of(name()))
-        .prop_map(|(id, size, name)| RegionInfo { id, size, name })
+    (
+        any::<u64>(),
+        any::<u64>(),
+        proptest::option::of(name()),
+        mode(),
+    )
+        .prop_map(|(id, size, name, mode)| RegionInfo {
+            id,
+            size,
+            name,
+            mode,
+        })
 }
 
 fn error_reply() -> impl Strategy<Value = ErrorReply> {
@@ -108,11 +122,13 @@ fn frame() -> impl Strategy<Value = Frame> {
     prop_oneof![
         (
             any::<u16>(),
-            proptest::collection::vec(any::<u8>(), 0..=TOKEN_BYTES_MAX)
+            proptest::collection::vec(any::<u8>(), 0..=TOKEN_BYTES_MAX),
+            "[a-z0-9._-]{0,64}"
         )
-            .prop_map(|(version, token)| Frame::Hello(Hello {
+            .prop_map(|(version, token, principal)| Frame::Hello(Hello {
                 version,
-                token: Bytes::from(token)
+                token: Bytes::from(token),
+                principal,
             })),
         (any::<u16>(), any::<u64>())
             .prop_map(|(version, epoch)| Frame::HelloOk(HelloOk { version, epoch })),
@@ -265,10 +281,96 @@ proptest! {
         encode_frame(&f, &mut buf).unwrap();
         let body = split_one(&mut buf);
         let cut = 1 + cut % body.len();
-        if cut < body.len() {
+        // A HELLO ending after its token is version 1's layout, which decodes (with no
+        // principal) so that an old client is told VERSION_MISMATCH.
+        let v1_hello_len = match &f {
+            Frame::Hello(h) => Some(1 + 4 + 2 + 1 + h.token.len()),
+            _ => None,
+        };
+        if cut < body.len() && Some(cut) != v1_hello_len {
             prop_assert!(decode_frame(body.slice(..cut)).is_err());
         }
     }
+}
+
+fn hello_v1(token: &[u8]) -> Bytes {
+    let mut body = vec![1u8];
+    body.extend_from_slice(&HELLO_MAGIC);
+    body.extend_from_slice(&1u16.to_le_bytes());
+    body.push(token.len() as u8);
+    body.extend_from_slice(token);
+    Bytes::from(body)
+}
+
+#[test]
+fn a_version_1_hello_decodes_with_no_principal() {
+    assert_eq!(
+        decode_frame(hello_v1(b"tok")).unwrap(),
+        Frame::Hello(Hello {
+            version: 1,
+            token: Bytes::from_static(b"tok"),
+            principal: String::new(),
+        })
+    );
+}
+
+#[test]
+fn principals_and_modes_are_bounded_and_checked() {
+    let mut buf = BytesMut::new();
+    let long = Hello {
+        version: PROTOCOL_VERSION,
+        token: Bytes::new(),
+        principal: "p".repeat(PRINCIPAL_BYTES_MAX + 1),
+    };
+    assert!(encode_frame(&Frame::Hello(long), &mut buf).is_err());
+    assert!(buf.is_empty());
+    // The same, hand-built: a decoder must refuse it too.
+    let mut body = hello_v1(b"").to_vec();
+    body.push((PRINCIPAL_BYTES_MAX + 1) as u8);
+    body.extend_from_slice(&[b'p'; PRINCIPAL_BYTES_MAX + 1]);
+    assert!(matches!(
+        decode_frame(Bytes::from(body)),
+        Err(DecodeError::LimitExceeded { .. })
+    ));
+    // The biggest legal HELLO is exactly what a server accepts before the handshake.
+    let biggest = Hello {
+        version: PROTOCOL_VERSION,
+        token: Bytes::from(vec![7u8; TOKEN_BYTES_MAX]),
+        principal: "p".repeat(PRINCIPAL_BYTES_MAX),
+    };
+    encode_frame(&Frame::Hello(biggest), &mut buf).unwrap();
+    assert_eq!(buf.len(), 4 + HELLO_BODY_BYTES_MAX);
+    // An ALLOC with an access mode no version defines is a bad frame.
+    let mut buf = BytesMut::new();
+    let mut enc = RequestBatchEncoder::begin(&mut buf, 0);
+    let alloc = Op::Alloc {
+        size: 1,
+        name: None,
+        mode: AccessMode::Shared,
+    };
+    enc.push(1, &alloc).unwrap();
+    enc.finish().unwrap();
+    let mut body = split_one(&mut buf).to_vec();
+    let last = body.len() - 1;
+    assert_eq!(body[last], AccessMode::Shared as u8);
+    body[last] = 2;
+    assert_eq!(
+        decode_frame(Bytes::from(body)),
+        Err(DecodeError::Invalid("access mode"))
+    );
+}
+
+#[test]
+fn new_error_codes_round_trip_and_are_distinct() {
+    for code in [ErrorCode::QuotaExceeded, ErrorCode::Forbidden] {
+        assert_eq!(ErrorCode::from_u16(code.to_u16()), code);
+        assert_ne!(code, ErrorCode::OutOfMemory);
+    }
+    assert_eq!(ErrorCode::QuotaExceeded.to_string(), "QUOTA_EXCEEDED");
+    assert_ne!(
+        ErrorCode::QuotaExceeded.to_u16(),
+        ErrorCode::OutOfMemory.to_u16()
+    );
 }
 
 #[test]

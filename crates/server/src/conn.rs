@@ -3,11 +3,11 @@
 use crate::buffers::ConnBuffers;
 use crate::exec::exec;
 use crate::state::{Refusal, ServerState};
+use crate::store::Principal;
 use bytes::{Bytes, BytesMut};
-use camelot_proto::limits::TOKEN_BYTES_MAX;
 use camelot_proto::{
     decode_frame, encode_frame, DecodeError, ErrorCode, ErrorReply, Frame, FrameDecoder, HelloOk,
-    ResponseBatchEncoder, PROTOCOL_VERSION,
+    ResponseBatchEncoder, HELLO_BODY_BYTES_MAX, PRINCIPAL_DEFAULT, PROTOCOL_VERSION,
 };
 use std::collections::VecDeque;
 use std::fmt;
@@ -30,11 +30,8 @@ const OUT_FLUSH_BYTES: usize = 1 << 20;
 /// A buffer that grew past this for one big frame is replaced once empty, so an idle
 /// connection does not keep pinning up to a frame's worth of memory.
 const BUF_KEEP_BYTES: usize = 4 << 20;
-/// The largest HELLO body. Anything claiming more before the handshake is not a client of
-/// ours, and must not make us reserve a 64 MiB frame buffer before it has authenticated.
-const HELLO_BODY_BYTES_MAX: usize = 1 + 4 + 2 + 1 + TOKEN_BYTES_MAX;
-/// The input buffer a connection starts with: a whole HELLO frame, nothing more, until
-/// it has authenticated.
+/// The input buffer a connection starts with: a whole HELLO frame (proto's largest
+/// HELLO body), nothing more, until it has authenticated.
 const HELLO_FRAME_BYTES_MAX: usize = 4 + HELLO_BODY_BYTES_MAX;
 /// The output buffer a connection starts with (HELLO_OK, or a FATAL); it grows, charged,
 /// as answers need.
@@ -286,6 +283,8 @@ pub(crate) struct Conn {
     shared: Arc<Shared>,
     shutdown: watch::Receiver<bool>,
     bufs: ConnBuffers,
+    /// Who this connection acts as, from its HELLO: owner of what it allocates.
+    principal: Principal,
 }
 
 /// Resolves once shutdown is requested, or the handle that could request it is gone.
@@ -432,6 +431,7 @@ impl Conn {
             shared,
             shutdown,
             bufs,
+            principal: Principal::from(PRINCIPAL_DEFAULT),
         })
     }
 
@@ -494,6 +494,9 @@ impl Conn {
                     .fatal(ErrorCode::AuthFailed, "wrong or missing cluster token")
                     .await);
             }
+        }
+        if !hello.principal.is_empty() {
+            self.principal = Principal::from(hello.principal);
         }
         let ok = Frame::HelloOk(HelloOk {
             version: PROTOCOL_VERSION,
@@ -628,7 +631,8 @@ impl Conn {
             };
             let start = self.bufs.out.len();
             let mut enc = ResponseBatchEncoder::begin(&mut self.bufs.out);
-            let res = exec(&self.shared.state, &batch, &mut enc).and_then(|()| enc.finish());
+            let res = exec(&self.shared.state, &self.principal, &batch, &mut enc)
+                .and_then(|()| enc.finish());
             drop(batch);
             if let Err(e) = res {
                 self.bufs.out.truncate(start);

@@ -1,7 +1,7 @@
 //! A dev cluster: N memory servers on loopback inside this process, on a runtime of their
 //! own, so blocking callers (the CLI, benchmarks, tests) need not run one.
 
-use crate::{ServerConfig, ServerError, ServerHandle};
+use crate::{Quota, ServerConfig, ServerError, ServerHandle};
 use std::net::{Ipv4Addr, SocketAddr};
 
 /// Most nodes a dev cluster will start; each holds a listener and its own arena.
@@ -18,6 +18,8 @@ pub struct DevClusterConfig {
     pub worker_threads: usize,
     /// Also serve the Redis protocol on each node (on a port the OS picks).
     pub resp: bool,
+    /// What each principal may hold in regions on each node.
+    pub quota: Quota,
 }
 
 impl Default for DevClusterConfig {
@@ -29,6 +31,7 @@ impl Default for DevClusterConfig {
             base_port: None,
             worker_threads: 0,
             resp: false,
+            quota: Quota::UNLIMITED,
         }
     }
 }
@@ -70,6 +73,7 @@ impl DevCluster {
                     config.memory_bytes_per_node,
                 );
                 cfg.token = config.token.clone();
+                cfg.quota = config.quota;
                 if config.resp {
                     cfg.resp_listen = Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)));
                 }

@@ -2,7 +2,7 @@
 
 use crate::objects::{no_such_key, wrong_type, Entry, ObjectStore, Value};
 use crate::state::{kind_index, ServerState, OP_KINDS};
-use crate::store::RegionStore;
+use crate::store::{Principal, RegionStore};
 use camelot_proto::limits::IO_BYTES_MAX;
 use camelot_proto::{
     EncodeError, ErrorCode, ErrorReply, Op, RegionId, Reply, RequestBatch, ResponseBatchEncoder,
@@ -18,7 +18,7 @@ const DATA_REPLY_HEADER_BYTES: usize = OK_HEADER_BYTES + 4;
 const OBJECT_REPLY_HEADER_BYTES: usize = OK_HEADER_BYTES + 8 + 4;
 
 fn region_info_bytes(name: Option<&str>) -> usize {
-    8 + 8 + 1 + name.map_or(0, str::len)
+    8 + 8 + 1 + 1 + name.map_or(0, str::len)
 }
 
 /// Exact encoded size of a successful response carrying `reply`.
@@ -51,7 +51,8 @@ pub fn reply_bytes(reply: &Reply) -> usize {
         }
 }
 
-/// Appends one response per request of `batch`, in request order, to `enc`.
+/// Appends one response per request of `batch`, in request order, to `enc`. Region
+/// operations act as `who`, the principal the connection's HELLO named.
 ///
 /// Successful replies may fill the frame only up to [`RESPONSE_OK_BUDGET_BYTES`]; a reply
 /// that would go past it is answered TOO_LARGE instead (and, for an operation with side
@@ -60,6 +61,7 @@ pub fn reply_bytes(reply: &Reply) -> usize {
 /// encoded (more requests than a frame may answer); the connection cannot continue.
 pub fn exec(
     state: &ServerState,
+    who: &Principal,
     batch: &RequestBatch,
     enc: &mut ResponseBatchEncoder<'_>,
 ) -> Result<(), EncodeError> {
@@ -81,6 +83,7 @@ pub fn exec(
     let mut ops = [0u64; OP_KINDS];
     let mut ex = Exec {
         state,
+        who,
         enc,
         too_large: OnceCell::new(),
         now: OnceCell::new(),
@@ -95,6 +98,7 @@ pub fn exec(
 
 struct Exec<'s, 'e, 'b> {
     state: &'s ServerState,
+    who: &'s Principal,
     enc: &'e mut ResponseBatchEncoder<'b>,
     // Built on first use: a batch of 4096 oversized reads should not format 4096 messages.
     too_large: OnceCell<ErrorReply>,
@@ -145,12 +149,12 @@ impl Exec<'_, '_, '_> {
         &mut self,
         id: u64,
         reply_bytes: usize,
-        op: impl FnOnce(&RegionStore) -> Result<Reply, ErrorReply>,
+        op: impl FnOnce(&RegionStore, &Principal) -> Result<Reply, ErrorReply>,
     ) -> Result<(), EncodeError> {
         if !self.fits(reply_bytes) {
             return self.too_large(id);
         }
-        let result = op(self.state.store());
+        let result = op(self.state.store(), self.who);
         self.respond(id, result)
     }
 
@@ -209,52 +213,53 @@ impl Exec<'_, '_, '_> {
                 offset,
                 len,
             } => self.read(id, *region, *offset, *len as usize),
-            Op::Ping => self.guarded(id, OK_HEADER_BYTES, |_| Ok(Reply::Pong)),
+            Op::Ping => self.guarded(id, OK_HEADER_BYTES, |_, _| Ok(Reply::Pong)),
             Op::Stats => {
                 let reply = Reply::Stats(self.state.stats_snapshot());
                 self.respond_if_fits(id, reply)
             }
             Op::List => {
-                let reply = Reply::List(self.state.store().list());
+                let reply = Reply::List(self.state.store().list(self.who));
                 self.respond_if_fits(id, reply)
             }
-            Op::Alloc { size, name } => self.guarded(
+            Op::Alloc { size, name, mode } => self.guarded(
                 id,
                 OK_HEADER_BYTES + region_info_bytes(name.as_deref()),
-                |s| {
-                    s.alloc(*size, name.clone())
+                |s, who| {
+                    s.alloc(who, *size, name.clone(), *mode)
                         .map(|r| Reply::Region(r.info()))
                 },
             ),
-            Op::Lookup { name } => {
-                self.guarded(id, OK_HEADER_BYTES + region_info_bytes(Some(name)), |s| {
-                    s.lookup(name).map(|r| Reply::Region(r.info()))
-                })
-            }
-            Op::Free { region } => self.guarded(id, OK_HEADER_BYTES, |s| {
-                s.free(*region).map(|()| Reply::Done)
+            Op::Lookup { name } => self.guarded(
+                id,
+                OK_HEADER_BYTES + region_info_bytes(Some(name)),
+                |s, who| s.lookup(who, name).map(|r| Reply::Region(r.info())),
+            ),
+            Op::Free { region } => self.guarded(id, OK_HEADER_BYTES, |s, who| {
+                s.free(who, *region).map(|()| Reply::Done)
             }),
             Op::Write {
                 region,
                 offset,
                 data,
-            } => self.guarded(id, OK_HEADER_BYTES, |s| {
-                s.write(*region, *offset, data).map(|()| Reply::Done)
+            } => self.guarded(id, OK_HEADER_BYTES, |s, who| {
+                s.write(who, *region, *offset, data).map(|()| Reply::Done)
             }),
             Op::Cas {
                 region,
                 offset,
                 expected,
                 new,
-            } => self.guarded(id, WORD_REPLY_BYTES, |s| {
-                s.cas(*region, *offset, *expected, *new).map(Reply::Word)
+            } => self.guarded(id, WORD_REPLY_BYTES, |s, who| {
+                s.cas(who, *region, *offset, *expected, *new)
+                    .map(Reply::Word)
             }),
             Op::FetchAdd {
                 region,
                 offset,
                 delta,
-            } => self.guarded(id, WORD_REPLY_BYTES, |s| {
-                s.fetch_add(*region, *offset, *delta).map(Reply::Word)
+            } => self.guarded(id, WORD_REPLY_BYTES, |s, who| {
+                s.fetch_add(who, *region, *offset, *delta).map(Reply::Word)
             }),
         }
     }
@@ -294,7 +299,7 @@ impl Exec<'_, '_, '_> {
             );
             return self.enc.push_err(id, &e);
         }
-        let checked = self.state.store().get(region).and_then(|r| {
+        let checked = self.state.store().get(self.who, region).and_then(|r| {
             let range = r.range(offset, len as u64)?;
             Ok((r, range))
         });
@@ -317,16 +322,22 @@ mod tests {
     use bytes::{Bytes, BytesMut};
     use camelot_proto::limits::{BATCH_OPS_MAX, FRAME_BYTES_MAX, REGION_PAGE_BYTES};
     use camelot_proto::{
-        decode_frame, Frame, FrameDecoder, OpKind, RegionInfo, Request, Response,
+        decode_frame, AccessMode, Frame, FrameDecoder, OpKind, RegionInfo, Request, Response,
         RESPONSES_HEADER_BYTES,
     };
+
+    const ME: &str = "me";
 
     fn state(cap_bytes: u64) -> ServerState {
         ServerState::new(MemoryBudget::new(cap_bytes), 0)
     }
 
-    /// Runs `batch` and decodes the frame a client would receive.
+    /// Runs `batch` as [`ME`] and decodes the frame a client would receive.
     fn run(st: &ServerState, epoch: u64, ops: Vec<Op>) -> Vec<Response> {
+        run_as(st, ME, epoch, ops)
+    }
+
+    fn run_as(st: &ServerState, who: &str, epoch: u64, ops: Vec<Op>) -> Vec<Response> {
         let batch = RequestBatch {
             epoch,
             requests: ops
@@ -340,7 +351,7 @@ mod tests {
         };
         let mut buf = BytesMut::new();
         let mut enc = ResponseBatchEncoder::begin(&mut buf);
-        exec(st, &batch, &mut enc).unwrap();
+        exec(st, &Principal::from(who), &batch, &mut enc).unwrap();
         enc.finish().unwrap();
         assert!(
             buf.len() <= 4 + FRAME_BYTES_MAX,
@@ -364,7 +375,15 @@ mod tests {
     }
 
     fn alloc(st: &ServerState, size: u64) -> RegionId {
-        let r = run(st, 0, vec![Op::Alloc { size, name: None }]);
+        let r = run(
+            st,
+            0,
+            vec![Op::Alloc {
+                size,
+                name: None,
+                mode: AccessMode::Private,
+            }],
+        );
         match &r[0].result {
             Ok(Reply::Region(info)) => info.id,
             other => panic!("{other:?}"),
@@ -382,11 +401,13 @@ mod tests {
                 id: 1,
                 size: 2,
                 name: Some("abc".into()),
+                mode: AccessMode::Shared,
             }),
             Reply::Region(RegionInfo {
                 id: 1,
                 size: 2,
                 name: None,
+                mode: AccessMode::Private,
             }),
             Reply::Stats(vec![("a".into(), 1), ("bcd".into(), 2)]),
             Reply::List(vec![
@@ -394,11 +415,13 @@ mod tests {
                     id: 1,
                     size: 2,
                     name: Some("xy".into()),
+                    mode: AccessMode::Private,
                 },
                 RegionInfo {
                     id: 3,
                     size: 4,
                     name: None,
+                    mode: AccessMode::Private,
                 },
             ]),
         ];
@@ -422,43 +445,59 @@ mod tests {
                 Op::Alloc {
                     size: 100,
                     name: Some("t".into()),
+                    mode: AccessMode::Private,
                 },
-                Op::Lookup { name: "t".into() },
-                Op::Write {
-                    region: 1,
-                    offset: 8,
-                    data: Bytes::from_static(&[9, 0, 0, 0, 0, 0, 0, 0]),
-                },
-                Op::Read {
-                    region: 1,
-                    offset: 8,
-                    len: 8,
-                },
-                Op::Cas {
-                    region: 1,
-                    offset: 8,
-                    expected: 9,
-                    new: 10,
-                },
-                Op::FetchAdd {
-                    region: 1,
-                    offset: 8,
-                    delta: 5,
-                },
-                Op::List,
-                Op::Free { region: 1 },
-                Op::Read {
-                    region: 1,
-                    offset: 0,
-                    len: 1,
-                },
-                Op::Stats,
             ],
         );
+        let Ok(Reply::Region(info)) = &r[1].result else {
+            panic!("{:?}", r[1])
+        };
+        let id = info.id;
+        let r = [
+            r.to_vec(),
+            run(
+                &st,
+                0,
+                vec![
+                    Op::Lookup { name: "t".into() },
+                    Op::Write {
+                        region: id,
+                        offset: 8,
+                        data: Bytes::from_static(&[9, 0, 0, 0, 0, 0, 0, 0]),
+                    },
+                    Op::Read {
+                        region: id,
+                        offset: 8,
+                        len: 8,
+                    },
+                    Op::Cas {
+                        region: id,
+                        offset: 8,
+                        expected: 9,
+                        new: 10,
+                    },
+                    Op::FetchAdd {
+                        region: id,
+                        offset: 8,
+                        delta: 5,
+                    },
+                    Op::List,
+                    Op::Free { region: id },
+                    Op::Read {
+                        region: id,
+                        offset: 0,
+                        len: 1,
+                    },
+                    Op::Stats,
+                ],
+            ),
+        ]
+        .concat();
         let info = RegionInfo {
-            id: 1,
+            id,
             size: REGION_PAGE_BYTES,
             name: Some("t".into()),
+            mode: AccessMode::Private,
         };
         assert_eq!(r[0].result, Ok(Reply::Pong));
         assert_eq!(r[1].result, Ok(Reply::Region(info.clone())));
@@ -527,7 +566,7 @@ mod tests {
         let len = 16 << 10;
         let st = state(1 << 20);
         let id = alloc(&st, len as u64);
-        st.store().write(id, 0, &[0xAB; 16 << 10]).unwrap();
+        st.store().write(ME, id, 0, &[0xAB; 16 << 10]).unwrap();
         let ops = (0..BATCH_OPS_MAX)
             .map(|_| Op::Read {
                 region: id,
@@ -582,6 +621,7 @@ mod tests {
                 Op::Alloc {
                     size: 1,
                     name: None,
+                    mode: AccessMode::Private,
                 },
                 Op::Free { region: id },
                 Op::Ping,
@@ -594,9 +634,9 @@ mod tests {
             "{:?}",
             &r[2..]
         );
-        assert_eq!(st.store().fetch_add(id, 0, 0).unwrap(), 0);
+        assert_eq!(st.store().fetch_add(ME, id, 0, 0).unwrap(), 0);
         let mut b = [0u8; 1];
-        st.store().read(id, 8, &mut b).unwrap();
+        st.store().read(ME, id, 8, &mut b).unwrap();
         assert_eq!(b, [0]);
         assert_eq!(st.store().len(), 1);
 
@@ -617,7 +657,7 @@ mod tests {
         );
         assert_eq!(r[2].result, Ok(Reply::Word(0)));
         assert!(code_is(&r[3], ErrorCode::TooLarge));
-        assert_eq!(st.store().fetch_add(id, 0, 0).unwrap(), 1);
+        assert_eq!(st.store().fetch_add(ME, id, 0, 0).unwrap(), 1);
     }
 
     #[test]
@@ -631,6 +671,7 @@ mod tests {
                 Op::Alloc {
                     size: 1,
                     name: None,
+                    mode: AccessMode::Private,
                 },
             ],
         );
@@ -656,10 +697,12 @@ mod tests {
                 Op::Alloc {
                     size: 1,
                     name: None,
+                    mode: AccessMode::Private,
                 },
                 Op::Alloc {
                     size: 0,
                     name: None,
+                    mode: AccessMode::Private,
                 },
                 Op::Cas {
                     region: id,

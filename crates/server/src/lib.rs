@@ -17,8 +17,8 @@ pub mod store;
 
 pub use budget::{MemoryBudget, OverBudget, Reservation};
 pub use exec::exec;
-pub use state::{ServerState, Stats};
-pub use store::{Region, RegionStore};
+pub use state::{ServerState, Stats, STAT_EXPOSED_WITHOUT_TOKEN};
+pub use store::{Principal, Quota, Region, RegionStore, Usage};
 
 use camelot_proto::limits::TOKEN_BYTES_MAX;
 use camelot_proto::ErrorCode;
@@ -78,6 +78,10 @@ pub struct ServerConfig {
     /// Longest argument the Redis port reads (`--proto-max-bulk-len`, Redis's name and
     /// default); at least [`resp::codec::PROTO_MAX_BULK_LEN_MIN`].
     pub proto_max_bulk_len: usize,
+    /// What each principal may hold in regions (default: no limit but the memory cap).
+    pub quota: Quota,
+    /// Refuse to start without a token, instead of warning when serving beyond loopback.
+    pub require_token: bool,
 }
 
 impl ServerConfig {
@@ -97,6 +101,8 @@ impl ServerConfig {
             resp_threads: RESP_THREADS_DEFAULT,
             resp_poll: resp::SPIN_IDLE_DEFAULT,
             proto_max_bulk_len: resp::codec::PROTO_MAX_BULK_LEN_DEFAULT,
+            quota: Quota::UNLIMITED,
+            require_token: false,
         }
     }
 }
@@ -209,6 +215,13 @@ impl ServerHandle {
                 )));
             }
         }
+        if config.require_token && config.token.is_none() {
+            return Err(ServerError::Config(
+                "a token is required (--require-token) but none was given: \
+                 set --token or CAMELOT_TOKEN"
+                    .into(),
+            ));
+        }
         if config.connections_max == 0 {
             return Err(ServerError::Config(
                 "connections_max must be at least 1: no client could connect".into(),
@@ -257,10 +270,11 @@ impl ServerHandle {
             Some(addr) => Some(bind(addr).await?),
             None => None,
         };
-        let state = Arc::new(ServerState::with_connection_buffers(
+        let state = Arc::new(ServerState::with_limits(
             MemoryBudget::new(config.memory_bytes_max),
             MemoryBudget::new(config.connection_buffers_bytes_max),
             config.epoch,
+            config.quota,
         ));
         let limits = AcceptLimits {
             connections_max: config.connections_max,
@@ -269,6 +283,18 @@ impl ServerHandle {
                 .min(config.connections_max),
             grace: config.shutdown_grace,
         };
+        let exposed = state::exposed_without_token(
+            config.token.is_some(),
+            std::iter::once(local_addr).chain(resp.as_ref().map(|(_, a)| *a)),
+        );
+        if exposed {
+            warn!(
+                addr = %local_addr,
+                "serving beyond loopback WITHOUT A TOKEN: anyone who can reach this port \
+                 can read, write and free memory; set --token (or --require-token)"
+            );
+        }
+        state.set_exposed_without_token(exposed);
         info!(
             addr = %local_addr,
             memory_cap_bytes = config.memory_bytes_max,

@@ -2,9 +2,9 @@
 
 use crate::budget::MemoryBudget;
 use crate::objects::ObjectStore;
-use crate::store::RegionStore;
+use crate::store::{Quota, RegionStore};
 use camelot_proto::OpKind;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub(crate) const OP_KINDS: usize = OpKind::ALL.len();
@@ -15,6 +15,19 @@ pub(crate) const OP_KINDS: usize = OpKind::ALL.len();
 pub const RESP_GROUPS: [&str; 8] = [
     "strings", "hashes", "lists", "sets", "zsets", "keys", "server", "camelot",
 ];
+
+/// Whether a server with (`token_set`) or without a token, listening on `listen`, serves
+/// anyone beyond this machine: no token and any address that is not loopback (an
+/// unspecified address such as 0.0.0.0 listens on every interface).
+pub fn exposed_without_token(
+    token_set: bool,
+    listen: impl IntoIterator<Item = std::net::SocketAddr>,
+) -> bool {
+    !token_set && listen.into_iter().any(|a| !a.ip().is_loopback())
+}
+
+/// The STATS counter that is 1 when the server listens beyond loopback with no token.
+pub const STAT_EXPOSED_WITHOUT_TOKEN: &str = "exposed_without_token";
 
 /// Position of `kind` in [`OpKind::ALL`] (wire codes are 1-based and dense).
 pub(crate) fn kind_index(kind: OpKind) -> usize {
@@ -150,27 +163,42 @@ pub struct ServerState {
     objects: ObjectStore,
     stats: Stats,
     epoch: AtomicU64,
+    /// Listening beyond loopback with no token: anyone who can reach the port is served.
+    /// Shown in STATS so `camelot stats` can warn long after the start-up log scrolled by.
+    exposed_without_token: AtomicBool,
 }
 
 impl ServerState {
     /// A state whose connection buffers are not capped (embedding and tests; the server
     /// uses [`ServerState::with_connection_buffers`]).
     pub fn new(budget: Arc<MemoryBudget>, epoch: u64) -> Self {
-        Self::with_connection_buffers(budget, MemoryBudget::new(u64::MAX), epoch)
+        Self::with_limits(budget, MemoryBudget::new(u64::MAX), epoch, Quota::UNLIMITED)
     }
 
-    pub fn with_connection_buffers(
+    /// A state with a connection-buffer budget of its own and regions bounded per
+    /// principal by `quota`.
+    pub fn with_limits(
         budget: Arc<MemoryBudget>,
         connection_buffers: Arc<MemoryBudget>,
         epoch: u64,
+        quota: Quota,
     ) -> Self {
         ServerState {
             connection_buffers,
             objects: ObjectStore::new(Arc::clone(&budget)),
-            store: RegionStore::new(budget),
+            store: RegionStore::with_quota(budget, quota),
             stats: Stats::default(),
             epoch: AtomicU64::new(epoch),
+            exposed_without_token: AtomicBool::new(false),
         }
+    }
+
+    pub fn set_exposed_without_token(&self, exposed: bool) {
+        self.exposed_without_token.store(exposed, Ordering::Relaxed);
+    }
+
+    pub fn exposed_without_token(&self) -> bool {
+        self.exposed_without_token.load(Ordering::Relaxed)
     }
 
     pub fn store(&self) -> &RegionStore {
@@ -238,6 +266,10 @@ impl ServerState {
         out.push(("bytes_out".to_owned(), load(&s.bytes_out)));
         out.push(("epoch".to_owned(), self.epoch()));
         out.push(("resp_commands".to_owned(), load(&s.resp_commands)));
+        out.push((
+            STAT_EXPOSED_WITHOUT_TOKEN.to_owned(),
+            u64::from(self.exposed_without_token()),
+        ));
         for kind in OpKind::ALL {
             out.push((format!("ops_{}", kind.name()), s.ops(kind)));
         }
@@ -245,6 +277,36 @@ impl ServerState {
             out.push((format!("ops_resp_{name}"), load(counter)));
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod exposure_tests {
+    use super::exposed_without_token;
+    use std::net::SocketAddr;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    // Pure: no socket is bound to any of these addresses.
+    #[test]
+    fn only_a_tokenless_server_beyond_loopback_is_exposed() {
+        assert!(!exposed_without_token(false, [a("127.0.0.1:7070")]));
+        assert!(!exposed_without_token(false, [a("127.8.9.10:1")]));
+        assert!(!exposed_without_token(false, [a("[::1]:7070")]));
+        assert!(exposed_without_token(false, [a("0.0.0.0:7070")]));
+        assert!(exposed_without_token(false, [a("[::]:7070")]));
+        assert!(exposed_without_token(false, [a("10.0.0.5:7070")]));
+        // The Redis port counts too.
+        assert!(exposed_without_token(
+            false,
+            [a("127.0.0.1:7070"), a("0.0.0.0:6380")]
+        ));
+        assert!(!exposed_without_token(
+            true,
+            [a("0.0.0.0:7070"), a("0.0.0.0:6380")]
+        ));
     }
 }
 

@@ -1,5 +1,13 @@
 //! Regions: page-rounded spans of server memory, found by id or by name.
 //!
+//! Every region has an owner (the principal of the connection that allocated it) and an
+//! access mode. A private region is visible only to its owner: to anyone else every
+//! operation on it answers exactly as for an id or name that does not exist, so probing
+//! tells nothing. A shared region may be found, read and written by any principal, but
+//! freed only by its owner (FORBIDDEN otherwise). Ids are random 64-bit numbers from a
+//! CSPRNG, never 0 and never one in use, so an id cannot be guessed from another.
+//! Each principal's regions and bytes are counted against a [`Quota`].
+//!
 //! The map from id to region sits behind one `RwLock` that only ALLOC, FREE, LOOKUP and
 //! LIST hold for more than a hash probe. Each region's bytes have their own `RwLock`, so
 //! READs of a region run in parallel while WRITE, CAS and FETCH_ADD take it exclusively:
@@ -9,8 +17,10 @@ use crate::budget::{MemoryBudget, Reservation};
 use camelot_proto::limits::{
     LIST_ENTRIES_MAX, NAME_BYTES_MAX, REGION_BYTES_MAX, REGION_PAGE_BYTES,
 };
-use camelot_proto::{ErrorCode, ErrorReply, RegionId, RegionInfo};
+use camelot_proto::{AccessMode, ErrorCode, ErrorReply, RegionId, RegionInfo};
 use parking_lot::RwLock;
+use rand::rngs::StdRng;
+use rand::{RngCore, SeedableRng};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -21,9 +31,42 @@ fn err(code: ErrorCode, message: impl Into<String>) -> ErrorReply {
     ErrorReply::new(code, message)
 }
 
+/// Who a connection acts as: the name its client gave in HELLO (or the default). Shared
+/// by every region it owns, so a name is stored once per principal, not per region.
+pub type Principal = Arc<str>;
+
+/// What one principal may hold at once. `u64::MAX` means no limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    pub bytes_max: u64,
+    pub regions_max: u64,
+}
+
+impl Quota {
+    pub const UNLIMITED: Quota = Quota {
+        bytes_max: u64::MAX,
+        regions_max: u64::MAX,
+    };
+}
+
+impl Default for Quota {
+    fn default() -> Self {
+        Quota::UNLIMITED
+    }
+}
+
+/// What one principal holds now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub bytes: u64,
+    pub regions: u64,
+}
+
 #[derive(Debug)]
 pub struct Region {
     id: RegionId,
+    owner: Principal,
+    mode: AccessMode,
     name: Option<String>,
     bytes: RwLock<Box<[u8]>>,
     size_bytes: u64,
@@ -41,6 +84,19 @@ impl Region {
         self.name.as_deref()
     }
 
+    pub fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    pub fn mode(&self) -> AccessMode {
+        self.mode
+    }
+
+    /// Whether `who` may find, read and write it.
+    pub fn visible_to(&self, who: &str) -> bool {
+        self.mode == AccessMode::Shared || &*self.owner == who
+    }
+
     pub fn size_bytes(&self) -> u64 {
         self.size_bytes
     }
@@ -50,6 +106,7 @@ impl Region {
             id: self.id,
             size: self.size_bytes,
             name: self.name.clone(),
+            mode: self.mode,
         }
     }
 
@@ -125,36 +182,99 @@ impl Region {
     }
 }
 
-#[derive(Default)]
 struct Maps {
     by_id: HashMap<RegionId, Arc<Region>>,
     by_name: HashMap<String, RegionId>,
-    // Ids are handed out under the map lock, so they are monotonic in insertion order and
-    // never reused: a client holding a stale id gets NO_SUCH_REGION, never someone else's
-    // memory.
-    last_id: RegionId,
+    /// Principals holding at least one region; an entry goes when its last region does,
+    /// so the map is bounded by the number of regions.
+    usage: HashMap<Principal, Usage>,
+    // Ids are drawn under the map lock from a CSPRNG seeded by the OS: not 0 (which
+    // clients may use as "none"), not one in use. A freed id could only come back by a
+    // 64-bit coincidence, so a client holding a stale id gets NO_SUCH_REGION, never
+    // someone else's memory, in practice.
+    ids: StdRng,
+}
+
+impl Maps {
+    fn new_id(&mut self) -> RegionId {
+        loop {
+            let id = self.ids.next_u64();
+            if id != 0 && !self.by_id.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    fn check_quota(&self, who: &str, quota: &Quota, rounded_bytes: u64) -> Result<(), ErrorReply> {
+        let used = self.usage.get(who).copied().unwrap_or_default();
+        if used.regions >= quota.regions_max {
+            return Err(err(
+                ErrorCode::QuotaExceeded,
+                format!(
+                    "principal {who:?} holds {} regions, its quota",
+                    used.regions
+                ),
+            ));
+        }
+        if used.bytes.saturating_add(rounded_bytes) > quota.bytes_max {
+            return Err(err(
+                ErrorCode::QuotaExceeded,
+                format!(
+                    "principal {who:?} holds {} bytes; {rounded_bytes} more exceed its quota of {}",
+                    used.bytes, quota.bytes_max
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 pub struct RegionStore {
     budget: Arc<MemoryBudget>,
+    quota: Quota,
     maps: RwLock<Maps>,
 }
 
 impl RegionStore {
     pub fn new(budget: Arc<MemoryBudget>) -> Self {
+        Self::with_quota(budget, Quota::UNLIMITED)
+    }
+
+    pub fn with_quota(budget: Arc<MemoryBudget>, quota: Quota) -> Self {
         RegionStore {
             budget,
-            maps: RwLock::new(Maps::default()),
+            quota,
+            maps: RwLock::new(Maps {
+                by_id: HashMap::new(),
+                by_name: HashMap::new(),
+                usage: HashMap::new(),
+                ids: StdRng::from_entropy(),
+            }),
         }
+    }
+
+    pub fn quota(&self) -> Quota {
+        self.quota
+    }
+
+    /// What `who` holds now.
+    pub fn usage(&self, who: &str) -> Usage {
+        self.maps.read().usage.get(who).copied().unwrap_or_default()
     }
 
     pub fn budget(&self) -> &Arc<MemoryBudget> {
         &self.budget
     }
 
-    /// Allocates a zeroed region of `size_bytes` rounded up to whole pages. On any error
-    /// nothing stays allocated or reserved.
-    pub fn alloc(&self, size_bytes: u64, name: Option<String>) -> Result<Arc<Region>, ErrorReply> {
+    /// Allocates a zeroed region of `size_bytes` rounded up to whole pages, owned by `who`.
+    /// On any error nothing stays allocated or reserved.
+    pub fn alloc(
+        &self,
+        who: &Principal,
+        size_bytes: u64,
+        name: Option<String>,
+        mode: AccessMode,
+    ) -> Result<Arc<Region>, ErrorReply> {
         if size_bytes == 0 {
             return Err(err(ErrorCode::BadRequest, "region size must not be zero"));
         }
@@ -181,6 +301,11 @@ impl RegionStore {
             }
         }
         let rounded_bytes = size_bytes.div_ceil(REGION_PAGE_BYTES) * REGION_PAGE_BYTES;
+        // Checked before allocating so a principal at its quota costs nothing; checked
+        // again at insertion, where it counts, because its other connections may race.
+        self.maps
+            .read()
+            .check_quota(who, &self.quota, rounded_bytes)?;
         let reservation = self.budget.try_reserve(rounded_bytes).map_err(|e| {
             err(
                 ErrorCode::OutOfMemory,
@@ -195,10 +320,15 @@ impl RegionStore {
                 return Err(name_exists(n));
             }
         }
-        maps.last_id += 1;
-        let id = maps.last_id;
+        maps.check_quota(who, &self.quota, rounded_bytes)?;
+        let id = maps.new_id();
+        let usage = maps.usage.entry(Arc::clone(who)).or_default();
+        usage.regions += 1;
+        usage.bytes += rounded_bytes;
         let region = Arc::new(Region {
             id,
+            owner: Arc::clone(who),
+            mode,
             name,
             bytes: RwLock::new(bytes),
             size_bytes: rounded_bytes,
@@ -211,32 +341,51 @@ impl RegionStore {
         Ok(region)
     }
 
-    pub fn get(&self, id: RegionId) -> Result<Arc<Region>, ErrorReply> {
+    /// The region `id` if `who` may use it; someone else's private region is answered
+    /// exactly like a missing one.
+    pub fn get(&self, who: &str, id: RegionId) -> Result<Arc<Region>, ErrorReply> {
         match self.maps.read().by_id.get(&id) {
-            Some(r) => Ok(Arc::clone(r)),
-            None => Err(no_such_region(id)),
+            Some(r) if r.visible_to(who) => Ok(Arc::clone(r)),
+            _ => Err(no_such_region(id)),
         }
     }
 
-    pub fn lookup(&self, name: &str) -> Result<Arc<Region>, ErrorReply> {
+    pub fn lookup(&self, who: &str, name: &str) -> Result<Arc<Region>, ErrorReply> {
         let maps = self.maps.read();
         match maps.by_name.get(name).and_then(|id| maps.by_id.get(id)) {
-            Some(r) => Ok(Arc::clone(r)),
-            None => Err(err(
+            Some(r) if r.visible_to(who) => Ok(Arc::clone(r)),
+            _ => Err(err(
                 ErrorCode::NameNotFound,
                 format!("no region named {name:?}"),
             )),
         }
     }
 
-    /// Removes the region. Its memory goes back to the budget once operations already
-    /// running on it finish.
-    pub fn free(&self, id: RegionId) -> Result<(), ErrorReply> {
+    /// Removes the region, if `who` owns it. Its memory goes back to the budget once
+    /// operations already running on it finish; the owner's quota is credited at once.
+    pub fn free(&self, who: &str, id: RegionId) -> Result<(), ErrorReply> {
         let region = {
             let mut maps = self.maps.write();
+            match maps.by_id.get(&id) {
+                Some(r) if &*r.owner == who => {}
+                Some(r) if r.visible_to(who) => {
+                    return Err(err(
+                        ErrorCode::Forbidden,
+                        format!("region {id} is shared, but only its owner may free it"),
+                    ))
+                }
+                _ => return Err(no_such_region(id)),
+            }
             let region = maps.by_id.remove(&id).ok_or_else(|| no_such_region(id))?;
             if let Some(n) = &region.name {
                 maps.by_name.remove(n);
+            }
+            if let Some(u) = maps.usage.get_mut(who) {
+                u.regions = u.regions.saturating_sub(1);
+                u.bytes = u.bytes.saturating_sub(region.size_bytes);
+                if u.regions == 0 {
+                    maps.usage.remove(who);
+                }
             }
             region
         };
@@ -245,10 +394,12 @@ impl RegionStore {
         Ok(())
     }
 
-    /// Regions in id order, at most [`LIST_ENTRIES_MAX`] of them (the oldest).
-    pub fn list(&self) -> Vec<RegionInfo> {
+    /// The regions `who` may use, in id order, at most [`LIST_ENTRIES_MAX`] of them (the
+    /// lowest ids).
+    pub fn list(&self, who: &str) -> Vec<RegionInfo> {
         let maps = self.maps.read();
-        let mut regions: Vec<&Arc<Region>> = maps.by_id.values().collect();
+        let mut regions: Vec<&Arc<Region>> =
+            maps.by_id.values().filter(|r| r.visible_to(who)).collect();
         if regions.len() > LIST_ENTRIES_MAX {
             regions.select_nth_unstable_by_key(LIST_ENTRIES_MAX, |r| r.id);
             regions.truncate(LIST_ENTRIES_MAX);
@@ -265,26 +416,45 @@ impl RegionStore {
         self.len() == 0
     }
 
-    pub fn read(&self, id: RegionId, offset: u64, dst: &mut [u8]) -> Result<(), ErrorReply> {
-        self.get(id)?.read(offset, dst)
+    pub fn read(
+        &self,
+        who: &str,
+        id: RegionId,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), ErrorReply> {
+        self.get(who, id)?.read(offset, dst)
     }
 
-    pub fn write(&self, id: RegionId, offset: u64, src: &[u8]) -> Result<(), ErrorReply> {
-        self.get(id)?.write(offset, src)
+    pub fn write(
+        &self,
+        who: &str,
+        id: RegionId,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), ErrorReply> {
+        self.get(who, id)?.write(offset, src)
     }
 
     pub fn cas(
         &self,
+        who: &str,
         id: RegionId,
         offset: u64,
         expected: u64,
         new: u64,
     ) -> Result<u64, ErrorReply> {
-        self.get(id)?.cas(offset, expected, new)
+        self.get(who, id)?.cas(offset, expected, new)
     }
 
-    pub fn fetch_add(&self, id: RegionId, offset: u64, delta: u64) -> Result<u64, ErrorReply> {
-        self.get(id)?.fetch_add(offset, delta)
+    pub fn fetch_add(
+        &self,
+        who: &str,
+        id: RegionId,
+        offset: u64,
+        delta: u64,
+    ) -> Result<u64, ErrorReply> {
+        self.get(who, id)?.fetch_add(offset, delta)
     }
 }
 
@@ -319,9 +489,52 @@ mod tests {
     use super::*;
 
     const PAGE: u64 = REGION_PAGE_BYTES;
+    const ME: &str = "me";
 
-    fn store(cap_bytes: u64) -> RegionStore {
-        RegionStore::new(MemoryBudget::new(cap_bytes))
+    /// The store as one principal sees it, with private regions: what every test below
+    /// but the ownership ones needs.
+    struct Mine(RegionStore);
+
+    impl std::ops::Deref for Mine {
+        type Target = RegionStore;
+        fn deref(&self) -> &RegionStore {
+            &self.0
+        }
+    }
+
+    impl Mine {
+        fn alloc(&self, size: u64, name: Option<String>) -> Result<Arc<Region>, ErrorReply> {
+            self.0
+                .alloc(&Principal::from(ME), size, name, AccessMode::Private)
+        }
+        fn free(&self, id: RegionId) -> Result<(), ErrorReply> {
+            self.0.free(ME, id)
+        }
+        fn get(&self, id: RegionId) -> Result<Arc<Region>, ErrorReply> {
+            self.0.get(ME, id)
+        }
+        fn lookup(&self, name: &str) -> Result<Arc<Region>, ErrorReply> {
+            self.0.lookup(ME, name)
+        }
+        fn list(&self) -> Vec<RegionInfo> {
+            self.0.list(ME)
+        }
+        fn read(&self, id: RegionId, offset: u64, dst: &mut [u8]) -> Result<(), ErrorReply> {
+            self.0.read(ME, id, offset, dst)
+        }
+        fn write(&self, id: RegionId, offset: u64, src: &[u8]) -> Result<(), ErrorReply> {
+            self.0.write(ME, id, offset, src)
+        }
+        fn cas(&self, id: RegionId, off: u64, expected: u64, new: u64) -> Result<u64, ErrorReply> {
+            self.0.cas(ME, id, off, expected, new)
+        }
+        fn fetch_add(&self, id: RegionId, offset: u64, delta: u64) -> Result<u64, ErrorReply> {
+            self.0.fetch_add(ME, id, offset, delta)
+        }
+    }
+
+    fn store(cap_bytes: u64) -> Mine {
+        Mine(RegionStore::new(MemoryBudget::new(cap_bytes)))
     }
 
     fn code<T: std::fmt::Debug>(r: Result<T, ErrorReply>) -> ErrorCode {
@@ -388,7 +601,7 @@ mod tests {
         assert_eq!(code(s.lookup("x")), ErrorCode::NameNotFound);
 
         let b = s.alloc(2 * PAGE, Some("x".into())).unwrap().id();
-        assert!(b > a, "id {b} reuses or precedes freed id {a}");
+        assert_ne!(b, a, "freed id {a} was reused");
         s.free(b).unwrap();
         let mut seen = vec![a, b];
         for _ in 0..50 {
@@ -429,10 +642,12 @@ mod tests {
     #[test]
     fn list_is_in_id_order() {
         let s = store(1 << 20);
-        let ids: Vec<_> = (0..5).map(|_| s.alloc(1, None).unwrap().id()).collect();
+        let mut ids: Vec<_> = (0..5).map(|_| s.alloc(1, None).unwrap().id()).collect();
         s.free(ids[2]).unwrap();
+        ids.remove(2);
+        ids.sort_unstable();
         let listed: Vec<_> = s.list().into_iter().map(|r| r.id).collect();
-        assert_eq!(listed, vec![ids[0], ids[1], ids[3], ids[4]]);
+        assert_eq!(listed, ids);
         assert_eq!(s.list()[0].size, PAGE);
     }
 
@@ -461,7 +676,10 @@ mod tests {
             assert_eq!(code(s.cas(id, offset, 0, 1)), ErrorCode::OutOfBounds);
             assert_eq!(code(s.fetch_add(id, offset, 1)), ErrorCode::OutOfBounds);
         }
-        assert_eq!(code(s.read(id + 1, 0, &mut one)), ErrorCode::NoSuchRegion);
+        assert_eq!(
+            code(s.read(id.wrapping_add(1), 0, &mut one)),
+            ErrorCode::NoSuchRegion
+        );
         // Nothing was written by the refused calls.
         let mut all = vec![1u8; PAGE as usize];
         s.read(id, 0, &mut all).unwrap();
@@ -560,5 +778,129 @@ mod tests {
                 }
             });
         });
+    }
+
+    fn p(name: &str) -> Principal {
+        Principal::from(name)
+    }
+
+    #[test]
+    fn private_regions_are_invisible_to_other_principals() {
+        let s = RegionStore::new(MemoryBudget::new(1 << 20));
+        let (alice, bob) = (p("alice"), p("bob"));
+        let id = s
+            .alloc(&alice, PAGE, Some("diary".into()), AccessMode::Private)
+            .unwrap()
+            .id();
+        s.write(&alice, id, 0, b"secret").unwrap();
+        let mut buf = [0u8; 6];
+        // To bob it answers exactly as a region that does not exist.
+        assert_eq!(code(s.get(&bob, id)), ErrorCode::NoSuchRegion);
+        assert_eq!(code(s.read(&bob, id, 0, &mut buf)), ErrorCode::NoSuchRegion);
+        assert_eq!(code(s.write(&bob, id, 0, b"x")), ErrorCode::NoSuchRegion);
+        assert_eq!(code(s.cas(&bob, id, 0, 0, 1)), ErrorCode::NoSuchRegion);
+        assert_eq!(code(s.fetch_add(&bob, id, 0, 1)), ErrorCode::NoSuchRegion);
+        assert_eq!(code(s.free(&bob, id)), ErrorCode::NoSuchRegion);
+        assert_eq!(code(s.lookup(&bob, "diary")), ErrorCode::NameNotFound);
+        assert!(s.list(&bob).is_empty());
+        // Nothing bob tried changed it, and alice still has it all.
+        s.read(&alice, id, 0, &mut buf).unwrap();
+        assert_eq!(&buf, b"secret");
+        assert_eq!(s.lookup(&alice, "diary").unwrap().id(), id);
+        assert_eq!(s.list(&alice).len(), 1);
+        s.free(&alice, id).unwrap();
+        assert_eq!(s.budget().used(), 0);
+    }
+
+    #[test]
+    fn shared_regions_are_usable_by_all_but_freed_only_by_the_owner() {
+        let s = RegionStore::new(MemoryBudget::new(1 << 20));
+        let (alice, bob) = (p("alice"), p("bob"));
+        let id = s
+            .alloc(&alice, PAGE, Some("board".into()), AccessMode::Shared)
+            .unwrap()
+            .id();
+        s.write(&bob, id, 0, b"hi").unwrap();
+        assert_eq!(s.fetch_add(&bob, id, 8, 2).unwrap(), 0);
+        let mut buf = [0u8; 2];
+        s.read(&alice, id, 0, &mut buf).unwrap();
+        assert_eq!(&buf, b"hi");
+        assert_eq!(s.lookup(&bob, "board").unwrap().mode(), AccessMode::Shared);
+        assert_eq!(s.list(&bob)[0].mode, AccessMode::Shared);
+        assert_eq!(code(s.free(&bob, id)), ErrorCode::Forbidden);
+        assert!(s.get(&alice, id).is_ok(), "a refused FREE freed it");
+        s.free(&alice, id).unwrap();
+        assert_eq!(code(s.get(&bob, id)), ErrorCode::NoSuchRegion);
+    }
+
+    #[test]
+    fn quotas_bound_each_principal_separately_and_are_credited_on_free() {
+        // Each refusal is for one limit only: bytes while regions are left, regions
+        // while bytes are left.
+        let quota = Quota {
+            bytes_max: 4 * PAGE,
+            regions_max: 2,
+        };
+        let s = RegionStore::with_quota(MemoryBudget::new(1 << 30), quota);
+        let (alice, bob) = (p("alice"), p("bob"));
+        let a1 = s
+            .alloc(&alice, 2 * PAGE, None, AccessMode::Private)
+            .unwrap();
+        // Bytes: 2 pages held, 3 more would make 5 > 4.
+        let e = s
+            .alloc(&alice, 3 * PAGE, None, AccessMode::Private)
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::QuotaExceeded);
+        let a2 = s.alloc(&alice, PAGE, None, AccessMode::Shared).unwrap();
+        // Regions: 2 held; one more page would still fit the bytes (4 <= 4).
+        let e = s.alloc(&alice, 1, None, AccessMode::Private).unwrap_err();
+        assert_eq!(e.code, ErrorCode::QuotaExceeded);
+        assert_eq!(
+            s.usage("alice"),
+            Usage {
+                bytes: 3 * PAGE,
+                regions: 2
+            }
+        );
+        // Refusals reserved nothing, and bob has a quota of his own.
+        assert_eq!(s.budget().used(), 3 * PAGE);
+        s.alloc(&bob, 3 * PAGE, None, AccessMode::Private).unwrap();
+        // Bob cannot free alice's shared region to make room for anyone.
+        assert_eq!(code(s.free(&bob, a2.id())), ErrorCode::Forbidden);
+        s.free(&alice, a1.id()).unwrap();
+        s.alloc(&alice, 2 * PAGE, None, AccessMode::Private)
+            .unwrap();
+        // The memory cap is a different error.
+        let small = RegionStore::with_quota(MemoryBudget::new(PAGE), Quota::UNLIMITED);
+        let e = small
+            .alloc(&alice, 2 * PAGE, None, AccessMode::Private)
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::OutOfMemory);
+    }
+
+    #[test]
+    fn ids_are_random_nonzero_and_unique() {
+        let s = RegionStore::new(MemoryBudget::new(1 << 30));
+        let me = p("me");
+        let ids: Vec<RegionId> = (0..200)
+            .map(|_| s.alloc(&me, 1, None, AccessMode::Private).unwrap().id())
+            .collect();
+        assert!(ids.iter().all(|&id| id != 0));
+        let mut sorted = ids.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), ids.len(), "an id was handed out twice");
+        // Sequential ids (what the old store gave) would all be within 200 of each other.
+        let consecutive = ids
+            .windows(2)
+            .filter(|w| w[1].abs_diff(w[0]) < 1 << 32)
+            .count();
+        assert_eq!(consecutive, 0, "ids look sequential: {:?}", &ids[..5]);
+        // High bits are used: a counter never reaches them.
+        assert!(ids.iter().any(|&id| id > 1 << 62));
+        // Another store does not repeat the same sequence (it is seeded by the OS).
+        let other = RegionStore::new(MemoryBudget::new(1 << 30));
+        let first = other.alloc(&me, 1, None, AccessMode::Private).unwrap().id();
+        assert!(!ids.contains(&first));
     }
 }

@@ -100,6 +100,7 @@ async fn native_hello(s: &mut TcpStream, token: &[u8]) -> Frame {
         &Frame::Hello(Hello {
             version: PROTOCOL_VERSION,
             token: Bytes::copy_from_slice(token),
+            principal: String::new(),
         }),
         &mut buf,
     )

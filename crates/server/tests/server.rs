@@ -3,10 +3,10 @@
 use bytes::{Bytes, BytesMut};
 use camelot_proto::limits::FRAME_BYTES_MAX;
 use camelot_proto::{
-    decode_frame, encode_frame, ErrorCode, Frame, FrameDecoder, Hello, HelloOk, Op, Reply, Request,
-    RequestBatch, Response, PROTOCOL_VERSION,
+    decode_frame, encode_frame, AccessMode, ErrorCode, Frame, FrameDecoder, Hello, HelloOk, Op,
+    Reply, Request, RequestBatch, Response, PROTOCOL_VERSION,
 };
-use camelot_server::{ServerConfig, ServerError, ServerHandle};
+use camelot_server::{Quota, ServerConfig, ServerError, ServerHandle, STAT_EXPOSED_WITHOUT_TOKEN};
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -37,6 +37,15 @@ fn hello(token: &[u8]) -> Frame {
     Frame::Hello(Hello {
         version: PROTOCOL_VERSION,
         token: Bytes::copy_from_slice(token),
+        principal: String::new(),
+    })
+}
+
+fn hello_as(principal: &str) -> Frame {
+    Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token: Bytes::new(),
+        principal: principal.into(),
     })
 }
 
@@ -73,6 +82,14 @@ impl Peer {
             stream,
             buf: BytesMut::new(),
         }
+    }
+
+    /// Connects and completes the handshake as `principal`, without a token.
+    async fn ready_as(addr: SocketAddr, principal: &str) -> Peer {
+        let mut p = Peer::connect(addr).await;
+        p.send(&hello_as(principal)).await;
+        assert!(matches!(p.recv().await, Some(Frame::HelloOk(_))));
+        p
     }
 
     /// Connects and completes the handshake without a token.
@@ -210,6 +227,7 @@ async fn version_mismatch_is_fatal() {
     p.send(&Frame::Hello(Hello {
         version: PROTOCOL_VERSION + 1,
         token: Bytes::new(),
+        principal: String::new(),
     }))
     .await;
     assert_eq!(fatal_code(p.recv().await), ErrorCode::VersionMismatch);
@@ -226,6 +244,7 @@ async fn garbage_closes_only_its_own_connection() {
         .call(vec![Op::Alloc {
             size: 4096,
             name: Some("shared".into()),
+            mode: AccessMode::Private,
         }])
         .await;
     let id = region_id(&r[0]);
@@ -322,6 +341,7 @@ async fn pipelined_frames_are_answered_in_order() {
         &p.call(vec![Op::Alloc {
             size: 4096,
             name: None,
+            mode: AccessMode::Private,
         }])
         .await[0],
     );
@@ -375,6 +395,7 @@ async fn shutdown_answers_what_was_already_sent() {
             .call(vec![Op::Alloc {
                 size: 4096,
                 name: None,
+                mode: AccessMode::Private,
             }])
             .await[0],
     );
@@ -419,6 +440,7 @@ async fn shutdown_answers_frames_still_in_the_socket() {
         &p.call(vec![Op::Alloc {
             size: read_bytes,
             name: None,
+            mode: AccessMode::Private,
         }])
         .await[0],
     );
@@ -476,6 +498,7 @@ async fn shutdown_cuts_off_a_peer_that_never_reads() {
         &p.call(vec![Op::Alloc {
             size: len,
             name: None,
+            mode: AccessMode::Private,
         }])
         .await[0],
     );
@@ -567,10 +590,12 @@ async fn stats_and_memory_cap_over_the_wire() {
             Op::Alloc {
                 size: 5000,
                 name: None,
+                mode: AccessMode::Private,
             },
             Op::Alloc {
                 size: 1,
                 name: None,
+                mode: AccessMode::Private,
             },
             Op::Stats,
         ])
@@ -607,4 +632,296 @@ async fn bad_configuration_is_refused() {
         ServerHandle::start(cfg).await,
         Err(ServerError::Config(_))
     ));
+}
+
+fn code(r: &Response) -> ErrorCode {
+    r.result.as_ref().unwrap_err().code
+}
+
+fn alloc_op(size: u64, name: &str, mode: AccessMode) -> Op {
+    Op::Alloc {
+        size,
+        name: Some(name.into()),
+        mode,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regions_belong_to_the_principal_that_allocated_them() {
+    let server = start(config()).await;
+    let addr = server.local_addr();
+    let mut alice = Peer::ready_as(addr, "alice").await;
+    let r = alice
+        .call(vec![
+            alloc_op(4096, "alice/private", AccessMode::Private),
+            alloc_op(4096, "alice/shared", AccessMode::Shared),
+        ])
+        .await;
+    let (private, shared) = (region_id(&r[0]), region_id(&r[1]));
+    let r = alice
+        .call(vec![
+            Op::Write {
+                region: private,
+                offset: 0,
+                data: Bytes::from_static(b"mine"),
+            },
+            Op::Write {
+                region: shared,
+                offset: 0,
+                data: Bytes::from_static(b"ours"),
+            },
+        ])
+        .await;
+    assert!(r.iter().all(|x| x.result == Ok(Reply::Done)), "{r:?}");
+
+    let mut bob = Peer::ready_as(addr, "bob").await;
+    let read = |region| Op::Read {
+        region,
+        offset: 0,
+        len: 4,
+    };
+    let r = bob
+        .call(vec![
+            read(private),
+            Op::Write {
+                region: private,
+                offset: 0,
+                data: Bytes::from_static(b"evil"),
+            },
+            Op::FetchAdd {
+                region: private,
+                offset: 0,
+                delta: 1,
+            },
+            Op::Free { region: private },
+            Op::Lookup {
+                name: "alice/private".into(),
+            },
+            read(shared),
+            Op::Write {
+                region: shared,
+                offset: 4,
+                data: Bytes::from_static(b"+bob"),
+            },
+            Op::Lookup {
+                name: "alice/shared".into(),
+            },
+            Op::Free { region: shared },
+            Op::List,
+        ])
+        .await;
+    // The private region does not exist as far as bob can tell.
+    for x in &r[0..4] {
+        assert_eq!(code(x), ErrorCode::NoSuchRegion, "{x:?}");
+    }
+    assert_eq!(code(&r[4]), ErrorCode::NameNotFound);
+    // The shared one he may read, write and find, but not free.
+    assert_eq!(r[5].result, Ok(Reply::Data(Bytes::from_static(b"ours"))));
+    assert_eq!(r[6].result, Ok(Reply::Done));
+    assert_eq!(region_id(&r[7]), shared);
+    assert_eq!(code(&r[8]), ErrorCode::Forbidden);
+    let Ok(Reply::List(listed)) = &r[9].result else {
+        panic!("{:?}", r[9])
+    };
+    assert_eq!(listed.len(), 1);
+    assert_eq!((listed[0].id, listed[0].mode), (shared, AccessMode::Shared));
+
+    // Alice's data is untouched and she frees both.
+    let r = alice
+        .call(vec![
+            Op::Read {
+                region: private,
+                offset: 0,
+                len: 4,
+            },
+            Op::Read {
+                region: shared,
+                offset: 0,
+                len: 8,
+            },
+            Op::Free { region: private },
+            Op::Free { region: shared },
+        ])
+        .await;
+    assert_eq!(r[0].result, Ok(Reply::Data(Bytes::from_static(b"mine"))));
+    assert_eq!(
+        r[1].result,
+        Ok(Reply::Data(Bytes::from_static(b"ours+bob")))
+    );
+    assert_eq!(r[2].result, Ok(Reply::Done));
+    assert_eq!(r[3].result, Ok(Reply::Done));
+
+    // A client naming no principal is "anonymous", across connections: what one
+    // anonymous connection allocates another finds again (what a restarted client does).
+    let mut a1 = Peer::ready(addr).await;
+    let id = region_id(
+        &a1.call(vec![alloc_op(1, "anon", AccessMode::Private)])
+            .await[0],
+    );
+    let mut a2 = Peer::ready(addr).await;
+    let r = a2
+        .call(vec![
+            Op::Lookup {
+                name: "anon".into(),
+            },
+            Op::Free { region: id },
+        ])
+        .await;
+    assert_eq!(region_id(&r[0]), id);
+    assert_eq!(r[1].result, Ok(Reply::Done));
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn region_ids_are_not_sequential() {
+    let server = start(config()).await;
+    let mut p = Peer::ready(server.local_addr()).await;
+    let ops = (0..32)
+        .map(|_| Op::Alloc {
+            size: 1,
+            name: None,
+            mode: AccessMode::Private,
+        })
+        .collect();
+    let ids: Vec<u64> = p.call(ops).await.iter().map(region_id).collect();
+    let close = ids
+        .windows(2)
+        .filter(|w| w[0].abs_diff(w[1]) < 1 << 32)
+        .count();
+    assert_eq!(close, 0, "ids follow each other: {ids:?}");
+    assert!(ids.iter().all(|&id| id != 0));
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_are_per_principal_and_distinct_from_the_memory_cap() {
+    let mut cfg = config();
+    // Each refusal below is for one limit only: the byte one while regions are left,
+    // the region one while bytes are left.
+    cfg.quota = Quota {
+        bytes_max: 16 * 4096,
+        regions_max: 2,
+    };
+    let server = start(cfg).await;
+    let addr = server.local_addr();
+    let mut alice = Peer::ready_as(addr, "alice").await;
+    let r = alice
+        .call(vec![
+            Op::Alloc {
+                size: 8192,
+                name: None,
+                mode: AccessMode::Private,
+            },
+            Op::Alloc {
+                size: 15 * 4096,
+                name: None,
+                mode: AccessMode::Private,
+            },
+            Op::Alloc {
+                size: 4096,
+                name: None,
+                mode: AccessMode::Shared,
+            },
+            Op::Alloc {
+                size: 1,
+                name: None,
+                mode: AccessMode::Private,
+            },
+        ])
+        .await;
+    assert!(r[0].result.is_ok());
+    assert_eq!(code(&r[1]), ErrorCode::QuotaExceeded, "bytes");
+    assert!(r[2].result.is_ok());
+    assert_eq!(code(&r[3]), ErrorCode::QuotaExceeded, "regions");
+    assert!(r[1].result.as_ref().unwrap_err().message.contains("alice"));
+    // Bob's quota is his own.
+    let mut bob = Peer::ready_as(addr, "bob").await;
+    let r = bob
+        .call(vec![Op::Alloc {
+            size: 3 * 4096,
+            name: None,
+            mode: AccessMode::Private,
+        }])
+        .await;
+    assert!(r[0].result.is_ok(), "{r:?}");
+    // Freeing gives alice room again.
+    let big = region_id(&r_first(&mut alice).await);
+    let r = alice
+        .call(vec![
+            Op::Free { region: big },
+            Op::Alloc {
+                size: 8192,
+                name: None,
+                mode: AccessMode::Private,
+            },
+        ])
+        .await;
+    assert_eq!(r[0].result, Ok(Reply::Done));
+    assert!(r[1].result.is_ok(), "{r:?}");
+    server.shutdown().await.unwrap();
+}
+
+/// Alice's 8 KiB region, found through LIST (she holds it and a 4 KiB one).
+async fn r_first(p: &mut Peer) -> Response {
+    let r = p.call(vec![Op::List]).await;
+    let Ok(Reply::List(regions)) = &r[0].result else {
+        panic!("{r:?}")
+    };
+    let info = regions
+        .iter()
+        .find(|i| i.size == 8192)
+        .expect("the 8 KiB region");
+    Response {
+        id: 0,
+        result: Ok(Reply::Region(info.clone())),
+    }
+}
+
+#[tokio::test]
+async fn require_token_refuses_to_start_without_one() {
+    let mut cfg = config();
+    cfg.require_token = true;
+    match ServerHandle::start(cfg).await {
+        Err(ServerError::Config(msg)) => assert!(msg.contains("token"), "{msg}"),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("started without a token although one is required"),
+    }
+    let mut cfg = config();
+    cfg.require_token = true;
+    cfg.token = Some(b"s3cret".to_vec());
+    let server = start(cfg).await;
+    assert_eq!(stat(&server.stats(), STAT_EXPOSED_WITHOUT_TOKEN), 0);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn stats_say_whether_the_server_is_exposed() {
+    // Loopback only, so not exposed; the non-loopback cases are decided by a pure
+    // function tested without binding anything (state::exposure_tests).
+    let server = start(config()).await;
+    let stats = server.stats();
+    assert!(
+        stats.iter().any(|(n, _)| n == STAT_EXPOSED_WITHOUT_TOKEN),
+        "{stats:?}"
+    );
+    assert_eq!(stat(&stats, STAT_EXPOSED_WITHOUT_TOKEN), 0);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_client_is_told_version_mismatch() {
+    // A version 1 HELLO ends after its token (no principal): it must still be read as a
+    // HELLO, so the old client learns why it is refused instead of seeing a bad frame.
+    let server = start(config()).await;
+    let mut p = Peer::connect(server.local_addr()).await;
+    let mut body = vec![1u8];
+    body.extend_from_slice(b"CMLT");
+    body.extend_from_slice(&1u16.to_le_bytes());
+    body.push(0);
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    p.send_raw(&frame).await;
+    assert_eq!(fatal_code(p.recv().await), ErrorCode::VersionMismatch);
+    p.expect_closed().await;
+    server.shutdown().await.unwrap();
 }

@@ -858,7 +858,10 @@ fn spawn(cfg: &YcsbConfig) -> Result<Spawned, BenchError> {
                         BenchError::Setup("the Camelot node has no Redis port".into())
                     })?)
                 } else {
-                    TargetKind::Camelot(nodes.addrs())
+                    TargetKind::Camelot {
+                        addrs: nodes.addrs(),
+                        token: None,
+                    }
                 };
                 spawned.sides.push(nodes.side(&label, client));
                 spawned.targets.push(RunTarget {

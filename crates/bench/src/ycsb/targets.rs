@@ -39,10 +39,25 @@ pub trait Db: Send {
     fn scan(&mut self, start: &str, count: usize) -> Result<Vec<Result<u64, Mismatch>>, String>;
 }
 
+/// A cluster token. Its `Debug` hides it, because a target's `Debug` is what ycsb.json
+/// records.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(pub String);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(<hidden>)")
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TargetKind {
-    /// Camelot's native protocol, over one or more nodes.
-    Camelot(Vec<SocketAddr>),
+    /// Camelot's native protocol, over one or more nodes, with the cluster token if
+    /// they want one.
+    Camelot {
+        addrs: Vec<SocketAddr>,
+        token: Option<Token>,
+    },
     /// Camelot through its Redis-protocol port.
     Resp(SocketAddr),
     Redis(SocketAddr),
@@ -50,7 +65,7 @@ pub enum TargetKind {
 }
 
 impl TargetKind {
-    /// `camelot://h:p[,h:p…]`, `resp://h:p`, `redis://h:p`, `memcached://h:p`.
+    /// `camelot://[:TOKEN@]h:p[,h:p…]`, `resp://h:p`, `redis://h:p`, `memcached://h:p`.
     pub fn parse(url: &str) -> Result<TargetKind, BenchError> {
         let bad = |why: &str| BenchError::InvalidConfig(format!("target {url:?}: {why}"));
         let (scheme, rest) = url
@@ -65,20 +80,43 @@ impl TargetKind {
         };
         Ok(match scheme {
             "camelot" => {
-                let addrs = rest
+                // Host names never hold an '@', so the last one ends the token, which
+                // may itself contain any byte but that one's absence of meaning.
+                let (token, hosts) = match rest.rsplit_once('@') {
+                    None => (None, rest),
+                    Some((userinfo, hosts)) => match userinfo.split_once(':') {
+                        Some(("", token)) if !token.is_empty() => {
+                            (Some(Token(token.to_owned())), hosts)
+                        }
+                        _ => return Err(bad("a token is given as camelot://:TOKEN@host:port")),
+                    },
+                };
+                let addrs = hosts
                     .split(',')
                     .map(resolve)
                     .collect::<Result<Vec<_>, _>>()?;
                 if addrs.is_empty() || addrs.len() > URL_NODES_MAX {
                     return Err(bad(&format!("1 to {URL_NODES_MAX} addresses")));
                 }
-                TargetKind::Camelot(addrs)
+                TargetKind::Camelot { addrs, token }
             }
             "resp" => TargetKind::Resp(resolve(rest)?),
             "redis" => TargetKind::Redis(resolve(rest)?),
             "memcached" => TargetKind::Memcached(resolve(rest)?),
             _ => return Err(bad("scheme must be camelot, resp, redis or memcached")),
         })
+    }
+
+    /// A Camelot target that names no token of its own takes `token` (`--token`); a token
+    /// in the URL wins. Other targets are returned as they are.
+    pub fn with_default_token(self, token: Option<&str>) -> TargetKind {
+        match (self, token) {
+            (TargetKind::Camelot { addrs, token: None }, Some(t)) => TargetKind::Camelot {
+                addrs,
+                token: Some(Token(t.to_owned())),
+            },
+            (kind, _) => kind,
+        }
     }
 
     pub fn supports_scan(&self) -> bool {
@@ -96,8 +134,9 @@ pub enum Target {
 impl Target {
     pub fn open(kind: &TargetKind) -> Result<Target, BenchError> {
         Ok(match kind {
-            TargetKind::Camelot(addrs) => {
+            TargetKind::Camelot { addrs, token } => {
                 let config = ClientConfig {
+                    token: token.as_ref().map(|t| t.0.clone().into_bytes()),
                     request_timeout: REQUEST_TIMEOUT,
                     // YCSB threads each keep one request outstanding: see frames_ahead.
                     frames_ahead: 4,
@@ -309,7 +348,7 @@ const CLEAR_ROUNDS_MAX: u64 = 2 * super::RECORDS_MAX / CLEAR_BATCH_KEYS as u64;
 /// store starts from the same empty state.
 pub fn clear(kind: &TargetKind) -> Result<(), String> {
     match kind {
-        TargetKind::Camelot(addrs) => clear_camelot(addrs),
+        TargetKind::Camelot { addrs, token } => clear_camelot(addrs, token.as_ref()),
         TargetKind::Resp(a) | TargetKind::Redis(a) => {
             let c = redis::Client::open(format!("redis://{a}/")).map_err(|e| e.to_string())?;
             let mut con = c
@@ -326,8 +365,9 @@ pub fn clear(kind: &TargetKind) -> Result<(), String> {
 /// The native face has no FLUSHALL: scan from the first key and delete what comes back
 /// until a scan finds nothing, then check every node holds no object at all (a hash or
 /// sorted set written through the Redis port is invisible to the native scan).
-fn clear_camelot(addrs: &[SocketAddr]) -> Result<(), String> {
+fn clear_camelot(addrs: &[SocketAddr], token: Option<&Token>) -> Result<(), String> {
     let config = ClientConfig {
+        token: token.map(|t| t.0.clone().into_bytes()),
         request_timeout: REQUEST_TIMEOUT,
         ..ClientConfig::default()
     };
@@ -379,13 +419,46 @@ mod tests {
 
     #[test]
     fn urls_parse() {
+        let two: Vec<SocketAddr> = vec![
+            "127.0.0.1:1".parse().unwrap(),
+            "127.0.0.1:2".parse().unwrap(),
+        ];
         assert_eq!(
             TargetKind::parse("camelot://127.0.0.1:1,127.0.0.1:2").unwrap(),
-            TargetKind::Camelot(vec![
-                "127.0.0.1:1".parse().unwrap(),
-                "127.0.0.1:2".parse().unwrap()
-            ])
+            TargetKind::Camelot {
+                addrs: two.clone(),
+                token: None
+            }
         );
+        let tokened = TargetKind::parse("camelot://:s3cr@t,x@127.0.0.1:1,127.0.0.1:2/").unwrap();
+        assert_eq!(
+            tokened,
+            TargetKind::Camelot {
+                addrs: two.clone(),
+                token: Some(Token("s3cr@t,x".into()))
+            }
+        );
+        // ycsb.json records a target's Debug: the token must not be in it.
+        assert!(!format!("{tokened:?}").contains("s3cr"), "{tokened:?}");
+        for bad in [
+            "camelot://s3cret@127.0.0.1:1",
+            "camelot://:@127.0.0.1:1",
+            "camelot://user:pw@127.0.0.1:1",
+            "camelot://:tok@",
+        ] {
+            assert!(TargetKind::parse(bad).is_err(), "{bad}");
+        }
+        // --token fills in a token only where the URL has none.
+        let plain = TargetKind::parse("camelot://127.0.0.1:1").unwrap();
+        assert_eq!(
+            plain.with_default_token(Some("flag")),
+            TargetKind::Camelot {
+                addrs: two[..1].to_vec(),
+                token: Some(Token("flag".into()))
+            }
+        );
+        let url_wins = TargetKind::parse("camelot://:url@127.0.0.1:1").unwrap();
+        assert_eq!(url_wins.clone().with_default_token(Some("flag")), url_wins);
         assert_eq!(
             TargetKind::parse("redis://127.0.0.1:6379/").unwrap(),
             TargetKind::Redis("127.0.0.1:6379".parse().unwrap())

@@ -263,7 +263,9 @@ async fn run_buffered(
     drop(args);
     bufs.inbuf = inbuf;
     bufs.inbuf.advance(done);
-    ctx.state.stats().add_resp_commands(commands, &session.take_ops());
+    ctx.state
+        .stats()
+        .add_resp_commands(commands, &session.take_ops());
     if commands > 0 {
         super::spin::note_activity();
     }
