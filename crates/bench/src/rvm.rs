@@ -190,12 +190,15 @@ impl Fresh {
     }
 }
 
-/// One pool node: room for the log region, the catalogs and the segment's home, served by
-/// one worker thread (redis-server, the peer, has one).
+/// One pool node: room for two log regions (a reopened instance fences its predecessor by
+/// moving the log into a new region before freeing the old one), the catalogs and the
+/// segment's home, served by one worker thread (redis-server, the peer, has one).
 fn pool_spec(pages: u64) -> CamelotSpec {
     let mut spec = CamelotSpec::new(
         1,
-        camelot_rvm::limits::POOL_LOG_BYTES_DEFAULT + 2 * pages * PAGE_BYTES + NODE_HEADROOM_BYTES,
+        2 * camelot_rvm::limits::POOL_LOG_BYTES_DEFAULT
+            + 2 * pages * PAGE_BYTES
+            + NODE_HEADROOM_BYTES,
     );
     spec.threads = Some(1);
     spec

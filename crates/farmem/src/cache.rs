@@ -3,12 +3,10 @@
 //! asks for in one batch, after writing back the dirty pages evicted to make room in one
 //! batch; pinned pages are never evicted.
 
-use std::collections::{HashMap, HashSet};
-
 use crate::policy::{self, Policy};
 use crate::prefetch::{prefetcher_by_name, Prefetcher};
 use crate::store::PageStore;
-use crate::{Error, PageId};
+use crate::{Error, PageId, PageMap, PageSet};
 
 /// How a cache is set up.
 #[derive(Debug, Clone)]
@@ -76,14 +74,16 @@ pub struct PageCache<S: PageStore> {
     store: S,
     page_bytes: usize,
     capacity_pages: usize,
-    frames: HashMap<PageId, Frame>,
+    frames: PageMap<Frame>,
     policy: Box<dyn Policy>,
     prefetcher: Box<dyn Prefetcher>,
     /// Prefetched and not yet used.
-    unused_prefetch: HashSet<PageId>,
+    unused_prefetch: PageSet,
     stats: CacheStats,
     /// Reused between faults.
     wanted: Vec<PageId>,
+    /// Reused between reads and writes: the pages of one fault group.
+    group: Vec<(PageId, bool)>,
 }
 
 impl<S: PageStore> PageCache<S> {
@@ -105,10 +105,11 @@ impl<S: PageStore> PageCache<S> {
             store,
             page_bytes,
             capacity_pages,
-            frames: HashMap::with_capacity(capacity_pages),
-            unused_prefetch: HashSet::new(),
+            frames: PageMap::with_capacity_and_hasher(capacity_pages, Default::default()),
+            unused_prefetch: PageSet::default(),
             stats: CacheStats::default(),
             wanted: Vec::new(),
+            group: Vec::new(),
         })
     }
 
@@ -215,24 +216,29 @@ impl<S: PageStore> PageCache<S> {
         let page_bytes = self.page_bytes as u64;
         let group_max = (self.capacity_pages / 2).clamp(1, FAULT_GROUP_PAGES_MAX);
         let (first, last) = (offset / page_bytes, (end - 1) / page_bytes);
-        let mut group: Vec<(PageId, bool)> =
-            Vec::with_capacity(group_max.min((last - first + 1) as usize));
+        // Reused between calls: most accesses touch one resident page and should cost no
+        // allocation.
+        let mut group = std::mem::take(&mut self.group);
+        let mut result = Ok(());
         let mut page = first;
-        while page <= last {
+        'groups: while page <= last {
             group.clear();
             while page <= last && group.len() < group_max {
                 let whole = offset <= page * page_bytes && (page + 1) * page_bytes <= end;
                 group.push((page, writing && whole));
                 page += 1;
             }
-            self.fault_group(&group)?;
+            if let Err(e) = self.fault_group(&group) {
+                result = Err(e);
+                break;
+            }
             for &(p, _) in &group {
                 let from = offset.max(p * page_bytes);
                 let until = end.min((p + 1) * page_bytes);
-                let frame = self
-                    .frames
-                    .get_mut(&p)
-                    .ok_or_else(|| Error::Invalid(format!("page {p} vanished after its fault")))?;
+                let Some(frame) = self.frames.get_mut(&p) else {
+                    result = Err(Error::Invalid(format!("page {p} vanished after its fault")));
+                    break 'groups;
+                };
                 f(
                     frame,
                     (from - p * page_bytes) as usize,
@@ -241,7 +247,8 @@ impl<S: PageStore> PageCache<S> {
                 );
             }
         }
-        Ok(())
+        self.group = group;
+        result
     }
 
     /// Makes every page of `group` resident (each with whether it is about to be
@@ -251,7 +258,8 @@ impl<S: PageStore> PageCache<S> {
         let mut wanted = std::mem::take(&mut self.wanted);
         wanted.clear();
         // Demand pages not resident: (page, overwritten whole).
-        let mut fetch: Vec<(PageId, bool)> = Vec::with_capacity(group.len());
+        // Allocated only on a miss (a Vec allocates on its first push).
+        let mut fetch: Vec<(PageId, bool)> = Vec::new();
         for &(page, whole) in group {
             self.stats.accesses += 1;
             let hit = self.frames.contains_key(&page);

@@ -2,9 +2,7 @@
 //! and membership tests: the queue every list-based policy (LRU, FIFO, ARC's four lists,
 //! S3-FIFO's three queues) is made of.
 
-use std::collections::HashMap;
-
-use crate::PageId;
+use crate::{PageId, PageMap};
 
 #[derive(Debug, Clone, Copy)]
 struct Links {
@@ -17,7 +15,7 @@ struct Links {
 /// Pages in order from newest (front) to oldest (back).
 #[derive(Debug, Default, Clone)]
 pub struct PageList {
-    links: HashMap<PageId, Links>,
+    links: PageMap<Links>,
     newest: Option<PageId>,
     oldest: Option<PageId>,
 }

@@ -40,7 +40,7 @@ pub fn simulate(
     capacity_pages: usize,
     trace: impl IntoIterator<Item = PageId>,
 ) -> Counts {
-    let mut resident = std::collections::HashSet::with_capacity(capacity_pages);
+    let mut resident = crate::PageSet::with_capacity_and_hasher(capacity_pages, Default::default());
     let mut counts = Counts::default();
     let nothing_pinned = |_| false;
     for page in trace {

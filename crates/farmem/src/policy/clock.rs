@@ -2,10 +2,8 @@
 //! set bits as it passes and takes the first page whose bit is already clear. An LRU
 //! approximation that costs a bit per page and no list update on a hit.
 
-use std::collections::HashMap;
-
 use super::Policy;
-use crate::PageId;
+use crate::{PageId, PageMap};
 
 #[derive(Debug, Clone, Copy)]
 struct Frame {
@@ -16,7 +14,7 @@ struct Frame {
 #[derive(Debug)]
 pub struct Clock {
     frames: Vec<Option<Frame>>,
-    slot_of: HashMap<PageId, usize>,
+    slot_of: PageMap<usize>,
     free: Vec<usize>,
     hand: usize,
 }
@@ -25,7 +23,7 @@ impl Clock {
     pub fn new(capacity_pages: usize) -> Self {
         Clock {
             frames: vec![None; capacity_pages],
-            slot_of: HashMap::with_capacity(capacity_pages),
+            slot_of: PageMap::with_capacity_and_hasher(capacity_pages, Default::default()),
             free: (0..capacity_pages).rev().collect(),
             hand: 0,
         }

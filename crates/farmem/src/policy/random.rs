@@ -1,13 +1,11 @@
 //! Random eviction: the baseline every policy should beat, and the one with no
 //! pathological trace.
 
-use std::collections::HashMap;
-
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::Policy;
-use crate::PageId;
+use crate::{PageId, PageMap};
 
 /// Random picks tried before falling back to a scan, when pinned pages are drawn.
 const RANDOM_TRIES_MAX: usize = 8;
@@ -15,7 +13,7 @@ const RANDOM_TRIES_MAX: usize = 8;
 #[derive(Debug)]
 pub struct Random {
     pages: Vec<PageId>,
-    index_of: HashMap<PageId, usize>,
+    index_of: PageMap<usize>,
     rng: SmallRng,
 }
 
@@ -23,7 +21,7 @@ impl Random {
     pub fn new(seed: u64) -> Self {
         Random {
             pages: Vec::new(),
-            index_of: HashMap::new(),
+            index_of: PageMap::default(),
             rng: SmallRng::seed_from_u64(seed),
         }
     }

@@ -5,11 +5,9 @@
 //! with a non-zero use count goes round again, its count decremented). One-hit pages —
 //! a scan — pass through the small queue without disturbing the hot pages in main.
 
-use std::collections::HashMap;
-
 use super::Policy;
 use crate::list::PageList;
-use crate::PageId;
+use crate::{PageId, PageMap};
 
 /// Use counts saturate here (two bits, as in the paper).
 const FREQ_MAX: u8 = 3;
@@ -20,7 +18,7 @@ pub struct S3Fifo {
     main: PageList,
     /// Pages evicted from `small` without a second use; page numbers only.
     ghost: PageList,
-    freq: HashMap<PageId, u8>,
+    freq: PageMap<u8>,
     small_target: usize,
     ghost_max: usize,
 }
@@ -32,7 +30,7 @@ impl S3Fifo {
             small: PageList::new(),
             main: PageList::new(),
             ghost: PageList::new(),
-            freq: HashMap::with_capacity(capacity_pages),
+            freq: PageMap::with_capacity_and_hasher(capacity_pages, Default::default()),
             small_target,
             ghost_max: capacity_pages.saturating_sub(small_target).max(1),
         }
