@@ -136,27 +136,16 @@ pub struct PagingArgs {
     /// Percentage of accesses that also write their word.
     #[arg(long, default_value_t = 10)]
     writes: u8,
-    /// Use this memory server instead of starting one (host:port).
-    #[arg(long)]
-    server: Option<String>,
-    /// Run the memory server inside this process (labelled) instead of as a process.
-    #[arg(long)]
-    in_process: bool,
-    /// Cluster token for --server (also read from CAMELOT_TOKEN).
-    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
-    token: Option<String>,
+    #[command(flatten)]
+    target: FarTarget,
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// The same experiment scaled down to finish in under 30 s.
-    #[arg(long)]
-    quick: bool,
-    /// Where paging.json and its figure go.
-    #[arg(long, default_value = "results")]
-    out: PathBuf,
+    #[command(flatten)]
+    output: FarOutput,
 }
 
 pub fn bench_paging(a: PagingArgs) -> Result<()> {
-    let mut cfg = PagingConfig::defaults(a.quick);
+    let mut cfg = PagingConfig::defaults(a.output.quick);
     if let Some(p) = a.pages {
         cfg.pages = p;
     }
@@ -176,20 +165,9 @@ pub fn bench_paging(a: PagingArgs) -> Result<()> {
     cfg.prefetch = a.prefetch;
     cfg.write_percent = a.writes;
     cfg.seed = a.seed;
-    cfg.in_process = a.in_process;
-    cfg.token = a.token.map(String::into_bytes);
-    cfg.servers = a
-        .server
-        .iter()
-        .map(|s| crate::resolve(s))
-        .collect::<Result<_>>()?;
-    let files = camelot_bench::paging::run(&cfg, &a.out)?;
-    let result = camelot_results::output::read_result(&files[0])?;
-    print_paging_summary(&result);
-    for f in files {
-        println!("wrote {}", f.display());
-    }
-    Ok(())
+    (cfg.servers, cfg.in_process, cfg.token) = a.target.resolve()?;
+    let files = camelot_bench::paging::run(&cfg, &a.output.out)?;
+    a.output.report(&files, print_paging_summary)
 }
 
 /// Per local share and workload: each policy's miss ratio and slowdown, best first.
@@ -252,46 +230,26 @@ pub struct SortArgs {
     /// Local memory as percentages of the keys' bytes, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "100,50,25,10")]
     local: Vec<u32>,
-    /// Use this memory server instead of starting one (host:port).
-    #[arg(long)]
-    server: Option<String>,
-    /// Run the memory server inside this process (labelled) instead of as a process.
-    #[arg(long)]
-    in_process: bool,
-    /// Cluster token for --server (also read from CAMELOT_TOKEN).
-    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
-    token: Option<String>,
+    #[command(flatten)]
+    target: FarTarget,
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// The same experiment scaled down to finish in under 30 s.
-    #[arg(long)]
-    quick: bool,
-    /// Where sort.json and its figure go.
-    #[arg(long, default_value = "results")]
-    out: PathBuf,
+    #[command(flatten)]
+    output: FarOutput,
 }
 
 pub fn bench_sort(a: SortArgs) -> Result<()> {
-    let mut cfg = SortConfig::defaults(a.quick);
+    let mut cfg = SortConfig::defaults(a.output.quick);
     if let Some(k) = a.keys {
         cfg.keys = k;
     }
     cfg.local_percents = a.local;
     cfg.seed = a.seed;
-    cfg.in_process = a.in_process;
-    cfg.token = a.token.map(String::into_bytes);
-    cfg.servers = a
-        .server
-        .iter()
-        .map(|s| crate::resolve(s))
-        .collect::<Result<_>>()?;
-    let files = camelot_bench::sort::run(&cfg, &a.out)?;
-    let result = camelot_results::output::read_result(&files[0])?;
-    print!("{}", camelot_results::summary::comparison_table(&result));
-    for f in files {
-        println!("wrote {}", f.display());
-    }
-    Ok(())
+    (cfg.servers, cfg.in_process, cfg.token) = a.target.resolve()?;
+    let files = camelot_bench::sort::run(&cfg, &a.output.out)?;
+    a.output.report(&files, |result| {
+        print!("{}", camelot_results::summary::comparison_table(result))
+    })
 }
 
 #[derive(Args)]
@@ -308,6 +266,30 @@ pub struct PrefetchArgs {
     /// Prefetchers, comma-separated: none, sequential, trend.
     #[arg(long, value_delimiter = ',', default_value = "none,sequential,trend")]
     prefetch: Vec<String>,
+    #[command(flatten)]
+    target: FarTarget,
+    #[command(flatten)]
+    output: FarOutput,
+}
+
+pub fn bench_prefetch(a: PrefetchArgs) -> Result<()> {
+    let mut cfg = PrefetchConfig::defaults(a.output.quick);
+    if let Some(p) = a.pages {
+        cfg.pages = p;
+    }
+    cfg.local_percent = a.local;
+    cfg.window_pages = a.window;
+    cfg.prefetchers = a.prefetch;
+    (cfg.servers, cfg.in_process, cfg.token) = a.target.resolve()?;
+    let files = camelot_bench::prefetch::run(&cfg, &a.output.out)?;
+    a.output.report(&files, |result| {
+        print!("{}", camelot_results::summary::comparison_table(result))
+    })
+}
+
+/// Where a far-memory bench's memory server is: given, or started for the run.
+#[derive(Args)]
+pub struct FarTarget {
     /// Use this memory server instead of starting one (host:port).
     #[arg(long)]
     server: Option<String>,
@@ -317,34 +299,47 @@ pub struct PrefetchArgs {
     /// Cluster token for --server (also read from CAMELOT_TOKEN).
     #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
     token: Option<String>,
+}
+
+impl FarTarget {
+    /// (servers, in process, token) as the bench configs take them.
+    fn resolve(&self) -> Result<(Vec<std::net::SocketAddr>, bool, Option<Vec<u8>>)> {
+        let servers = self
+            .server
+            .iter()
+            .map(|s| crate::resolve(s))
+            .collect::<Result<_>>()?;
+        Ok((
+            servers,
+            self.in_process,
+            self.token.clone().map(String::into_bytes),
+        ))
+    }
+}
+
+/// How big a far-memory bench runs and where its result goes.
+#[derive(Args)]
+pub struct FarOutput {
     /// The same experiment scaled down to finish in under 30 s.
     #[arg(long)]
     quick: bool,
-    /// Where prefetch.json and its figure go.
+    /// Where the result JSON and its figure go.
     #[arg(long, default_value = "results")]
     out: PathBuf,
 }
 
-pub fn bench_prefetch(a: PrefetchArgs) -> Result<()> {
-    let mut cfg = PrefetchConfig::defaults(a.quick);
-    if let Some(p) = a.pages {
-        cfg.pages = p;
+impl FarOutput {
+    /// Prints the result (the JSON the bench wrote first) with `summary`, then the files.
+    fn report(
+        &self,
+        files: &[PathBuf],
+        summary: impl FnOnce(&camelot_results::schema::BenchResult),
+    ) -> Result<()> {
+        let json = files.first().context("the bench wrote no result")?;
+        summary(&camelot_results::output::read_result(json)?);
+        for f in files {
+            println!("wrote {}", f.display());
+        }
+        Ok(())
     }
-    cfg.local_percent = a.local;
-    cfg.window_pages = a.window;
-    cfg.prefetchers = a.prefetch;
-    cfg.in_process = a.in_process;
-    cfg.token = a.token.map(String::into_bytes);
-    cfg.servers = a
-        .server
-        .iter()
-        .map(|s| crate::resolve(s))
-        .collect::<Result<_>>()?;
-    let files = camelot_bench::prefetch::run(&cfg, &a.out)?;
-    let result = camelot_results::output::read_result(&files[0])?;
-    print!("{}", camelot_results::summary::comparison_table(&result));
-    for f in files {
-        println!("wrote {}", f.display());
-    }
-    Ok(())
 }
