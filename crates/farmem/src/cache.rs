@@ -5,7 +5,7 @@
 
 use crate::policy::{self, Policy};
 use crate::prefetch::{prefetcher_by_name, Prefetcher};
-use crate::store::PageStore;
+use crate::store::{PageStore, PendingRead};
 use crate::{Error, PageId, PageMap, PageSet};
 
 /// How a cache is set up.
@@ -84,6 +84,15 @@ pub struct PageCache<S: PageStore> {
     wanted: Vec<PageId>,
     /// Reused between reads and writes: the pages of one fault group.
     group: Vec<(PageId, bool)>,
+    /// Prefetches under way, oldest first: a batch's pages and its read. They take no
+    /// frame until they complete — when one of their pages is touched, or when newer
+    /// prefetches need room under [`CacheConfig`]'s capacity.
+    inflight: std::collections::VecDeque<(u64, Vec<PageId>, PendingRead)>,
+    /// Page → the batch reading it.
+    inflight_pages: PageMap<u64>,
+    next_batch: u64,
+    /// The page the last access ended in (see the fast path in `for_each_piece`).
+    last_page: Option<PageId>,
 }
 
 impl<S: PageStore> PageCache<S> {
@@ -110,6 +119,10 @@ impl<S: PageStore> PageCache<S> {
             stats: CacheStats::default(),
             wanted: Vec::new(),
             group: Vec::new(),
+            inflight: std::collections::VecDeque::new(),
+            inflight_pages: PageMap::default(),
+            next_batch: 0,
+            last_page: None,
         })
     }
 
@@ -214,6 +227,19 @@ impl<S: PageStore> PageCache<S> {
             return Ok(());
         }
         let page_bytes = self.page_bytes as u64;
+        // Another access within the page the last one touched, still resident: a hit
+        // that tells the policy (and the prefetchers, which ignore re-reads) nothing new,
+        // so it costs one lookup and the copy — the common case of a scan.
+        let page = offset / page_bytes;
+        if (end - 1) / page_bytes == page && self.last_page == Some(page) {
+            if let Some(frame) = self.frames.get_mut(&page) {
+                self.stats.accesses += 1;
+                self.stats.hits += 1;
+                let in_page = (offset - page * page_bytes) as usize;
+                f(frame, in_page, 0, len);
+                return Ok(());
+            }
+        }
         let group_max = (self.capacity_pages / 2).clamp(1, FAULT_GROUP_PAGES_MAX);
         let (first, last) = (offset / page_bytes, (end - 1) / page_bytes);
         // Reused between calls: most accesses touch one resident page and should cost no
@@ -232,6 +258,7 @@ impl<S: PageStore> PageCache<S> {
                 result = Err(e);
                 break;
             }
+            self.last_page = group.last().map(|(p, _)| *p);
             for &(p, _) in &group {
                 let from = offset.max(p * page_bytes);
                 let until = end.min((p + 1) * page_bytes);
@@ -260,6 +287,12 @@ impl<S: PageStore> PageCache<S> {
         // Demand pages not resident: (page, overwritten whole).
         // Allocated only on a miss (a Vec allocates on its first push).
         let mut fetch: Vec<(PageId, bool)> = Vec::new();
+        // A page still being prefetched: wait for its batch and take it in first.
+        for &(page, _) in group {
+            if let Some(&id) = self.inflight_pages.get(&page) {
+                self.complete(id, group)?;
+            }
+        }
         for &(page, whole) in group {
             self.stats.accesses += 1;
             let hit = self.frames.contains_key(&page);
@@ -275,40 +308,61 @@ impl<S: PageStore> PageCache<S> {
                 fetch.push((page, whole));
             }
         }
-        let demand = fetch.len();
         let pages = self.store.pages();
         let in_group = |p: PageId| group.iter().any(|(g, _)| *g == p);
-        // Prefetches: in range, not resident, not already listed — at most what the cache
-        // could hold besides the group.
-        for &p in &wanted {
-            if fetch.len() + (group.len() - demand) >= self.capacity_pages {
-                break;
-            }
-            if p < pages && !self.frames.contains_key(&p) && !fetch.iter().any(|(f, _)| *f == p) {
-                fetch.push((p, false));
-            }
-        }
+        // Prefetches go out now and are waited for only when used: in range, not
+        // resident, not already under way, not in this group, and no more pages under
+        // way than half the cache.
+        let room = (self.capacity_pages / 2).saturating_sub(self.inflight_pages.len());
+        let prefetch: Vec<PageId> = wanted
+            .iter()
+            .copied()
+            .filter(|&p| {
+                p < pages
+                    && !self.frames.contains_key(&p)
+                    && !self.inflight_pages.contains_key(&p)
+                    && !in_group(p)
+            })
+            .take(room)
+            .collect();
         self.wanted = wanted;
-        if fetch.is_empty() {
-            return Ok(());
+        if !fetch.is_empty() {
+            self.fetch_demand(fetch, group)?;
         }
-        // Room, through the policy. Demand pages must get frames; a prefetch that would
-        // need a pinned page or one of the group gets none and is dropped.
+        // After the demand read, so the pages waited for now do not queue behind them.
+        if !prefetch.is_empty() {
+            let id = self.next_batch;
+            self.next_batch += 1;
+            for &p in &prefetch {
+                self.inflight_pages.insert(p, id);
+            }
+            let read = self.store.start_read(&prefetch);
+            self.inflight.push_back((id, prefetch, read));
+        }
+        Ok(())
+    }
+
+    /// Reads the group's missing pages (each with whether it is about to be overwritten
+    /// whole) into frames the policy frees, in one batch after one batch of write-backs.
+    fn fetch_demand(
+        &mut self,
+        mut fetch: Vec<(PageId, bool)>,
+        group: &[(PageId, bool)],
+    ) -> Result<(), Error> {
+        let in_group = |p: PageId| group.iter().any(|(g, _)| *g == p);
+        // Room, through the policy: every page of the group must get a frame.
         let mut victims: Vec<(PageId, Frame)> = Vec::new();
         let mut admitted = 0;
-        for (i, &(incoming, _)) in fetch.iter().enumerate() {
+        for &(incoming, _) in &fetch {
             if self.frames.len() + admitted >= self.capacity_pages {
                 let frames = &self.frames;
                 let is_pinned =
                     |p: PageId| in_group(p) || frames.get(&p).is_some_and(|f| f.pins > 0);
                 let Some(victim) = self.policy.evict(incoming, &is_pinned) else {
-                    if i < demand {
-                        return Err(Error::Invalid(format!(
-                            "every one of the cache's {} pages is pinned or in use",
-                            self.capacity_pages
-                        )));
-                    }
-                    break;
+                    return Err(Error::Invalid(format!(
+                        "every one of the cache's {} pages is pinned or in use",
+                        self.capacity_pages
+                    )));
                 };
                 if let Some(frame) = self.frames.remove(&victim) {
                     victims.push((victim, frame));
@@ -349,7 +403,7 @@ impl<S: PageStore> PageCache<S> {
                 buffers[i] = data;
             }
         }
-        for (i, ((p, _), data)) in fetch.iter().zip(buffers).enumerate() {
+        for ((p, _), data) in fetch.iter().zip(buffers) {
             self.frames.insert(
                 *p,
                 Frame {
@@ -359,9 +413,66 @@ impl<S: PageStore> PageCache<S> {
                 },
             );
             self.policy.insert(*p);
-            if i >= demand {
-                self.unused_prefetch.insert(*p);
+        }
+        Ok(())
+    }
+
+    /// Waits for prefetch batch `id` (and any older one) and takes its pages in, each only
+    /// where the policy finds room that is not pinned and not in `group`; the rest are
+    /// dropped. Dirty victims are written back in one batch.
+    fn complete(&mut self, id: u64, group: &[(PageId, bool)]) -> Result<(), Error> {
+        while let Some((batch, pages, read)) = self.inflight.pop_front() {
+            for p in &pages {
+                self.inflight_pages.remove(p);
+            }
+            let buffers = read.wait()?;
+            let mut victims: Vec<(PageId, Frame)> = Vec::new();
+            let mut incoming: Vec<(PageId, Box<[u8]>)> = Vec::new();
+            for (page, data) in pages.into_iter().zip(buffers) {
+                if self.frames.contains_key(&page) {
+                    continue;
+                }
+                if self.frames.len() + incoming.len() >= self.capacity_pages {
+                    let frames = &self.frames;
+                    let is_pinned = |p: PageId| {
+                        group.iter().any(|(g, _)| *g == p)
+                            || frames.get(&p).is_some_and(|f| f.pins > 0)
+                    };
+                    let Some(victim) = self.policy.evict(page, &is_pinned) else {
+                        break;
+                    };
+                    if let Some(frame) = self.frames.remove(&victim) {
+                        victims.push((victim, frame));
+                    }
+                    self.frames_removed(victim);
+                }
+                incoming.push((page, data));
+            }
+            let dirty: Vec<(PageId, &[u8])> = victims
+                .iter()
+                .filter(|(_, f)| f.dirty)
+                .map(|(p, f)| (*p, &f.data[..]))
+                .collect();
+            if !dirty.is_empty() {
+                self.store.write_pages(&dirty)?;
+                self.stats.written_back += dirty.len() as u64;
+            }
+            self.stats.evictions += victims.len() as u64;
+            for (page, data) in incoming {
+                self.frames.insert(
+                    page,
+                    Frame {
+                        data,
+                        dirty: false,
+                        pins: 0,
+                    },
+                );
+                self.policy.insert(page);
+                self.unused_prefetch.insert(page);
                 self.stats.prefetched += 1;
+            }
+            if batch == id {
+                break;
             }
         }
         Ok(())

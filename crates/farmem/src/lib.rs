@@ -24,7 +24,7 @@ pub use farvec::FarVec;
 pub use list::PageList;
 pub use policy::{by_name as policy_by_name, Policy, POLICY_NAMES};
 pub use prefetch::{prefetcher_by_name, Prefetcher, PREFETCHER_NAMES};
-pub use store::{LocalStore, PageStore, RegionStore};
+pub use store::{LocalStore, PageStore, PendingRead, RegionStore};
 
 /// A page's number within a far-memory space (its byte offset ÷ the page size).
 pub type PageId = u64;

@@ -43,12 +43,19 @@ pub fn simulate(
     let mut resident = crate::PageSet::with_capacity_and_hasher(capacity_pages, Default::default());
     let mut counts = Counts::default();
     let nothing_pinned = |_| false;
+    let mut last = None;
     for page in trace {
         counts.accesses += 1;
         if resident.contains(&page) {
-            policy.touch(page);
+            // Uses of a page straight after one another are one use to the policy (the
+            // cache's fast path does the same), as correlated references should be.
+            if last != Some(page) {
+                policy.touch(page);
+            }
+            last = Some(page);
             continue;
         }
+        last = Some(page);
         counts.misses += 1;
         if resident.len() >= capacity_pages {
             if let Some(victim) = policy.evict(page, &nothing_pinned) {

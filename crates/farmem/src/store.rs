@@ -36,6 +36,60 @@ pub trait PageStore: Send + Sync {
     fn write_pages(&self, pages: &[(PageId, &[u8])]) -> Result<(), Error>;
     /// Bytes moved to and from the store so far: (read, written).
     fn traffic_bytes(&self) -> (u64, u64);
+    /// Starts reading `pages` and returns at once; [`PendingRead::wait`] gives their
+    /// bytes. Stores that cannot overlap a read with other work read here and now.
+    fn start_read(&self, pages: &[PageId]) -> PendingRead {
+        let mut out: Vec<Box<[u8]>> = pages
+            .iter()
+            .map(|_| vec![0u8; self.page_bytes()].into_boxed_slice())
+            .collect();
+        PendingRead(Pending::Ready(
+            self.read_pages(pages, &mut out).map(|()| out),
+        ))
+    }
+}
+
+/// A batch read under way: the pages' bytes, in the order they were asked for, once
+/// [`PendingRead::wait`] returns.
+pub struct PendingRead(Pending);
+
+enum Pending {
+    Ready(Result<Vec<Box<[u8]>>, Error>),
+    /// One answer per run of consecutive pages, `pages` pages in all.
+    Remote {
+        answers: Vec<(camelot_client::Pending, usize)>,
+        page_bytes: usize,
+        pages: usize,
+    },
+}
+
+impl PendingRead {
+    pub fn wait(self) -> Result<Vec<Box<[u8]>>, Error> {
+        match self.0 {
+            Pending::Ready(r) => r,
+            Pending::Remote {
+                answers,
+                page_bytes,
+                pages,
+            } => {
+                let mut out = Vec::with_capacity(pages);
+                for (answer, n) in answers {
+                    match answer.wait()? {
+                        Reply::Data(d) if d.len() == n * page_bytes => {
+                            out.extend(d.chunks(page_bytes).map(Box::<[u8]>::from));
+                        }
+                        other => {
+                            return Err(Error::Remote(format!(
+                                "a page read answered {}",
+                                short(&other)
+                            )))
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
 }
 
 fn check_batch(
@@ -267,6 +321,34 @@ impl PageStore for RegionStore {
         self.written_bytes
             .fetch_add((pages.len() * self.page_bytes) as u64, Ordering::Relaxed);
         Ok(())
+    }
+    fn start_read(&self, pages: &[PageId]) -> PendingRead {
+        if let Err(e) = check_batch(self, pages.iter().map(|p| (*p, self.page_bytes))) {
+            return PendingRead(Pending::Ready(Err(e)));
+        }
+        let runs = runs_of(pages, self.run_pages_max());
+        let page_bytes = self.page_bytes as u64;
+        let submitted = self.client.submit_many(runs.iter().map(|&(start, n)| {
+            let op = self
+                .region
+                .read_op(pages[start] * page_bytes, (n as u64 * page_bytes) as u32);
+            (self.region.node, op)
+        }));
+        match submitted {
+            Ok(answers) => {
+                self.read_bytes
+                    .fetch_add(pages.len() as u64 * page_bytes, Ordering::Relaxed);
+                PendingRead(Pending::Remote {
+                    answers: answers
+                        .into_iter()
+                        .zip(runs.iter().map(|&(_, n)| n))
+                        .collect(),
+                    page_bytes: self.page_bytes,
+                    pages: pages.len(),
+                })
+            }
+            Err(e) => PendingRead(Pending::Ready(Err(e.into()))),
+        }
     }
     fn traffic_bytes(&self) -> (u64, u64) {
         (

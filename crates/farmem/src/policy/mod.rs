@@ -5,6 +5,8 @@
 //! without a socket. The cache calls [`Policy::touch`] on a hit; on a miss it calls
 //! [`Policy::evict`] while it is full (naming the page that is coming in, which ARC needs
 //! to adapt) and then [`Policy::insert`]. Pages the cache has pinned are never chosen.
+//! Uses of one page straight after one another reach the policy as one `touch` (a scan
+//! reading a page in small pieces is not re-referencing it).
 
 mod arc;
 mod clock;
