@@ -70,7 +70,12 @@ const EXEC_QUOTA: Quota = Quota {
 /// response per request in order, in a frame within the limits; the memory cap and both
 /// quotas must hold; and no principal may ever reach another's private region.
 pub fn exec_batch(data: &[u8]) {
-    let state = ServerState::with_quota(MemoryBudget::new(EXEC_CAP_BYTES), 0, EXEC_QUOTA);
+    let state = ServerState::with_limits(
+        MemoryBudget::new(EXEC_CAP_BYTES),
+        MemoryBudget::new(u64::MAX),
+        0,
+        EXEC_QUOTA,
+    );
     let principals = [Principal::from("a"), Principal::from("b")];
     let mut input = BytesMut::from(data);
     let mut turn = 0usize;

@@ -170,7 +170,7 @@ pub struct ServerState {
 
 impl ServerState {
     /// A state whose connection buffers are not capped (embedding and tests; the server
-    /// uses [`ServerState::with_connection_buffers`]).
+    /// uses [`ServerState::with_limits`]).
     pub fn new(budget: Arc<MemoryBudget>, epoch: u64) -> Self {
         Self::with_limits(budget, MemoryBudget::new(u64::MAX), epoch, Quota::UNLIMITED)
     }
