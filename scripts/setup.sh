@@ -13,10 +13,13 @@
 #                                have is reported, not fatal
 set -euo pipefail
 
+# protobuf-compiler and libprotobuf-dev: the etcd-client crate, in crates/cluster, compiles
+# etcd's .proto files when it is built and needs protoc and the well-known types.
 packages=(
   redis-server redis-tools memcached etcd-server etcd-client
   iperf3 sockperf fio sysbench chromium
   gcc libc6-dev
+  protobuf-compiler libprotobuf-dev
   jq iproute2 procps coreutils python3
 )
 optional=(linux-perf libnbd-bin qemu-utils)

@@ -72,7 +72,7 @@ pub const PARTITIONS: u32 = 1024;
 /// The partition a key belongs to. The high half of the key hash, because servers shard
 /// by the low bits and the two should not be correlated.
 pub fn partition_of(key: &[u8]) -> u32 {
-    ((camelot_proto::key_hash(key) >> 32) % u64::from(PARTITIONS)) as u32
+    camelot_proto::partition_of(key, PARTITIONS)
 }
 
 fn rendezvous_score(name: &[u8], node: NodeId) -> u64 {

@@ -48,6 +48,15 @@ pub fn key_hash(key: &[u8]) -> u64 {
     h ^ (h >> 33)
 }
 
+/// The partition of `partitions` a key belongs to: the high half of [`key_hash`] (servers
+/// shard by the low bits and the two should not be correlated) modulo the count. Clients
+/// route by it and cluster servers check ownership by it, so like `key_hash` it must never
+/// change. `partitions` of 0 is treated as 1 (everything in partition 0) rather than a
+/// division by zero; cluster maps never have 0.
+pub fn partition_of(key: &[u8], partitions: u32) -> u32 {
+    ((key_hash(key) >> 32) % u64::from(partitions.max(1))) as u32
+}
+
 /// One frame, decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {

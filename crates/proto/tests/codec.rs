@@ -490,3 +490,14 @@ fn key_hash_never_changes() {
     assert_eq!(key_hash(b"user1"), 0xcaf6_72d6_3552_cd57);
     assert_eq!(key_hash(b"user2"), 0x8cdf_f66b_0700_78b9);
 }
+
+#[test]
+fn partition_of_never_changes() {
+    // The high half of key_hash modulo the count; clients and cluster servers must agree.
+    assert_eq!(camelot_proto::partition_of(b"", 1024), 864);
+    assert_eq!(camelot_proto::partition_of(b"user1", 1024), 726);
+    assert_eq!(camelot_proto::partition_of(b"user2", 1024), 619);
+    assert_eq!(camelot_proto::partition_of(b"user1", 7), 6);
+    assert_eq!(camelot_proto::partition_of(b"user2", 7), 4);
+    assert_eq!(camelot_proto::partition_of(b"user2", 0), 0);
+}
