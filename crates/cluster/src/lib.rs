@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod etcd;
 pub mod map;
 pub mod plan;
 pub mod source;

@@ -1,0 +1,395 @@
+//! The map and the live nodes in etcd, through the `etcd-client` crate.
+//!
+//! Layout under a prefix (default `/camelot`):
+//! - `<prefix>/map` — the [`ClusterMap`] as JSON. Written only by a transaction that
+//!   compares the key's mod revision with the one the writer read (or that it does not
+//!   exist yet), so of two writers racing from the same map exactly one wins; the loser
+//!   re-reads. The epoch must grow with every write, so a watcher can ignore anything not
+//!   newer than what it has.
+//! - `<prefix>/nodes/<id>` — a live node's [`Node`] as JSON, attached to a lease the node
+//!   keeps alive. A node that dies stops renewing, and etcd deletes the key one TTL later.
+
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
+    WatchOptions, WatchStream,
+};
+use tokio::task::JoinHandle;
+
+use crate::error::MapError;
+use crate::map::{ClusterMap, Node, NodeId, NODES_MAX};
+
+pub const PREFIX_DEFAULT: &str = "/camelot";
+/// Lease TTL of a node registration unless told otherwise: a dead node leaves the member
+/// list within this long (plus etcd's own expiry check, ~0.5 s).
+pub const LEASE_TTL_DEFAULT: Duration = Duration::from_secs(2);
+/// etcd refuses requests over 1.5 MiB by default (`--max-request-bytes`); refusing a
+/// bigger map here gives a typed error instead of a gRPC one.
+pub const ETCD_VALUE_BYTES_MAX: usize = 1_536 * 1024 - 4096;
+/// Every call but a watch must answer within this; a watch is a stream and has none.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// A registration entry is a few dozen bytes of JSON.
+const NODE_VALUE_BYTES_MAX: usize = 4096;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    #[error("the map in etcd: {0}")]
+    Map(#[from] MapError),
+    #[error("{what} of {value} bytes exceeds the limit of {max}")]
+    TooLarge {
+        what: &'static str,
+        value: usize,
+        max: usize,
+    },
+    #[error("etcd did not answer {what} within {timeout:?}")]
+    Timeout {
+        what: &'static str,
+        timeout: Duration,
+    },
+    #[error("the new map's epoch {new} is not above the current {current}")]
+    EpochNotAdvanced { current: u64, new: u64 },
+    #[error("node {0} is already registered by a live process")]
+    NodeTaken(NodeId),
+    #[error("a node entry is not valid: {0}")]
+    BadNode(String),
+    #[error("lease TTL {0:?} must be a whole number of seconds ≥ 1")]
+    BadTtl(Duration),
+    #[error("the watch ended: {0}")]
+    WatchEnded(String),
+    #[error("gave up after {0} lost races for the map")]
+    Contended(u32),
+}
+
+/// A map together with the etcd revision it was read at: what a writer must name to
+/// replace it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Versioned {
+    pub map: ClusterMap,
+    pub mod_revision: i64,
+}
+
+/// How a conditional write of the map ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Publish {
+    /// Written; the map's new mod revision.
+    Won(i64),
+    /// Someone else wrote the map since it was read: re-read and decide again.
+    Lost,
+}
+
+#[derive(Clone)]
+pub struct EtcdCluster {
+    client: Client,
+    prefix: String,
+}
+
+async fn bounded<T>(
+    what: &'static str,
+    fut: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, EtcdError> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, fut).await {
+        Ok(r) => r.map_err(EtcdError::from),
+        Err(_) => Err(EtcdError::Timeout {
+            what,
+            timeout: REQUEST_TIMEOUT,
+        }),
+    }
+}
+
+impl EtcdCluster {
+    /// Connects to `endpoints` (`http://host:port`), every key under `prefix`.
+    pub async fn connect(endpoints: &[String], prefix: &str) -> Result<EtcdCluster, EtcdError> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(CONNECT_TIMEOUT)
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+        let client = bounded("connect", Client::connect(endpoints, Some(options))).await?;
+        Ok(EtcdCluster {
+            client,
+            prefix: prefix.trim_end_matches('/').to_owned(),
+        })
+    }
+
+    pub fn map_key(&self) -> String {
+        format!("{}/map", self.prefix)
+    }
+
+    fn nodes_prefix(&self) -> String {
+        format!("{}/nodes/", self.prefix)
+    }
+
+    fn node_key(&self, id: NodeId) -> String {
+        format!("{}{id:010}", self.nodes_prefix())
+    }
+
+    /// The current map, or `None` when none was ever written.
+    pub async fn read_map(&self) -> Result<Option<Versioned>, EtcdError> {
+        let mut kv = self.client.kv_client();
+        let resp = bounded("get map", kv.get(self.map_key(), None)).await?;
+        let Some(kv) = resp.kvs().first() else {
+            return Ok(None);
+        };
+        Ok(Some(Versioned {
+            map: parse_map(kv.value())?,
+            mod_revision: kv.mod_revision(),
+        }))
+    }
+
+    /// Writes `map` if the stored map is still `current` (`None`: if there is none). The
+    /// new epoch must be above the current one.
+    pub async fn publish(
+        &self,
+        map: &ClusterMap,
+        current: Option<&Versioned>,
+    ) -> Result<Publish, EtcdError> {
+        map.validate()?;
+        if let Some(cur) = current {
+            if map.epoch <= cur.map.epoch {
+                return Err(EtcdError::EpochNotAdvanced {
+                    current: cur.map.epoch,
+                    new: map.epoch,
+                });
+            }
+        }
+        let json = map.to_json();
+        if json.len() > ETCD_VALUE_BYTES_MAX {
+            return Err(EtcdError::TooLarge {
+                what: "map",
+                value: json.len(),
+                max: ETCD_VALUE_BYTES_MAX,
+            });
+        }
+        let key = self.map_key();
+        let guard = match current {
+            Some(cur) => Compare::mod_revision(key.clone(), CompareOp::Equal, cur.mod_revision),
+            // create_revision 0 ⇔ the key does not exist.
+            None => Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+        };
+        let txn = Txn::new()
+            .when([guard])
+            .and_then([TxnOp::put(key, json, None)]);
+        let mut kv = self.client.kv_client();
+        let resp = bounded("map transaction", kv.txn(txn)).await?;
+        if !resp.succeeded() {
+            return Ok(Publish::Lost);
+        }
+        let revision = resp.header().map(|h| h.revision()).unwrap_or_default();
+        Ok(Publish::Won(revision))
+    }
+
+    /// Read, change, write, until the write wins (at most `attempts` times). `change`
+    /// gets the current map (`None` if there is none) and returns the next one; its epoch
+    /// is set here, one above the current.
+    pub async fn update_map(
+        &self,
+        attempts: u32,
+        mut change: impl FnMut(Option<&ClusterMap>) -> Result<ClusterMap, EtcdError>,
+    ) -> Result<Versioned, EtcdError> {
+        for _ in 0..attempts {
+            let current = self.read_map().await?;
+            let mut next = change(current.as_ref().map(|v| &v.map))?;
+            next.epoch = current.as_ref().map_or(1, |v| v.map.epoch + 1);
+            if let Publish::Won(rev) = self.publish(&next, current.as_ref()).await? {
+                return Ok(Versioned {
+                    map: next,
+                    mod_revision: rev,
+                });
+            }
+        }
+        Err(EtcdError::Contended(attempts))
+    }
+
+    /// Registers `node` under a lease of `ttl` and keeps it alive from a task on the
+    /// current runtime until the [`Registration`] is dropped or revoked. Refuses an id a
+    /// live registration holds.
+    pub async fn register(&self, node: &Node, ttl: Duration) -> Result<Registration, EtcdError> {
+        let ttl_s = ttl.as_secs();
+        if ttl_s == 0 || Duration::from_secs(ttl_s) != ttl || ttl_s > 3600 {
+            return Err(EtcdError::BadTtl(ttl));
+        }
+        let mut lease = self.client.lease_client();
+        let grant = bounded("lease grant", lease.grant(ttl_s as i64, None)).await?;
+        let lease_id = grant.id();
+        let key = self.node_key(node.id);
+        let value = serde_json::to_string(node).map_err(|e| EtcdError::BadNode(e.to_string()))?;
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key,
+                value,
+                Some(PutOptions::new().with_lease(lease_id)),
+            )]);
+        let mut kv = self.client.kv_client();
+        let resp = bounded("register", kv.txn(txn)).await?;
+        if !resp.succeeded() {
+            let _ = bounded("lease revoke", lease.revoke(lease_id)).await;
+            return Err(EtcdError::NodeTaken(node.id));
+        }
+        let task = tokio::spawn(keep_alive(self.client.clone(), lease_id, ttl));
+        Ok(Registration {
+            client: self.client.clone(),
+            lease_id,
+            task,
+        })
+    }
+
+    /// The registered (live) nodes, by id.
+    pub async fn live_nodes(&self) -> Result<Vec<Node>, EtcdError> {
+        let mut kv = self.client.kv_client();
+        let options = GetOptions::new()
+            .with_prefix()
+            .with_limit(NODES_MAX as i64 + 1);
+        let resp = bounded("get nodes", kv.get(self.nodes_prefix(), Some(options))).await?;
+        if resp.kvs().len() > NODES_MAX {
+            return Err(EtcdError::TooLarge {
+                what: "registered nodes",
+                value: resp.kvs().len(),
+                max: NODES_MAX,
+            });
+        }
+        resp.kvs()
+            .iter()
+            .map(|kv| {
+                if kv.value().len() > NODE_VALUE_BYTES_MAX {
+                    return Err(EtcdError::TooLarge {
+                        what: "node entry",
+                        value: kv.value().len(),
+                        max: NODE_VALUE_BYTES_MAX,
+                    });
+                }
+                serde_json::from_slice(kv.value()).map_err(|e| EtcdError::BadNode(e.to_string()))
+            })
+            .collect()
+    }
+
+    /// Watches the map: [`MapWatch::next`] yields every map written after `after`'s
+    /// revision (after the current one when `None`) whose epoch is newer than any yielded.
+    pub async fn watch_map(&self, after: Option<&Versioned>) -> Result<MapWatch, EtcdError> {
+        let mut watch = self.client.watch_client();
+        let mut options = WatchOptions::new();
+        let mut epoch = 0;
+        if let Some(v) = after {
+            options = options.with_start_revision(v.mod_revision + 1);
+            epoch = v.map.epoch;
+        }
+        let stream = bounded("watch", watch.watch(self.map_key(), Some(options))).await?;
+        Ok(MapWatch { stream, epoch })
+    }
+}
+
+pub struct MapWatch {
+    stream: WatchStream,
+    epoch: u64,
+}
+
+impl MapWatch {
+    /// The next newer map. Waits as long as it takes (callers bound it); a map that does
+    /// not parse is an error, since a watcher must not go on believing an old one silently.
+    pub async fn next(&mut self) -> Result<Versioned, EtcdError> {
+        loop {
+            let Some(resp) = self.stream.message().await? else {
+                return Err(EtcdError::WatchEnded("stream closed".into()));
+            };
+            if resp.canceled() {
+                return Err(EtcdError::WatchEnded(resp.cancel_reason().to_owned()));
+            }
+            for event in resp.events() {
+                if event.event_type() != EventType::Put {
+                    continue;
+                }
+                let Some(kv) = event.kv() else { continue };
+                let map = parse_map(kv.value())?;
+                if map.epoch > self.epoch {
+                    self.epoch = map.epoch;
+                    return Ok(Versioned {
+                        map,
+                        mod_revision: kv.mod_revision(),
+                    });
+                }
+            }
+        }
+    }
+}
+
+fn parse_map(value: &[u8]) -> Result<ClusterMap, EtcdError> {
+    if value.len() > ETCD_VALUE_BYTES_MAX {
+        return Err(EtcdError::TooLarge {
+            what: "map",
+            value: value.len(),
+            max: ETCD_VALUE_BYTES_MAX,
+        });
+    }
+    Ok(ClusterMap::from_json(value)?)
+}
+
+/// A node's lease, renewed every third of its TTL. Dropping it stops the renewals (the
+/// entry then expires one TTL later, as if the node had died); `revoke` removes it now.
+pub struct Registration {
+    client: Client,
+    lease_id: i64,
+    task: JoinHandle<()>,
+}
+
+impl Registration {
+    pub fn lease_id(&self) -> i64 {
+        self.lease_id
+    }
+
+    /// Whether the renewing task is still running (it ends when the lease is gone).
+    pub fn is_alive(&self) -> bool {
+        !self.task.is_finished()
+    }
+
+    pub async fn revoke(self) -> Result<(), EtcdError> {
+        self.task.abort();
+        let mut lease = self.client.lease_client();
+        bounded("lease revoke", lease.revoke(self.lease_id)).await?;
+        Ok(())
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn keep_alive(client: Client, lease_id: i64, ttl: Duration) {
+    let period = ttl / 3;
+    let mut lease = client.lease_client();
+    'reconnect: loop {
+        let (mut keeper, mut stream) =
+            match bounded("lease keep-alive", lease.keep_alive(lease_id)).await {
+                Ok(pair) => pair,
+                Err(e) => {
+                    tracing::warn!(lease_id, "lease keep-alive: {e}");
+                    tokio::time::sleep(period).await;
+                    continue;
+                }
+            };
+        loop {
+            if let Err(e) = keeper.keep_alive().await {
+                tracing::warn!(lease_id, "lease keep-alive send: {e}");
+                tokio::time::sleep(period).await;
+                continue 'reconnect;
+            }
+            match tokio::time::timeout(period.max(Duration::from_millis(200)), stream.message())
+                .await
+            {
+                Ok(Ok(Some(resp))) if resp.ttl() <= 0 => {
+                    tracing::warn!(lease_id, "lease expired; the registration is gone");
+                    return;
+                }
+                Ok(Ok(Some(_))) => {}
+                Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
+                    tokio::time::sleep(period).await;
+                    continue 'reconnect;
+                }
+            }
+            tokio::time::sleep(period).await;
+        }
+    }
+}

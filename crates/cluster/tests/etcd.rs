@@ -1,0 +1,229 @@
+//! The etcd source against a real `etcd` (Debian's etcd-server), started on free loopback
+//! ports with a private data directory by camelot-testkit.
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use camelot_cluster::etcd::{EtcdCluster, EtcdError, Publish, LEASE_TTL_DEFAULT};
+use camelot_cluster::{ClusterMap, Node};
+use camelot_testkit::EtcdServer;
+
+const CHILD_ENV: &str = "CAMELOT_CLUSTER_MEMBER_CHILD";
+
+fn node(id: u32) -> Node {
+    Node {
+        id,
+        addr: SocketAddr::from(([127, 0, 0, 1], 7000 + id as u16)),
+        weight: 1,
+    }
+}
+
+async fn cluster(etcd: &EtcdServer, prefix: &str) -> EtcdCluster {
+    EtcdCluster::connect(&[etcd.endpoint()], prefix)
+        .await
+        .unwrap()
+}
+
+/// Polls `cond` every 50 ms until it holds or `limit` passes; the time it took.
+async fn wait_until<F, Fut>(limit: Duration, mut cond: F) -> Option<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if cond().await {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_writers_exactly_one_wins() {
+    let etcd = EtcdServer::start().unwrap();
+    let a = cluster(&etcd, "/race").await;
+    let b = cluster(&etcd, "/race").await;
+    let first = ClusterMap::initial((0..3).map(node).collect(), 64, 1).unwrap();
+    assert_eq!(a.publish(&first, None).await.unwrap(), Publish::Won(2));
+    // Creating again from "nothing there" loses: the key exists.
+    assert_eq!(a.publish(&first, None).await.unwrap(), Publish::Lost);
+
+    for round in 0..20u32 {
+        let seen_a = a.read_map().await.unwrap().unwrap();
+        let seen_b = b.read_map().await.unwrap().unwrap();
+        assert_eq!(seen_a, seen_b);
+        let mut next_a = seen_a.map.clone();
+        next_a.epoch += 1;
+        next_a.nodes[0].weight = 100 + round;
+        let mut next_b = seen_b.map.clone();
+        next_b.epoch += 1;
+        next_b.nodes[1].weight = 200 + round;
+        let (ra, rb) = tokio::join!(
+            a.publish(&next_a, Some(&seen_a)),
+            b.publish(&next_b, Some(&seen_b))
+        );
+        let (ra, rb) = (ra.unwrap(), rb.unwrap());
+        let winner = match (&ra, &rb) {
+            (Publish::Won(_), Publish::Lost) => &next_a,
+            (Publish::Lost, Publish::Won(_)) => &next_b,
+            other => panic!("round {round}: {other:?}: not exactly one winner"),
+        };
+        assert_eq!(&a.read_map().await.unwrap().unwrap().map, winner);
+    }
+
+    // Read-change-write from 6 tasks at once: every change lands (none lost to a race).
+    let mut tasks = Vec::new();
+    for i in 0..6u32 {
+        let c = cluster(&etcd, "/race").await;
+        tasks.push(tokio::spawn(async move {
+            c.update_map(50, |cur| {
+                let mut m = cur.cloned().unwrap();
+                m.nodes[2].weight += 1;
+                let _ = i;
+                Ok(m)
+            })
+            .await
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let end = a.read_map().await.unwrap().unwrap().map;
+    assert_eq!(end.nodes[2].weight, 1 + 6);
+    assert_eq!(end.epoch, 1 + 20 + 6);
+
+    // An epoch that does not advance is refused before anything is sent.
+    let cur = a.read_map().await.unwrap().unwrap();
+    assert!(matches!(
+        a.publish(&cur.map, Some(&cur)).await,
+        Err(EtcdError::EpochNotAdvanced { .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_sees_each_new_epoch() {
+    let etcd = EtcdServer::start().unwrap();
+    let writer = cluster(&etcd, "/watch").await;
+    let reader = cluster(&etcd, "/watch").await;
+    let first = writer
+        .update_map(3, |_| {
+            Ok(ClusterMap::initial((0..2).map(node).collect(), 32, 1).unwrap())
+        })
+        .await
+        .unwrap();
+    assert_eq!(first.map.epoch, 1);
+    let current = reader.read_map().await.unwrap().unwrap();
+    let mut watch = reader.watch_map(Some(&current)).await.unwrap();
+    for expected in 2..=4u64 {
+        writer
+            .update_map(3, |cur| {
+                let mut m = cur.cloned().unwrap();
+                m.nodes.push(node(expected as u32 + 10));
+                Ok(m)
+            })
+            .await
+            .unwrap();
+        let seen = tokio::time::timeout(Duration::from_secs(5), watch.next())
+            .await
+            .expect("the watcher saw nothing within 5 s")
+            .unwrap();
+        assert_eq!(seen.map.epoch, expected);
+        assert_eq!(seen.map.nodes.len(), 2 + expected as usize - 1);
+    }
+    // A garbage map is an error for the watcher, not silently skipped.
+    let mut kv = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .unwrap();
+    kv.put(writer.map_key(), "not a map", None).await.unwrap();
+    let bad = tokio::time::timeout(Duration::from_secs(5), watch.next())
+        .await
+        .unwrap();
+    assert!(matches!(bad, Err(EtcdError::Map(_))), "{bad:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_hold_while_renewed_and_ids_are_exclusive() {
+    let etcd = EtcdServer::start().unwrap();
+    let c = cluster(&etcd, "/reg").await;
+    let reg = c.register(&node(1), LEASE_TTL_DEFAULT).await.unwrap();
+    assert!(matches!(
+        c.register(&node(1), LEASE_TTL_DEFAULT).await,
+        Err(EtcdError::NodeTaken(1))
+    ));
+    // Renewed: still there after twice the TTL.
+    tokio::time::sleep(LEASE_TTL_DEFAULT * 2 + Duration::from_millis(500)).await;
+    assert!(reg.is_alive());
+    assert_eq!(c.live_nodes().await.unwrap(), vec![node(1)]);
+    reg.revoke().await.unwrap();
+    assert!(c.live_nodes().await.unwrap().is_empty());
+    // Dropped without revoking: gone one TTL later, as a crashed node would be.
+    let reg = c.register(&node(2), LEASE_TTL_DEFAULT).await.unwrap();
+    drop(reg);
+    let gone = wait_until(Duration::from_secs(10), || async {
+        c.live_nodes().await.unwrap().is_empty()
+    })
+    .await;
+    assert!(gone.is_some(), "an unrenewed lease outlived 10 s");
+    assert!(matches!(
+        c.register(&node(3), Duration::from_millis(1500)).await,
+        Err(EtcdError::BadTtl(_))
+    ));
+}
+
+/// The child side of the kill test: registers node 7 and waits to be killed.
+#[tokio::test]
+async fn member_child() {
+    let Ok(endpoint) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let c = EtcdCluster::connect(&[endpoint], "/kill").await.unwrap();
+    let _reg = c.register(&node(7), LEASE_TTL_DEFAULT).await.unwrap();
+    println!("REGISTERED");
+    // Bounded: the parent kills us long before this.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_member_disappears_after_its_lease_ttl() {
+    let etcd = EtcdServer::start().unwrap();
+    let c = cluster(&etcd, "/kill").await;
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["member_child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, etcd.endpoint())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let up = wait_until(Duration::from_secs(20), || async {
+        c.live_nodes().await.unwrap() == vec![node(7)]
+    })
+    .await;
+    assert!(up.is_some(), "the child never registered");
+    // Alive and renewing: present across twice the TTL.
+    let held_until = Instant::now() + LEASE_TTL_DEFAULT * 2 + Duration::from_millis(500);
+    while Instant::now() < held_until {
+        assert_eq!(c.live_nodes().await.unwrap(), vec![node(7)]);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    child.kill().unwrap(); // SIGKILL: no revoke, no goodbye.
+    child.wait().unwrap();
+    let gone = wait_until(Duration::from_secs(10), || async {
+        c.live_nodes().await.unwrap().is_empty()
+    })
+    .await
+    .expect("the killed member was still registered 10 s later");
+    // Its last renewal was at most a third of the TTL before the kill, and etcd checks
+    // expiry every ~0.5 s: gone after about the TTL, neither at once nor much later.
+    assert!(
+        gone >= Duration::from_millis(500),
+        "gone after {gone:?}: too soon for a lease"
+    );
+    assert!(
+        gone <= LEASE_TTL_DEFAULT + Duration::from_millis(1500),
+        "gone only after {gone:?}"
+    );
+    eprintln!("killed member gone after {gone:?} (TTL {LEASE_TTL_DEFAULT:?})");
+}
