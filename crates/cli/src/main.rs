@@ -2,6 +2,7 @@
 //! printing live here; everything else lives in a library crate.
 #![forbid(unsafe_code)]
 
+mod cluster;
 mod farmem;
 mod units;
 
@@ -52,6 +53,9 @@ enum Command {
     /// rebuild, scrub, read and write.
     #[command(subcommand)]
     Volume(VolumeCommand),
+    /// A cluster on etcd: `up` (etcd, N servers, the map), `status`, `plan`.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
 }
 
 #[derive(Subcommand)]
@@ -257,6 +261,8 @@ struct ServerArgs {
     /// Most regions one principal may hold at once. Default: no limit.
     #[arg(long, value_name = "N")]
     quota_regions: Option<u64>,
+    #[command(flatten)]
+    cluster: cluster::MemberArgs,
 }
 
 #[derive(Args)]
@@ -707,6 +713,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Farmem(c) => farmem::run(c),
         Command::Bench(BenchCommand::Raid(a)) => bench_raid(a),
         Command::Volume(c) => volume(c),
+        Command::Cluster(c) => cluster::run(c),
     }
 }
 
@@ -795,6 +802,7 @@ fn server(a: ServerArgs) -> Result<()> {
         if let Some(resp) = handle.resp_addr() {
             println!("camelot server speaking the Redis protocol on {resp}");
         }
+        let _member = cluster::join(&handle, &a.cluster).await?;
         if handle.state().exposed_without_token() {
             eprintln!(
                 "WARNING: listening beyond loopback without a token: anyone who can reach \

@@ -23,7 +23,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -123,9 +123,12 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
+    /// Connects and shakes hands; frames carry `epoch`'s value at the time each is
+    /// written (the client's map epoch: 0, unchecked, for a static map).
     pub(crate) fn connect(
         addr: SocketAddr,
         config: &ClientConfig,
+        epoch: Arc<AtomicU64>,
     ) -> Result<(Conn, u64), ClientError> {
         let stream = TcpStream::connect_timeout(&addr, config.connect_timeout).map_err(|e| {
             ClientError::Connect {
@@ -138,7 +141,7 @@ impl Conn {
             source: Arc::new(e),
         };
         stream.set_nodelay(true).map_err(io)?;
-        let epoch = handshake(&stream, addr, config)?;
+        let server_epoch = handshake(&stream, addr, config)?;
         stream.set_read_timeout(Some(WATCHDOG_TICK)).map_err(io)?;
         stream
             .set_write_timeout(Some(config.request_timeout))
@@ -194,7 +197,7 @@ impl Conn {
                 shared,
                 request_timeout: config.request_timeout,
             },
-            epoch,
+            server_epoch,
         ))
     }
 
@@ -357,7 +360,7 @@ fn handshake(
 struct Writer {
     batching: bool,
     batch_ops_max: usize,
-    epoch: u64,
+    epoch: Arc<AtomicU64>,
     request_timeout: Duration,
     out: BytesMut,
     /// Payloads of the frame in `out` that are sent from where they are (see
@@ -376,7 +379,7 @@ impl Writer {
         let limits = FrameLimits {
             batching: self.batching,
             batch_ops_max: self.batch_ops_max,
-            epoch: self.epoch,
+            epoch: self.epoch.load(Ordering::Acquire),
         };
         while pending.peek().is_some() {
             if shared.dead.load(Ordering::Acquire) {

@@ -10,6 +10,8 @@ use camelot_proto::limits::{KEY_BYTES_MAX, SCAN_ITEMS_MAX, VALUE_BYTES_MAX};
 use camelot_proto::{ErrorCode, Item, Op, Reply};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 /// A value and the version the server gave it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,12 +78,72 @@ fn cas_outcome(r: Result<Reply, ClientError>) -> Result<CasOutcome, ClientError>
     }
 }
 
+/// Times one key-value call is sent again after MOVED or STALE_EPOCH before the error
+/// is the caller's: a map changes in one step, so two or three suffice unless the servers
+/// are still catching up with it, which the backoff waits out.
+pub const REDIRECTS_MAX: u32 = 8;
+/// First wait between redirected attempts when refreshing brought nothing newer; doubled
+/// each time up to [`REDIRECT_BACKOFF_MAX`]. Eight attempts wait at most ~0.8 s in all.
+pub const REDIRECT_BACKOFF_START: Duration = Duration::from_millis(5);
+pub const REDIRECT_BACKOFF_MAX: Duration = Duration::from_millis(200);
+
+fn is_redirect(e: &ClientError) -> Option<u64> {
+    match e {
+        ClientError::Server(reply) if reply.code.carries_epoch() => Some(reply.epoch),
+        _ => None,
+    }
+}
+
 impl Client {
-    /// The node that holds `key` under the current map.
+    /// The node that holds `key` under the current map: its partition's primary for a
+    /// cluster map, rendezvous hashing of its partition for a static one.
     pub fn node_for_key(&self, key: &[u8]) -> Result<NodeId, ClientError> {
+        if let Some(table) = self.partition_table() {
+            return Ok(table.node_for_key(key));
+        }
         self.map()
             .node_for_partition(partition_of(key))
             .ok_or(ClientError::EmptyMap)
+    }
+
+    /// Runs `attempt` until it is not answered MOVED or STALE_EPOCH, at most
+    /// [`REDIRECTS_MAX`] more times. Both answers mean the server did not execute the
+    /// request, so sending it again (a PUT, a CAS) cannot apply it twice. Before each
+    /// retry: when the server's epoch is newer than ours (or it says MOVED), fetch the
+    /// map from the source; when that brings nothing newer (the server is behind, or the
+    /// source has not caught up), back off.
+    fn with_redirects<T>(
+        &self,
+        mut attempt: impl FnMut() -> Result<T, ClientError>,
+    ) -> Result<T, ClientError> {
+        let mut backoff = REDIRECT_BACKOFF_START;
+        let mut redirects = 0;
+        loop {
+            let err = match attempt() {
+                Err(e) => e,
+                ok => return ok,
+            };
+            let Some(server_epoch) = is_redirect(&err) else {
+                return Err(err);
+            };
+            if redirects == REDIRECTS_MAX {
+                return Err(err);
+            }
+            redirects += 1;
+            self.inner.redirects.fetch_add(1, Ordering::Relaxed);
+            let moved = err.code() == Some(ErrorCode::Moved);
+            let refreshed = if server_epoch > self.epoch() || moved {
+                // A source that cannot answer now is one more reason to wait, not a
+                // reason to fail a request the retry may still serve.
+                self.refresh_map().unwrap_or(false)
+            } else {
+                false
+            };
+            if !refreshed {
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(REDIRECT_BACKOFF_MAX);
+            }
+        }
     }
 
     fn submit_key(&self, key: &[u8], op: Op) -> Result<Pending, ClientError> {
@@ -138,12 +200,13 @@ impl Client {
 
     /// The value under `key` and its version; `None` when there is no such object.
     pub fn get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
-        no_key_is_none(reply::object(self.submit_get(key)?.wait()))
+        self.with_redirects(|| no_key_is_none(reply::object(self.submit_get(key)?.wait())))
     }
 
     /// Stores `value` under `key`, whatever was there; returns the new version.
     pub fn put(&self, key: &[u8], value: impl Into<Bytes>) -> Result<u64, ClientError> {
-        reply::version(self.submit_put(key, value.into())?.wait())
+        let value = value.into();
+        self.with_redirects(|| reply::version(self.submit_put(key, value.clone())?.wait()))
     }
 
     /// Stores `value` only if the object is at `expected_version` (0: only if there is no
@@ -154,12 +217,18 @@ impl Client {
         expected_version: u64,
         value: impl Into<Bytes>,
     ) -> Result<CasOutcome, ClientError> {
-        cas_outcome(self.submit_cas(key, expected_version, value.into())?.wait())
+        let value = value.into();
+        self.with_redirects(|| {
+            cas_outcome(
+                self.submit_cas(key, expected_version, value.clone())?
+                    .wait(),
+            )
+        })
     }
 
     /// Removes `key`; returns the version it had, or `None` when there was nothing.
     pub fn delete(&self, key: &[u8]) -> Result<Option<u64>, ClientError> {
-        no_key_is_none(reply::version(self.submit_delete(key)?.wait()))
+        self.with_redirects(|| no_key_is_none(reply::version(self.submit_delete(key)?.wait())))
     }
 
     /// Many GETs at once: all are sent before any is waited for, so each node gets them
@@ -175,7 +244,11 @@ impl Client {
             .collect::<Result<Vec<_>, _>>()?;
         pending
             .into_iter()
-            .map(|p| no_key_is_none(reply::object(p.wait())))
+            .zip(keys)
+            .map(|(p, k)| match no_key_is_none(reply::object(p.wait())) {
+                Err(e) if is_redirect(&e).is_some() => self.get(k.as_ref()),
+                other => other,
+            })
             .collect()
     }
 
@@ -188,7 +261,11 @@ impl Client {
             .collect::<Result<Vec<_>, _>>()?;
         pending
             .into_iter()
-            .map(|p| reply::version(p.wait()))
+            .zip(pairs)
+            .map(|(p, (k, v))| match reply::version(p.wait()) {
+                Err(e) if is_redirect(&e).is_some() => self.put(k.as_ref(), v.clone()),
+                other => other,
+            })
             .collect()
     }
 
@@ -202,7 +279,11 @@ impl Client {
             .collect::<Result<Vec<_>, _>>()?;
         pending
             .into_iter()
-            .map(|p| no_key_is_none(reply::version(p.wait())))
+            .zip(keys)
+            .map(|(p, k)| match no_key_is_none(reply::version(p.wait())) {
+                Err(e) if is_redirect(&e).is_some() => self.delete(k.as_ref()),
+                other => other,
+            })
             .collect()
     }
 

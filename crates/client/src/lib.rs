@@ -28,7 +28,7 @@ mod pending;
 pub use conn::INFLIGHT_REQUESTS_MAX;
 pub use event_loop::{LoopClient, LoopPending};
 pub use kv::{CasOutcome, Versioned};
-pub use map::{partition_of, ClusterMap, NodeId, NodeInfo, PARTITIONS};
+pub use map::{partition_of, ClusterMap, NodeId, NodeInfo, PartitionTable, PARTITIONS};
 pub use pending::Pending;
 
 use bytes::Bytes;
@@ -167,6 +167,8 @@ pub enum ClientError {
     InvalidArgument(String),
     #[error("this answer was already taken")]
     AlreadyTaken,
+    #[error("cannot fetch the cluster map: {0}")]
+    MapSource(String),
 }
 
 impl ClientError {
@@ -307,10 +309,31 @@ struct Inner {
     /// `cpu_local` is on and no connection serves two CPUs: a pinned thread's connection
     /// may pin its reader to that thread's CPU. Fixed for the client's life.
     readers_follow: bool,
-    map: RwLock<Arc<ClusterMap>>,
+    map: RwLock<Routing>,
+    /// The map's epoch, read by every connection's writer as it encodes a frame.
+    epoch: Arc<AtomicU64>,
+    /// Where a newer map comes from when a server answers MOVED or STALE_EPOCH.
+    source: RwLock<Option<Arc<dyn MapSource>>>,
+    /// Requests answered MOVED or STALE_EPOCH and sent again.
+    redirects: AtomicU64,
     nodes: RwLock<HashMap<NodeId, Arc<Node>>>,
     next_id: AtomicU64,
     next_alloc: AtomicUsize,
+}
+
+/// The map and, for a cluster map, its partition table: swapped together so no reader
+/// pairs one map's nodes with another's placement.
+#[derive(Clone)]
+struct Routing {
+    map: Arc<ClusterMap>,
+    table: Option<Arc<PartitionTable>>,
+}
+
+/// Where the client gets the current cluster map when a server says its own is newer
+/// (the cluster crate implements it over etcd). Called from the thread whose request was
+/// redirected, so it must be safe to block in; it should bound its own wait.
+pub trait MapSource: Send + Sync {
+    fn fetch(&self) -> Result<(ClusterMap, PartitionTable), String>;
 }
 
 /// A handle to the cluster; cheap to clone and share across threads.
@@ -349,10 +372,16 @@ impl Client {
                 config,
                 cpus,
                 readers_follow,
-                map: RwLock::new(Arc::new(ClusterMap {
-                    epoch: 0,
-                    nodes: vec![],
-                })),
+                map: RwLock::new(Routing {
+                    map: Arc::new(ClusterMap {
+                        epoch: 0,
+                        nodes: vec![],
+                    }),
+                    table: None,
+                }),
+                epoch: Arc::new(AtomicU64::new(0)),
+                source: RwLock::new(None),
+                redirects: AtomicU64::new(0),
                 nodes: RwLock::new(HashMap::new()),
                 next_id: AtomicU64::new(1),
                 next_alloc: AtomicUsize::new(0),
@@ -370,12 +399,69 @@ impl Client {
     }
 
     pub fn map(&self) -> Arc<ClusterMap> {
-        self.inner.map.read().clone()
+        self.inner.map.read().map.clone()
     }
 
-    /// Swaps the cluster map. Connections to nodes whose address is unchanged are kept;
-    /// requests already in flight finish on their old connections.
+    /// The partition table of the installed cluster map (`None` for a static map).
+    pub fn partition_table(&self) -> Option<Arc<PartitionTable>> {
+        self.inner.map.read().table.clone()
+    }
+
+    /// The epoch requests are routed with (0: a static map, never checked by servers).
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch.load(Ordering::Acquire)
+    }
+
+    /// Requests that were answered MOVED or STALE_EPOCH and sent again.
+    pub fn redirects(&self) -> u64 {
+        self.inner.redirects.load(Ordering::Relaxed)
+    }
+
+    /// Swaps the cluster map for a static one (keys placed by rendezvous hashing).
+    /// Connections to nodes whose address is unchanged are kept; requests already in
+    /// flight finish on their old connections.
     pub fn set_map(&self, map: ClusterMap) {
+        self.install(map, None);
+    }
+
+    /// Installs a cluster map: keys go to their partition's primary in `table`, and
+    /// requests carry `map.epoch` so servers can answer MOVED or STALE_EPOCH. A map not
+    /// newer than the installed cluster map is ignored (false), so a slow refresh never
+    /// rolls a newer map back. Every node `table` names must be in `map`.
+    pub fn set_cluster(&self, map: ClusterMap, table: PartitionTable) -> Result<bool, ClientError> {
+        if let Some(missing) = table.primaries().iter().find(|id| map.node(**id).is_none()) {
+            return Err(ClientError::UnknownNode(*missing));
+        }
+        if map.epoch == 0 {
+            return Err(ClientError::InvalidArgument(
+                "a cluster map's epoch is at least 1 (0 means a static map)".into(),
+            ));
+        }
+        {
+            let current = self.inner.map.read();
+            if current.table.is_some() && map.epoch <= current.map.epoch {
+                return Ok(false);
+            }
+        }
+        self.install(map, Some(Arc::new(table)));
+        Ok(true)
+    }
+
+    /// Where to fetch a newer map when a server's is newer than ours.
+    pub fn set_map_source(&self, source: Arc<dyn MapSource>) {
+        *self.inner.source.write() = Some(source);
+    }
+
+    /// Fetches the source's map and installs it if it is newer; whether it was.
+    pub fn refresh_map(&self) -> Result<bool, ClientError> {
+        let Some(source) = self.inner.source.read().clone() else {
+            return Ok(false);
+        };
+        let (map, table) = source.fetch().map_err(ClientError::MapSource)?;
+        self.set_cluster(map, table)
+    }
+
+    fn install(&self, map: ClusterMap, table: Option<Arc<PartitionTable>>) {
         let mut nodes = self.inner.nodes.write();
         let mut next = HashMap::new();
         for n in &map.nodes {
@@ -391,7 +477,17 @@ impl Client {
             next.insert(n.id, node);
         }
         *nodes = next;
-        *self.inner.map.write() = Arc::new(map);
+        let epoch = map.epoch;
+        let mut routing = self.inner.map.write();
+        *routing = Routing {
+            map: Arc::new(map),
+            table,
+        };
+        // Under the routing lock, so the epoch frames carry never belongs to another map
+        // than the one requests were just routed with... as far as a writer that reads it
+        // later can tell: a request routed before a swap may leave in a frame carrying the
+        // new epoch, and then the server's ownership check (MOVED) catches it.
+        self.inner.epoch.store(epoch, Ordering::Release);
     }
 
     /// A live connection to `node` for this thread, reconnecting if the last one died.
@@ -411,7 +507,8 @@ impl Client {
         let conn = match guard.as_ref() {
             Some(c) if !c.is_dead() => c.clone(),
             _ => {
-                let (conn, _epoch) = Conn::connect(n.addr, config)?;
+                let (conn, _server_epoch) =
+                    Conn::connect(n.addr, config, self.inner.epoch.clone())?;
                 let conn = Arc::new(conn);
                 *guard = Some(conn.clone());
                 conn

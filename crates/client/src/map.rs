@@ -65,6 +65,41 @@ impl ClusterMap {
     }
 }
 
+/// A cluster's explicit placement: each partition's primary, as the cluster map (in
+/// etcd or a file) assigns it. With one installed ([`crate::Client::set_cluster`]), keys
+/// are routed by it instead of by rendezvous hashing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionTable {
+    primaries: Vec<NodeId>,
+}
+
+/// Partitions a table may have (the cluster crate's limit).
+pub const TABLE_PARTITIONS_MAX: usize = 65_536;
+
+impl PartitionTable {
+    /// `primaries[p]` is partition `p`'s primary. None for an empty or oversized table.
+    pub fn new(primaries: Vec<NodeId>) -> Option<PartitionTable> {
+        if primaries.is_empty() || primaries.len() > TABLE_PARTITIONS_MAX {
+            return None;
+        }
+        Some(PartitionTable { primaries })
+    }
+
+    pub fn partitions(&self) -> u32 {
+        self.primaries.len() as u32
+    }
+
+    pub fn primaries(&self) -> &[NodeId] {
+        &self.primaries
+    }
+
+    /// The node holding `key`'s partition (by the pinned `camelot_proto::partition_of`).
+    pub fn node_for_key(&self, key: &[u8]) -> NodeId {
+        let p = camelot_proto::partition_of(key, self.partitions());
+        self.primaries[p as usize]
+    }
+}
+
 /// Key-value partitions. Fixed forever: rebalancing moves whole partitions between nodes,
 /// so a key's partition must not depend on the cluster's size.
 pub const PARTITIONS: u32 = 1024;

@@ -1,7 +1,16 @@
 use std::net::SocketAddr;
 
-use crate::map::NodeId;
-use crate::plan::PlanError;
+type NodeId = u32;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("no node has a positive weight")]
+    NoWeight,
+    #[error("replication {replication} needs that many nodes with a positive weight, there are {weighted}")]
+    NotEnoughNodes { weighted: usize, replication: u32 },
+    #[error("no node can take a replica of partition {partition} (every candidate holds one)")]
+    NoPlacement { partition: u32 },
+}
 
 /// Why a cluster map is not acceptable. Maps come from files and from etcd, where anyone
 /// with access may have written anything, so every field is checked.

@@ -5,6 +5,7 @@
 
 pub mod error;
 pub mod etcd;
+pub mod follow;
 pub mod map;
 pub mod plan;
 pub mod source;

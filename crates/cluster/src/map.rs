@@ -53,30 +53,6 @@ pub struct ClusterMap {
 }
 
 impl ClusterMap {
-    /// A map of `partitions` partitions over `nodes`, placed by the planner from nothing,
-    /// at epoch 1.
-    pub fn initial(
-        nodes: Vec<Node>,
-        partitions: u32,
-        replication: u32,
-    ) -> Result<ClusterMap, MapError> {
-        check_partitions(partitions)?;
-        let empty = ClusterMap {
-            epoch: 1,
-            replication,
-            nodes,
-            assignment: vec![Vec::new(); partitions as usize],
-        };
-        empty.check_nodes()?;
-        let plan = crate::plan::plan(&empty).map_err(MapError::Plan)?;
-        let map = ClusterMap {
-            assignment: plan.target,
-            ..empty
-        };
-        map.validate()?;
-        Ok(map)
-    }
-
     pub fn partitions(&self) -> u32 {
         // validate() bounds it by PARTITIONS_MAX, so the cast cannot truncate a valid map.
         self.assignment.len() as u32
@@ -245,7 +221,7 @@ fn check_size(len: usize) -> Result<(), MapError> {
     Ok(())
 }
 
-fn check_partitions(partitions: impl Into<u64>) -> Result<(), MapError> {
+pub(crate) fn check_partitions(partitions: impl Into<u64>) -> Result<(), MapError> {
     let partitions = partitions.into();
     if partitions == 0 || partitions > u64::from(PARTITIONS_MAX) {
         return Err(MapError::Partitions {

@@ -12,16 +12,34 @@
 
 use std::collections::BTreeMap;
 
-use crate::map::{ClusterMap, NodeId};
+use crate::error::MapError;
+pub use crate::error::PlanError;
+use crate::map::{check_partitions, ClusterMap, Node, NodeId};
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PlanError {
-    #[error("no node has a positive weight")]
-    NoWeight,
-    #[error("replication {replication} needs that many nodes with a positive weight, there are {weighted}")]
-    NotEnoughNodes { weighted: usize, replication: u32 },
-    #[error("no node can take a replica of partition {partition} (every candidate holds one)")]
-    NoPlacement { partition: u32 },
+impl ClusterMap {
+    /// A map of `partitions` partitions over `nodes`, placed by the planner from nothing,
+    /// at epoch 1.
+    pub fn initial(
+        nodes: Vec<Node>,
+        partitions: u32,
+        replication: u32,
+    ) -> Result<ClusterMap, MapError> {
+        check_partitions(partitions)?;
+        let empty = ClusterMap {
+            epoch: 1,
+            replication,
+            nodes,
+            assignment: vec![Vec::new(); partitions as usize],
+        };
+        empty.check_nodes()?;
+        let plan = plan(&empty).map_err(MapError::Plan)?;
+        let map = ClusterMap {
+            assignment: plan.target,
+            ..empty
+        };
+        map.validate()?;
+        Ok(map)
+    }
 }
 
 /// One replica to copy: partition `partition` gains `to` and, when `from` is set, loses
@@ -374,7 +392,7 @@ pub fn diff(current: &[Vec<NodeId>], target: &[Vec<NodeId>]) -> Vec<Move> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::map::Node;
+
     use proptest::prelude::*;
     use std::net::SocketAddr;
 

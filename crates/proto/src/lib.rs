@@ -362,6 +362,10 @@ pub struct RegionInfo {
 pub struct ErrorReply {
     pub code: ErrorCode,
     pub message: String,
+    /// For STALE_EPOCH and MOVED: the epoch of the answering server's cluster map, so the
+    /// client knows whether to refresh its own (the server is newer) or wait for the
+    /// server to catch up (it is older). 0 for every other code, and not on the wire.
+    pub epoch: u64,
 }
 
 impl ErrorReply {
@@ -374,7 +378,19 @@ impl ErrorReply {
             }
             message.truncate(cut);
         }
-        ErrorReply { code, message }
+        ErrorReply {
+            code,
+            message,
+            epoch: 0,
+        }
+    }
+
+    /// A STALE_EPOCH or MOVED answer carrying the server's map epoch.
+    pub fn with_epoch(code: ErrorCode, message: impl Into<String>, epoch: u64) -> Self {
+        ErrorReply {
+            epoch: if code.carries_epoch() { epoch } else { 0 },
+            ..ErrorReply::new(code, message)
+        }
     }
 }
 
@@ -404,7 +420,8 @@ pub enum ErrorCode {
     Unaligned,
     /// A size or count limit was exceeded.
     TooLarge,
-    /// The batch was routed with an old cluster-map epoch: refresh and retry.
+    /// The batch was routed with another cluster-map epoch than the server's (the error
+    /// carries the server's): refresh the map if the server's is newer, else retry later.
     StaleEpoch,
     /// Missing or wrong cluster token.
     AuthFailed,
@@ -425,10 +442,18 @@ pub enum ErrorCode {
     /// The principal may see the region but not do this to it (FREE of a shared region
     /// it does not own).
     Forbidden,
+    /// This server does not own the key's partition at the epoch the client routed with
+    /// (the error carries the server's epoch): refresh the map and retry elsewhere.
+    Moved,
     Unknown(u16),
 }
 
 impl ErrorCode {
+    /// Codes whose error carries the server's map epoch on the wire.
+    pub fn carries_epoch(self) -> bool {
+        matches!(self, ErrorCode::StaleEpoch | ErrorCode::Moved)
+    }
+
     pub fn to_u16(self) -> u16 {
         match self {
             ErrorCode::BadRequest => 1,
@@ -449,6 +474,7 @@ impl ErrorCode {
             ErrorCode::WrongType => 16,
             ErrorCode::QuotaExceeded => 17,
             ErrorCode::Forbidden => 18,
+            ErrorCode::Moved => 19,
             ErrorCode::Unknown(c) => c,
         }
     }
@@ -473,6 +499,7 @@ impl ErrorCode {
             16 => ErrorCode::WrongType,
             17 => ErrorCode::QuotaExceeded,
             18 => ErrorCode::Forbidden,
+            19 => ErrorCode::Moved,
             c => ErrorCode::Unknown(c),
         }
     }
@@ -499,6 +526,7 @@ impl fmt::Display for ErrorCode {
             ErrorCode::WrongType => "WRONG_TYPE",
             ErrorCode::QuotaExceeded => "QUOTA_EXCEEDED",
             ErrorCode::Forbidden => "FORBIDDEN",
+            ErrorCode::Moved => "MOVED",
             ErrorCode::Unknown(c) => return write!(f, "UNKNOWN_ERROR_{c}"),
         };
         f.write_str(s)

@@ -9,9 +9,12 @@
 //! HELLO_OK  := kind=2 version:u16 epoch:u64
 //! REQUESTS  := kind=3 epoch:u64 count:u16 request*
 //! RESPONSES := kind=4 count:u16 response*
-//! FATAL     := kind=5 code:u16 msg_len:u16 msg
+//! FATAL     := kind=5 code:u16 error
 //! request   := id:u64 op:u8 fields            (fields per op, see `encode_op`)
-//! response  := id:u64 status:u16 (status=0: tag:u8 reply | status>0: msg_len:u16 msg)
+//! response  := id:u64 status:u16 (status=0: tag:u8 reply | status>0: error)
+//! error     := msg_len:u16 msg [epoch:u64]    (epoch only for STALE_EPOCH and MOVED:
+//!              the epoch of the server's map; servers send these codes only to
+//!              clients that routed with an epoch, never to epoch-0 clients)
 //! ```
 
 use crate::limits::*;
@@ -40,7 +43,7 @@ pub const REQUESTS_HEADER_BYTES: usize = 4 + 1 + 8 + 2;
 /// Bytes before the first response in a RESPONSES frame, including the length prefix.
 pub const RESPONSES_HEADER_BYTES: usize = 4 + 1 + 2;
 /// Largest encoded error response.
-pub const ERROR_RESPONSE_BYTES_MAX: usize = 8 + 2 + 2 + MESSAGE_BYTES_MAX;
+pub const ERROR_RESPONSE_BYTES_MAX: usize = 8 + 2 + 2 + MESSAGE_BYTES_MAX + 8;
 /// Bytes of a response frame a server may fill with successful replies while still being
 /// able to answer every remaining request of a full batch with an error.
 pub const RESPONSE_OK_BUDGET_BYTES: usize =
@@ -321,7 +324,7 @@ fn encode_reply(buf: &mut BytesMut, reply: &Reply) -> Result<(), EncodeError> {
     Ok(())
 }
 
-fn encode_error(buf: &mut BytesMut, e: &ErrorReply) {
+fn encode_error(buf: &mut BytesMut, code: ErrorCode, e: &ErrorReply) {
     // ErrorReply::new already truncates; a hand-built one is cut here, on a char boundary.
     let mut cut = e.message.len().min(MESSAGE_BYTES_MAX);
     while !e.message.is_char_boundary(cut) {
@@ -329,6 +332,9 @@ fn encode_error(buf: &mut BytesMut, e: &ErrorReply) {
     }
     buf.put_u16_le(e.message[..cut].len() as u16);
     buf.put_slice(&e.message.as_bytes()[..cut]);
+    if code.carries_epoch() {
+        buf.put_u64_le(e.epoch);
+    }
 }
 
 /// Starts a frame at the buffer's end; returns where its length prefix sits.
@@ -400,7 +406,7 @@ pub fn encode_frame(frame: &Frame, buf: &mut BytesMut) -> Result<(), EncodeError
         Frame::Fatal(e) => {
             begin_frame(buf, KIND_FATAL);
             buf.put_u16_le(e.code.to_u16());
-            encode_error(buf, e);
+            encode_error(buf, e.code, e);
             end_frame(buf, start)
         }
     })();
@@ -584,7 +590,7 @@ impl<'a> ResponseBatchEncoder<'a> {
             c => c,
         };
         self.buf.put_u16_le(code);
-        encode_error(self.buf, err);
+        encode_error(self.buf, ErrorCode::from_u16(code), err);
         self.count += 1;
         Ok(())
     }
@@ -879,7 +885,12 @@ fn decode_error_body(c: &mut Cursor, code: ErrorCode) -> Result<ErrorReply, Deco
     let n = c.u16()? as usize;
     check_limit("error message", n as u64, MESSAGE_BYTES_MAX as u64)?;
     let message = c.string(n, "error message")?;
-    Ok(ErrorReply { code, message })
+    let epoch = if code.carries_epoch() { c.u64()? } else { 0 };
+    Ok(ErrorReply {
+        code,
+        message,
+        epoch,
+    })
 }
 
 /// Decodes one frame body (the bytes after the length prefix). Payload bytes (WRITE data,

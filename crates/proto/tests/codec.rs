@@ -92,7 +92,8 @@ fn region_info() -> impl Strategy<Value = RegionInfo> {
 }
 
 fn error_reply() -> impl Strategy<Value = ErrorReply> {
-    (1u16..40, ".{0,60}").prop_map(|(c, m)| ErrorReply::new(ErrorCode::from_u16(c), m))
+    (1u16..40, ".{0,60}", any::<u64>())
+        .prop_map(|(c, m, e)| ErrorReply::with_epoch(ErrorCode::from_u16(c), m, e))
 }
 
 fn reply() -> impl Strategy<Value = Reply> {
@@ -500,4 +501,30 @@ fn partition_of_never_changes() {
     assert_eq!(camelot_proto::partition_of(b"user1", 7), 6);
     assert_eq!(camelot_proto::partition_of(b"user2", 7), 4);
     assert_eq!(camelot_proto::partition_of(b"user2", 0), 0);
+}
+
+#[test]
+fn moved_and_stale_epoch_errors_carry_the_server_epoch() {
+    for code in [ErrorCode::Moved, ErrorCode::StaleEpoch] {
+        let mut buf = BytesMut::new();
+        let mut enc = ResponseBatchEncoder::begin(&mut buf);
+        enc.push_err(3, &ErrorReply::with_epoch(code, "elsewhere", 42))
+            .unwrap();
+        enc.push_err(4, &ErrorReply::new(ErrorCode::NoSuchKey, "none"))
+            .unwrap();
+        enc.finish().unwrap();
+        let body = FrameDecoder::split_frame(&mut buf).unwrap().unwrap();
+        let Frame::Responses(r) = decode_frame(body.clone()).unwrap() else {
+            panic!("not responses");
+        };
+        assert_eq!(r.responses[0].result.as_ref().unwrap_err().epoch, 42);
+        assert_eq!(r.responses[1].result.as_ref().unwrap_err().epoch, 0);
+        // Cut inside the first error's epoch: truncated, never a wrong epoch.
+        let cut = body.len() - (8 + 2 + 2 + 4) - 4;
+        assert!(decode_frame(body.slice(..cut)).is_err());
+    }
+    assert_eq!(ErrorCode::from_u16(19), ErrorCode::Moved);
+    assert_eq!(ErrorCode::Moved.to_string(), "MOVED");
+    // Codes that carry no epoch drop one given to them.
+    assert_eq!(ErrorReply::with_epoch(ErrorCode::Internal, "x", 9).epoch, 0);
 }

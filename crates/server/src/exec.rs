@@ -1,6 +1,7 @@
 //! Executes one decoded batch against the store, straight into a response frame.
 
 use crate::objects::{no_such_key, wrong_type, Entry, ObjectStore, Value};
+use crate::ownership::Ownership;
 use crate::state::{kind_index, ServerState, OP_KINDS};
 use crate::store::{Principal, RegionStore};
 use camelot_proto::limits::IO_BYTES_MAX;
@@ -9,6 +10,7 @@ use camelot_proto::{
     ITEM_OVERHEAD_BYTES, RESPONSE_OK_BUDGET_BYTES,
 };
 use std::cell::OnceCell;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// id, status and reply tag: what every successful response carries before its payload.
@@ -65,14 +67,24 @@ pub fn exec(
     batch: &RequestBatch,
     enc: &mut ResponseBatchEncoder<'_>,
 ) -> Result<(), EncodeError> {
-    let epoch = state.epoch();
+    // One snapshot per batch: the ownership carries its own epoch, so a map installed
+    // mid-batch cannot pair one epoch with another map's partitions.
+    let ownership = if batch.epoch == 0 {
+        None
+    } else {
+        state.ownership()
+    };
+    let epoch = ownership
+        .as_ref()
+        .map_or_else(|| state.epoch(), |o| o.epoch());
     if batch.epoch != 0 && batch.epoch != epoch {
-        let stale = ErrorReply::new(
+        let stale = ErrorReply::with_epoch(
             ErrorCode::StaleEpoch,
             format!(
                 "batch routed with epoch {} but this server is at epoch {epoch}",
                 batch.epoch
             ),
+            epoch,
         );
         for req in &batch.requests {
             enc.push_err(req.id, &stale)?;
@@ -87,6 +99,7 @@ pub fn exec(
         enc,
         too_large: OnceCell::new(),
         now: OnceCell::new(),
+        ownership,
     };
     let res = batch.requests.iter().try_for_each(|req| {
         ops[kind_index(req.op.kind())] += 1;
@@ -94,6 +107,17 @@ pub fn exec(
     });
     state.stats().add_batch(&ops);
     res
+}
+
+/// The key a key-value op is placed by. SCAN is not checked: it walks whatever keys this
+/// server holds from a start key, and the cluster client merges every node's answer.
+fn op_key(op: &Op) -> Option<&[u8]> {
+    match op {
+        Op::Get { key } | Op::Put { key, .. } | Op::CasPut { key, .. } | Op::Delete { key } => {
+            Some(key)
+        }
+        _ => None,
+    }
 }
 
 struct Exec<'s, 'e, 'b> {
@@ -104,6 +128,9 @@ struct Exec<'s, 'e, 'b> {
     too_large: OnceCell<ErrorReply>,
     // Expiry is judged at one moment per batch; a clock read per object op is waste.
     now: OnceCell<Instant>,
+    // Set only for batches routed with a non-zero epoch equal to the server's: then a
+    // key op on a partition this server does not own is answered MOVED, unexecuted.
+    ownership: Option<Arc<Ownership>>,
 }
 
 impl Exec<'_, '_, '_> {
@@ -178,6 +205,20 @@ impl Exec<'_, '_, '_> {
     }
 
     fn one(&mut self, id: u64, op: &Op) -> Result<(), EncodeError> {
+        if let (Some(own), Some(key)) = (&self.ownership, op_key(op)) {
+            if !own.owns_key(key) {
+                let moved = ErrorReply::with_epoch(
+                    ErrorCode::Moved,
+                    format!(
+                        "partition {} is not on this server at epoch {}",
+                        camelot_proto::partition_of(key, own.partitions()),
+                        own.epoch()
+                    ),
+                    own.epoch(),
+                );
+                return self.enc.push_err(id, &moved);
+            }
+        }
         match op {
             Op::Get { key } => self.get(id, key),
             Op::Put { key, value } => self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
@@ -684,6 +725,44 @@ mod tests {
             &run(&st, 5, vec![Op::Ping])[0],
             ErrorCode::StaleEpoch
         ));
+    }
+
+    fn err_of(r: &Response) -> &ErrorReply {
+        r.result.as_ref().expect_err("an error")
+    }
+
+    #[test]
+    fn key_ops_on_partitions_not_owned_are_moved_unexecuted() {
+        let st = ServerState::new(MemoryBudget::new(1 << 20), 0);
+        // "user1" is partition 726 of 1024 (pinned in proto's tests); own only that one.
+        let mut owned = vec![false; 1024];
+        owned[726] = true;
+        assert!(st.set_ownership(Ownership::new(7, owned.clone()).unwrap()));
+        assert_eq!(st.epoch(), 7);
+        let put = |k: &str| Op::Put {
+            key: Bytes::copy_from_slice(k.as_bytes()),
+            value: Bytes::from_static(b"v"),
+        };
+        let r = run(&st, 7, vec![put("user1"), put("user2"), Op::Ping]);
+        assert!(r[0].result.is_ok(), "{:?}", r[0]);
+        assert_eq!(err_of(&r[1]).code, ErrorCode::Moved);
+        assert_eq!(err_of(&r[1]).epoch, 7);
+        assert_eq!(r[2].result, Ok(Reply::Pong), "non-key ops are not placed");
+        assert!(
+            st.objects().get(b"user2", Instant::now()).is_err(),
+            "a MOVED put must not run"
+        );
+        // Another epoch: the whole batch is STALE_EPOCH, carrying the server's epoch.
+        let r = run(&st, 6, vec![put("user1")]);
+        assert_eq!(err_of(&r[0]).code, ErrorCode::StaleEpoch);
+        assert_eq!(err_of(&r[0]).epoch, 7);
+        let r = run(&st, 8, vec![put("user1")]);
+        assert_eq!(err_of(&r[0]).epoch, 7);
+        // Epoch 0 is "no cluster": served as before, ownership unchecked.
+        assert!(run(&st, 0, vec![put("user2")])[0].result.is_ok());
+        // An older map never replaces a newer one.
+        assert!(!st.set_ownership(Ownership::new(6, owned).unwrap()));
+        assert_eq!(st.epoch(), 7);
     }
 
     #[test]

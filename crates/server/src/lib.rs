@@ -11,6 +11,7 @@ mod conn;
 pub mod dev;
 pub mod exec;
 pub mod objects;
+pub mod ownership;
 pub mod resp;
 pub mod state;
 pub mod store;
@@ -377,6 +378,12 @@ impl ServerHandle {
     /// Changes the epoch batches are checked against; new handshakes report it too.
     pub fn set_epoch(&self, epoch: u64) {
         self.state.set_epoch(epoch);
+    }
+
+    /// Installs the partitions this server owns under a newer cluster map (see
+    /// [`state::ServerState::set_ownership`]); false when it is not newer.
+    pub fn set_ownership(&self, ownership: ownership::Ownership) -> bool {
+        self.state.set_ownership(ownership)
     }
 
     /// Stops accepting; every connection answers the frames it has already received,

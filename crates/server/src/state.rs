@@ -2,6 +2,7 @@
 
 use crate::budget::MemoryBudget;
 use crate::objects::ObjectStore;
+use crate::ownership::Ownership;
 use crate::store::{Quota, RegionStore};
 use camelot_proto::OpKind;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -163,6 +164,9 @@ pub struct ServerState {
     objects: ObjectStore,
     stats: Stats,
     epoch: AtomicU64,
+    /// The partitions this server owns, when it is a member of a cluster whose map it
+    /// follows; its epoch is the server's epoch while it is set.
+    ownership: parking_lot::RwLock<Option<Arc<Ownership>>>,
     /// Listening beyond loopback with no token: anyone who can reach the port is served.
     /// Shown in STATS so `camelot stats` can warn long after the start-up log scrolled by.
     exposed_without_token: AtomicBool,
@@ -189,6 +193,7 @@ impl ServerState {
             store: RegionStore::with_quota(budget, quota),
             stats: Stats::default(),
             epoch: AtomicU64::new(epoch),
+            ownership: parking_lot::RwLock::new(None),
             exposed_without_token: AtomicBool::new(false),
         }
     }
@@ -229,6 +234,25 @@ impl ServerState {
 
     pub fn set_epoch(&self, epoch: u64) {
         self.epoch.store(epoch, Ordering::Release);
+    }
+
+    /// The partitions this server owns, if it follows a cluster map.
+    pub fn ownership(&self) -> Option<Arc<Ownership>> {
+        self.ownership.read().clone()
+    }
+
+    /// Installs the ownership of a newer map (and its epoch). One of an epoch not above
+    /// the current one is ignored (a late or repeated watch event must not roll the
+    /// server back); false then.
+    pub fn set_ownership(&self, ownership: Ownership) -> bool {
+        let mut slot = self.ownership.write();
+        let current = slot.as_ref().map_or(self.epoch(), |o| o.epoch());
+        if ownership.epoch() <= current && slot.is_some() {
+            return false;
+        }
+        self.epoch.store(ownership.epoch(), Ordering::Release);
+        *slot = Some(Arc::new(ownership));
+        true
     }
 
     /// The counters STATS returns, in a fixed order.

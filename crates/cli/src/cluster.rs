@@ -1,0 +1,308 @@
+//! `camelot cluster …` and the cluster flags of `camelot server`: glue between the
+//! cluster crate (map, planner, etcd) and the server; no logic a library could hold.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use camelot_cluster::etcd::{EtcdCluster, Registration, LEASE_TTL_DEFAULT, PREFIX_DEFAULT};
+use camelot_cluster::{ClusterMap, Node, PARTITIONS_DEFAULT};
+use camelot_server::ownership::Ownership;
+use camelot_server::{ServerConfig, ServerHandle};
+use clap::{Args, Subcommand};
+
+use crate::units::parse_bytes;
+use crate::{format_bytes, Signals};
+
+/// `camelot server` as a cluster member: registers under a lease and follows the map.
+#[derive(Args, Clone)]
+pub struct MemberArgs {
+    /// etcd endpoint (http://host:port); with it this server registers itself as a
+    /// cluster node and answers key-value requests only for the partitions the map in
+    /// etcd gives it (others get MOVED; requests from another epoch STALE_EPOCH).
+    #[arg(long, value_name = "URL", requires = "node_id")]
+    pub etcd: Option<String>,
+    /// This server's node id in the cluster map.
+    #[arg(long, value_name = "ID")]
+    pub node_id: Option<u32>,
+    /// Key prefix of this cluster in etcd.
+    #[arg(long, default_value = PREFIX_DEFAULT)]
+    pub etcd_prefix: String,
+    /// Relative capacity the planner gives this node.
+    #[arg(long, default_value_t = 1)]
+    pub weight: u32,
+    /// Seconds the registration outlives this process (whole seconds, ≥ 1).
+    #[arg(long, value_name = "SECONDS", default_value_t = LEASE_TTL_DEFAULT.as_secs())]
+    pub lease_ttl: u64,
+}
+
+/// What keeps a member in the cluster: its lease renewals and its map follower.
+pub struct Member {
+    _registration: Registration,
+    follower: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        self.follower.abort();
+    }
+}
+
+/// Joins the cluster when `--etcd` is given: follows the map (installing this node's
+/// partitions in the server at each new epoch), then registers. Must run on the server's
+/// runtime.
+pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Member>> {
+    let (Some(endpoint), Some(id)) = (&args.etcd, args.node_id) else {
+        return Ok(None);
+    };
+    let etcd = EtcdCluster::connect(std::slice::from_ref(endpoint), &args.etcd_prefix)
+        .await
+        .with_context(|| format!("cannot reach etcd at {endpoint}"))?;
+    let state = handle.state().clone();
+    let follower =
+        tokio::spawn(camelot_cluster::follow::follow(
+            etcd.clone(),
+            move |map| match Ownership::new(map.epoch, map.primaries_of(id)) {
+                Ok(own) => {
+                    let count = own.owned_count();
+                    if state.set_ownership(own) {
+                        tracing::info!(epoch = map.epoch, partitions = count, "cluster map");
+                    }
+                }
+                Err(e) => tracing::warn!("cluster map epoch {}: {e}", map.epoch),
+            },
+        ));
+    let node = Node {
+        id,
+        addr: handle.local_addr(),
+        weight: args.weight,
+    };
+    let registration = etcd
+        .register(&node, Duration::from_secs(args.lease_ttl))
+        .await
+        .with_context(|| format!("cannot register node {id} in etcd"))?;
+    Ok(Some(Member {
+        _registration: registration,
+        follower,
+    }))
+}
+
+#[derive(Subcommand)]
+pub enum ClusterCommand {
+    /// Start a cluster here: etcd (unless --etcd names one), N servers registered under
+    /// leases, and the map; runs until Ctrl-C.
+    Up(UpArgs),
+    /// Print the map's epoch, its nodes (live or not) and partitions per node.
+    Status(SourceArgs),
+    /// Print the plan that would rebalance the map over the live nodes (weights from
+    /// their registrations); changes nothing.
+    Plan(SourceArgs),
+}
+
+#[derive(Args)]
+pub struct UpArgs {
+    #[arg(long, default_value_t = 3)]
+    nodes: u32,
+    /// etcd endpoint; without it an etcd is started on loopback with a temporary data
+    /// directory, and stopped with the cluster.
+    #[arg(long, value_name = "URL")]
+    etcd: Option<String>,
+    #[arg(long, default_value = PREFIX_DEFAULT)]
+    etcd_prefix: String,
+    #[arg(long, default_value_t = PARTITIONS_DEFAULT)]
+    partitions: u32,
+    #[arg(long, default_value_t = 1)]
+    replication: u32,
+    /// Memory cap per server.
+    #[arg(long, default_value = "256M", value_parser = parse_bytes)]
+    memory: u64,
+}
+
+#[derive(Args)]
+pub struct SourceArgs {
+    /// etcd endpoint of the cluster.
+    #[arg(long, value_name = "URL", conflicts_with = "map")]
+    etcd: Option<String>,
+    #[arg(long, default_value = PREFIX_DEFAULT)]
+    etcd_prefix: String,
+    /// A static map file instead (TOML if it ends in .toml, JSON otherwise).
+    #[arg(long, value_name = "FILE")]
+    map: Option<PathBuf>,
+}
+
+pub fn run(cmd: ClusterCommand) -> Result<()> {
+    let rt = crate::runtime()?;
+    match cmd {
+        ClusterCommand::Up(a) => rt.block_on(up(a)),
+        ClusterCommand::Status(a) => rt.block_on(status(a)),
+        ClusterCommand::Plan(a) => rt.block_on(plan(a)),
+    }
+}
+
+async fn up(a: UpArgs) -> Result<()> {
+    if a.nodes == 0 {
+        bail!("--nodes must be at least 1");
+    }
+    let mut signals = Signals::install()?;
+    // Started here, stopped (killed, its temporary directory removed) when this returns.
+    let (own_etcd, endpoint) = match &a.etcd {
+        Some(url) => (None, url.clone()),
+        None => {
+            let etcd = tokio::task::spawn_blocking(camelot_testkit::EtcdServer::start)
+                .await
+                .context("etcd start-up task")?
+                .context("cannot start etcd (is Debian's etcd-server installed?)")?;
+            let url = etcd.endpoint();
+            (Some(etcd), url)
+        }
+    };
+    let etcd = EtcdCluster::connect(std::slice::from_ref(&endpoint), &a.etcd_prefix)
+        .await
+        .with_context(|| format!("cannot reach etcd at {endpoint}"))?;
+    let mut servers = Vec::new();
+    let mut members = Vec::new();
+    let mut nodes = Vec::new();
+    for id in 0..a.nodes {
+        let cfg = ServerConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), a.memory);
+        let handle = ServerHandle::start(cfg)
+            .await
+            .with_context(|| format!("cannot start server {id}"))?;
+        let args = MemberArgs {
+            etcd: Some(endpoint.clone()),
+            node_id: Some(id),
+            etcd_prefix: a.etcd_prefix.clone(),
+            weight: 1,
+            lease_ttl: LEASE_TTL_DEFAULT.as_secs(),
+        };
+        members.push(join(&handle, &args).await?);
+        nodes.push(Node {
+            id,
+            addr: handle.local_addr(),
+            weight: 1,
+        });
+        servers.push(handle);
+    }
+    let (partitions, replication) = (a.partitions, a.replication);
+    let published = etcd
+        .update_map(10, move |current| {
+            // A map already there (a cluster restarted on the same etcd) is re-planned
+            // over the new servers, keeping its partition count.
+            let p = current.map_or(partitions, |m| m.partitions());
+            Ok(ClusterMap::initial(nodes.clone(), p, replication)?)
+        })
+        .await
+        .context("cannot write the cluster map")?;
+    println!(
+        "camelot cluster up: etcd {endpoint} (prefix {})",
+        a.etcd_prefix
+    );
+    for (id, s) in servers.iter().enumerate() {
+        println!(
+            "  node {id}: {} ({} memory)",
+            s.local_addr(),
+            format_bytes(a.memory)
+        );
+    }
+    println!(
+        "map epoch {}: {} partitions, replication {}",
+        published.map.epoch,
+        published.map.partitions(),
+        published.map.replication
+    );
+    println!("Ctrl-C to stop.");
+    signals.wait().await;
+    println!("stopping…");
+    drop(members);
+    for s in servers {
+        s.shutdown().await.context("shutdown failed")?;
+    }
+    drop(own_etcd);
+    Ok(())
+}
+
+/// The map and the live nodes (none for a static file).
+async fn load(a: &SourceArgs) -> Result<(ClusterMap, Option<Vec<Node>>)> {
+    if let Some(path) = &a.map {
+        return Ok((camelot_cluster::source::load(path)?, None));
+    }
+    let Some(endpoint) = &a.etcd else {
+        bail!("give --etcd URL or --map FILE");
+    };
+    let etcd = EtcdCluster::connect(std::slice::from_ref(endpoint), &a.etcd_prefix)
+        .await
+        .with_context(|| format!("cannot reach etcd at {endpoint}"))?;
+    let map = etcd
+        .read_map()
+        .await?
+        .with_context(|| format!("no cluster map under {} in etcd", a.etcd_prefix))?
+        .map;
+    Ok((map, Some(etcd.live_nodes().await?)))
+}
+
+async fn status(a: SourceArgs) -> Result<()> {
+    let (map, live) = load(&a).await?;
+    println!(
+        "epoch {}: {} partitions, replication {}, {} node(s)",
+        map.epoch,
+        map.partitions(),
+        map.replication,
+        map.nodes.len()
+    );
+    let slots = map.slots_per_node();
+    for n in &map.nodes {
+        let primaries = map.primaries_of(n.id).iter().filter(|p| **p).count();
+        let state = match &live {
+            None => "static",
+            Some(l) if l.iter().any(|x| x.id == n.id && x.addr == n.addr) => "live",
+            Some(_) => "NO LEASE",
+        };
+        println!(
+            "  node {} {} weight {}: {} primaries, {} replicas, {state}",
+            n.id,
+            n.addr,
+            n.weight,
+            primaries,
+            slots.get(&n.id).copied().unwrap_or(0)
+        );
+    }
+    for n in live.iter().flatten() {
+        if map.node(n.id).is_none() {
+            println!("  node {} {}: live, not in the map", n.id, n.addr);
+        }
+    }
+    Ok(())
+}
+
+async fn plan(a: SourceArgs) -> Result<()> {
+    let (map, live) = load(&a).await?;
+    let mut target = map.clone();
+    if let Some(live) = live {
+        target.nodes = live;
+    }
+    let plan = camelot_cluster::plan(&target)?;
+    let planned = ClusterMap {
+        assignment: plan.target.clone(),
+        ..target.clone()
+    };
+    println!(
+        "epoch {} → plan: {} replica move(s) of {} slots",
+        map.epoch,
+        plan.moves.len(),
+        u64::from(map.partitions()) * u64::from(map.replication)
+    );
+    let before = map.slots_per_node();
+    let after = planned.slots_per_node();
+    for (id, count) in &after {
+        println!(
+            "  node {id}: {} → {count}",
+            before.get(id).copied().unwrap_or(0)
+        );
+    }
+    for (id, count) in &before {
+        if !after.contains_key(id) {
+            println!("  node {id}: {count} → 0 (gone)");
+        }
+    }
+    Ok(())
+}

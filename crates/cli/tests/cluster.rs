@@ -1,0 +1,306 @@
+//! The cluster on a real etcd with real `camelot server` processes: stale-epoch redirects
+//! end to end, and `camelot cluster up/status/plan`.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use camelot_client::{Client, ClientConfig, ClientError, ClusterMap as ClientMap};
+use camelot_cluster::etcd::EtcdCluster;
+use camelot_cluster::follow::{client_view, EtcdMapSource};
+use camelot_cluster::ClusterMap;
+use camelot_proto::ErrorCode;
+use camelot_testkit::{CamelotServer, CamelotServerOptions, EtcdServer};
+
+const PREFIX: &str = "/camelot";
+const KEYS: usize = 200;
+
+fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_camelot"))
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A client that has fetched the current map from etcd and refreshes it on redirects.
+fn cluster_client(endpoint: &str, addrs: &[std::net::SocketAddr]) -> Client {
+    let client = Client::connect(ClientMap::from_addrs(addrs), ClientConfig::default()).unwrap();
+    client.set_map_source(EtcdMapSource::connect(&[endpoint.to_owned()], PREFIX).unwrap());
+    assert!(client.refresh_map().unwrap());
+    client
+}
+
+fn server_epoch(probe: &Client, node: u32) -> u64 {
+    probe
+        .stats(node)
+        .unwrap()
+        .into_iter()
+        .find(|(k, _)| k == "epoch")
+        .map_or(0, |(_, v)| v)
+}
+
+/// Publishes `map` as the next epoch and waits until every server has installed it.
+fn publish_and_wait(
+    rt: &tokio::runtime::Runtime,
+    etcd: &EtcdCluster,
+    probe: &Client,
+    map: ClusterMap,
+) -> u64 {
+    let v = rt
+        .block_on(etcd.update_map(3, move |_| Ok(map.clone())))
+        .unwrap();
+    let epoch = v.map.epoch;
+    for n in 0..2 {
+        wait_for(
+            &format!("server {n} at epoch {epoch}"),
+            Duration::from_secs(10),
+            || server_epoch(probe, n) == epoch,
+        );
+    }
+    epoch
+}
+
+fn value(round: &str, i: usize) -> Vec<u8> {
+    format!("{round}-{i}").into_bytes()
+}
+
+fn swapped(map: &ClusterMap) -> ClusterMap {
+    let mut m = map.clone();
+    for r in &mut m.assignment {
+        r[0] = 1 - r[0];
+    }
+    m
+}
+
+#[test]
+fn a_stale_client_is_redirected_and_never_reads_an_older_value() {
+    let etcd_server = EtcdServer::start().unwrap();
+    let endpoint = etcd_server.endpoint();
+    let servers: Vec<CamelotServer> = (0..2)
+        .map(|id| {
+            let options = CamelotServerOptions {
+                resp: false,
+                args: vec![
+                    "--memory".into(),
+                    "64M".into(),
+                    "--etcd".into(),
+                    endpoint.clone(),
+                    "--node-id".into(),
+                    id.to_string(),
+                ],
+            };
+            CamelotServer::start(bin(), &options).unwrap()
+        })
+        .collect();
+    let addrs: Vec<_> = servers.iter().map(CamelotServer::addr).collect();
+    let rt = rt();
+    let etcd = rt
+        .block_on(EtcdCluster::connect(
+            std::slice::from_ref(&endpoint),
+            PREFIX,
+        ))
+        .unwrap();
+    wait_for("both servers registered", Duration::from_secs(10), || {
+        rt.block_on(etcd.live_nodes()).unwrap().len() == 2
+    });
+    let live = rt.block_on(etcd.live_nodes()).unwrap();
+    assert_eq!(
+        live.iter().map(|n| n.addr).collect::<Vec<_>>(),
+        addrs,
+        "each server registered its own address under its id"
+    );
+    // Epoch 0 routing is never checked: this client sees every server's counters.
+    let probe = Client::connect(ClientMap::from_addrs(&addrs), ClientConfig::default()).unwrap();
+    let first = ClusterMap::initial(live, 64, 1).unwrap();
+    assert_eq!(publish_and_wait(&rt, &etcd, &probe, first.clone()), 1);
+
+    let fresh = cluster_client(&endpoint, &addrs);
+    let stale = cluster_client(&endpoint, &addrs);
+    let no_source =
+        Client::connect(ClientMap::from_addrs(&addrs), ClientConfig::default()).unwrap();
+    let (view, table) = client_view(&first).unwrap();
+    no_source.set_cluster(view, table).unwrap();
+    assert_eq!((fresh.epoch(), stale.epoch()), (1, 1));
+    for i in 0..KEYS {
+        fresh
+            .put(format!("k{i}").as_bytes(), value("v1", i))
+            .unwrap();
+    }
+
+    // Every partition changes primary. The old primaries keep their (now old) values;
+    // only the epoch and ownership checks keep a stale client from reading them.
+    let second = swapped(&first);
+    assert_eq!(publish_and_wait(&rt, &etcd, &probe, second.clone()), 2);
+    // The fresh client follows the map (as a watcher would make it); the stale one
+    // still routes with epoch 1.
+    assert!(fresh.refresh_map().unwrap());
+    assert_eq!((fresh.epoch(), stale.epoch()), (2, 1));
+    for i in 0..KEYS {
+        fresh
+            .put(format!("k{i}").as_bytes(), value("v2", i))
+            .unwrap();
+    }
+    for i in 0..KEYS {
+        let got = stale.get(format!("k{i}").as_bytes()).unwrap();
+        assert_eq!(
+            got.map(|v| v.value.to_vec()),
+            Some(value("v2", i)),
+            "k{i}: the stale client read something else than the fresh map gives"
+        );
+    }
+    assert_eq!(stale.epoch(), 2, "the stale client refreshed its map");
+    assert!(stale.redirects() >= 1);
+
+    // A stale writer lands where the fresh map says, too.
+    let third = swapped(&second);
+    assert_eq!(publish_and_wait(&rt, &etcd, &probe, third), 3);
+    for i in 0..KEYS {
+        stale
+            .put(format!("k{i}").as_bytes(), value("v3", i))
+            .unwrap();
+    }
+    assert_eq!(stale.epoch(), 3);
+    for i in 0..KEYS {
+        let got = fresh.get(format!("k{i}").as_bytes()).unwrap();
+        assert_eq!(got.map(|v| v.value.to_vec()), Some(value("v3", i)));
+    }
+    assert_eq!(fresh.epoch(), 3);
+    assert!(
+        fresh.redirects() >= 1,
+        "the fresh client, now stale, was redirected"
+    );
+
+    // With nowhere to refresh from, the redirect reaches the caller, typed, with the
+    // servers' epoch, after the bounded retries.
+    let err = no_source.get(b"k1").unwrap_err();
+    match &err {
+        ClientError::Server(e) => {
+            assert_eq!(e.code, ErrorCode::StaleEpoch);
+            assert_eq!(e.epoch, 3);
+        }
+        other => panic!("expected STALE_EPOCH, got {other:?}"),
+    }
+    assert_eq!(
+        no_source.redirects(),
+        u64::from(camelot_client::kv::REDIRECTS_MAX)
+    );
+}
+
+struct Up {
+    child: std::process::Child,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn cluster_up_starts_etcd_servers_and_the_map() {
+    let mut child = Command::new(bin())
+        .args(["cluster", "up", "--nodes", "3", "--partitions", "96"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let up = Up { child };
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !lines.iter().any(|l: &String| l.starts_with("map epoch")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => lines.push(l),
+            Err(e) => panic!("cluster up printed {lines:?} then {e}"),
+        }
+    }
+    let endpoint = lines[0]
+        .split_whitespace()
+        .find(|w| w.starts_with("http://127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no etcd endpoint in {lines:?}"))
+        .to_owned();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l == "map epoch 1: 96 partitions, replication 1"),
+        "{lines:?}"
+    );
+
+    let run = |args: &[&str]| {
+        let out = Command::new(bin()).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let status = run(&["cluster", "status", "--etcd", &endpoint]);
+    assert!(
+        status.starts_with("epoch 1: 96 partitions, replication 1, 3 node(s)"),
+        "{status}"
+    );
+    assert_eq!(
+        status.matches(": 32 primaries, 32 replicas, live").count(),
+        3,
+        "{status}"
+    );
+    let plan = run(&["cluster", "plan", "--etcd", &endpoint]);
+    assert!(
+        plan.contains("plan: 0 replica move(s) of 96 slots"),
+        "{plan}"
+    );
+
+    // The cluster serves: a client routed by the map reads back what it wrote.
+    let rt = rt();
+    let etcd = rt
+        .block_on(EtcdCluster::connect(
+            std::slice::from_ref(&endpoint),
+            PREFIX,
+        ))
+        .unwrap();
+    let map = rt.block_on(etcd.read_map()).unwrap().unwrap().map;
+    let addrs: Vec<_> = map.nodes.iter().map(|n| n.addr).collect();
+    let client = cluster_client(&endpoint, &addrs);
+    for i in 0..50 {
+        client
+            .put(format!("up{i}").as_bytes(), value("x", i))
+            .unwrap();
+    }
+    for i in 0..50 {
+        let got = client.get(format!("up{i}").as_bytes()).unwrap();
+        assert_eq!(got.map(|v| v.value.to_vec()), Some(value("x", i)));
+    }
+    drop(up);
+}

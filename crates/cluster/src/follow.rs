@@ -1,0 +1,117 @@
+//! Following the map in etcd, and the client's view of a map: what servers and clients
+//! run to stay on the current epoch.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use camelot_client::{MapSource, NodeInfo, PartitionTable};
+
+use crate::error::MapError;
+use crate::etcd::{EtcdCluster, EtcdError, Versioned, REQUEST_TIMEOUT};
+use crate::map::ClusterMap;
+
+/// After a failed read or a broken watch, wait this long before trying again (doubling
+/// up to the max), so an etcd outage costs a few requests a second, not a busy loop.
+pub const FOLLOW_BACKOFF_START: Duration = Duration::from_millis(100);
+pub const FOLLOW_BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// Calls `apply` with the current map and then with every newer one, forever (run it as
+/// a task; drop the task to stop). Epochs handed to `apply` only grow, across watch
+/// breaks and re-reads too.
+pub async fn follow(etcd: EtcdCluster, mut apply: impl FnMut(&ClusterMap) + Send) {
+    let mut applied = 0;
+    let mut backoff = FOLLOW_BACKOFF_START;
+    loop {
+        let result: Result<(), EtcdError> = async {
+            let current = etcd.read_map().await?;
+            if let Some(v) = &current {
+                if v.map.epoch > applied {
+                    applied = v.map.epoch;
+                    apply(&v.map);
+                }
+            }
+            let mut watch = etcd.watch_map(current.as_ref()).await?;
+            loop {
+                let Versioned { map, .. } = watch.next().await?;
+                backoff = FOLLOW_BACKOFF_START;
+                if map.epoch > applied {
+                    applied = map.epoch;
+                    apply(&map);
+                }
+            }
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::warn!("following the cluster map: {e}; again in {backoff:?}");
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(FOLLOW_BACKOFF_MAX);
+    }
+}
+
+/// The client's view of a map: its nodes and each partition's primary.
+pub fn client_view(
+    map: &ClusterMap,
+) -> Result<(camelot_client::ClusterMap, PartitionTable), MapError> {
+    let nodes = map
+        .nodes
+        .iter()
+        .map(|n| NodeInfo {
+            id: n.id,
+            addr: n.addr,
+        })
+        .collect();
+    let primaries = map
+        .assignment
+        .iter()
+        .map(|r| {
+            r.first()
+                .copied()
+                .ok_or(MapError::NoReplicas { partition: 0 })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let count = primaries.len();
+    let table = PartitionTable::new(primaries).ok_or(MapError::Partitions {
+        value: count as u64,
+        max: crate::map::PARTITIONS_MAX,
+    })?;
+    let view = camelot_client::ClusterMap {
+        epoch: map.epoch,
+        nodes,
+    };
+    Ok((view, table))
+}
+
+/// A [`MapSource`] over etcd for the blocking client: each fetch reads the map on a
+/// runtime of its own, bounded by the request timeout. The blocking client's calls must
+/// then not be made from a tokio runtime's thread (block_on inside one panics), which is
+/// the blocking API's rule anyway.
+pub struct EtcdMapSource {
+    runtime: tokio::runtime::Runtime,
+    etcd: EtcdCluster,
+}
+
+impl EtcdMapSource {
+    pub fn connect(endpoints: &[String], prefix: &str) -> Result<Arc<EtcdMapSource>, EtcdError> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| EtcdError::WatchEnded(format!("cannot start a runtime: {e}")))?;
+        let etcd = runtime.block_on(EtcdCluster::connect(endpoints, prefix))?;
+        Ok(Arc::new(EtcdMapSource { runtime, etcd }))
+    }
+}
+
+impl MapSource for EtcdMapSource {
+    fn fetch(&self) -> Result<(camelot_client::ClusterMap, PartitionTable), String> {
+        let read = self
+            .runtime
+            .block_on(async { tokio::time::timeout(REQUEST_TIMEOUT, self.etcd.read_map()).await });
+        match read {
+            Ok(Ok(Some(v))) => client_view(&v.map).map_err(|e| e.to_string()),
+            Ok(Ok(None)) => Err("no cluster map in etcd".into()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("etcd did not answer within {REQUEST_TIMEOUT:?}")),
+        }
+    }
+}
