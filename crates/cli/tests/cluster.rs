@@ -90,7 +90,7 @@ fn swapped(map: &ClusterMap) -> ClusterMap {
 fn a_stale_client_is_redirected_and_never_reads_an_older_value() {
     let etcd_server = EtcdServer::start().unwrap();
     let endpoint = etcd_server.endpoint();
-    let servers: Vec<CamelotServer> = (0..2)
+    let mut servers: Vec<CamelotServer> = (0..2)
         .map(|id| {
             let options = CamelotServerOptions {
                 resp: false,
@@ -198,6 +198,29 @@ fn a_stale_client_is_redirected_and_never_reads_an_older_value() {
         no_source.redirects(),
         u64::from(camelot_client::kv::REDIRECTS_MAX)
     );
+
+    // A member SIGKILLed leaves the live list one lease TTL later (no goodbye), and
+    // `cluster status` shows it without a lease.
+    servers[1].process_mut().kill().unwrap();
+    let killed = Instant::now();
+    wait_for(
+        "the killed member's lease to expire",
+        Duration::from_secs(10),
+        || rt.block_on(etcd.live_nodes()).unwrap().len() == 1,
+    );
+    let gone = killed.elapsed();
+    assert!(
+        gone <= Duration::from_millis(3500),
+        "gone only after {gone:?}"
+    );
+    let out = Command::new(bin())
+        .args(["cluster", "status", "--etcd", &endpoint])
+        .output()
+        .unwrap();
+    let status = String::from_utf8(out.stdout).unwrap();
+    assert!(status.contains("epoch 3: 64 partitions"), "{status}");
+    assert_eq!(status.matches(", live").count(), 1, "{status}");
+    assert_eq!(status.matches("NO LEASE").count(), 1, "{status}");
 }
 
 struct Up {
