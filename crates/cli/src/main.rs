@@ -257,6 +257,12 @@ struct ServerArgs {
     /// Most regions one principal may hold at once. Default: no limit.
     #[arg(long, value_name = "N")]
     quota_regions: Option<u64>,
+    /// A file of `NAME TOKEN` lines (`#` comments): each principal listed there is let in
+    /// only with its own token, not the cluster token, so its private regions are private
+    /// from other holders of the cluster token too. `anonymous` may be listed. The file
+    /// must not be readable by group or others (chmod 600).
+    #[arg(long, value_name = "FILE")]
+    principal_tokens: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -779,6 +785,9 @@ fn server(a: ServerArgs) -> Result<()> {
         cfg.resp_poll = std::time::Duration::from_micros(a.resp_poll_us);
         cfg.proto_max_bulk_len = a.proto_max_bulk_len;
         cfg.require_token = a.require_token;
+        if let Some(path) = &a.principal_tokens {
+            cfg.principal_tokens = read_principal_tokens(path)?;
+        }
         cfg.quota = camelot_server::Quota {
             bytes_max: a.quota_bytes.unwrap_or(u64::MAX),
             regions_max: a.quota_regions.unwrap_or(u64::MAX),
@@ -1516,3 +1525,29 @@ fn volume(c: VolumeCommand) -> Result<()> {
 
 /// Bytes `volume read`/`write` move per call.
 const VOLUME_IO_STEP_BYTES: u64 = 8 << 20;
+
+/// Reads a `--principal-tokens` file, refusing one that others could read: it holds
+/// secrets, and a token everybody can read authenticates nobody.
+fn read_principal_tokens(
+    path: &std::path::Path,
+) -> anyhow::Result<camelot_server::principals::PrincipalTokens> {
+    use camelot_server::principals::{PrincipalTokens, PRINCIPAL_TOKENS_FILE_BYTES_MAX};
+    use std::os::unix::fs::PermissionsExt;
+    let shown = path.display();
+    let meta = std::fs::metadata(path).with_context(|| format!("cannot read {shown}"))?;
+    let mode = meta.permissions().mode();
+    if mode & 0o077 != 0 {
+        bail!(
+            "{shown} is readable by group or others (mode {:o}); it holds tokens: chmod 600 it",
+            mode & 0o777
+        );
+    }
+    if meta.len() > PRINCIPAL_TOKENS_FILE_BYTES_MAX as u64 {
+        bail!(
+            "{shown} is {} bytes; a tokens file is at most {PRINCIPAL_TOKENS_FILE_BYTES_MAX}",
+            meta.len()
+        );
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {shown}"))?;
+    PrincipalTokens::parse(&text).with_context(|| format!("in {shown}"))
+}

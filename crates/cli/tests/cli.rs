@@ -884,6 +884,45 @@ fn require_token_refuses_to_start_without_one() {
 }
 
 #[test]
+fn principal_tokens_file_must_be_private_and_locks_its_principals() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("principal-tokens");
+    let file = dir.join("tokens");
+    std::fs::write(&file, "# who may be whom\nanonymous n0\n").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let file_s = file.to_string_lossy().to_string();
+    let (status, _, err) = run(
+        &[
+            "server",
+            "--listen",
+            "127.0.0.1:0",
+            "--principal-tokens",
+            &file_s,
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(
+        !status.success(),
+        "started with a world-readable tokens file"
+    );
+    assert!(err.contains("chmod 600"), "{err}");
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (mut server, addr) = start_server(&["--principal-tokens", &file_s]);
+    // No cluster token, but `anonymous` (who `stats` connects as) is listed.
+    let (status, _, err) = run(&["stats", &addr.to_string()], Duration::from_secs(30));
+    assert!(!status.success(), "anonymous got in without its token");
+    assert!(err.contains("token"), "{err}");
+    let (status, out, err) = run(
+        &["stats", &addr.to_string(), "--token", "n0"],
+        Duration::from_secs(30),
+    );
+    assert!(status.success(), "{err}");
+    assert!(out.contains("regions"), "{out}");
+    server.signal("-TERM");
+    assert!(server.wait(Duration::from_secs(30)).success());
+}
+
+#[test]
 fn bench_ycsb_reaches_a_tokened_server_by_url_or_flag() {
     let (mut server, addr) = start_server(&["--token", "zq9secret", "--quota-regions", "4"]);
     let out = temp_dir("ycsb-token");
