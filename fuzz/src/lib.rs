@@ -91,10 +91,14 @@ pub fn exec_batch(data: &[u8]) {
         ids.sort_unstable();
         ids.dedup();
         for req in &mut batch.requests {
+            if ids.is_empty() {
+                continue;
+            }
             if let Some(region) = region_of(&mut req.op) {
-                if !ids.is_empty() {
-                    *region = ids[(*region % ids.len() as u64) as usize];
-                }
+                *region = ids[(*region % ids.len() as u64) as usize];
+            }
+            if let Op::WriteIf { guard_region, .. } = &mut req.op {
+                *guard_region = ids[(*guard_region % ids.len() as u64) as usize];
             }
         }
         let who = &principals[turn % 2];
@@ -136,6 +140,7 @@ fn region_of(op: &mut Op) -> Option<&mut u64> {
         Op::Free { region }
         | Op::Read { region, .. }
         | Op::Write { region, .. }
+        | Op::WriteIf { region, .. }
         | Op::Cas { region, .. }
         | Op::FetchAdd { region, .. } => Some(region),
         _ => None,
