@@ -168,9 +168,17 @@ pub fn transmit<R: Read, W: Write>(
         let h = p::decode_request_header(&header)?;
         stats.requests.fetch_add(1, Ordering::Relaxed);
         if h.command == p::CMD_WRITE {
-            // Bounded by the decoder: at most REQUEST_BYTES_MAX.
-            payload.resize(h.length as usize, 0);
-            reader.read_exact(&mut payload)?;
+            // At most REQUEST_BYTES_MAX (the decoder checked), and grown only as bytes
+            // arrive: a header that promises 32 MiB and sends nothing costs nothing.
+            payload.clear();
+            let want = h.length as usize;
+            reader
+                .by_ref()
+                .take(want as u64)
+                .read_to_end(&mut payload)?;
+            if payload.len() < want {
+                return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+            }
         }
         let error = match p::plan_request(&h, export) {
             Action::Disconnect => return Ok(ConnectionEnd::Disconnected),
