@@ -315,3 +315,52 @@ fn connections_past_the_limit_are_closed_and_a_freed_slot_serves_again() {
     c.write(0, b"xyz");
     assert_eq!(b.read(0, 3), b"xyz");
 }
+
+const FIO: Program = Program::debian("fio", "fio");
+
+/// fio's own NBD engine (libnbd underneath) writes random 4 KiB blocks with checksums,
+/// then reads every one back and verifies it: a third stock client, with a queue depth.
+#[test]
+fn fio_nbd_engine_writes_and_verifies_random_blocks() {
+    let (_servers, addrs) = servers(4);
+    let vol = raid5("nbd4", &addrs, 4 << 20);
+    let server = export(&vol, 8);
+    let scratch = ScratchDir::new("nbd-fio").unwrap();
+    let uri = format!("--uri={}", url(&server));
+    let done = run_to_end(
+        &FIO,
+        &os_args([
+            "--name=verify",
+            "--ioengine=nbd",
+            &uri,
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=8",
+            "--size=4m",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--output-format=json",
+        ]),
+        &scratch,
+        "fio",
+        CLIENT_TIME_LIMIT,
+    )
+    .expect("fio ran");
+    assert!(
+        done.status.success(),
+        "{}",
+        done.failure(&FIO, "fio failed")
+    );
+    let json_start = done.stdout.find('{').expect("fio prints JSON");
+    let report: serde_json::Value =
+        serde_json::from_str(&done.stdout[json_start..]).expect("fio's JSON");
+    let job = &report["jobs"][0];
+    assert_eq!(job["error"], 0, "{job}");
+    // Every block written was read back for the verify.
+    let written = job["write"]["io_bytes"].as_u64().expect("bytes written");
+    let read = job["read"]["io_bytes"].as_u64().expect("bytes read");
+    assert_eq!(written, 4 << 20);
+    assert_eq!(read, written, "fio did not read back what it wrote");
+    assert!(server.stats().bytes_written.load(Ordering::SeqCst) >= 4 << 20);
+}
