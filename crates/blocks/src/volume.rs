@@ -42,9 +42,6 @@ const STRIPE_LOCKS: usize = 4096;
 const META_READ_BYTES_MAX: u64 = 4 << 20;
 /// Stripes a scrub, resync or rebuild round handles in one batch.
 const STRIPES_PER_ROUND: u64 = 16;
-/// Rebuild rounds in flight at once, each on a thread of its own: with one, the
-/// replacement idles while the survivors are read and the survivors while it is written.
-const REBUILD_ROUNDS_IN_FLIGHT: usize = 4;
 /// Intent word byte size.
 const INTENT_BYTES: u64 = 8;
 /// Stripes one intent word covers: a crash costs a resync of this many stripes per zone
@@ -117,44 +114,14 @@ struct State {
     members: Vec<Member>,
     /// A member being rebuilt and the first stripe not yet rebuilt on it.
     rebuild: Option<(usize, u64)>,
-    /// Rounds [first, last) rebuilt past the cursor while an earlier round is still in
-    /// flight (at most `REBUILD_ROUNDS_IN_FLIGHT`): writes there must reach the new member
-    /// too, or its rebuilt chunk would go stale behind the cursor's back.
-    rebuilt_ahead: Vec<(u64, u64)>,
 }
 
 impl State {
     fn present(&self, member: usize, stripe: u64) -> bool {
         match self.rebuild {
-            Some((m, cursor)) if m == member => {
-                stripe < cursor
-                    || self
-                        .rebuilt_ahead
-                        .iter()
-                        .any(|&(first, last)| (first..last).contains(&stripe))
-            }
+            Some((m, cursor)) if m == member => stripe < cursor,
             _ => self.members[member].state == MemberState::Active,
         }
-    }
-
-    /// Records rebuild round [first, last) as done; returns the cursor. The cursor moves
-    /// over every done round that now touches it; a round done ahead of an unfinished one
-    /// waits in `rebuilt_ahead`.
-    fn round_rebuilt(&mut self, first: u64, last: u64) -> Option<u64> {
-        let (member, mut cursor) = self.rebuild?;
-        let mut ahead = std::mem::take(&mut self.rebuilt_ahead);
-        ahead.push((first, last));
-        while let Some(i) = ahead.iter().position(|&(f, _)| f == cursor) {
-            cursor = ahead.swap_remove(i).1;
-        }
-        self.rebuilt_ahead = ahead;
-        self.rebuild = Some((member, cursor));
-        Some(cursor)
-    }
-
-    fn end_rebuild(&mut self) {
-        self.rebuild = None;
-        self.rebuilt_ahead.clear();
     }
 }
 
@@ -337,7 +304,6 @@ impl Volume {
                 generation: sb.generation,
                 members: sb.members,
                 rebuild: None,
-                rebuilt_ahead: Vec::new(),
             }),
             locks: (0..STRIPE_LOCKS).map(|_| RwLock::new(())).collect(),
             sb_lock: Mutex::new(()),
@@ -466,7 +432,7 @@ impl Volume {
                     changed = true;
                 }
                 if st.rebuild.is_some_and(|(r, _)| r == m) {
-                    st.end_rebuild();
+                    st.rebuild = None;
                     changed = true;
                 }
             }
@@ -1221,7 +1187,7 @@ impl Volume {
         let result = self.rebuild_inner(member, replacement, rate_bytes_per_s);
         self.rebuild_running.store(false, Ordering::SeqCst);
         if result.is_err() {
-            self.state.write().end_rebuild();
+            self.state.write().rebuild = None;
         }
         result
     }
@@ -1262,136 +1228,89 @@ impl Volume {
         self.write_superblock(false)?;
         self.rebuild_done.store(0, Ordering::Relaxed);
         let started = Instant::now();
-        let next_round = AtomicU64::new(0);
-        let failed = AtomicBool::new(false);
+        let mut bytes_done = 0u64;
         let chunk = self.layout.chunk_bytes;
-        // Rounds are handed out in order; each takes its stripes' locks, so a round never
-        // races the load on its stripes, and rounds never share a stripe.
-        let worker = || -> Result<(), BlocksError> {
-            loop {
-                if failed.load(Ordering::SeqCst) {
-                    return Ok(());
+        let n = self.layout.members;
+        let k = self.layout.data_slots();
+        let mut first = 0;
+        while first < self.layout.stripes {
+            // A round of stripes: one batch of reads, one of writes, under their locks.
+            let last = (first + STRIPES_PER_ROUND).min(self.layout.stripes);
+            let spans: Vec<StripeSpan> = (first..last)
+                .map(|stripe| StripeSpan {
+                    stripe,
+                    pieces: vec![],
+                })
+                .collect();
+            let locks = self.write_locks(&spans);
+            self.retrying(|| {
+                let st = self.state.read().clone();
+                if st.rebuild.map(|(m, _)| m) != Some(member) {
+                    return Err(Stop::Fatal(BlocksError::Member {
+                        member,
+                        source: ClientError::ConnectionLost { addr: replacement },
+                    }));
                 }
-                let first = next_round.fetch_add(STRIPES_PER_ROUND, Ordering::SeqCst);
-                if first >= self.layout.stripes {
-                    return Ok(());
-                }
-                let last = (first + STRIPES_PER_ROUND).min(self.layout.stripes);
-                if rate_bytes_per_s > 0 {
-                    // Rate limit: a round starts once the budget covers every round
-                    // handed out before it.
-                    let before = (first * chunk) as f64;
-                    let due = Duration::from_secs_f64(before / rate_bytes_per_s as f64);
-                    if let Some(wait) = due.checked_sub(started.elapsed()) {
-                        std::thread::sleep(wait);
+                let mut ops = Vec::new();
+                let mut wanted = Vec::new();
+                for s in first..last {
+                    let sources: Vec<usize> = (0..n)
+                        .filter(|&slot| {
+                            let m = self.layout.member_of(s, slot);
+                            m != member && st.present(m, s)
+                        })
+                        .take(if self.layout.code() == Code::Mirror {
+                            1
+                        } else {
+                            k
+                        })
+                        .collect();
+                    for &slot in &sources {
+                        let m = self.layout.member_of(s, slot);
+                        ops.push((m, self.read_op(&st, m, s, 0, chunk)));
+                        wanted.push((s, slot));
                     }
                 }
-                if let Err(e) = self.rebuild_round(member, replacement, first, last) {
-                    failed.store(true, Ordering::SeqCst);
-                    return Err(e);
+                let replies = self.exchange_all(ops)?;
+                let mut slots: Vec<Vec<Option<Vec<u8>>>> =
+                    vec![vec![None; n]; (last - first) as usize];
+                for ((s, slot), r) in wanted.into_iter().zip(replies) {
+                    slots[(s - first) as usize][slot] =
+                        Some(reply::data(Ok(r)).map_err(BlocksError::from)?.to_vec());
+                }
+                let mut writes = Vec::new();
+                for (i, stripe_slots) in slots.iter_mut().enumerate() {
+                    let s = first + i as u64;
+                    self.codec.reconstruct(stripe_slots)?;
+                    let mine = self.layout.slot_of(s, member);
+                    let bytes = stripe_slots[mine].take().unwrap_or_default();
+                    writes.push((member, self.write_op(&st, member, s, 0, Bytes::from(bytes))));
+                }
+                self.exchange_all(writes)?;
+                Ok(())
+            })?;
+            if let Some((_, cursor)) = self.state.write().rebuild.as_mut() {
+                *cursor = last;
+            }
+            self.rebuild_done.store(last, Ordering::Relaxed);
+            drop(locks);
+            bytes_done += chunk * (last - first);
+            first = last;
+            if rate_bytes_per_s > 0 {
+                // Rate limit: sleeping until the budget allows the bytes done so far.
+                let due = Duration::from_secs_f64(bytes_done as f64 / rate_bytes_per_s as f64);
+                if let Some(wait) = due.checked_sub(started.elapsed()) {
+                    std::thread::sleep(wait);
                 }
             }
-        };
-        let results: Vec<Result<(), BlocksError>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..REBUILD_ROUNDS_IN_FLIGHT)
-                .map(|_| scope.spawn(worker))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(BlocksError::InvalidArgument(
-                            "a rebuild thread panicked".into(),
-                        ))
-                    })
-                })
-                .collect()
-        });
-        for r in results {
-            r?;
         }
         {
             let mut st = self.state.write();
             st.members[member].state = MemberState::Active;
-            st.end_rebuild();
+            st.rebuild = None;
             st.generation += 1;
         }
         self.write_superblock(false)?;
-        Ok(())
-    }
-
-    /// One rebuild round: stripes [first, last) read from the survivors in one batch,
-    /// reconstructed, and written to the new member in one batch, under the stripes'
-    /// write locks; then the round is recorded as rebuilt before the locks are let go.
-    fn rebuild_round(
-        &self,
-        member: usize,
-        replacement: SocketAddr,
-        first: u64,
-        last: u64,
-    ) -> Result<(), BlocksError> {
-        let chunk = self.layout.chunk_bytes;
-        let n = self.layout.members;
-        let k = self.layout.data_slots();
-        let spans: Vec<StripeSpan> = (first..last)
-            .map(|stripe| StripeSpan {
-                stripe,
-                pieces: vec![],
-            })
-            .collect();
-        let locks = self.write_locks(&spans);
-        self.retrying(|| {
-            let st = self.state.read().clone();
-            if st.rebuild.map(|(m, _)| m) != Some(member) {
-                return Err(Stop::Fatal(BlocksError::Member {
-                    member,
-                    source: ClientError::ConnectionLost { addr: replacement },
-                }));
-            }
-            let mut ops = Vec::new();
-            let mut wanted = Vec::new();
-            for s in first..last {
-                let sources: Vec<usize> = (0..n)
-                    .filter(|&slot| {
-                        let m = self.layout.member_of(s, slot);
-                        m != member && st.present(m, s)
-                    })
-                    .take(if self.layout.code() == Code::Mirror {
-                        1
-                    } else {
-                        k
-                    })
-                    .collect();
-                for &slot in &sources {
-                    let m = self.layout.member_of(s, slot);
-                    ops.push((m, self.read_op(&st, m, s, 0, chunk)));
-                    wanted.push((s, slot));
-                }
-            }
-            let replies = self.exchange_all(ops)?;
-            let mut slots: Vec<Vec<Option<Vec<u8>>>> = vec![vec![None; n]; (last - first) as usize];
-            for ((s, slot), r) in wanted.into_iter().zip(replies) {
-                slots[(s - first) as usize][slot] =
-                    Some(reply::data(Ok(r)).map_err(BlocksError::from)?.to_vec());
-            }
-            let mut writes = Vec::new();
-            for (i, stripe_slots) in slots.iter_mut().enumerate() {
-                let s = first + i as u64;
-                self.codec.reconstruct(stripe_slots)?;
-                let mine = self.layout.slot_of(s, member);
-                let bytes = stripe_slots[mine].take().unwrap_or_default();
-                writes.push((member, self.write_op(&st, member, s, 0, Bytes::from(bytes))));
-            }
-            self.exchange_all(writes)?;
-            Ok(())
-        })?;
-        {
-            let mut st = self.state.write();
-            if let Some(cursor) = st.round_rebuilt(first, last) {
-                self.rebuild_done.store(cursor, Ordering::Relaxed);
-            }
-        }
-        drop(locks);
         Ok(())
     }
 }
@@ -1442,46 +1361,4 @@ fn read_superblock_at(
         )));
     }
     Ok(sb)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    proptest! {
-        /// Rounds finishing in any order: the member counts as present on exactly the
-        /// stripes of rounds done, and the cursor is the end of the done prefix.
-        #[test]
-        fn rounds_done_in_any_order_make_exactly_their_stripes_present(
-            order in Just((0..12u64).collect::<Vec<_>>()).prop_shuffle(),
-            done_count in 0..=12usize,
-        ) {
-            const ROUND: u64 = 4;
-            let mut st = State {
-                generation: 1,
-                members: (0..3)
-                    .map(|i| Member {
-                        addr: SocketAddr::from(([127, 0, 0, 1], 1000 + i)),
-                        region: 1,
-                        state: MemberState::Active,
-                    })
-                    .collect(),
-                rebuild: Some((1, 0)),
-                rebuilt_ahead: Vec::new(),
-            };
-            st.members[1].state = MemberState::Missing;
-            let done = &order[..done_count];
-            for &r in done {
-                st.round_rebuilt(r * ROUND, r * ROUND + ROUND);
-            }
-            let prefix = (0..12u64).take_while(|r| done.contains(r)).count() as u64;
-            prop_assert_eq!(st.rebuild, Some((1, prefix * ROUND)));
-            prop_assert!(st.rebuilt_ahead.len() <= done_count);
-            for stripe in 0..12 * ROUND + 3 {
-                prop_assert_eq!(st.present(1, stripe), done.contains(&(stripe / ROUND)));
-                prop_assert!(st.present(0, stripe));
-            }
-        }
-    }
 }
