@@ -28,6 +28,9 @@ pub const CONNECTIONS_MAX_DEFAULT: usize = 16;
 pub const CONNECTIONS_MAX_LIMIT: usize = 1024;
 /// Default time a client has to finish the handshake.
 pub const HANDSHAKE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
+/// Default longest a reply may wait for the client to take it: a client that asks and
+/// never reads would otherwise hold its thread and its slot for ever.
+pub const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// WRITE_ZEROES is carried out in pieces this big, from one zeroed buffer.
 const ZERO_PIECE_BYTES: usize = 1 << 20;
 /// Buffered reader size: a request header and small payloads in one syscall.
@@ -264,6 +267,8 @@ pub struct NbdConfig {
     pub connections_max: usize,
     pub read_only: bool,
     pub handshake_timeout: Duration,
+    /// A client that takes none of a reply for this long is hung up on.
+    pub reply_timeout: Duration,
 }
 
 impl Default for NbdConfig {
@@ -274,6 +279,7 @@ impl Default for NbdConfig {
             connections_max: CONNECTIONS_MAX_DEFAULT,
             read_only: false,
             handshake_timeout: HANDSHAKE_TIMEOUT_DEFAULT,
+            reply_timeout: REPLY_WRITE_TIMEOUT,
         }
     }
 }
@@ -424,6 +430,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 
 fn connection(shared: &Shared, id: u64, stream: TcpStream) -> Result<ConnectionEnd, NbdError> {
     stream.set_nodelay(true)?;
+    stream.set_write_timeout(Some(shared.config.reply_timeout))?;
     shared.open.lock().insert(id, stream.try_clone()?);
     if shared.stopping.load(Ordering::SeqCst) {
         return Ok(ConnectionEnd::Handshake);

@@ -364,3 +364,51 @@ fn fio_nbd_engine_writes_and_verifies_random_blocks() {
     assert_eq!(read, written, "fio did not read back what it wrote");
     assert!(server.stats().bytes_written.load(Ordering::SeqCst) >= 4 << 20);
 }
+
+/// A client that asks for reads and never takes the replies, and one that connects and
+/// never finishes its handshake: both are hung up on, and their slots come back.
+#[test]
+fn clients_that_stall_are_hung_up_on_and_free_their_slots() {
+    let (_servers, addrs) = servers(3);
+    let vol = Arc::new(
+        Volume::create(
+            "nbd5",
+            Level::Raid0,
+            &addrs,
+            CHUNK,
+            8 << 20,
+            &VolumeConfig::default(),
+        )
+        .unwrap(),
+    );
+    let device: Arc<dyn BlockDevice> = vol.clone();
+    let server = NbdServer::start(
+        device,
+        vol.name(),
+        NbdConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            connections_max: 2,
+            handshake_timeout: Duration::from_millis(300),
+            reply_timeout: Duration::from_millis(300),
+            ..NbdConfig::default()
+        },
+    )
+    .expect("nbd server");
+    let mut greedy = RawClient::connect(server.local_addr());
+    // Far more reply bytes than the socket buffers hold, none of them read.
+    let mut asks = Vec::new();
+    for h in 0..64u64 {
+        asks.extend_from_slice(&RawClient::header(p::CMD_READ, h, 0, 8 << 20));
+    }
+    greedy.sock.write_all(&asks).unwrap();
+    let _silent = TcpStream::connect(server.local_addr()).unwrap();
+    wait_for("two connections", || {
+        server.stats().connections_active.load(Ordering::SeqCst) == 2
+    });
+    wait_for("both stalled clients to be dropped", || {
+        server.stats().connections_active.load(Ordering::SeqCst) == 0
+    });
+    let mut fresh = RawClient::connect(server.local_addr());
+    fresh.write(0, b"served");
+    assert_eq!(fresh.read(0, 6), b"served");
+}
