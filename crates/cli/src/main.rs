@@ -71,6 +71,10 @@ enum VolumeCommand {
     Read(VolumeReadArgs),
     /// Write stdin's bytes at OFFSET (at most to the volume's end).
     Write(VolumeWriteArgs),
+    /// Export the volume over NBD (fixed newstyle) until SIGTERM/Ctrl-C, for stock tools:
+    /// `nbdinfo nbd://127.0.0.1:10809`, `nbdcopy disk.img nbd://127.0.0.1:10809`. The
+    /// export answers to the volume's name and to the empty (default) name.
+    ServeNbd(VolumeServeNbdArgs),
 }
 
 #[derive(Args)]
@@ -141,6 +145,25 @@ struct VolumeWriteArgs {
     volume: VolumeRef,
     #[arg(long, value_parser = parse_bytes)]
     offset: u64,
+}
+
+#[derive(Args)]
+struct VolumeServeNbdArgs {
+    #[command(flatten)]
+    volume: VolumeRef,
+    /// Address to listen on (host:port). Loopback only unless --allow-non-loopback.
+    #[arg(long, default_value = "127.0.0.1:10809")]
+    listen: String,
+    /// Listen beyond loopback. NBD carries no authentication: anyone who reaches the port
+    /// reads and writes the volume.
+    #[arg(long)]
+    allow_non_loopback: bool,
+    /// Most clients served at once (nbdcopy opens four); one more is hung up on.
+    #[arg(long, default_value_t = camelot_blocks::nbd::CONNECTIONS_MAX_DEFAULT)]
+    connections_max: usize,
+    /// Refuse writes, trims and zeroing (EPERM).
+    #[arg(long)]
+    read_only: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -1378,6 +1401,39 @@ fn open_volume(r: &VolumeRef) -> Result<camelot_blocks::Volume> {
     Ok(vol)
 }
 
+fn serve_nbd(a: VolumeServeNbdArgs) -> Result<()> {
+    let listen = resolve(&a.listen)?;
+    let vol = std::sync::Arc::new(open_volume(&a.volume)?);
+    let rt = runtime()?;
+    let mut signals = rt.block_on(async { Signals::install() })?;
+    let device: std::sync::Arc<dyn camelot_blocks::nbd::BlockDevice> = vol.clone();
+    let mut server = camelot_blocks::NbdServer::start(
+        device,
+        vol.name(),
+        camelot_blocks::NbdConfig {
+            listen,
+            allow_non_loopback: a.allow_non_loopback,
+            connections_max: a.connections_max,
+            read_only: a.read_only,
+            ..camelot_blocks::NbdConfig::default()
+        },
+    )?;
+    println!(
+        "camelot volume {} ({} bytes{}) exported on nbd://{}",
+        vol.name(),
+        vol.capacity_bytes(),
+        if a.read_only { ", read-only" } else { "" },
+        server.local_addr()
+    );
+    std::io::Write::flush(&mut std::io::stdout())?;
+    rt.block_on(signals.wait());
+    // Hang up on clients first, then drop the volume, which clears its intent marks.
+    server.stop();
+    drop(server);
+    drop(vol);
+    Ok(())
+}
+
 fn print_status(vol: &camelot_blocks::Volume) {
     let st = vol.status();
     println!(
@@ -1427,6 +1483,7 @@ fn volume(c: VolumeCommand) -> Result<()> {
             print_status(&vol);
         }
         VolumeCommand::Status(r) => print_status(&open_volume(&r)?),
+        VolumeCommand::ServeNbd(a) => serve_nbd(a)?,
         VolumeCommand::Rebuild(a) => {
             let vol = std::sync::Arc::new(open_volume(&a.volume)?);
             let (old, new) = a
