@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod farmem;
+mod testbed;
 mod units;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -52,6 +53,10 @@ enum Command {
     /// rebuild, scrub, read and write.
     #[command(subcommand)]
     Volume(VolumeCommand),
+    /// An emulated network on this machine (namespaces, a bridge, rate limits) and
+    /// faults injected into it. Needs root.
+    #[command(subcommand)]
+    Testbed(testbed::TestbedCommand),
 }
 
 #[derive(Subcommand)]
@@ -707,6 +712,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Farmem(c) => farmem::run(c),
         Command::Bench(BenchCommand::Raid(a)) => bench_raid(a),
         Command::Volume(c) => volume(c),
+        Command::Testbed(c) => testbed::run(c),
     }
 }
 
