@@ -2,6 +2,7 @@
 //! printing live here; everything else lives in a library crate.
 #![forbid(unsafe_code)]
 
+mod chaos;
 mod farmem;
 mod testbed;
 mod units;
@@ -57,6 +58,12 @@ enum Command {
     /// faults injected into it. Needs root.
     #[command(subcommand)]
     Testbed(testbed::TestbedCommand),
+    /// Memory servers in a testbed, a recorded workload, seeded faults, then checkers:
+    /// PASS/FAIL with the seed to replay. Needs root.
+    Chaos(chaos::ChaosArgs),
+    /// The client side of `chaos`, run by it on a testbed host.
+    #[command(hide = true)]
+    ChaosWorker(chaos::WorkerArgs),
 }
 
 #[derive(Subcommand)]
@@ -713,6 +720,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Raid(a)) => bench_raid(a),
         Command::Volume(c) => volume(c),
         Command::Testbed(c) => testbed::run(c),
+        Command::Chaos(a) => chaos::run(a),
+        Command::ChaosWorker(a) => chaos::worker(a),
     }
 }
 
