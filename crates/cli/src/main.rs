@@ -5,6 +5,7 @@
 mod chaos;
 mod farmem;
 mod testbed;
+mod testbed_bench;
 mod units;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -64,6 +65,9 @@ enum Command {
     /// The client side of `chaos`, run by it on a testbed host.
     #[command(hide = true)]
     ChaosWorker(chaos::WorkerArgs),
+    /// The read client of `bench testbed`, run by it on each path.
+    #[command(hide = true)]
+    BenchTestbedClient(testbed_bench::ClientArgs),
 }
 
 #[derive(Subcommand)]
@@ -334,6 +338,9 @@ enum BenchCommand {
     RvmCommit(RvmArgs),
     /// RVM recovery time against pages, per backend (seed 001), beside iperf3.
     RvmRecovery(RvmArgs),
+    /// 4 KiB batched reads and sockperf's RTT over loopback and between two testbed
+    /// hosts on a rate-limited link (seed 000's emulated vs real). Needs root.
+    Testbed(testbed_bench::BenchTestbedArgs),
     /// Eviction policies × access patterns × local memory, paging from a memory server
     /// process (seed 000's policyPerformance), with the all-local time beside.
     Paging(farmem::PagingArgs),
@@ -722,6 +729,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Testbed(c) => testbed::run(c),
         Command::Chaos(a) => chaos::run(a),
         Command::ChaosWorker(a) => chaos::worker(a),
+        Command::BenchTestbedClient(a) => testbed_bench::client(a),
+        Command::Bench(BenchCommand::Testbed(a)) => testbed_bench::run(a),
     }
 }
 

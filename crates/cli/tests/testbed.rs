@@ -177,3 +177,38 @@ fn up_run_fault_down_from_the_command_line() {
     ok(&camelot(&["testbed", "down", "--name", &run]));
     assert!(namespaces(&run).is_empty());
 }
+
+#[test]
+fn bench_testbed_writes_both_paths_in_the_result_schema() {
+    if !is_root() {
+        return;
+    }
+    let out_dir = run_dir().join("bench-out");
+    let out = camelot(&[
+        "bench",
+        "testbed",
+        "--seconds",
+        "1",
+        "--rate",
+        "200mbit",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    ok(&out);
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out_dir.join("testbed.json")).unwrap()).unwrap();
+    assert_eq!(json["bench"], "testbed");
+    let reads = &json["series"][0]["points"];
+    assert_eq!(reads[0]["x"], "loopback");
+    assert_eq!(reads[1]["x"], "testbed 200mbit");
+    let testbed_bytes = reads[1]["bytes_per_sec"].as_f64().unwrap();
+    // The link's tbf holds the reads under its rate (25 MB/s): payload can't beat it.
+    assert!(
+        testbed_bytes > 0.0 && testbed_bytes <= 25e6 * 1.05,
+        "{testbed_bytes}"
+    );
+    let rtt = &json["series"][1]["points"];
+    assert!(rtt[1]["latency_us"]["p99"].as_f64().unwrap() > 0.0);
+    assert_eq!(json["comparisons"][0]["target"], 0.8);
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
