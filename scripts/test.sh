@@ -11,5 +11,17 @@ cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+# Issue 21: a fixed-seed minute of chaos on each face (as root, which CI is), and no
+# testbed namespace may be left behind by it or by the tests.
+if [ "$(id -u)" = 0 ]; then
+  for face in raid5 rvm; do
+    cargo run --quiet --locked -p camelot -- chaos --seed 42 --duration 60 --face "$face"
+  done
+  if ip netns list | grep -q '^cmlt-tb-'; then
+    echo "testbed namespaces left behind:" >&2
+    ip netns list | grep '^cmlt-tb-' >&2
+    exit 1
+  fi
+fi
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 ./scripts/fuzz.sh 20

@@ -238,6 +238,7 @@ pub fn run(a: ChaosArgs) -> Result<()> {
             ..LinkSpec::default()
         },
     )?;
+    crate::testbed::down_on_signal(run.clone(), a.run_dir.clone())?;
     let tb = Testbed::up(plan, &a.run_dir, Duration::ZERO)?;
     let bed = Bed(tb, a.run_dir.clone());
     let tb = &bed.0;

@@ -245,3 +245,33 @@ fn fault(f: FaultCommand) -> Result<()> {
     }
     Ok(())
 }
+
+/// Takes testbed `run` down if this process gets SIGINT or SIGTERM, then exits (130):
+/// commands that build a testbed for themselves (chaos, bench testbed) clean up after a
+/// Ctrl-C as they do on every other path. (A SIGKILL cannot be caught: `camelot testbed
+/// down --name RUN`, or `--all`, removes what is left.)
+pub fn down_on_signal(run: String, run_dir: PathBuf) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the signal watcher")?;
+    std::thread::spawn(move || {
+        rt.block_on(async {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(t) => t,
+                    Err(_) => return,
+                };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!("interrupted: taking testbed {run} down");
+            if let Err(e) = Testbed::down(&run, &run_dir) {
+                eprintln!("testbed down: {e}");
+            }
+            std::process::exit(130);
+        });
+    });
+    Ok(())
+}

@@ -232,6 +232,7 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
             ..LinkSpec::default()
         },
     )?;
+    crate::testbed::down_on_signal(run.clone(), a.run_dir.clone())?;
     let tb = Testbed::up(plan, &a.run_dir, Duration::ZERO)?;
     let server = SocketAddr::V4(SocketAddrV4::new(tb.plan.host_addr(1), SERVER_PORT));
     let sp = SocketAddr::V4(SocketAddrV4::new(tb.plan.host_addr(1), SOCKPERF_PORT));

@@ -150,3 +150,49 @@ fn acknowledging_before_writing_makes_chaos_fail() {
         its_namespaces_are_gone(&out);
     }
 }
+
+#[test]
+fn sigterm_mid_run_takes_the_testbed_down() {
+    if !is_root() {
+        return;
+    }
+    use std::io::BufRead;
+    let dir = std::env::temp_dir().join(format!("camelot-chaos-tests-{}", std::process::id()));
+    let mut child = Command::new(BIN)
+        .args(["chaos", "--seed", "7", "--duration", "30", "--quick"])
+        .env("CAMELOT_TESTBED_DIR", &dir)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            if tx.send(line.unwrap_or_default()).is_err() {
+                break;
+            }
+        }
+    });
+    let first = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    // The first fault's line: the testbed is up and the servers and worker run.
+    let fault = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert!(fault.contains(" h"), "{fault}");
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let st = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "chaos did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(st.code(), Some(130));
+    its_namespaces_are_gone(&first);
+}
