@@ -58,6 +58,31 @@ pub fn parse_kinds(s: &str) -> Result<Vec<FaultKind>, TestbedError> {
     Ok(kinds)
 }
 
+/// Longest run a schedule is drawn for: a day.
+pub const DURATION_MS_MAX: u64 = 86_400_000;
+
+/// `60`, `60s`, `30m`, `2h`, `1.5s` → milliseconds (more than 0, at most a day).
+pub fn parse_duration_ms(s: &str) -> Result<u64, TestbedError> {
+    let t = s.trim();
+    let bad = || {
+        TestbedError::InvalidArgument(format!(
+            "duration {s:?}: seconds, or a number with s, m or h (e.g. 60s, 30m), up to a day"
+        ))
+    };
+    let (num, unit_ms) = match t.char_indices().last() {
+        Some((i, 's')) => (&t[..i], 1_000.0),
+        Some((i, 'm')) => (&t[..i], 60_000.0),
+        Some((i, 'h')) => (&t[..i], 3_600_000.0),
+        _ => (t, 1_000.0),
+    };
+    let v: f64 = num.parse().map_err(|_| bad())?;
+    let ms = v * unit_ms;
+    if !(ms >= 1.0 && ms <= DURATION_MS_MAX as f64) {
+        return Err(bad());
+    }
+    Ok(ms as u64)
+}
+
 /// What a schedule is drawn from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ScheduleSpec {
@@ -142,6 +167,18 @@ mod tests {
             targets,
             gap_ms: (500, 1500),
             hold_ms: (200, 1000),
+        }
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration_ms("60").unwrap(), 60_000);
+        assert_eq!(parse_duration_ms("60s").unwrap(), 60_000);
+        assert_eq!(parse_duration_ms("30m").unwrap(), 1_800_000);
+        assert_eq!(parse_duration_ms("1.5s").unwrap(), 1_500);
+        assert_eq!(parse_duration_ms("24h").unwrap(), DURATION_MS_MAX);
+        for bad in ["", "s", "0", "-1s", "25h", "NaN", "inf", "1x"] {
+            assert!(parse_duration_ms(bad).is_err(), "{bad}");
         }
     }
 
