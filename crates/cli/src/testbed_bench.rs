@@ -33,6 +33,8 @@ const THREADS: usize = 4;
 const DEPTH: usize = 16;
 /// What the issue asks of the testbed path: 4 KiB reads at ≥ 0.8× the link rate.
 const LINK_FRACTION_TARGET: f64 = 0.8;
+/// At most this many link rates in one run (a testbed each).
+const RATES_MAX: usize = 8;
 
 #[derive(Args)]
 pub struct BenchTestbedArgs {
@@ -41,9 +43,9 @@ pub struct BenchTestbedArgs {
     seconds: Option<f64>,
     #[arg(long)]
     quick: bool,
-    /// The testbed link's rate.
-    #[arg(long, default_value = "1gbit")]
-    rate: String,
+    /// Testbed link rates, comma-separated: one testbed and one point per rate.
+    #[arg(long, value_delimiter = ',', default_value = "1gbit,10gbit")]
+    rate: Vec<String>,
     #[arg(long, default_value = "results")]
     out: PathBuf,
     #[arg(long, env = "CAMELOT_TESTBED_DIR", default_value = DEFAULT_RUN_DIR)]
@@ -207,7 +209,14 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
     if !(seconds > 0.0 && seconds <= 3600.0) {
         bail!("--seconds: more than 0, at most 3600");
     }
-    let rate = parse_rate(&a.rate)?;
+    let rates = a
+        .rate
+        .iter()
+        .map(|r| parse_rate(r).map(|bits| (r.clone(), bits)))
+        .collect::<Result<Vec<_>, _>>()?;
+    if rates.is_empty() || rates.len() > RATES_MAX {
+        bail!("--rate: 1 to {RATES_MAX} rates");
+    }
     let started = now_rfc3339();
 
     println!("loopback: 4 KiB reads, {THREADS} threads × {DEPTH}, {seconds} s …");
@@ -221,85 +230,93 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
     ));
     let plain = |p: &str| Command::new(p);
     let (lo, lo_rtt, sockperf_cmd) = measure(&plain, &plain, lo_server, lo_sockperf, seconds)?;
+    let mbs = |b: f64| b / 1e6;
+    println!(
+        "  loopback: {:.0} MB/s (p50 {:.0} µs); sockperf RTT p50 {:.1} µs p99 {:.1} µs",
+        mbs(lo.read_bytes_per_sec),
+        lo.latency_us.p50,
+        lo_rtt.p50,
+        lo_rtt.p99
+    );
 
-    println!("testbed at {}: the same, h0 → h1 …", a.rate);
-    let run = format!("bt{}", std::process::id() % 1_000_000);
-    let plan = Plan::new(
-        &run,
-        2,
-        LinkSpec {
-            rate_bits_per_s: Some(rate),
-            ..LinkSpec::default()
-        },
-    )?;
-    crate::testbed::down_on_signal(run.clone(), a.run_dir.clone())?;
-    let tb = Testbed::up(plan, &a.run_dir, Duration::ZERO)?;
-    let server = SocketAddr::V4(SocketAddrV4::new(tb.plan.host_addr(1), SERVER_PORT));
-    let sp = SocketAddr::V4(SocketAddrV4::new(tb.plan.host_addr(1), SOCKPERF_PORT));
-    let on_h1 = |p: &str| tb.command(1, p);
-    let on_h0 = |p: &str| tb.command(0, p);
-    // Measured before `?`: the testbed comes down whatever happened.
-    let result = measure(&on_h1, &on_h0, server, sp, seconds);
-    let down = Testbed::down(&run, &a.run_dir);
-    let (tbd, tb_rtt, _) = result?;
-    down?;
-
-    let tb_label = format!("testbed {}", a.rate);
     let mut reads = Series::new("4 KiB batched reads");
     reads.points.push(point("loopback", &lo));
-    reads.points.push(point(&tb_label, &tbd));
     let mut rtts = Series::new("sockperf TCP RTT, 64 B");
     rtts.points.push(rtt_point("loopback", &lo_rtt));
-    rtts.points.push(rtt_point(&tb_label, &tb_rtt));
+    let mut references = Vec::new();
+    let mut comparisons = Vec::new();
+    let run = format!("bt{}", std::process::id() % 1_000_000);
+    crate::testbed::down_on_signal(run.clone(), a.run_dir.clone())?;
+    for (name, bits) in &rates {
+        println!("testbed at {name}: the same, h0 → h1 …");
+        let plan = Plan::new(
+            &run,
+            2,
+            LinkSpec {
+                rate_bits_per_s: Some(*bits),
+                ..LinkSpec::default()
+            },
+        )?;
+        let tb = Testbed::up(plan, &a.run_dir, Duration::ZERO)?;
+        let server = SocketAddr::V4(SocketAddrV4::new(tb.plan.host_addr(1), SERVER_PORT));
+        let sp = SocketAddr::V4(SocketAddrV4::new(tb.plan.host_addr(1), SOCKPERF_PORT));
+        let on_h1 = |p: &str| tb.command(1, p);
+        let on_h0 = |p: &str| tb.command(0, p);
+        // Measured before `?`: the testbed comes down whatever happened.
+        let result = measure(&on_h1, &on_h0, server, sp, seconds);
+        let down = Testbed::down(&run, &a.run_dir);
+        let (tbd, tb_rtt, _) = result?;
+        down?;
+        let label = format!("testbed {name}");
+        let link_bytes_per_s = *bits as f64 / 8.0;
+        println!(
+            "  {label}: {:.0} MB/s (p50 {:.0} µs) = {:.2} of the link; sockperf RTT p50 {:.1} µs p99 {:.1} µs",
+            mbs(tbd.read_bytes_per_sec),
+            tbd.latency_us.p50,
+            tbd.read_bytes_per_sec / link_bytes_per_s,
+            tb_rtt.p50,
+            tb_rtt.p99
+        );
+        reads.points.push(point(&label, &tbd));
+        rtts.points.push(rtt_point(&label, &tb_rtt));
+        references.push(Reference {
+            label: format!("link rate ({name})"),
+            metric: "bytes_per_sec".into(),
+            value: link_bytes_per_s,
+        });
+        comparisons.push(
+            Comparison::new(
+                format!("{label}: 4 KiB reads ÷ link rate"),
+                tbd.read_bytes_per_sec,
+                link_bytes_per_s,
+                "bytes/s",
+                format!("link rate ({name})"),
+            )
+            .with_target(LINK_FRACTION_TARGET, false),
+        );
+        comparisons.push(Comparison::new(
+            format!("{label} ÷ loopback, 4 KiB reads"),
+            tbd.read_bytes_per_sec,
+            lo.read_bytes_per_sec,
+            "bytes/s",
+            "loopback",
+        ));
+    }
     let config = serde_json::json!({
         "seconds": seconds,
         "read_bytes": READ_BYTES,
         "threads": THREADS,
         "depth": DEPTH,
         "region_bytes": REGION_BYTES,
-        "link_rate_bits_per_s": rate,
+        "link_rates_bits_per_s": rates.iter().map(|(_, b)| *b).collect::<Vec<_>>(),
         "testbed": "two hosts in network namespaces, veth pairs to a bridge, tbf both ways",
         "sockperf": sockperf_cmd,
         "quick": a.quick,
     });
     let mut result = BenchResult::new("testbed", started, config, vec![reads, rtts]);
-    let link_bytes_per_s = rate as f64 / 8.0;
-    result.references.push(Reference {
-        label: format!("link rate ({})", a.rate),
-        metric: "bytes_per_sec".into(),
-        value: link_bytes_per_s,
-    });
-    result.comparisons.push(
-        Comparison::new(
-            "testbed 4 KiB reads ÷ link rate",
-            tbd.read_bytes_per_sec,
-            link_bytes_per_s,
-            "bytes/s",
-            format!("link rate ({})", a.rate),
-        )
-        .with_target(LINK_FRACTION_TARGET, false),
-    );
-    result.comparisons.push(Comparison::new(
-        "testbed ÷ loopback, 4 KiB reads",
-        tbd.read_bytes_per_sec,
-        lo.read_bytes_per_sec,
-        "bytes/s",
-        "loopback",
-    ));
+    result.references = references;
+    result.comparisons = comparisons;
     let path = camelot_results::output::write_result(&a.out, &result)?;
-    let mbs = |b: f64| b / 1e6;
-    println!(
-        "4 KiB reads: loopback {:.0} MB/s (p50 {:.0} µs), {tb_label} {:.0} MB/s (p50 {:.0} µs) = {:.2} of the link",
-        mbs(lo.read_bytes_per_sec),
-        lo.latency_us.p50,
-        mbs(tbd.read_bytes_per_sec),
-        tbd.latency_us.p50,
-        tbd.read_bytes_per_sec / link_bytes_per_s
-    );
-    println!(
-        "sockperf RTT: loopback p50 {:.1} µs p99 {:.1} µs; {tb_label} p50 {:.1} µs p99 {:.1} µs",
-        lo_rtt.p50, lo_rtt.p99, tb_rtt.p50, tb_rtt.p99
-    );
     println!("wrote {}", path.display());
     Ok(())
 }

@@ -55,13 +55,32 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TestbedError + '_ {
 
 /// Runs one command to its end; its stderr becomes the error.
 pub fn run_cmd(cmd: &Cmd) -> Result<String, TestbedError> {
-    let out = Command::new(cmd.program)
-        .args(&cmd.args)
-        .output()
-        .map_err(|e| TestbedError::MissingTool {
-            program: cmd.program.to_string(),
-            detail: e.to_string(),
-        })?;
+    let missing = |e: std::io::Error| TestbedError::MissingTool {
+        program: cmd.program.to_string(),
+        detail: e.to_string(),
+    };
+    let out = match &cmd.stdin {
+        None => Command::new(cmd.program)
+            .args(&cmd.args)
+            .output()
+            .map_err(missing)?,
+        Some(lines) => {
+            let mut child = Command::new(cmd.program)
+                .args(&cmd.args)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .map_err(missing)?;
+            // A batch is a few KiB, well under a pipe's buffer: writing it all before
+            // reading any output cannot deadlock.
+            if let Some(mut stdin) = child.stdin.take() {
+                use std::io::Write;
+                stdin.write_all(lines.as_bytes()).map_err(missing)?;
+            }
+            child.wait_with_output().map_err(missing)?
+        }
+    };
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
@@ -76,6 +95,7 @@ fn ip(args: &[&str]) -> Cmd {
     Cmd {
         program: "ip",
         args: args.iter().map(|s| s.to_string()).collect(),
+        stdin: None,
     }
 }
 
@@ -190,12 +210,12 @@ impl Testbed {
         fs::write(&tmp, json).map_err(io_err(&tmp))?;
         fs::rename(&tmp, &state_path).map_err(io_err(&state_path))?;
         let tb = Testbed { plan, dir };
-        for cmd in tb.plan.up_commands() {
+        for cmd in crate::plan::batch(&tb.plan.up_commands(), &tb.plan.switch_ns()) {
             if let Err(e) = run_cmd(&cmd) {
                 let _ = Testbed::down(&tb.plan.run, base);
                 return Err(match e {
                     TestbedError::Command { stderr, .. }
-                        if cmd.args.iter().any(|a| a == "netem") =>
+                        if cmd.stdin.as_deref().is_some_and(|l| l.contains("netem")) =>
                     {
                         TestbedError::NetemUnavailable { tc_said: stderr }
                     }

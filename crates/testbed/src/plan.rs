@@ -67,11 +67,13 @@ pub struct Plan {
     pub link: LinkSpec,
 }
 
-/// One program invocation: what `up`, `fault` and `down` are made of.
+/// One program invocation: what `up`, `fault` and `down` are made of. A batch
+/// (`ip -batch -`) carries its commands as lines on stdin.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Cmd {
     pub program: &'static str,
     pub args: Vec<String>,
+    pub stdin: Option<String>,
 }
 
 impl Cmd {
@@ -79,6 +81,7 @@ impl Cmd {
         Cmd {
             program,
             args: args.iter().map(|s| s.to_string()).collect(),
+            stdin: None,
         }
     }
 
@@ -89,8 +92,79 @@ impl Cmd {
             s.push(' ');
             s.push_str(a);
         }
+        if let Some(lines) = &self.stdin {
+            s.push_str(" <<< ");
+            s.push_str(&lines.replace('\n', "; "));
+        }
         s
     }
+
+    /// The namespace a command runs in (`-n NS …`), if any.
+    fn ns(&self) -> Option<&str> {
+        match self.args.as_slice() {
+            [flag, ns, ..] if flag == "-n" => Some(ns),
+            _ => None,
+        }
+    }
+}
+
+/// A batch's rank in the order of effect, its program and its namespace.
+type GroupKey = (u8, &'static str, Option<String>);
+
+/// Groups commands into as few `ip`/`tc` processes as keep their order of effect:
+/// first every `ip netns add` (one `ip -batch`), then the switch namespace's `ip`
+/// commands (the bridge and every veth pair, whose far ends need the host namespaces),
+/// then each host's `ip` commands (its end of the veth exists by then), then each
+/// namespace's `tc` commands (every device exists by then). Within a group the order
+/// is the given one. A process per command costs ~4 ms unloaded and ten times that on
+/// a busy machine: 8 hosts are 60 commands but 19 processes.
+pub fn batch(cmds: &[Cmd], switch_ns: &str) -> Vec<Cmd> {
+    let is_netns_add = |c: &Cmd| {
+        c.program == "ip" && c.args.len() == 3 && c.args[0] == "netns" && c.args[1] == "add"
+    };
+    let rank = |c: &Cmd| -> u8 {
+        if is_netns_add(c) {
+            0
+        } else if c.program == "ip" && c.ns() == Some(switch_ns) {
+            1
+        } else if c.program == "ip" {
+            2
+        } else {
+            3
+        }
+    };
+    // (rank, program, namespace) → lines, in first-seen order.
+    let mut groups: Vec<(GroupKey, Vec<String>)> = Vec::new();
+    for c in cmds {
+        let key = (rank(c), c.program, c.ns().map(str::to_string));
+        let line = if key.2.is_some() {
+            c.args[2..].join(" ")
+        } else {
+            c.args.join(" ")
+        };
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, lines)) => lines.push(line),
+            None => groups.push((key, vec![line])),
+        }
+    }
+    groups.sort_by_key(|((rank, _, _), _)| *rank);
+    groups
+        .into_iter()
+        .map(|((_, program, ns), lines)| {
+            let mut args = Vec::new();
+            if let Some(ns) = ns {
+                args.push("-n".to_string());
+                args.push(ns);
+            }
+            args.push("-batch".to_string());
+            args.push("-".to_string());
+            Cmd {
+                program,
+                args,
+                stdin: Some(lines.join("\n") + "\n"),
+            }
+        })
+        .collect()
 }
 
 pub fn check_run_name(run: &str) -> Result<(), TestbedError> {
@@ -270,6 +344,7 @@ impl Plan {
             cmds.push(Cmd {
                 program: "tc",
                 args,
+                stdin: None,
             });
         }
         cmds
@@ -520,6 +595,52 @@ mod tests {
             .filter(|c| c.program == "tc")
             .count();
         assert_eq!(tbf, 6, "both ends of every link are shaped");
+    }
+
+    #[test]
+    fn batches_hold_every_command_in_an_order_that_works() {
+        let p = Plan::new(
+            "t1",
+            8,
+            LinkSpec {
+                rate_bits_per_s: Some(1_000_000_000),
+                ..LinkSpec::default()
+            },
+        )
+        .unwrap();
+        let cmds = p.up_commands();
+        let batches = batch(&cmds, &p.switch_ns());
+        assert_eq!(cmds.len(), 4 + 8 * 8);
+        assert_eq!(batches.len(), 2 * 8 + 3);
+        // The same commands, line for line.
+        let mut want: Vec<String> = cmds
+            .iter()
+            .map(|c| format!("{} {}", c.program, c.args.join(" ")))
+            .collect();
+        let mut got: Vec<String> = Vec::new();
+        for b in &batches {
+            let prefix = match b.args.as_slice() {
+                [n, ns, ..] if n == "-n" => format!("{} -n {ns} ", b.program),
+                _ => format!("{} ", b.program),
+            };
+            for line in b.stdin.as_ref().unwrap().lines() {
+                got.push(format!("{prefix}{line}"));
+            }
+        }
+        want.sort();
+        got.sort();
+        assert_eq!(want, got);
+        // Namespaces first, then the switch (veths), then hosts, then qdiscs.
+        assert!(batches[0]
+            .stdin
+            .as_ref()
+            .unwrap()
+            .lines()
+            .all(|l| l.starts_with("netns add")));
+        assert_eq!(batches[1].args[1], p.switch_ns());
+        assert!(batches[1].stdin.as_ref().unwrap().contains("veth"));
+        assert!(batches[2..10].iter().all(|b| b.program == "ip"));
+        assert!(batches[10..].iter().all(|b| b.program == "tc"));
     }
 
     #[test]
