@@ -45,6 +45,11 @@ const RVM_LOG_BYTES: u64 = 8 << 20;
 /// member does not turn the loop into a spin.
 const ERROR_BACKOFF: Duration = Duration::from_millis(20);
 const REPAIR_ROUNDS_MAX: usize = 10;
+/// The worker writes at most this many times a second (unpaced it made ~1,700 on this
+/// machine): faults, not volume, are what a chaos run is for, and the history of a
+/// 30-minute run stays under 2M writes.
+const WRITES_PER_S_MAX: u64 = 1_000;
+const PACING_SLEEP: Duration = Duration::from_millis(1);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -559,8 +564,18 @@ impl Recorder {
         }
     }
 
-    fn full(&self) -> bool {
-        self.history.len() >= HISTORY_OPS_MAX
+    /// Whether the next write should wait: the history is full (then the worker only
+    /// waits for `stop`, so its repair never races the orchestrator's faults), or the
+    /// writes are ahead of `WRITES_PER_S_MAX` (pacing, so a 30-minute run's history
+    /// stays a few hundred MB at most). Sleeps a little if so.
+    fn hold_back(&self) -> bool {
+        let due_us = self.history.len() as u64 * 1_000_000 / WRITES_PER_S_MAX;
+        let ahead = due_us > self.now_us();
+        if self.history.len() >= HISTORY_OPS_MAX || ahead {
+            std::thread::sleep(PACING_SLEEP);
+            return true;
+        }
+        false
     }
 }
 
@@ -642,8 +657,11 @@ fn worker_raid5(
     };
     loop {
         let (healed, stop) = poll(control);
-        if stop || rec.full() {
+        if stop {
             break;
+        }
+        if rec.hold_back() {
+            continue;
         }
         repair_pending |= healed;
         if repair_pending && !vol.status().missing.is_empty() {
@@ -727,8 +745,11 @@ fn worker_rvm(a: &WorkerArgs, mut rec: Recorder, control: &mpsc::Receiver<Msg>) 
     let mut repairs = 0u64;
     loop {
         let (_, stop) = poll(control);
-        if stop || rec.full() {
+        if stop {
             break;
+        }
+        if rec.hold_back() {
+            continue;
         }
         if current.is_none() {
             // A failed commit leaves the instance failed: only a recovering open
