@@ -2,7 +2,10 @@
 //! printing live here; everything else lives in a library crate.
 #![forbid(unsafe_code)]
 
+mod chaos;
 mod farmem;
+mod testbed;
+mod testbed_bench;
 mod units;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -52,6 +55,19 @@ enum Command {
     /// rebuild, scrub, read and write.
     #[command(subcommand)]
     Volume(VolumeCommand),
+    /// An emulated network on this machine (namespaces, a bridge, rate limits) and
+    /// faults injected into it. Needs root.
+    #[command(subcommand)]
+    Testbed(testbed::TestbedCommand),
+    /// Memory servers in a testbed, a recorded workload, seeded faults, then checkers:
+    /// PASS/FAIL with the seed to replay. Needs root.
+    Chaos(chaos::ChaosArgs),
+    /// The client side of `chaos`, run by it on a testbed host.
+    #[command(hide = true)]
+    ChaosWorker(chaos::WorkerArgs),
+    /// The read client of `bench testbed`, run by it on each path.
+    #[command(hide = true)]
+    BenchTestbedClient(testbed_bench::ClientArgs),
 }
 
 #[derive(Subcommand)]
@@ -351,6 +367,9 @@ enum BenchCommand {
     RvmCommit(RvmArgs),
     /// RVM recovery time against pages, per backend (seed 001), beside iperf3.
     RvmRecovery(RvmArgs),
+    /// 4 KiB batched reads and sockperf's RTT over loopback and between two testbed
+    /// hosts on a rate-limited link (seed 000's emulated vs real). Needs root.
+    Testbed(testbed_bench::BenchTestbedArgs),
     /// Eviction policies × access patterns × local memory, paging from a memory server
     /// process (seed 000's policyPerformance), with the all-local time beside.
     Paging(farmem::PagingArgs),
@@ -736,6 +755,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Farmem(c) => farmem::run(c),
         Command::Bench(BenchCommand::Raid(a)) => bench_raid(a),
         Command::Volume(c) => volume(c),
+        Command::Testbed(c) => testbed::run(c),
+        Command::Chaos(a) => chaos::run(a),
+        Command::ChaosWorker(a) => chaos::worker(a),
+        Command::BenchTestbedClient(a) => testbed_bench::client(a),
+        Command::Bench(BenchCommand::Testbed(a)) => testbed_bench::run(a),
     }
 }
 
