@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod farmem;
+mod proxy;
 mod units;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -52,6 +53,10 @@ enum Command {
     /// rebuild, scrub, read and write.
     #[command(subcommand)]
     Volume(VolumeCommand),
+    /// A middlebox between clients and one memory server: pass-through, connection
+    /// mapping, CAS→WRITE (`camelot proxy run --help`), and its counters.
+    #[command(subcommand)]
+    Proxy(proxy::ProxyCommand),
 }
 
 #[derive(Subcommand)]
@@ -707,6 +712,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Farmem(c) => farmem::run(c),
         Command::Bench(BenchCommand::Raid(a)) => bench_raid(a),
         Command::Volume(c) => volume(c),
+        Command::Proxy(c) => proxy::run(c),
     }
 }
 
