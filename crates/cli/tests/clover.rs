@@ -54,12 +54,12 @@ fn connect(addrs: &[SocketAddr]) -> Client {
 fn concurrent_clients_on_real_servers_are_linearizable() {
     let servers = [server(), server()];
     let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
-    // 8-byte values, 64 nodes a block, 8 blocks: 512 nodes for ~1,700 writes, so
+    // 8-byte values, 64 nodes a block, 12 blocks: 768 nodes for ~1,700 writes, so
     // collection must reclaim and stores must meet reused nodes.
     let geometry = Geometry::new(8, 64).unwrap();
     let mem = RegionMemory::new(connect(&addrs), geometry);
     let config = MetaConfig {
-        blocks_max: 8,
+        blocks_max: 12,
         versions_kept: 2,
         ..MetaConfig::default()
     };
@@ -90,7 +90,15 @@ fn concurrent_clients_on_real_servers_are_linearizable() {
             let mem = mem.with_client(clients[c as usize % clients.len()].clone());
             let (meta, recorder) = (meta.clone(), recorder.clone());
             std::thread::spawn(move || {
-                let mut store = Store::new(meta, mem, StoreConfig::default());
+                let mut store = Store::new(
+                    meta,
+                    mem,
+                    // Small grants: 32 stores × 16 nodes would be the whole store.
+                    StoreConfig {
+                        grant_nodes: 4,
+                        ..StoreConfig::default()
+                    },
+                );
                 let mut seen = [0u64; KEYS as usize];
                 let mut errors = 0u32;
                 let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ u64::from(c);

@@ -18,10 +18,12 @@
 //! unsure what its in-flight WRITEs did, so it exits rather than vouch for anything
 //! again; clients then go to the server directly.
 
+mod cache;
 mod words;
 
 use anyhow::{bail, Context, Result};
 use bytes::{Bytes, BytesMut};
+use cache::ReadCache;
 use camelot_client::{ClientConfig, ClientError, ClusterMap, LoopClient};
 use camelot_proto::{
     decode_frame, encode_frame, ErrorCode, ErrorReply, Frame, FrameDecoder, HelloOk, Op, Reply,
@@ -77,9 +79,16 @@ pub struct ProxyArgs {
     /// Turn a CAS the proxy can vouch for into a WRITE (needs --conn-map).
     #[arg(long)]
     cas_to_write: bool,
+    /// Answer READs from what earlier READs and WRITEs showed (needs --conn-map).
+    #[arg(long)]
+    read_cache: bool,
     /// Budget for what the proxy remembers (known words), over all lanes.
     #[arg(long, value_name = "BYTES", default_value = "64M", value_parser = parse_bytes)]
     memory: u64,
+    /// Seconds an upstream request may take before its connection is given up (with
+    /// --cas-to-write, the proxy then stops: see `camelot proxy run --help`).
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    upstream_timeout: f64,
     /// Worker threads of the proxy's runtime.
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -119,10 +128,15 @@ fn stats(a: ProxyStatsArgs) -> Result<()> {
     Ok(())
 }
 
-/// One upstream connection and what the proxy knows about the words behind it.
+/// One upstream connection and what the proxy knows about the bytes behind it.
 struct Lane {
     client: LoopClient,
-    words: Mutex<Words>,
+    state: Mutex<LaneState>,
+}
+
+struct LaneState {
+    words: Words,
+    cache: Option<ReadCache>,
 }
 
 #[derive(Default)]
@@ -141,6 +155,7 @@ struct Proxy {
     /// Shared lanes (`--conn-map`); empty in pass-through.
     lanes: Vec<Arc<Lane>>,
     cas_to_write: bool,
+    read_cache: bool,
     memory_bytes_max: u64,
     counters: Counters,
     connections: AtomicUsize,
@@ -169,6 +184,16 @@ fn lane_index(region: Option<u64>, lanes: usize) -> usize {
         // poorly chosen id space from landing on one lane.
         Some(r) => ((r.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % lanes as u64) as usize,
         None => 0,
+    }
+}
+
+impl LaneState {
+    /// Bytes whose value is now unknown here (a failed request, FETCH_ADD, …).
+    fn forget(&mut self, region: u64, offset: u64, len: u64) {
+        self.words.forget(region, offset, len);
+        if let Some(c) = self.cache.as_mut() {
+            c.forget(region, offset, len);
+        }
     }
 }
 
@@ -215,59 +240,120 @@ impl Proxy {
             ("proxy_lanes".into(), self.lanes.len() as u64),
             ("proxy_memory_bytes_max".into(), self.memory_bytes_max),
         ];
-        let (mut conv, mut fail, mut fwd, mut learned, mut evicted, mut bytes, mut n) =
-            (0, 0, 0, 0, 0, 0, 0);
+        let mut w = words::WordStats::default();
+        let mut r = cache::CacheStats::default();
+        let (mut words_n, mut words_bytes, mut cache_bytes) = (0, 0, 0);
         for lane in &self.lanes {
-            let w = lane.words.lock().await;
-            conv += w.stats.conversions;
-            fail += w.stats.failed_locally;
-            fwd += w.stats.forwarded;
-            learned += w.stats.learned;
-            evicted += w.stats.evictions;
-            bytes += w.bytes();
-            n += w.len() as u64;
+            let st = lane.state.lock().await;
+            let ws = st.words.stats;
+            w.conversions += ws.conversions;
+            w.failed_locally += ws.failed_locally;
+            w.forwarded += ws.forwarded;
+            w.learned += ws.learned;
+            w.evictions += ws.evictions;
+            words_n += st.words.len() as u64;
+            words_bytes += st.words.bytes();
+            if let Some(c) = &st.cache {
+                r.hits += c.stats.hits;
+                r.misses += c.stats.misses;
+                r.fills += c.stats.fills;
+                r.fills_refused += c.stats.fills_refused;
+                r.evictions += c.stats.evictions;
+                cache_bytes += c.bytes();
+            }
         }
         s.extend([
-            ("proxy_cas_converted".to_string(), conv),
-            ("proxy_cas_failed_locally".into(), fail),
-            ("proxy_cas_forwarded".into(), fwd),
-            ("proxy_words_learned".into(), learned),
-            ("proxy_words_evicted".into(), evicted),
-            ("proxy_words".into(), n),
-            ("proxy_words_bytes".into(), bytes),
+            ("proxy_cas_converted".to_string(), w.conversions),
+            ("proxy_cas_failed_locally".into(), w.failed_locally),
+            ("proxy_cas_forwarded".into(), w.forwarded),
+            ("proxy_words".into(), words_n),
+            ("proxy_words_learned".into(), w.learned),
+            ("proxy_words_evicted".into(), w.evictions),
+            ("proxy_words_bytes".into(), words_bytes),
+            ("proxy_read_hits".into(), r.hits),
+            ("proxy_read_misses".into(), r.misses),
+            ("proxy_read_fills".into(), r.fills),
+            ("proxy_read_fills_refused".into(), r.fills_refused),
+            ("proxy_read_evictions".into(), r.evictions),
+            ("proxy_read_cache_bytes".into(), cache_bytes),
+            ("proxy_state_bytes".into(), words_bytes + cache_bytes),
         ]);
         s
     }
 
     /// Decides one request and queues it upstream; the answer comes by awaiting what
-    /// this returns. Requests are decided one at a time per client, in frame order.
+    /// this returns. Requests are decided one at a time per client, in frame order, and
+    /// every decision about a lane's bytes is made and queued under that lane's lock.
     async fn dispatch(self: &Arc<Self>, lanes: &[Arc<Lane>], op: Op) -> Answer {
         self.counters.requests.fetch_add(1, Ordering::Relaxed);
         if let Op::Stats = op {
             return ready(Ok(Reply::Stats(self.stats_list().await)));
         }
         let lane = lanes[lane_index(region_of(&op), lanes.len())].clone();
-        if !self.cas_to_write {
+        if !(self.cas_to_write || self.read_cache) {
             return self.forward(&lane, op).await;
         }
         match op {
+            Op::Read {
+                region,
+                offset,
+                len,
+            } if self.read_cache => {
+                let mut st = lane.state.lock().await;
+                let Some(cache) = st.cache.as_mut() else {
+                    drop(st);
+                    return self.forward(&lane, op).await;
+                };
+                if let Some(hit) = cache.get(region, offset, len) {
+                    return ready(Ok(Reply::Data(hit)));
+                }
+                let ticket = cache.ticket(region, offset, len);
+                let sent = lane.client.submit(0, op).await;
+                drop(st);
+                let proxy = self.clone();
+                Box::pin(async move {
+                    let r = match sent {
+                        Ok(p) => p.await,
+                        Err(e) => Err(e),
+                    };
+                    match r {
+                        Ok(Reply::Data(d)) => {
+                            if let Some(t) = ticket {
+                                if let Some(c) = lane.state.lock().await.cache.as_mut() {
+                                    c.fill(t, &d);
+                                }
+                            }
+                            Ok(Reply::Data(d))
+                        }
+                        Ok(other) => Ok(other),
+                        Err(e) => Err(proxy.upstream_error(e)),
+                    }
+                })
+            }
             Op::Cas {
                 region,
                 offset,
                 expected,
                 new,
             } if offset.is_multiple_of(8) => {
-                let mut words = lane.words.lock().await;
-                match words.cas(region, offset, expected, new, true) {
+                let mut st = lane.state.lock().await;
+                match st
+                    .words
+                    .cas(region, offset, expected, new, self.cas_to_write)
+                {
                     CasDecision::Fail(v) => ready(Ok(Reply::Word(v))),
                     CasDecision::Convert => {
+                        let bytes = new.to_le_bytes();
+                        if let Some(c) = st.cache.as_mut() {
+                            c.write(region, offset, &bytes);
+                        }
                         let write = Op::Write {
                             region,
                             offset,
-                            data: Bytes::copy_from_slice(&new.to_le_bytes()),
+                            data: Bytes::copy_from_slice(&bytes),
                         };
                         let sent = lane.client.submit(0, write).await;
-                        drop(words);
+                        drop(st);
                         let proxy = self.clone();
                         Box::pin(async move {
                             let r = match sent {
@@ -281,36 +367,39 @@ impl Proxy {
                                     format!("upstream answered a WRITE with {other:?}"),
                                 )),
                                 Err(e) => {
-                                    lane.words.lock().await.write_failed(region, offset, 8);
+                                    lane.state.lock().await.forget(region, offset, 8);
                                     Err(proxy.upstream_error(e))
                                 }
                             }
                         })
                     }
                     CasDecision::Forward { ticket } => {
+                        if let Some(c) = st.cache.as_mut() {
+                            c.forget(region, offset, 8);
+                        }
                         let sent = lane.client.submit(0, op).await;
-                        drop(words);
+                        drop(st);
                         let proxy = self.clone();
                         Box::pin(async move {
                             let r = match sent {
                                 Ok(p) => p.await,
                                 Err(e) => Err(e),
                             };
-                            let mut words = lane.words.lock().await;
+                            let mut st = lane.state.lock().await;
                             match r {
                                 Ok(Reply::Word(before)) => {
-                                    words.cas_answered(
+                                    st.words.cas_answered(
                                         region, offset, ticket, expected, new, before,
                                     );
                                     Ok(Reply::Word(before))
                                 }
                                 Ok(other) => {
-                                    words.cas_failed(region, offset, ticket);
+                                    st.words.cas_failed(region, offset, ticket);
                                     Ok(other)
                                 }
                                 Err(e) => {
-                                    words.cas_failed(region, offset, ticket);
-                                    drop(words);
+                                    st.words.cas_failed(region, offset, ticket);
+                                    drop(st);
                                     Err(proxy.upstream_error(e))
                                 }
                             }
@@ -324,10 +413,13 @@ impl Proxy {
                 ref data,
             } => {
                 let len = data.len() as u64;
-                let mut words = lane.words.lock().await;
-                words.write(region, offset, data);
+                let mut st = lane.state.lock().await;
+                st.words.write(region, offset, data);
+                if let Some(c) = st.cache.as_mut() {
+                    c.write(region, offset, data);
+                }
                 let sent = lane.client.submit(0, op).await;
-                drop(words);
+                drop(st);
                 let proxy = self.clone();
                 Box::pin(async move {
                     let r = match sent {
@@ -337,24 +429,27 @@ impl Proxy {
                     match r {
                         Ok(reply) => Ok(reply),
                         Err(e) => {
-                            lane.words.lock().await.write_failed(region, offset, len);
+                            lane.state.lock().await.forget(region, offset, len);
                             Err(proxy.upstream_error(e))
                         }
                     }
                 })
             }
             Op::FetchAdd { region, offset, .. } | Op::Cas { region, offset, .. } => {
-                let mut words = lane.words.lock().await;
-                words.forget(region, offset, 8);
+                let mut st = lane.state.lock().await;
+                st.forget(region, offset, 8);
                 let a = self.forward(&lane, op).await;
-                drop(words);
+                drop(st);
                 a
             }
             Op::Free { region } => {
-                let mut words = lane.words.lock().await;
-                words.forget_region(region);
+                let mut st = lane.state.lock().await;
+                st.words.forget_region(region);
+                if let Some(c) = st.cache.as_mut() {
+                    c.forget_region(region);
+                }
                 let a = self.forward(&lane, op).await;
-                drop(words);
+                drop(st);
                 a
             }
             other => self.forward(&lane, other).await,
@@ -373,7 +468,11 @@ impl Proxy {
         })
     }
 
-    async fn new_lane(&self, words_bytes: u64) -> Result<Arc<Lane>, ClientError> {
+    async fn new_lane(
+        &self,
+        words_bytes: u64,
+        cache_bytes: Option<u64>,
+    ) -> Result<Arc<Lane>, ClientError> {
         let client = LoopClient::connect(
             ClusterMap::from_addrs(&[self.upstream]),
             self.upstream_config.clone(),
@@ -381,7 +480,10 @@ impl Proxy {
         .await?;
         Ok(Arc::new(Lane {
             client,
-            words: Mutex::new(Words::new(words_bytes)),
+            state: Mutex::new(LaneState {
+                words: Words::new(words_bytes),
+                cache: cache_bytes.and_then(ReadCache::new),
+            }),
         }))
     }
 }
@@ -470,7 +572,7 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
     }
     // Only now, authenticated, does the client cost us anything.
     let lanes: Vec<Arc<Lane>> = if proxy.lanes.is_empty() {
-        match proxy.new_lane(0).await {
+        match proxy.new_lane(0, None).await {
             Ok(l) => vec![l],
             Err(e) => {
                 send_fatal(
@@ -562,8 +664,8 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
 fn run_proxy(a: ProxyArgs) -> Result<()> {
     let listen = crate::resolve(&a.listen)?;
     let upstream = crate::resolve(&a.upstream)?;
-    if a.cas_to_write && a.conn_map.is_none() {
-        bail!("--cas-to-write needs --conn-map: only mapped connections keep a word's requests in one order");
+    if (a.cas_to_write || a.read_cache) && a.conn_map.is_none() {
+        bail!("--cas-to-write and --read-cache need --conn-map: only mapped connections keep a region's requests in one order");
     }
     if let Some(n) = a.conn_map {
         if n == 0 || n > CONN_MAP_MAX {
@@ -573,6 +675,11 @@ fn run_proxy(a: ProxyArgs) -> Result<()> {
     if a.threads == 0 {
         bail!("--threads must be at least 1");
     }
+    if !(a.upstream_timeout.is_finite() && a.upstream_timeout > 0.0) {
+        bail!("--upstream-timeout must be a number of seconds above 0");
+    }
+    let upstream_timeout = Duration::try_from_secs_f64(a.upstream_timeout)
+        .context("--upstream-timeout is too long")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .worker_threads(a.threads)
@@ -583,6 +690,7 @@ fn run_proxy(a: ProxyArgs) -> Result<()> {
         let upstream_config = ClientConfig {
             token: token.clone(),
             connections_per_node: 1,
+            request_timeout: upstream_timeout,
             ..ClientConfig::default()
         };
         let mut proxy = Proxy {
@@ -591,15 +699,32 @@ fn run_proxy(a: ProxyArgs) -> Result<()> {
             upstream_config,
             lanes: Vec::new(),
             cas_to_write: a.cas_to_write,
+            read_cache: a.read_cache,
             memory_bytes_max: a.memory,
             counters: Counters::default(),
             connections: AtomicUsize::new(0),
         };
         if let Some(n) = a.conn_map {
+            // One budget: each lane a share; within a lane, with both on, the read cache
+            // takes three quarters (it holds bytes, the word table only words).
             let per_lane = a.memory / n as u64;
+            let (words_bytes, cache_bytes) = match (a.cas_to_write, a.read_cache) {
+                (true, true) => (per_lane / 4, Some(per_lane - per_lane / 4)),
+                (false, true) => (0, Some(per_lane)),
+                _ => (per_lane, None),
+            };
+            if let Some(b) = cache_bytes {
+                if ReadCache::new(b).is_none() {
+                    bail!(
+                        "--memory leaves each lane's read cache {} bytes, less than its {}-byte slot table",
+                        b,
+                        cache::SLOTS * 8
+                    );
+                }
+            }
             for _ in 0..n {
                 let lane = proxy
-                    .new_lane(per_lane)
+                    .new_lane(words_bytes, cache_bytes)
                     .await
                     .with_context(|| format!("cannot reach the upstream server {upstream}"))?;
                 proxy.lanes.push(lane);
@@ -610,10 +735,11 @@ fn run_proxy(a: ProxyArgs) -> Result<()> {
             .await
             .with_context(|| format!("cannot listen on {listen}"))?;
         println!(
-            "camelot proxy listening on {} for {upstream} (conn-map {}, cas-to-write {}, memory {})",
+            "camelot proxy listening on {} for {upstream} (conn-map {}, cas-to-write {}, read-cache {}, memory {})",
             listener.local_addr()?,
             a.conn_map.map_or("off".to_string(), |n| n.to_string()),
             if a.cas_to_write { "on" } else { "off" },
+            if a.read_cache { "on" } else { "off" },
             format_bytes(a.memory),
         );
         use tokio::signal::unix::{signal, SignalKind};

@@ -214,11 +214,6 @@ impl Words {
         }
     }
 
-    /// A WRITE failed: what it covered is unknown.
-    pub fn write_failed(&mut self, region: RegionId, offset: u64, len: u64) {
-        self.forget(region, offset, len);
-    }
-
     /// FETCH_ADD and anything else whose effect on these bytes the table does not model.
     pub fn forget(&mut self, region: RegionId, offset: u64, len: u64) {
         let end = offset.saturating_add(len);
