@@ -340,6 +340,10 @@ enum BenchCommand {
     /// overhead` (raid4 against raid0 by threads, iperf3 beside), `raid rebuild`
     /// (rebuild rate under load, the load's dip).
     Raid(RaidArgs),
+    /// The middlebox (issue 20): `middlebox cas` — one shared word, CAS direct against
+    /// CAS→WRITE through `camelot proxy`, 1…64 clients.
+    #[command(subcommand)]
+    Middlebox(proxy::MiddleboxCommand),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
 }
@@ -713,6 +717,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Raid(a)) => bench_raid(a),
         Command::Volume(c) => volume(c),
         Command::Proxy(c) => proxy::run(c),
+        Command::Bench(BenchCommand::Middlebox(c)) => proxy::bench(c),
     }
 }
 

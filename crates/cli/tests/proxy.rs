@@ -420,3 +420,72 @@ fn proxies_sigkilled_mid_run_leave_a_linearizable_history() {
         assert_linearizable(&run);
     }
 }
+
+/// Every CAS the proxy answered as a success moved the word: a counter incremented by
+/// CAS through the proxy (converted after the first) ends where the count says.
+#[test]
+fn increments_through_cas_to_write_are_never_lost() {
+    let s = server();
+    let p = proxy(s.addr(), &["--conn-map", "1", "--cas-to-write"]);
+    let client = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
+    let r = client
+        .alloc_with(4096, None, camelot_client::AccessMode::Shared)
+        .unwrap();
+    let mut cur = 0u64;
+    let mut wins = 0u64;
+    for _ in 0..2_000 {
+        let before = client.cas(&r, 0, cur, cur + 1).unwrap();
+        if before == cur {
+            wins += 1;
+            cur += 1;
+        } else {
+            cur = before;
+        }
+    }
+    let direct = Client::connect(ClusterMap::from_addrs(&[s.addr()]), config(TOKEN)).unwrap();
+    let word = u64::from_le_bytes(direct.read(&r, 0, 8).unwrap()[..8].try_into().unwrap());
+    assert_eq!(
+        word,
+        wins,
+        "converted {}",
+        stat(&client, "proxy_cas_converted")
+    );
+    assert_eq!(wins, 2_000);
+}
+
+/// `camelot bench middlebox cas` runs end to end (its own server and proxy processes),
+/// checks every increment it counted against the word, and writes the standard JSON.
+#[test]
+fn the_cas_bench_writes_its_result() {
+    let dir = camelot_testkit::process::ScratchDir::new("middlebox-bench").unwrap();
+    let out = std::process::Command::new(CAMELOT)
+        .args([
+            "bench",
+            "middlebox",
+            "cas",
+            "--clients",
+            "1,4",
+            "--seconds",
+            "0.3",
+        ])
+        .arg("--out")
+        .arg(&dir.path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(dir.path.join("middlebox-cas.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(json["bench"], "middlebox-cas");
+    let series = json["series"].as_array().unwrap();
+    assert_eq!(series.len(), 2);
+    for s in series {
+        assert_eq!(s["points"].as_array().unwrap().len(), 2);
+        for p in s["points"].as_array().unwrap() {
+            assert!(p["ops_per_sec"].as_f64().unwrap() > 0.0, "{p}");
+        }
+    }
+}

@@ -102,6 +102,48 @@ pub struct ProxyStatsArgs {
     token: Option<String>,
 }
 
+#[derive(Subcommand)]
+pub enum MiddleboxCommand {
+    /// One shared word, 1…64 clients: CAS direct against CAS→WRITE through the proxy;
+    /// the proxy's operations per CPU-second beside the seed's 2.8 M per core.
+    Cas(MiddleboxCasArgs),
+}
+
+#[derive(Args)]
+pub struct MiddleboxCasArgs {
+    /// Scaled down (4 client counts, 1 s each).
+    #[arg(long)]
+    quick: bool,
+    /// Client counts, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    clients: Option<Vec<usize>>,
+    /// Seconds per point.
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Directory for middlebox-cas.json.
+    #[arg(long, default_value = "results")]
+    out: std::path::PathBuf,
+}
+
+pub fn bench(command: MiddleboxCommand) -> Result<()> {
+    match command {
+        MiddleboxCommand::Cas(a) => {
+            let mut cfg = camelot_bench::middlebox::CasConfig::defaults(a.quick);
+            if let Some(c) = a.clients {
+                cfg.clients = c;
+            }
+            if let Some(s) = a.seconds {
+                cfg.seconds_per_point = s;
+            }
+            let binary = std::env::current_exe().context("cannot tell where this program is")?;
+            for path in camelot_bench::middlebox::run_cas(&cfg, &binary, &a.out)? {
+                println!("wrote {}", path.display());
+            }
+            Ok(())
+        }
+    }
+}
+
 pub fn run(command: ProxyCommand) -> Result<()> {
     match command {
         ProxyCommand::Run(a) => run_proxy(a),
