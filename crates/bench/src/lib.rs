@@ -58,6 +58,7 @@ pub mod all;
 pub mod api;
 pub mod demo;
 pub mod hw;
+pub mod middlebox;
 pub mod paging;
 pub mod prefetch;
 pub mod raid;

@@ -6,6 +6,7 @@ mod chaos;
 mod farmem;
 mod testbed;
 mod testbed_bench;
+mod proxy;
 mod units;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -68,6 +69,10 @@ enum Command {
     /// The read client of `bench testbed`, run by it on each path.
     #[command(hide = true)]
     BenchTestbedClient(testbed_bench::ClientArgs),
+    /// A middlebox between clients and one memory server: pass-through, connection
+    /// mapping, CAS→WRITE (`camelot proxy run --help`), and its counters.
+    #[command(subcommand)]
+    Proxy(proxy::ProxyCommand),
 }
 
 #[derive(Subcommand)]
@@ -383,6 +388,10 @@ enum BenchCommand {
     /// overhead` (raid4 against raid0 by threads, iperf3 beside), `raid rebuild`
     /// (rebuild rate under load, the load's dip).
     Raid(RaidArgs),
+    /// The middlebox (issue 20): `middlebox cas` — one shared word, CAS direct against
+    /// CAS→WRITE through `camelot proxy`, 1…64 clients.
+    #[command(subcommand)]
+    Middlebox(proxy::MiddleboxCommand),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
 }
@@ -760,6 +769,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::ChaosWorker(a) => chaos::worker(a),
         Command::BenchTestbedClient(a) => testbed_bench::client(a),
         Command::Bench(BenchCommand::Testbed(a)) => testbed_bench::run(a),
+        Command::Proxy(c) => proxy::run(c),
+        Command::Bench(BenchCommand::Middlebox(c)) => proxy::bench(c),
     }
 }
 
