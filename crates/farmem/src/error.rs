@@ -13,6 +13,15 @@ pub enum Error {
     /// The memory server answered something a page operation does not expect.
     #[error("remote memory: {0}")]
     Remote(String),
+    /// This process may not use userfaultfd; the message says what to change.
+    #[error("userfaultfd is not permitted here: {0}")]
+    UserfaultNotPermitted(String),
+    /// userfaultfd is missing or failed (the message names the step).
+    #[error("userfaultfd: {0}")]
+    Userfault(String),
+    /// A far region stopped serving faults (its store failed); the message says why.
+    #[error("the far region failed: {0}")]
+    RegionFailed(String),
     #[error("reading the trace: {0}")]
     Io(#[from] std::io::Error),
 }
