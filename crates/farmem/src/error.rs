@@ -10,6 +10,10 @@ pub enum Error {
     /// The memory server could not be reached or refused a request.
     #[error(transparent)]
     Client(#[from] camelot_client::ClientError),
+    /// The block volume under a `VolumeStore` failed (e.g. more members lost than its
+    /// level tolerates).
+    #[error(transparent)]
+    Volume(#[from] camelot_blocks::BlocksError),
     /// The memory server answered something a page operation does not expect.
     #[error("remote memory: {0}")]
     Remote(String),

@@ -28,7 +28,7 @@ pub use list::PageList;
 pub use policy::{by_name as policy_by_name, Policy, POLICY_NAMES};
 pub use prefetch::{prefetcher_by_name, Prefetcher, PREFETCHER_NAMES};
 pub use region::{FarRegion, RegionStats};
-pub use store::{LocalStore, PageStore, PendingRead, RegionStore};
+pub use store::{LocalStore, PageStore, PendingRead, RegionStore, VolumeStore};
 
 /// A page's number within a far-memory space (its byte offset ÷ the page size).
 pub type PageId = u64;

@@ -3,8 +3,10 @@
 //! prefetcher asked for) or one write-back costs one round trip, not one per page.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use bytes::Bytes;
+use camelot_blocks::Volume;
 use camelot_client::proto::{Op, Reply};
 use camelot_client::{Client, Region};
 use parking_lot::Mutex;
@@ -349,6 +351,93 @@ impl PageStore for RegionStore {
             }
             Err(e) => PendingRead(Pending::Ready(Err(e.into()))),
         }
+    }
+    fn traffic_bytes(&self) -> (u64, u64) {
+        (
+            self.read_bytes.load(Ordering::Relaxed),
+            self.written_bytes.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Pages on a block volume (`camelot-blocks`): striped, mirrored or erasure-coded
+/// across member servers, so far memory can outlive a member (raid1/4/5, rs). Page `p`
+/// is the volume's bytes `[p × page_bytes, (p + 1) × page_bytes)`. Each run of
+/// consecutive pages in a batch is one volume call, which sends its chunk I/O to every
+/// member before waiting for any.
+pub struct VolumeStore {
+    volume: Arc<Volume>,
+    page_bytes: usize,
+    read_bytes: AtomicU64,
+    written_bytes: AtomicU64,
+}
+
+impl VolumeStore {
+    /// Pages over the whole volume (a whole number of pages of it is used).
+    pub fn new(volume: Arc<Volume>, page_bytes: usize) -> Result<Self, Error> {
+        check_page_bytes(page_bytes)?;
+        if volume.capacity_bytes() < page_bytes as u64 {
+            return Err(Error::Invalid(format!(
+                "volume of {} B is smaller than one {page_bytes} B page",
+                volume.capacity_bytes()
+            )));
+        }
+        Ok(VolumeStore {
+            volume,
+            page_bytes,
+            read_bytes: AtomicU64::new(0),
+            written_bytes: AtomicU64::new(0),
+        })
+    }
+
+    pub fn volume(&self) -> &Arc<Volume> {
+        &self.volume
+    }
+}
+
+impl PageStore for VolumeStore {
+    fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+    fn pages(&self) -> u64 {
+        self.volume.capacity_bytes() / self.page_bytes as u64
+    }
+    fn read_pages(&self, pages: &[PageId], out: &mut [Box<[u8]>]) -> Result<(), Error> {
+        check_batch(
+            self,
+            pages.iter().zip(out.iter()).map(|(p, b)| (*p, b.len())),
+        )?;
+        let mut run_buf = Vec::new();
+        for (start, n) in runs_of(pages, (RUN_BYTES_MAX / self.page_bytes).max(1)) {
+            run_buf.resize(n * self.page_bytes, 0);
+            self.volume
+                .read(pages[start] * self.page_bytes as u64, &mut run_buf)?;
+            for (buf, chunk) in out[start..start + n]
+                .iter_mut()
+                .zip(run_buf.chunks(self.page_bytes))
+            {
+                buf.copy_from_slice(chunk);
+            }
+        }
+        self.read_bytes
+            .fetch_add((pages.len() * self.page_bytes) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn write_pages(&self, pages: &[(PageId, &[u8])]) -> Result<(), Error> {
+        check_batch(self, pages.iter().map(|(p, b)| (*p, b.len())))?;
+        let numbers: Vec<PageId> = pages.iter().map(|(p, _)| *p).collect();
+        let mut run_buf = Vec::new();
+        for (start, n) in runs_of(&numbers, (RUN_BYTES_MAX / self.page_bytes).max(1)) {
+            run_buf.clear();
+            for (_, bytes) in &pages[start..start + n] {
+                run_buf.extend_from_slice(bytes);
+            }
+            self.volume
+                .write(numbers[start] * self.page_bytes as u64, &run_buf)?;
+        }
+        self.written_bytes
+            .fetch_add((pages.len() * self.page_bytes) as u64, Ordering::Relaxed);
+        Ok(())
     }
     fn traffic_bytes(&self) -> (u64, u64) {
         (
