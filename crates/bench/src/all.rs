@@ -125,6 +125,9 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
     written.extend(timed("prefetch", &|| {
         crate::prefetch::run(&crate::prefetch::PrefetchConfig::defaults(quick), out)
     })?);
+    written.extend(timed("fault", &|| {
+        crate::fault::run(&crate::fault::FaultConfig::defaults(quick), out)
+    })?);
     written.push(report::write_report(
         out,
         &[crate::hw::limits::LIMITS_FILE_NAME],

@@ -582,7 +582,8 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
     );
     assert!(status.success(), "{err}");
     for bench in [
-        "cpu", "mem", "net", "disk", "threads", "api", "ycsb", "resp", "paging", "sort", "prefetch",
+        "cpu", "mem", "net", "disk", "threads", "api", "ycsb", "resp", "paging", "sort",
+        "prefetch", "fault",
     ] {
         assert!(err.contains(&format!("bench {bench}: done")), "{err}");
         let json: serde_json::Value = serde_json::from_slice(
