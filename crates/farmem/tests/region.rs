@@ -76,3 +76,28 @@ fn farvec_over_a_memory_server_keeps_every_element() {
     let want: u64 = (0..len).map(|i| i ^ 0x5555).fold(0, u64::wrapping_add);
     assert_eq!(sum, want);
 }
+
+/// The direct path over a server: runs written and read in place (several requests in
+/// flight), agreeing with the page-at-a-time path, and refused past the end.
+#[test]
+fn runs_move_straight_between_slices_and_a_server() {
+    let (_cluster, client) = server();
+    let pages = 600u64; // 2.4 MiB: three 1 MiB requests a run
+    let store = RegionStore::alloc(client, pages, PAGE, None).expect("region");
+    let data: Vec<u8> = (0..(pages as usize - 10) * PAGE)
+        .map(|i| (i * 31 / 4096) as u8)
+        .collect();
+    store.write_run(5, &data).expect("write_run");
+    let mut back = vec![0u8; data.len()];
+    store.read_run(5, &mut back).expect("read_run");
+    assert!(back == data, "the run did not read back");
+    let mut page = vec![vec![0u8; PAGE].into_boxed_slice()];
+    store.read_pages(&[300], &mut page).expect("read_pages");
+    assert_eq!(&page[0][..], &data[295 * PAGE..296 * PAGE]);
+    assert!(store.read_run(pages - 1, &mut [0u8; 2 * PAGE]).is_err());
+    assert!(store.write_run(0, &[0u8; 100]).is_err(), "not whole pages");
+    assert_eq!(
+        store.traffic_bytes(),
+        ((data.len() + PAGE) as u64, data.len() as u64)
+    );
+}
