@@ -525,6 +525,27 @@ impl PageStore for VolumeStore {
             .fetch_add((pages.len() * self.page_bytes) as u64, Ordering::Relaxed);
         Ok(())
     }
+    fn read_run(&self, first: PageId, out: &mut [u8]) -> Result<(), Error> {
+        let offset = check_run(self, first, out.len())?;
+        // The volume sends each call's chunk I/O to every member at once.
+        for (i, chunk) in out.chunks_mut(RUN_WINDOW_BYTES).enumerate() {
+            self.volume
+                .read(offset + (i * RUN_WINDOW_BYTES) as u64, chunk)?;
+        }
+        self.read_bytes
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn write_run(&self, first: PageId, data: &[u8]) -> Result<(), Error> {
+        let offset = check_run(self, first, data.len())?;
+        for (i, chunk) in data.chunks(RUN_WINDOW_BYTES).enumerate() {
+            self.volume
+                .write(offset + (i * RUN_WINDOW_BYTES) as u64, chunk)?;
+        }
+        self.written_bytes
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
     fn write_pages(&self, pages: &[(PageId, &[u8])]) -> Result<(), Error> {
         check_batch(self, pages.iter().map(|(p, b)| (*p, b.len())))?;
         let numbers: Vec<PageId> = pages.iter().map(|(p, _)| *p).collect();
