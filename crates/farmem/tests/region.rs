@@ -116,7 +116,7 @@ fn a_volume_store_serves_runs_pages_and_a_farvec() {
     let volume = camelot_blocks::Volume::create(
         "farmem-vol",
         camelot_blocks::Level::Raid5,
-        &cluster.addrs(),
+        cluster.addrs(),
         16 << 10,
         4 << 20,
         &camelot_blocks::VolumeConfig::default(),
