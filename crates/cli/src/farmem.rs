@@ -231,6 +231,9 @@ pub struct SortArgs {
     /// Local memory as percentages of the keys' bytes, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "100,50,25,10")]
     local: Vec<u32>,
+    /// Skip the unmodified sort_unstable over a FarRegion (userfaultfd).
+    #[arg(long)]
+    no_region: bool,
     #[command(flatten)]
     target: FarTarget,
     #[arg(long, default_value_t = 1)]
@@ -245,6 +248,7 @@ pub fn bench_sort(a: SortArgs) -> Result<()> {
         cfg.keys = k;
     }
     cfg.local_percents = a.local;
+    cfg.region = !a.no_region;
     cfg.seed = a.seed;
     (cfg.servers, cfg.in_process, cfg.token) = a.target.resolve()?;
     let files = camelot_bench::sort::run(&cfg, &a.output.out)?;
