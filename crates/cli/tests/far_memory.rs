@@ -252,8 +252,9 @@ const CHILD_RUN: Duration = Duration::from_secs(6);
 
 /// The child: a FarRegion over a region on the server, filled, then scanned round and
 /// round (4× its local memory, so every pass faults); prints `ready` after the fill.
-/// Runs only when the parent test sets the environment variable.
+/// Ignored in ordinary runs: the parent test runs it with `--ignored` and the variable.
 #[test]
+#[ignore = "the child process of a_far_region_whose_server_is_sigkilled_delivers_sigbus"]
 fn far_region_child() {
     let Ok(addr) = std::env::var(CHILD_SERVER_ENV) else {
         return;
@@ -290,6 +291,7 @@ fn a_far_region_whose_server_is_sigkilled_delivers_sigbus() {
             .args([
                 "--exact",
                 "far_region_child",
+                "--ignored",
                 "--nocapture",
                 "--test-threads=1",
             ])
