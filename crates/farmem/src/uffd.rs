@@ -1,5 +1,5 @@
 //! The crate's only `unsafe` code: an anonymous mapping, and the userfaultfd that serves
-//! its page faults. Everything above it ([`crate::region`]) is safe code deciding *which*
+//! its page faults. Everything above it (the far region) is safe code deciding *which*
 //! pages to install, write back and drop; this module only performs those steps.
 //!
 //! The kernel interface is declared here rather than taken from the `userfaultfd` crate:
@@ -111,7 +111,7 @@ pub(crate) struct Fault {
     pub thread_id: u32,
 }
 
-/// Why a userfaultfd could not be had (see `region::open_error`).
+/// Why a userfaultfd could not be had: the device's refusal and the system call's.
 #[derive(Debug)]
 pub(crate) struct OpenFailure {
     /// Opening `/dev/userfaultfd`, when it was tried and failed.
