@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 14] = [
+pub const BENCHES: [&str; 18] = [
     "cpu",
     "mem",
     "net",
@@ -23,10 +23,14 @@ pub const BENCHES: [&str; 14] = [
     "rvm-recovery",
     "ycsb",
     "resp",
+    "paging",
+    "sort",
+    "prefetch",
     "raid-encode",
     "raid-compare",
     "raid-overhead",
     "raid-rebuild",
+    "fault",
 ];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
@@ -34,6 +38,8 @@ pub const BENCHES: [&str; 14] = [
 pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<PathBuf>, BenchError> {
     let mut written = Vec::new();
     let mut timed = |name: &str, f: &dyn Fn() -> Result<Vec<PathBuf>, BenchError>| {
+        // Keeps the published list honest: the bench-all test (a debug build) trips here.
+        debug_assert!(BENCHES.contains(&name), "{name} is missing from BENCHES");
         log(&format!(
             "bench {name}: running{}",
             if quick { " (quick)" } else { "" }
@@ -142,6 +148,9 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
     })?);
     written.extend(timed("raid-rebuild", &|| {
         crate::raid::run_rebuild(&crate::raid::RebuildConfig::defaults(quick), out)
+    })?);
+    written.extend(timed("fault", &|| {
+        crate::fault::run(&crate::fault::FaultConfig::defaults(quick), out)
     })?);
     written.push(report::write_report(
         out,

@@ -4,9 +4,9 @@
 
 mod chaos;
 mod farmem;
+mod proxy;
 mod testbed;
 mod testbed_bench;
-mod proxy;
 mod units;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -383,6 +383,10 @@ enum BenchCommand {
     Sort(farmem::SortArgs),
     /// A sequential scan of far memory with each prefetcher, beside an iperf3 stream.
     Prefetch(farmem::PrefetchArgs),
+    /// One far page's cost: a FarRegion (userfaultfd) fault served from a memory server
+    /// against a FarVec miss, with the remote 4 KiB read and a bare userfaultfd fault
+    /// beside (latency p50/p99, faults a second).
+    Fault(farmem::FaultArgs),
     /// Block volumes (issue 17): `raid encode` (parity and Reed–Solomon GB/s per core),
     /// `raid compare` (every level over real servers, degraded reads included), `raid
     /// overhead` (raid4 against raid0 by threads, iperf3 beside), `raid rebuild`
@@ -756,6 +760,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Paging(a)) => farmem::bench_paging(a),
         Command::Bench(BenchCommand::Sort(a)) => farmem::bench_sort(a),
         Command::Bench(BenchCommand::Prefetch(a)) => farmem::bench_prefetch(a),
+        Command::Bench(BenchCommand::Fault(a)) => farmem::bench_fault(a),
         Command::Bench(BenchCommand::RvmCommit(a)) => bench_rvm(a, true),
         Command::Bench(BenchCommand::RvmRecovery(a)) => bench_rvm(a, false),
         Command::Bench(BenchCommand::All(a)) => bench_all(a),

@@ -597,6 +597,7 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
         "raid-compare",
         "raid-overhead",
         "raid-rebuild",
+        "fault",
     ] {
         assert!(err.contains(&format!("bench {bench}: done")), "{err}");
         let json: serde_json::Value = serde_json::from_slice(
