@@ -2,13 +2,14 @@
 # Installs what Camelot's tests, benchmarks and scripts call on a Debian machine: the real
 # programs the tests start (Redis, memcached, etcd), the peers benchmarks compare against
 # (iperf3, sockperf, fio, sysbench, redis-benchmark), Chromium for the report test, a C
-# compiler for the rvm.h example, and the tools the scripts use (jq, ss from iproute2,
+# compiler for the rvm.h example, the stock NBD clients the block-volume export is tested
+# with (nbdinfo, nbdcopy from libnbd-bin), and the tools the scripts use (jq, ss from iproute2,
 # kill from procps, python3). Safe to run again: it asks apt only when something is
 # missing, and then runs `apt-get update` once.
 #
 #   scripts/setup.sh             install what is missing
 #   scripts/setup.sh --check     list what is missing and exit 1 if anything is; no apt
-#   scripts/setup.sh --optional  also try the optional tools (perf for profiling, nbd and
+#   scripts/setup.sh --optional  also try the optional tools (perf for profiling,
 #                                qemu-img for block-volume work); one that apt does not
 #                                have is reported, not fatal
 set -euo pipefail
@@ -18,11 +19,11 @@ set -euo pipefail
 packages=(
   redis-server redis-tools memcached etcd-server etcd-client
   iperf3 sockperf fio sysbench chromium
-  gcc libc6-dev
+  gcc libc6-dev libnbd-bin
   protobuf-compiler libprotobuf-dev
   jq iproute2 procps coreutils python3
 )
-optional=(linux-perf libnbd-bin qemu-utils)
+optional=(linux-perf qemu-utils)
 
 mode="install"
 case "${1:-}" in

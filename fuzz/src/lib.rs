@@ -24,6 +24,7 @@ pub const TARGETS: &[(&str, Body)] = &[
     ("decode_netctl", decode_netctl),
     ("rvm_record", rvm_record),
     ("decode_superblock", decode_superblock),
+    ("nbd_session", nbd_session),
 ];
 
 /// Any frame body a peer can send: HELLO, REQUESTS, RESPONSES, FATAL. Decoding must never
@@ -91,10 +92,14 @@ pub fn exec_batch(data: &[u8]) {
         ids.sort_unstable();
         ids.dedup();
         for req in &mut batch.requests {
+            if ids.is_empty() {
+                continue;
+            }
             if let Some(region) = region_of(&mut req.op) {
-                if !ids.is_empty() {
-                    *region = ids[(*region % ids.len() as u64) as usize];
-                }
+                *region = ids[(*region % ids.len() as u64) as usize];
+            }
+            if let Op::WriteIf { guard_region, .. } = &mut req.op {
+                *guard_region = ids[(*guard_region % ids.len() as u64) as usize];
             }
         }
         let who = &principals[turn % 2];
@@ -136,6 +141,7 @@ fn region_of(op: &mut Op) -> Option<&mut u64> {
         Op::Free { region }
         | Op::Read { region, .. }
         | Op::Write { region, .. }
+        | Op::WriteIf { region, .. }
         | Op::Cas { region, .. }
         | Op::FetchAdd { region, .. } => Some(region),
         _ => None,
@@ -227,4 +233,60 @@ pub fn decode_superblock(data: &[u8]) {
         let again = sb.encode();
         assert_eq!(&data[..again.len()], &again[..]);
     }
+}
+
+/// Bytes of the in-memory export `nbd_session` serves.
+const NBD_EXPORT_BYTES: usize = 8192;
+
+/// An export in memory whose slicing panics on any range the server should have refused.
+struct NbdMemory(std::sync::Mutex<Vec<u8>>);
+
+impl camelot_blocks::nbd::BlockDevice for NbdMemory {
+    fn size_bytes(&self) -> u64 {
+        NBD_EXPORT_BYTES as u64
+    }
+    fn preferred_block_bytes(&self) -> u32 {
+        4096
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), camelot_blocks::BlocksError> {
+        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        buf.copy_from_slice(&m[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), camelot_blocks::BlocksError> {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+}
+
+/// What an NBD client sends, from its answer to the greeting on: the export's real
+/// handshake and transmission code runs over it against a memory export. It must never
+/// panic, hand the export a range outside it, or answer more than the input can ask for.
+pub fn nbd_session(data: &[u8]) {
+    use camelot_blocks::nbd::{serve_connection, NbdStats};
+    use camelot_blocks::nbd_proto::{self as p, ExportInfo};
+    let device = NbdMemory(std::sync::Mutex::new(vec![0; NBD_EXPORT_BYTES]));
+    let export = ExportInfo {
+        name: "v".into(),
+        size_bytes: NBD_EXPORT_BYTES as u64,
+        // Either way, without spending a client byte on it.
+        read_only: data.len() % 2 == 1,
+        preferred_block_bytes: 4096,
+    };
+    let mut out = Vec::new();
+    let stats = NbdStats::default();
+    let _ = serve_connection(&mut &data[..], &mut out, &device, &export, &stats);
+    // Each request header (28 bytes) earns at most a reply header and one export's worth
+    // of data; each option (16 bytes) at most a few hundred bytes of replies.
+    let bound = p::GREETING_BYTES
+        + (data.len() / p::OPTION_HEADER_BYTES + 1) * 512
+        + (data.len() / p::REQUEST_HEADER_BYTES + 1)
+            * (p::SIMPLE_REPLY_HEADER_BYTES + NBD_EXPORT_BYTES);
+    assert!(
+        out.len() <= bound,
+        "{} bytes out for {} in",
+        out.len(),
+        data.len()
+    );
 }

@@ -136,6 +136,11 @@ fn decode_superblock() {
 }
 
 #[test]
+fn nbd_session() {
+    fuzz("nbd_session")
+}
+
+#[test]
 fn decode_frame() {
     fuzz("decode_frame")
 }

@@ -48,6 +48,7 @@ quick_config!(
     paging::PagingConfig,
     sort::SortConfig,
     prefetch::PrefetchConfig,
+    fault::FaultConfig,
     raid::EncodeConfig,
     raid::CompareConfig,
     raid::OverheadConfig,
@@ -57,7 +58,9 @@ quick_config!(
 pub mod all;
 pub mod api;
 pub mod demo;
+pub mod fault;
 pub mod hw;
+pub mod middlebox;
 pub mod paging;
 pub mod prefetch;
 pub mod raid;

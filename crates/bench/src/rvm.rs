@@ -174,6 +174,17 @@ impl Fresh {
         }
     }
 
+    /// The server processes (a pool's, when they are separate; none otherwise).
+    fn server_pids(&self) -> Vec<u32> {
+        match self {
+            Fresh::Pool(nodes) => nodes
+                .iter()
+                .flat_map(|n| n.processes().into_iter().map(|p| p.pid()))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     fn close(self) -> Result<(), BenchError> {
         match self {
             Fresh::Pool(nodes) => {
@@ -190,15 +201,12 @@ impl Fresh {
     }
 }
 
-/// One pool node: room for two log regions (a reopened instance fences its predecessor by
-/// moving the log into a new region before freeing the old one), the catalogs and the
-/// segment's home, served by one worker thread (redis-server, the peer, has one).
+/// One pool node: room for the log region, the catalogs and the segment's home, served by
+/// one worker thread (redis-server, the peer, has one).
 fn pool_spec(pages: u64) -> CamelotSpec {
     let mut spec = CamelotSpec::new(
         1,
-        2 * camelot_rvm::limits::POOL_LOG_BYTES_DEFAULT
-            + 2 * pages * PAGE_BYTES
-            + NODE_HEADROOM_BYTES,
+        camelot_rvm::limits::POOL_LOG_BYTES_DEFAULT + 2 * pages * PAGE_BYTES + NODE_HEADROOM_BYTES,
     );
     spec.threads = Some(1);
     spec
@@ -263,8 +271,13 @@ fn measure(
 ) -> Result<Point, BenchError> {
     let mut rec = LatencyRecorder::new();
     let mut samples = 0u64;
+    // CPU of this process and the servers across the commit loops, in ns: `None` once a
+    // reading failed (no /proc, or a server process gone).
+    let mut commit_cpu_ns: Option<u64> = Some(0);
     for trial in 0..trials {
         let fresh = Fresh::start(kind, pages, placement)?;
+        let mut cpu_pids = fresh.server_pids();
+        cpu_pids.push(std::process::id());
         let mut cfg = Config::new(fresh.backend(), "bench");
         if what == Experiment::Recovery {
             // The log keeps the commit: recovery replays it, as right after a crash.
@@ -277,10 +290,15 @@ fn measure(
             Experiment::Commit => {
                 let commits =
                     (COMMIT_BYTES_PER_TRIAL / (pages * PAGE_BYTES)).clamp(1, COMMITS_PER_TRIAL_MAX);
+                let cpu_before = cpu_ns(&cpu_pids);
                 for round in 0..commits {
                     rec.record(commit_all_pages(&rvm, &seg, pages, round + 1)?);
                     samples += 1;
                 }
+                commit_cpu_ns = match (commit_cpu_ns, cpu_before, cpu_ns(&cpu_pids)) {
+                    (Some(sum), Some(a), Some(b)) => Some(sum + b.saturating_sub(a)),
+                    _ => None,
+                };
                 rvm.close().map_err(rvm_err)?;
             }
             Experiment::Recovery => {
@@ -310,9 +328,36 @@ fn measure(
     p.extra.insert("trials".into(), json!(trials));
     p.extra
         .insert("per_page_us_p50".into(), json!(summary.p50 / pages as f64));
+    if let (Experiment::Commit, Some(ns), true) = (what, commit_cpu_ns, samples > 0) {
+        // Client and servers together (every thread; separate servers only: in process
+        // they are part of this process anyway). With one vCPU doing all of it, a
+        // mirrored commit's extra cost is this figure's difference.
+        p.extra.insert(
+            "cpu_us_per_commit".into(),
+            json!(ns as f64 / 1e3 / samples as f64),
+        );
+    }
     p.bytes_per_sec = Some((pages * PAGE_BYTES) as f64 / (summary.p50 / 1e6));
     p.latency_us = Some(summary);
     Ok(p)
+}
+
+/// CPU time of every thread of `pids` so far, in ns (`/proc/PID/task/*/schedstat`: the
+/// scheduler's own nanosecond count, where `/proc/PID/stat` has 10 ms ticks — more than a
+/// whole trial of one-page commits). `None` if any process cannot be read.
+fn cpu_ns(pids: &[u32]) -> Option<u64> {
+    let mut total = 0u64;
+    for pid in pids {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+        for task in tasks.flatten() {
+            // A thread that exited between the listing and the read counts as nothing.
+            let Ok(stat) = std::fs::read_to_string(task.path().join("schedstat")) else {
+                continue;
+            };
+            total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+        }
+    }
+    Some(total)
 }
 
 /// The peers of the targets, measured in this run.

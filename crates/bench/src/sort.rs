@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use camelot_farmem::sort::sort_far;
-use camelot_farmem::{CacheConfig, FarVec, PageCache, RegionStore};
+use camelot_farmem::{CacheConfig, FarRegion, FarVec, PageCache, PageStore, RegionStore};
 use camelot_results::output;
 use camelot_results::plot::{series_points, Figure, Panel};
 use camelot_results::schema::{now_rfc3339, BenchResult, Comparison, Point, Reference, Series};
@@ -25,6 +25,9 @@ pub const SORT_KEYS_MAX: u64 = 1 << 30;
 const PAGE_BYTES: usize = 4096;
 /// Each FarVec's own page cache (the run and merge buffers are the local memory budget).
 const FARVEC_CACHE_BYTES: u64 = 2 << 20;
+/// The FarRegion's pages: larger than the FarVec's, as `sort_unstable`'s partitions scan
+/// memory in order and each fault then brings in more of what comes next.
+const REGION_PAGE_BYTES: usize = 64 << 10;
 
 #[derive(Debug, Clone)]
 pub struct SortConfig {
@@ -34,6 +37,8 @@ pub struct SortConfig {
     pub in_process: bool,
     pub token: Option<Vec<u8>>,
     pub seed: u64,
+    /// Also sort with unmodified `sort_unstable` over a FarRegion (userfaultfd).
+    pub region: bool,
     pub quick: bool,
 }
 
@@ -46,6 +51,7 @@ impl Default for SortConfig {
             in_process: false,
             token: None,
             seed: 1,
+            region: true,
             quick: false,
         }
     }
@@ -111,6 +117,7 @@ pub fn run(cfg: &SortConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
     let input_region = client.alloc(bytes, None)?;
     let output_region = client.alloc(bytes, None)?;
     let mut series = Series::new(target.label("FarVec sort (runs + k-way merge)"));
+    let mut region_series = Series::new(target.label("sort_unstable over a FarRegion"));
     let mut comparisons = Vec::new();
     let mut percents = cfg.local_percents.clone();
     percents.sort_unstable_by(|a, b| b.cmp(a));
@@ -200,6 +207,16 @@ pub fn run(cfg: &SortConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
     }
     client.free(&input_region)?;
     client.free(&output_region)?;
+    if cfg.region {
+        let whole = bytes.div_ceil(REGION_PAGE_BYTES as u64) * REGION_PAGE_BYTES as u64;
+        let region = client.alloc(whole, None)?;
+        for &percent in &percents {
+            let (p, c) = region_sort(&client, &region, &data, percent, local_seconds)?;
+            region_series.points.push(p);
+            comparisons.push(c);
+        }
+        client.free(&region)?;
+    }
     let servers = target.describe();
     target.close()?;
     let config = json!({
@@ -210,16 +227,23 @@ pub fn run(cfg: &SortConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "local_percents": percents,
         "page_bytes": PAGE_BYTES,
         "farvec_cache_bytes": FARVEC_CACHE_BYTES,
+        "region_page_bytes": REGION_PAGE_BYTES,
+        "region_prefetch": "sequential",
         "seed": cfg.seed,
         "process": servers["process"],
         "servers": servers,
         "sides": {
             "camelot": {"process": servers["process"], "client": "camelot_farmem::sort::sort_far over two FarVecs (input, output regions), one thread", "data_model": "random u64 keys"},
+            "camelot FarRegion": {"process": servers["process"], "client": "slice::sort_unstable over a FarRegion (userfaultfd) on one region, one thread", "data_model": "the same keys"},
             "all-local": {"process": "in-process", "client": "slice::sort_unstable, one thread", "data_model": "the same keys"}
         },
         "quick": cfg.quick,
     });
-    let mut result = BenchResult::new("sort", started, config, vec![series]);
+    let mut all_series = vec![series];
+    if cfg.region {
+        all_series.push(region_series);
+    }
+    let mut result = BenchResult::new("sort", started, config, all_series);
     result.references = vec![Reference {
         label: "all-local sort_unstable".into(),
         metric: "ops_per_sec".into(),
@@ -231,13 +255,78 @@ pub fn run(cfg: &SortConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         cfg.keys,
         bytes >> 20
     ))
-    .panel(
-        Panel::new("sort throughput", "local memory (% of the keys)", "Mkeys/s")
-            .line(
-                &result.series[0].label,
-                series_points(&result.series[0], |p| p.ops_per_sec.map(|v| v / 1e6)),
-            )
-            .references_from(&result, "ops_per_sec", 1e-6),
-    );
+    .panel({
+        let mut panel = Panel::new("sort throughput", "local memory (% of the keys)", "Mkeys/s");
+        for s in &result.series {
+            panel = panel.line(
+                &s.label,
+                series_points(s, |p| p.ops_per_sec.map(|v| v / 1e6)),
+            );
+        }
+        panel.references_from(&result, "ops_per_sec", 1e-6)
+    });
     Ok(output::write_result_with_figure(out, &result, &figure)?)
+}
+
+/// `sort_unstable`, unmodified, over the keys in a FarRegion with `percent` local: the
+/// keys are written to the region's store first (untimed), the sort and the flush of its
+/// dirty pages are timed, and the order is checked after.
+fn region_sort(
+    client: &camelot_client::Client,
+    region: &camelot_client::Region,
+    data: &[u64],
+    percent: u32,
+    local_seconds: f64,
+) -> Result<(Point, Comparison), BenchError> {
+    let setup = |e: camelot_farmem::Error| BenchError::Setup(e.to_string());
+    let bytes = data.len() * 8;
+    let store =
+        RegionStore::new(client.clone(), region.clone(), REGION_PAGE_BYTES).map_err(setup)?;
+    let whole = bytes.div_ceil(REGION_PAGE_BYTES) * REGION_PAGE_BYTES;
+    let mut image = bytemuck::cast_slice::<u64, u8>(data).to_vec();
+    image.resize(whole, 0);
+    store.write_run(0, &image).map_err(setup)?;
+    drop(image);
+    let local_bytes = (bytes as u64 * percent as u64 / 100).max(2 * REGION_PAGE_BYTES as u64);
+    let mut config = CacheConfig::new(local_bytes);
+    config.prefetch = "sequential".into();
+    config.prefetch_window_pages = 8;
+    let mut far = FarRegion::new(store, &config).map_err(setup)?;
+    let t = Instant::now();
+    let keys: &mut [u64] = bytemuck::cast_slice_mut(&mut far.bytes_mut()[..bytes]);
+    keys.sort_unstable();
+    far.flush().map_err(setup)?;
+    let seconds = t.elapsed().as_secs_f64();
+    let keys: &[u64] = bytemuck::cast_slice(&far.bytes()[..bytes]);
+    if keys.windows(2).any(|w| w[0] > w[1]) {
+        return Err(BenchError::Check(format!(
+            "sort_unstable over the FarRegion at {percent}% local left keys out of order"
+        )));
+    }
+    let stats = far.stats();
+    let (read, written) = far.traffic_bytes();
+    let mut p = Point::new(percent as f64);
+    p.ops_per_sec = Some(data.len() as f64 / seconds.max(1e-9));
+    for (k, v) in [
+        ("runtime_seconds", json!(seconds)),
+        ("all_local_runtime_seconds", json!(local_seconds)),
+        (
+            "slowdown_vs_all_local",
+            json!(seconds / local_seconds.max(1e-9)),
+        ),
+        ("missing_faults", json!(stats.missing_faults)),
+        ("write_faults", json!(stats.write_faults)),
+        ("remote_bytes", json!(read + written)),
+        ("local_bytes", json!(local_bytes)),
+    ] {
+        p.extra.insert(k.into(), v);
+    }
+    let c = Comparison::new(
+        format!("sort_unstable over a FarRegion at {percent}% local ÷ all-local"),
+        seconds,
+        local_seconds,
+        "s",
+        "sort_unstable, all keys local",
+    );
+    Ok((p, c))
 }

@@ -4,16 +4,21 @@
 //! Pure modules (no sockets, proptested): `layout` (level, members, which member holds
 //! which slot of a stripe), `parity` (XOR, copies and Reed–Solomon over byte ranges),
 //! `plan` (one call split into per-stripe pieces) and `superblock` (the metadata codec,
-//! a bounded decoder of outside bytes). `volume` puts them over the client's request API.
+//! a bounded decoder of outside bytes), `nbd_proto` (the NBD protocol's decoders and
+//! answers). `volume` puts them over the client's request API; `nbd` exports a volume
+//! over NBD.
 #![forbid(unsafe_code)]
 
 pub mod layout;
+pub mod nbd;
+pub mod nbd_proto;
 pub mod parity;
 pub mod plan;
 pub mod superblock;
 pub mod volume;
 
 pub use layout::{Layout, Level};
+pub use nbd::{NbdConfig, NbdError, NbdServer};
 pub use volume::{ScrubReport, Volume, VolumeConfig, VolumeStatus};
 
 use camelot_client::ClientError;
@@ -40,4 +45,6 @@ pub enum BlocksError {
     Member { member: usize, source: ClientError },
     #[error(transparent)]
     Client(#[from] ClientError),
+    #[error("nbd: {0}")]
+    Nbd(#[from] NbdError),
 }

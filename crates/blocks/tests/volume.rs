@@ -321,3 +321,69 @@ fn rebuild_runs_in_the_background_while_the_volume_serves() {
     assert_eq!(read_all(&vol), shadow);
     drop(fresh);
 }
+
+/// Writers hammer the whole volume while an unlimited rebuild runs: a write on either side
+/// of the cursor must leave the new member right, or scrub, and reading through the
+/// rebuilt member with another member lost, would see it.
+#[test]
+fn writes_during_an_unlimited_rebuild_reach_the_new_member() {
+    const WRITERS: u64 = 3;
+    let (mut servers, addrs) = servers(4);
+    let vol = std::sync::Arc::new(
+        Volume::create(
+            "t8",
+            Level::Raid5,
+            &addrs,
+            CHUNK,
+            12 << 20,
+            &VolumeConfig::default(),
+        )
+        .expect("create"),
+    );
+    let blocks = vol.capacity_bytes() / 4096;
+    let shadow = std::sync::Arc::new(parking_lot::Mutex::new(vec![
+        0u8;
+        vol.capacity_bytes() as usize
+    ]));
+    servers.remove(2).shutdown().expect("stop");
+    vol.write(0, &[1]).expect("a write notices the lost member");
+    shadow.lock()[0] = 1;
+    assert_eq!(vol.status().missing, vec![2]);
+
+    let fresh = server();
+    let target = fresh.addrs()[0];
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let (vol, shadow, done) = (vol.clone(), shadow.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut rng = SmallRng::seed_from_u64(800 + w);
+                let mut writes = 0u64;
+                while !done.load(std::sync::atomic::Ordering::SeqCst) || writes < 50 {
+                    // Disjoint blocks per writer, so the shadow's order is the volume's.
+                    let block = rng.gen_range(0..blocks / WRITERS) * WRITERS + w;
+                    let data: Vec<u8> = (0..4096).map(|_| rng.gen()).collect();
+                    vol.write(block * 4096, &data).expect("write");
+                    shadow.lock()[(block * 4096) as usize..(block * 4096 + 4096) as usize]
+                        .copy_from_slice(&data);
+                    writes += 1;
+                }
+                writes
+            })
+        })
+        .collect();
+    vol.rebuild(2, target, 0).expect("rebuild");
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let writes: u64 = writers.into_iter().map(|w| w.join().expect("writer")).sum();
+    assert!(writes >= 50 * WRITERS);
+    assert!(!vol.status().degraded());
+    let shadow = shadow.lock().clone();
+    assert!(read_all(&vol) == shadow, "data differs after the rebuild");
+    assert_eq!(vol.scrub(false).expect("scrub").mismatches, 0);
+    servers.remove(0).shutdown().expect("stop another");
+    assert!(
+        read_all(&vol) == shadow,
+        "reading through the rebuilt member gave different data"
+    );
+    drop(fresh);
+}

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use camelot_bench::fault::FaultConfig;
 use camelot_bench::paging::PagingConfig;
 use camelot_bench::prefetch::PrefetchConfig;
 use camelot_bench::sort::SortConfig;
@@ -230,6 +231,9 @@ pub struct SortArgs {
     /// Local memory as percentages of the keys' bytes, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "100,50,25,10")]
     local: Vec<u32>,
+    /// Skip the unmodified sort_unstable over a FarRegion (userfaultfd).
+    #[arg(long)]
+    no_region: bool,
     #[command(flatten)]
     target: FarTarget,
     #[arg(long, default_value_t = 1)]
@@ -244,6 +248,7 @@ pub fn bench_sort(a: SortArgs) -> Result<()> {
         cfg.keys = k;
     }
     cfg.local_percents = a.local;
+    cfg.region = !a.no_region;
     cfg.seed = a.seed;
     (cfg.servers, cfg.in_process, cfg.token) = a.target.resolve()?;
     let files = camelot_bench::sort::run(&cfg, &a.output.out)?;
@@ -283,6 +288,55 @@ pub fn bench_prefetch(a: PrefetchArgs) -> Result<()> {
     (cfg.servers, cfg.in_process, cfg.token) = a.target.resolve()?;
     let files = camelot_bench::prefetch::run(&cfg, &a.output.out)?;
     a.output.report(&files, |result| {
+        print!("{}", camelot_results::summary::comparison_table(result))
+    })
+}
+
+#[derive(Args)]
+pub struct FaultArgs {
+    /// Pages each path touches, each once (default 65536 = 256 MiB of 4 KiB pages).
+    #[arg(long)]
+    pages: Option<u64>,
+    /// Page size in bytes: a power of two, 4096 to 2 MiB.
+    #[arg(long, default_value_t = 4096)]
+    page_bytes: usize,
+    /// Local memory as a percentage of the pages (1 to 99).
+    #[arg(long, default_value_t = 10)]
+    local: u32,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    #[command(flatten)]
+    target: FarTarget,
+    #[command(flatten)]
+    output: FarOutput,
+}
+
+pub fn bench_fault(a: FaultArgs) -> Result<()> {
+    let mut cfg = FaultConfig::defaults(a.output.quick);
+    if let Some(p) = a.pages {
+        cfg.pages = p;
+    }
+    cfg.page_bytes = a.page_bytes;
+    cfg.local_percent = a.local;
+    cfg.seed = a.seed;
+    (cfg.servers, cfg.in_process, cfg.token) = a.target.resolve()?;
+    let files = camelot_bench::fault::run(&cfg, &a.output.out)?;
+    a.output.report(&files, |result| {
+        println!(
+            "{:<32} {:>10} {:>10} {:>12}",
+            "path", "p50 µs", "p99 µs", "faults/s"
+        );
+        for p in result.series.iter().flat_map(|s| &s.points) {
+            let name = match &p.x {
+                camelot_results::schema::X::Label(l) => l.clone(),
+                camelot_results::schema::X::Num(n) => n.to_string(),
+            };
+            let (p50, p99) = p.latency_us.as_ref().map_or((0.0, 0.0), |l| (l.p50, l.p99));
+            println!(
+                "{name:<32} {p50:>10.2} {p99:>10.2} {:>12.0}",
+                p.ops_per_sec.unwrap_or(0.0)
+            );
+        }
         print!("{}", camelot_results::summary::comparison_table(result))
     })
 }

@@ -2,8 +2,12 @@
 //! printing live here; everything else lives in a library crate.
 #![forbid(unsafe_code)]
 
+mod chaos;
 mod cluster;
 mod farmem;
+mod proxy;
+mod testbed;
+mod testbed_bench;
 mod units;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -56,6 +60,23 @@ enum Command {
     /// A cluster on etcd: `up` (etcd, N servers, the map), `status`, `plan`.
     #[command(subcommand)]
     Cluster(cluster::ClusterCommand),
+    /// An emulated network on this machine (namespaces, a bridge, rate limits) and
+    /// faults injected into it. Needs root.
+    #[command(subcommand)]
+    Testbed(testbed::TestbedCommand),
+    /// Memory servers in a testbed, a recorded workload, seeded faults, then checkers:
+    /// PASS/FAIL with the seed to replay. Needs root.
+    Chaos(chaos::ChaosArgs),
+    /// The client side of `chaos`, run by it on a testbed host.
+    #[command(hide = true)]
+    ChaosWorker(chaos::WorkerArgs),
+    /// The read client of `bench testbed`, run by it on each path.
+    #[command(hide = true)]
+    BenchTestbedClient(testbed_bench::ClientArgs),
+    /// A middlebox between clients and one memory server: pass-through, connection
+    /// mapping, CAS→WRITE (`camelot proxy run --help`), and its counters.
+    #[command(subcommand)]
+    Proxy(proxy::ProxyCommand),
 }
 
 #[derive(Subcommand)]
@@ -75,6 +96,10 @@ enum VolumeCommand {
     Read(VolumeReadArgs),
     /// Write stdin's bytes at OFFSET (at most to the volume's end).
     Write(VolumeWriteArgs),
+    /// Export the volume over NBD (fixed newstyle) until SIGTERM/Ctrl-C, for stock tools:
+    /// `nbdinfo nbd://127.0.0.1:10809`, `nbdcopy disk.img nbd://127.0.0.1:10809`. The
+    /// export answers to the volume's name and to the empty (default) name.
+    ServeNbd(VolumeServeNbdArgs),
 }
 
 #[derive(Args)]
@@ -145,6 +170,25 @@ struct VolumeWriteArgs {
     volume: VolumeRef,
     #[arg(long, value_parser = parse_bytes)]
     offset: u64,
+}
+
+#[derive(Args)]
+struct VolumeServeNbdArgs {
+    #[command(flatten)]
+    volume: VolumeRef,
+    /// Address to listen on (host:port). Loopback only unless --allow-non-loopback.
+    #[arg(long, default_value = "127.0.0.1:10809")]
+    listen: String,
+    /// Listen beyond loopback. NBD carries no authentication: anyone who reaches the port
+    /// reads and writes the volume.
+    #[arg(long)]
+    allow_non_loopback: bool,
+    /// Most clients served at once (nbdcopy opens four); one more is hung up on.
+    #[arg(long, default_value_t = camelot_blocks::nbd::CONNECTIONS_MAX_DEFAULT)]
+    connections_max: usize,
+    /// Refuse writes, trims and zeroing (EPERM).
+    #[arg(long)]
+    read_only: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -263,6 +307,12 @@ struct ServerArgs {
     quota_regions: Option<u64>,
     #[command(flatten)]
     cluster: cluster::MemberArgs,
+    /// A file of `NAME TOKEN` lines (`#` comments): each principal listed there is let in
+    /// only with its own token, not the cluster token, so its private regions are private
+    /// from other holders of the cluster token too. `anonymous` may be listed. The file
+    /// must not be readable by group or others (chmod 600).
+    #[arg(long, value_name = "FILE")]
+    principal_tokens: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -328,6 +378,9 @@ enum BenchCommand {
     RvmCommit(RvmArgs),
     /// RVM recovery time against pages, per backend (seed 001), beside iperf3.
     RvmRecovery(RvmArgs),
+    /// 4 KiB batched reads and sockperf's RTT over loopback and between two testbed
+    /// hosts on a rate-limited link (seed 000's emulated vs real). Needs root.
+    Testbed(testbed_bench::BenchTestbedArgs),
     /// Eviction policies × access patterns × local memory, paging from a memory server
     /// process (seed 000's policyPerformance), with the all-local time beside.
     Paging(farmem::PagingArgs),
@@ -336,11 +389,19 @@ enum BenchCommand {
     Sort(farmem::SortArgs),
     /// A sequential scan of far memory with each prefetcher, beside an iperf3 stream.
     Prefetch(farmem::PrefetchArgs),
+    /// One far page's cost: a FarRegion (userfaultfd) fault served from a memory server
+    /// against a FarVec miss, with the remote 4 KiB read and a bare userfaultfd fault
+    /// beside (latency p50/p99, faults a second).
+    Fault(farmem::FaultArgs),
     /// Block volumes (issue 17): `raid encode` (parity and Reed–Solomon GB/s per core),
     /// `raid compare` (every level over real servers, degraded reads included), `raid
     /// overhead` (raid4 against raid0 by threads, iperf3 beside), `raid rebuild`
     /// (rebuild rate under load, the load's dip).
     Raid(RaidArgs),
+    /// The middlebox (issue 20): `middlebox cas` — one shared word, CAS direct against
+    /// CAS→WRITE through `camelot proxy`, 1…64 clients.
+    #[command(subcommand)]
+    Middlebox(proxy::MiddleboxCommand),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
 }
@@ -705,6 +766,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Paging(a)) => farmem::bench_paging(a),
         Command::Bench(BenchCommand::Sort(a)) => farmem::bench_sort(a),
         Command::Bench(BenchCommand::Prefetch(a)) => farmem::bench_prefetch(a),
+        Command::Bench(BenchCommand::Fault(a)) => farmem::bench_fault(a),
         Command::Bench(BenchCommand::RvmCommit(a)) => bench_rvm(a, true),
         Command::Bench(BenchCommand::RvmRecovery(a)) => bench_rvm(a, false),
         Command::Bench(BenchCommand::All(a)) => bench_all(a),
@@ -714,6 +776,13 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Raid(a)) => bench_raid(a),
         Command::Volume(c) => volume(c),
         Command::Cluster(c) => cluster::run(c),
+        Command::Testbed(c) => testbed::run(c),
+        Command::Chaos(a) => chaos::run(a),
+        Command::ChaosWorker(a) => chaos::worker(a),
+        Command::BenchTestbedClient(a) => testbed_bench::client(a),
+        Command::Bench(BenchCommand::Testbed(a)) => testbed_bench::run(a),
+        Command::Proxy(c) => proxy::run(c),
+        Command::Bench(BenchCommand::Middlebox(c)) => proxy::bench(c),
     }
 }
 
@@ -786,6 +855,9 @@ fn server(a: ServerArgs) -> Result<()> {
         cfg.resp_poll = std::time::Duration::from_micros(a.resp_poll_us);
         cfg.proto_max_bulk_len = a.proto_max_bulk_len;
         cfg.require_token = a.require_token;
+        if let Some(path) = &a.principal_tokens {
+            cfg.principal_tokens = read_principal_tokens(path)?;
+        }
         cfg.quota = camelot_server::Quota {
             bytes_max: a.quota_bytes.unwrap_or(u64::MAX),
             regions_max: a.quota_regions.unwrap_or(u64::MAX),
@@ -1377,6 +1449,39 @@ fn open_volume(r: &VolumeRef) -> Result<camelot_blocks::Volume> {
     Ok(vol)
 }
 
+fn serve_nbd(a: VolumeServeNbdArgs) -> Result<()> {
+    let listen = resolve(&a.listen)?;
+    let vol = std::sync::Arc::new(open_volume(&a.volume)?);
+    let rt = runtime()?;
+    let mut signals = rt.block_on(async { Signals::install() })?;
+    let device: std::sync::Arc<dyn camelot_blocks::nbd::BlockDevice> = vol.clone();
+    let mut server = camelot_blocks::NbdServer::start(
+        device,
+        vol.name(),
+        camelot_blocks::NbdConfig {
+            listen,
+            allow_non_loopback: a.allow_non_loopback,
+            connections_max: a.connections_max,
+            read_only: a.read_only,
+            ..camelot_blocks::NbdConfig::default()
+        },
+    )?;
+    println!(
+        "camelot volume {} ({} bytes{}) exported on nbd://{}",
+        vol.name(),
+        vol.capacity_bytes(),
+        if a.read_only { ", read-only" } else { "" },
+        server.local_addr()
+    );
+    std::io::Write::flush(&mut std::io::stdout())?;
+    rt.block_on(signals.wait());
+    // Hang up on clients first, then drop the volume, which clears its intent marks.
+    server.stop();
+    drop(server);
+    drop(vol);
+    Ok(())
+}
+
 fn print_status(vol: &camelot_blocks::Volume) {
     let st = vol.status();
     println!(
@@ -1426,6 +1531,7 @@ fn volume(c: VolumeCommand) -> Result<()> {
             print_status(&vol);
         }
         VolumeCommand::Status(r) => print_status(&open_volume(&r)?),
+        VolumeCommand::ServeNbd(a) => serve_nbd(a)?,
         VolumeCommand::Rebuild(a) => {
             let vol = std::sync::Arc::new(open_volume(&a.volume)?);
             let (old, new) = a
@@ -1524,3 +1630,29 @@ fn volume(c: VolumeCommand) -> Result<()> {
 
 /// Bytes `volume read`/`write` move per call.
 const VOLUME_IO_STEP_BYTES: u64 = 8 << 20;
+
+/// Reads a `--principal-tokens` file, refusing one that others could read: it holds
+/// secrets, and a token everybody can read authenticates nobody.
+fn read_principal_tokens(
+    path: &std::path::Path,
+) -> anyhow::Result<camelot_server::principals::PrincipalTokens> {
+    use camelot_server::principals::{PrincipalTokens, PRINCIPAL_TOKENS_FILE_BYTES_MAX};
+    use std::os::unix::fs::PermissionsExt;
+    let shown = path.display();
+    let meta = std::fs::metadata(path).with_context(|| format!("cannot read {shown}"))?;
+    let mode = meta.permissions().mode();
+    if mode & 0o077 != 0 {
+        bail!(
+            "{shown} is readable by group or others (mode {:o}); it holds tokens: chmod 600 it",
+            mode & 0o777
+        );
+    }
+    if meta.len() > PRINCIPAL_TOKENS_FILE_BYTES_MAX as u64 {
+        bail!(
+            "{shown} is {} bytes; a tokens file is at most {PRINCIPAL_TOKENS_FILE_BYTES_MAX}",
+            meta.len()
+        );
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {shown}"))?;
+    PrincipalTokens::parse(&text).with_context(|| format!("in {shown}"))
+}

@@ -582,7 +582,22 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
     );
     assert!(status.success(), "{err}");
     for bench in [
-        "cpu", "mem", "net", "disk", "threads", "api", "ycsb", "resp", "paging", "sort", "prefetch",
+        "cpu",
+        "mem",
+        "net",
+        "disk",
+        "threads",
+        "api",
+        "ycsb",
+        "resp",
+        "paging",
+        "sort",
+        "prefetch",
+        "raid-encode",
+        "raid-compare",
+        "raid-overhead",
+        "raid-rebuild",
+        "fault",
     ] {
         assert!(err.contains(&format!("bench {bench}: done")), "{err}");
         let json: serde_json::Value = serde_json::from_slice(
@@ -879,6 +894,45 @@ fn require_token_refuses_to_start_without_one() {
     assert!(status.success(), "{err}");
     assert!(out.contains("exposed_without_token 0"), "{out}");
     assert!(!out.contains("WARNING"), "{out}");
+    server.signal("-TERM");
+    assert!(server.wait(Duration::from_secs(30)).success());
+}
+
+#[test]
+fn principal_tokens_file_must_be_private_and_locks_its_principals() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("principal-tokens");
+    let file = dir.join("tokens");
+    std::fs::write(&file, "# who may be whom\nanonymous n0\n").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let file_s = file.to_string_lossy().to_string();
+    let (status, _, err) = run(
+        &[
+            "server",
+            "--listen",
+            "127.0.0.1:0",
+            "--principal-tokens",
+            &file_s,
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(
+        !status.success(),
+        "started with a world-readable tokens file"
+    );
+    assert!(err.contains("chmod 600"), "{err}");
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (mut server, addr) = start_server(&["--principal-tokens", &file_s]);
+    // No cluster token, but `anonymous` (who `stats` connects as) is listed.
+    let (status, _, err) = run(&["stats", &addr.to_string()], Duration::from_secs(30));
+    assert!(!status.success(), "anonymous got in without its token");
+    assert!(err.contains("token"), "{err}");
+    let (status, out, err) = run(
+        &["stats", &addr.to_string(), "--token", "n0"],
+        Duration::from_secs(30),
+    );
+    assert!(status.success(), "{err}");
+    assert!(out.contains("regions"), "{out}");
     server.signal("-TERM");
     assert!(server.wait(Duration::from_secs(30)).success());
 }

@@ -83,3 +83,35 @@ fn simulate_refuses_nonsense_with_a_reason() {
         assert!(err.contains(says), "{args:?}: {err}");
     }
 }
+
+/// `camelot bench fault --quick` writes the standard result: four paths, each with
+/// latency percentiles and a fault rate, and the fault-latency check.
+#[test]
+fn bench_fault_quick_writes_its_result() {
+    let dir = std::env::temp_dir().join(format!("camelot-fault-{}", std::process::id()));
+    let d = dir.to_str().expect("utf-8 path");
+    let (ok, out, err) = camelot(&["bench", "fault", "--quick", "--pages", "512", "--out", d]);
+    assert!(ok, "{err}");
+    assert!(out.contains("FarRegion fault, remote"), "{out}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("fault.json")).expect("fault.json"))
+            .expect("valid JSON");
+    assert_eq!(json["bench"], "fault");
+    assert_eq!(json["config"]["quick"], true);
+    let points = json["series"][0]["points"].as_array().expect("points");
+    assert_eq!(points.len(), 4, "{points:?}");
+    for p in points {
+        let p50 = p["latency_us"]["p50"].as_f64().expect("p50");
+        let p99 = p["latency_us"]["p99"].as_f64().expect("p99");
+        assert!(p50 > 0.0 && p99 >= p50, "{p}");
+        assert!(p["ops_per_sec"].as_f64().expect("rate") > 0.0, "{p}");
+    }
+    // Every touch was a fault: the handler counted one per page on both regions.
+    assert_eq!(json["config"]["faults_counted"]["far_region_remote"], 512);
+    assert_eq!(json["config"]["faults_counted"]["far_region_local"], 512);
+    let checks = json["comparisons"].as_array().expect("comparisons");
+    assert!(checks[0]["name"]
+        .as_str()
+        .is_some_and(|n| n.contains("remote read p50 + bare fault p50")));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -218,6 +218,27 @@ impl Region {
         }
     }
 
+    /// A WRITE that lands only if the word at `guard_offset` of `guard` still equals
+    /// `expected` (checked by the server atomically with the write); answered with the
+    /// guard word as found ([`reply::word`]).
+    pub fn write_if_op(
+        &self,
+        offset: u64,
+        data: Bytes,
+        guard: &Region,
+        guard_offset: u64,
+        expected: u64,
+    ) -> Op {
+        Op::WriteIf {
+            region: self.id,
+            offset,
+            guard_region: guard.id,
+            guard_offset,
+            expected,
+            data,
+        }
+    }
+
     pub fn cas_op(&self, offset: u64, expected: u64, new: u64) -> Op {
         Op::Cas {
             region: self.id,

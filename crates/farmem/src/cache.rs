@@ -49,6 +49,9 @@ pub struct CacheStats {
     pub evictions: u64,
     /// Dirty pages written back (on eviction or flush).
     pub written_back: u64,
+    /// Whole pages moved by the direct path ([`PageCache::read_direct`],
+    /// [`PageCache::write_direct`]), not through frames (nor counted as accesses).
+    pub direct_pages: u64,
 }
 
 impl CacheStats {
@@ -63,6 +66,10 @@ impl CacheStats {
 
 /// Most pages one read or write makes resident in one batch.
 pub const FAULT_GROUP_PAGES_MAX: usize = 256;
+
+/// The direct path takes a span only when it covers at least this many whole pages;
+/// smaller ones go through the frames, where their neighbours may be used again.
+pub const DIRECT_PAGES_MIN: u64 = 16;
 
 struct Frame {
     data: Box<[u8]>,
@@ -160,6 +167,103 @@ impl<S: PageStore> PageCache<S> {
             frame.data[in_page..in_page + len].copy_from_slice(&data[at..at + len]);
             frame.dirty = true;
         })
+    }
+
+    /// Like [`PageCache::read`], but the whole pages of a large span (at least
+    /// [`DIRECT_PAGES_MIN`]) come straight from the store into `buf` — one copy, no frame
+    /// taken, nothing evicted — for sequential bulk reads such as a sort's runs. Resident
+    /// pages, which may be newer than the store, are copied over them from their frames.
+    pub fn read_direct(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), Error> {
+        let Some((first, pages, head)) = self.direct_span(offset, buf.len())? else {
+            return self.read(offset, buf);
+        };
+        let page_bytes = self.page_bytes;
+        let middle = pages as usize * page_bytes;
+        let (head_buf, rest) = buf.split_at_mut(head);
+        let (middle_buf, tail_buf) = rest.split_at_mut(middle);
+        self.read(offset, head_buf)?;
+        self.store.read_run(first, middle_buf)?;
+        self.for_resident_in(first, pages, |frame, at| {
+            middle_buf[at * page_bytes..(at + 1) * page_bytes].copy_from_slice(&frame.data);
+        });
+        self.stats.direct_pages += pages;
+        self.read((first + pages) * page_bytes as u64, tail_buf)
+    }
+
+    /// Like [`PageCache::write`], but the whole pages of a large span go straight to
+    /// the store; resident copies of them are updated and are clean after.
+    pub fn write_direct(&mut self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        let Some((first, pages, head)) = self.direct_span(offset, data.len())? else {
+            return self.write(offset, data);
+        };
+        let page_bytes = self.page_bytes;
+        let middle = pages as usize * page_bytes;
+        let (head_data, rest) = data.split_at(head);
+        let (middle_data, tail_data) = rest.split_at(middle);
+        self.write(offset, head_data)?;
+        // A prefetch under way for one of these pages would land stale bytes: take it in
+        // first, so the copy below updates it.
+        let waiting: Vec<u64> = (first..first + pages)
+            .filter_map(|p| self.inflight_pages.get(&p).copied())
+            .collect();
+        for id in waiting {
+            if self.inflight.iter().any(|(b, _, _)| *b == id) {
+                self.complete(id, &[])?;
+            }
+        }
+        self.store.write_run(first, middle_data)?;
+        self.for_resident_in(first, pages, |frame, at| {
+            frame
+                .data
+                .copy_from_slice(&middle_data[at * page_bytes..(at + 1) * page_bytes]);
+            frame.dirty = false;
+        });
+        self.stats.direct_pages += pages;
+        self.write((first + pages) * page_bytes as u64, tail_data)
+    }
+
+    /// For a span of `len` bytes at `offset`, checked: (first whole page, whole pages,
+    /// bytes before the first), or `None` when it covers fewer than
+    /// [`DIRECT_PAGES_MIN`] whole pages.
+    fn direct_span(&self, offset: u64, len: usize) -> Result<Option<(PageId, u64, usize)>, Error> {
+        let end = offset
+            .checked_add(len as u64)
+            .filter(|&e| e <= self.len_bytes())
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "{len} bytes at {offset} are past the end ({} B)",
+                    self.len_bytes()
+                ))
+            })?;
+        let page_bytes = self.page_bytes as u64;
+        let first = offset.div_ceil(page_bytes);
+        let until = end / page_bytes;
+        if until < first + DIRECT_PAGES_MIN {
+            return Ok(None);
+        }
+        Ok(Some((
+            first,
+            until - first,
+            (first * page_bytes - offset) as usize,
+        )))
+    }
+
+    /// Calls `f` with each resident frame among pages `first..first + pages` and its
+    /// index in that span, walking whichever is shorter: the span or the frames.
+    fn for_resident_in(&mut self, first: PageId, pages: u64, mut f: impl FnMut(&mut Frame, usize)) {
+        if (self.frames.len() as u64) < pages {
+            for (p, frame) in self.frames.iter_mut() {
+                if (first..first + pages).contains(p) {
+                    f(frame, (p - first) as usize);
+                }
+            }
+        } else {
+            for p in first..first + pages {
+                if let Some(frame) = self.frames.get_mut(&p) {
+                    f(frame, (p - first) as usize);
+                }
+            }
+        }
     }
 
     /// Keeps `page` resident until [`PageCache::unpin`]; pins nest.
@@ -531,6 +635,58 @@ mod tests {
             c.store().read_pages(&all, &mut fresh).expect("store read");
             prop_assert_eq!(fresh.concat(), model);
         }
+    }
+
+    proptest! {
+        /// The direct path (whole pages straight to and from the store) mixed with the
+        /// cached one: reads see every write whichever path made it — a dirty frame is
+        /// newer than the store, a direct write updates the frame — and the store ends
+        /// equal to a plain byte array.
+        #[test]
+        fn direct_and_cached_paths_agree(
+            ops in proptest::collection::vec((0u8..4, 0u64..(64 * 4096 - 64), 1usize..(30 * 4096), any::<u8>()), 1..40),
+            policy in proptest::sample::select(crate::POLICY_NAMES.to_vec()),
+            prefetch in proptest::sample::select(crate::PREFETCHER_NAMES.to_vec()),
+        ) {
+            let mut c = cache(64, 8, policy, prefetch);
+            let mut model = vec![0u8; 64 * PAGE];
+            for (kind, offset, len, byte) in ops {
+                let len = len.min(model.len() - offset as usize);
+                let at = offset as usize;
+                if kind % 2 == 1 {
+                    let data: Vec<u8> = (0..len).map(|i| byte.wrapping_add((i / 7) as u8)).collect();
+                    if kind == 3 { c.write_direct(offset, &data).expect("write_direct") } else { c.write(offset, &data).expect("write") }
+                    model[at..at + len].copy_from_slice(&data);
+                } else {
+                    let mut buf = vec![0u8; len];
+                    if kind == 2 { c.read_direct(offset, &mut buf).expect("read_direct") } else { c.read(offset, &mut buf).expect("read") }
+                    prop_assert_eq!(&buf[..], &model[at..at + len]);
+                }
+                prop_assert!(c.resident_pages() <= 8);
+            }
+            c.flush().expect("flush");
+            let mut fresh = vec![vec![0u8; PAGE].into_boxed_slice(); 64];
+            let all: Vec<PageId> = (0..64).collect();
+            c.store().read_pages(&all, &mut fresh).expect("store read");
+            prop_assert_eq!(fresh.concat(), model);
+        }
+    }
+
+    #[test]
+    fn large_spans_bypass_the_frames() {
+        let mut c = cache(64, 4, "lru", "none");
+        let data = vec![7u8; 40 * PAGE + 100];
+        c.write_direct(50, &data).expect("write");
+        // 39 whole pages went direct; the partial first and last through frames.
+        assert_eq!(c.stats().direct_pages, 39, "{:?}", c.stats());
+        assert!(c.stats().evictions == 0, "{:?}", c.stats());
+        let mut back = vec![0u8; data.len()];
+        c.read_direct(50, &mut back).expect("read");
+        assert_eq!(back, data);
+        assert_eq!(c.stats().direct_pages, 78);
+        let mut small = vec![0u8; 3 * PAGE];
+        c.read_direct(0, &mut small).expect("small read");
+        assert_eq!(c.stats().direct_pages, 78, "a small span went direct");
     }
 
     /// The promise: the simulator and the real cache agree on the miss ratio for

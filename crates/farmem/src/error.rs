@@ -10,9 +10,22 @@ pub enum Error {
     /// The memory server could not be reached or refused a request.
     #[error(transparent)]
     Client(#[from] camelot_client::ClientError),
+    /// The block volume under a `VolumeStore` failed (e.g. more members lost than its
+    /// level tolerates).
+    #[error(transparent)]
+    Volume(#[from] camelot_blocks::BlocksError),
     /// The memory server answered something a page operation does not expect.
     #[error("remote memory: {0}")]
     Remote(String),
+    /// This process may not use userfaultfd; the message says what to change.
+    #[error("userfaultfd is not permitted here: {0}")]
+    UserfaultNotPermitted(String),
+    /// userfaultfd is missing or failed (the message names the step).
+    #[error("userfaultfd: {0}")]
+    Userfault(String),
+    /// A far region stopped serving faults (its store failed); the message says why.
+    #[error("the far region failed: {0}")]
+    RegionFailed(String),
     #[error("reading the trace: {0}")]
     Io(#[from] std::io::Error),
 }

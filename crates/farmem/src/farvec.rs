@@ -73,19 +73,22 @@ impl<T: Pod, S: PageStore> FarVec<T, S> {
     }
 
     /// Copies `out.len()` elements from `index` into `out`: one cache call for the lot.
+    /// A slice spanning many pages bypasses the frames (`PageCache::read_direct`): its
+    /// pages come straight from the store into `out`.
     pub fn read_slice(&self, index: u64, out: &mut [T]) -> Result<(), Error> {
         let offset = self.offset(index, out.len() as u64)?;
         self.cache
             .lock()
-            .read(offset, bytemuck::cast_slice_mut(out))
+            .read_direct(offset, bytemuck::cast_slice_mut(out))
     }
 
-    /// Copies `values` to the elements from `index` on.
+    /// Copies `values` to the elements from `index` on; a slice spanning many pages goes
+    /// straight to the store (`PageCache::write_direct`).
     pub fn write_slice(&self, index: u64, values: &[T]) -> Result<(), Error> {
         let offset = self.offset(index, values.len() as u64)?;
         self.cache
             .lock()
-            .write(offset, bytemuck::cast_slice(values))
+            .write_direct(offset, bytemuck::cast_slice(values))
     }
 
     /// The elements in order, `chunk` at a time (each chunk one cache call).

@@ -6,7 +6,8 @@
 //! [`policy`], [`prefetch`] and [`sim`] are pure; [`cache`] drives them over a
 //! [`PageStore`] — pages in local memory ([`LocalStore`], the all-local reference) or in
 //! a region on a memory server ([`RegionStore`]) — and [`FarVec`] is a vector over it.
-#![forbid(unsafe_code)]
+// `uffd` alone holds unsafe code (the mapping and the userfaultfd), each use argued.
+#![deny(unsafe_code)]
 
 pub mod cache;
 mod error;
@@ -14,9 +15,11 @@ pub mod farvec;
 mod list;
 pub mod policy;
 pub mod prefetch;
+pub mod region;
 pub mod sim;
 pub mod sort;
 pub mod store;
+mod uffd;
 
 pub use cache::{CacheConfig, CacheStats, PageCache};
 pub use error::Error;
@@ -24,7 +27,8 @@ pub use farvec::FarVec;
 pub use list::PageList;
 pub use policy::{by_name as policy_by_name, Policy, POLICY_NAMES};
 pub use prefetch::{prefetcher_by_name, Prefetcher, PREFETCHER_NAMES};
-pub use store::{LocalStore, PageStore, PendingRead, RegionStore};
+pub use region::{FarRegion, RegionStats};
+pub use store::{LocalStore, PageStore, PendingRead, RegionStore, VolumeStore};
 
 /// A page's number within a far-memory space (its byte offset ÷ the page size).
 pub type PageId = u64;

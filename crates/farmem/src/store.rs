@@ -3,8 +3,10 @@
 //! prefetcher asked for) or one write-back costs one round trip, not one per page.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use bytes::Bytes;
+use camelot_blocks::Volume;
 use camelot_client::proto::{Op, Reply};
 use camelot_client::{Client, Region};
 use parking_lot::Mutex;
@@ -36,6 +38,28 @@ pub trait PageStore: Send + Sync {
     fn write_pages(&self, pages: &[(PageId, &[u8])]) -> Result<(), Error>;
     /// Bytes moved to and from the store so far: (read, written).
     fn traffic_bytes(&self) -> (u64, u64);
+    /// Reads the consecutive pages from `first` into `out` (a whole number of pages),
+    /// bypassing any frame: the direct path of large slices. The default goes through
+    /// [`PageStore::read_pages`] and copies; stores override it to read in place.
+    fn read_run(&self, first: PageId, out: &mut [u8]) -> Result<(), Error> {
+        let page_bytes = self.page_bytes();
+        let pages: Vec<PageId> = (first..).take(out.len() / page_bytes).collect();
+        let mut bufs: Vec<Box<[u8]>> = pages
+            .iter()
+            .map(|_| vec![0u8; page_bytes].into_boxed_slice())
+            .collect();
+        self.read_pages(&pages, &mut bufs)?;
+        for (chunk, buf) in out.chunks_mut(page_bytes).zip(&bufs) {
+            chunk.copy_from_slice(buf);
+        }
+        Ok(())
+    }
+    /// Writes `data` (a whole number of pages) to the consecutive pages from `first`.
+    fn write_run(&self, first: PageId, data: &[u8]) -> Result<(), Error> {
+        let page_bytes = self.page_bytes();
+        let batch: Vec<(PageId, &[u8])> = (first..).zip(data.chunks(page_bytes)).collect();
+        self.write_pages(&batch)
+    }
     /// Starts reading `pages` and returns at once; [`PendingRead::wait`] gives their
     /// bytes. Stores that cannot overlap a read with other work read here and now.
     fn start_read(&self, pages: &[PageId]) -> PendingRead {
@@ -228,6 +252,12 @@ impl RegionStore {
         &self.region
     }
 
+    /// The byte offset of a run of `len` bytes from page `first`, checked: whole pages,
+    /// inside the region.
+    fn check_run(&self, first: PageId, len: usize) -> Result<u64, Error> {
+        check_run(self, first, len)
+    }
+
     /// Consecutive pages travel as one READ or WRITE of at most this many pages.
     fn run_pages_max(&self) -> usize {
         (RUN_BYTES_MAX / self.page_bytes).max(1)
@@ -236,6 +266,23 @@ impl RegionStore {
 
 /// One request moves at most this much: a frame the client and server reuse buffers for.
 const RUN_BYTES_MAX: usize = 1 << 20;
+/// A direct run keeps at most this many bytes of requests in flight.
+const RUN_WINDOW_BYTES: usize = 16 << 20;
+
+/// The byte offset of a run of `len` bytes from page `first`: whole pages, inside the
+/// store.
+fn check_run(store: &dyn PageStore, first: PageId, len: usize) -> Result<u64, Error> {
+    let page_bytes = store.page_bytes();
+    let pages = (len / page_bytes) as u64;
+    if !len.is_multiple_of(page_bytes) || first.checked_add(pages).is_none_or(|e| e > store.pages())
+    {
+        return Err(Error::Invalid(format!(
+            "a run of {len} B from page {first}: not whole pages inside {} pages",
+            store.pages()
+        )));
+    }
+    Ok(first * page_bytes as u64)
+}
 
 /// `pages` cut into runs of consecutive numbers, each at most `run_max` long, as (index
 /// of the run's first page in `pages`, length).
@@ -322,6 +369,63 @@ impl PageStore for RegionStore {
             .fetch_add((pages.len() * self.page_bytes) as u64, Ordering::Relaxed);
         Ok(())
     }
+    fn read_run(&self, first: PageId, out: &mut [u8]) -> Result<(), Error> {
+        let offset = self.check_run(first, out.len())?;
+        // Requests of ≤ RUN_BYTES_MAX, up to RUN_WINDOW_BYTES of them in flight at once.
+        for (w, window) in out.chunks_mut(RUN_WINDOW_BYTES).enumerate() {
+            let base = offset + (w * RUN_WINDOW_BYTES) as u64;
+            let pending = self
+                .client
+                .submit_many(window.chunks(RUN_BYTES_MAX).enumerate().map(|(i, c)| {
+                    let op = self
+                        .region
+                        .read_op(base + (i * RUN_BYTES_MAX) as u64, c.len() as u32);
+                    (self.region.node, op)
+                }))?;
+            for (p, chunk) in pending.into_iter().zip(window.chunks_mut(RUN_BYTES_MAX)) {
+                match p.wait()? {
+                    Reply::Data(d) if d.len() == chunk.len() => chunk.copy_from_slice(&d),
+                    other => {
+                        return Err(Error::Remote(format!(
+                            "a run read answered {}",
+                            short(&other)
+                        )))
+                    }
+                }
+            }
+        }
+        self.read_bytes
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn write_run(&self, first: PageId, data: &[u8]) -> Result<(), Error> {
+        let offset = self.check_run(first, data.len())?;
+        for (w, window) in data.chunks(RUN_WINDOW_BYTES).enumerate() {
+            let base = offset + (w * RUN_WINDOW_BYTES) as u64;
+            let pending = self
+                .client
+                .submit_many(window.chunks(RUN_BYTES_MAX).enumerate().map(|(i, c)| {
+                    let op = self
+                        .region
+                        .write_op(base + (i * RUN_BYTES_MAX) as u64, Bytes::copy_from_slice(c));
+                    (self.region.node, op)
+                }))?;
+            for p in pending {
+                match p.wait()? {
+                    Reply::Done => {}
+                    other => {
+                        return Err(Error::Remote(format!(
+                            "a run write answered {}",
+                            short(&other)
+                        )))
+                    }
+                }
+            }
+        }
+        self.written_bytes
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
     fn start_read(&self, pages: &[PageId]) -> PendingRead {
         if let Err(e) = check_batch(self, pages.iter().map(|p| (*p, self.page_bytes))) {
             return PendingRead(Pending::Ready(Err(e)));
@@ -349,6 +453,114 @@ impl PageStore for RegionStore {
             }
             Err(e) => PendingRead(Pending::Ready(Err(e.into()))),
         }
+    }
+    fn traffic_bytes(&self) -> (u64, u64) {
+        (
+            self.read_bytes.load(Ordering::Relaxed),
+            self.written_bytes.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Pages on a block volume (`camelot-blocks`): striped, mirrored or erasure-coded
+/// across member servers, so far memory can outlive a member (raid1/4/5, rs). Page `p`
+/// is the volume's bytes `[p × page_bytes, (p + 1) × page_bytes)`. Each run of
+/// consecutive pages in a batch is one volume call, which sends its chunk I/O to every
+/// member before waiting for any.
+pub struct VolumeStore {
+    volume: Arc<Volume>,
+    page_bytes: usize,
+    read_bytes: AtomicU64,
+    written_bytes: AtomicU64,
+}
+
+impl VolumeStore {
+    /// Pages over the whole volume (a whole number of pages of it is used).
+    pub fn new(volume: Arc<Volume>, page_bytes: usize) -> Result<Self, Error> {
+        check_page_bytes(page_bytes)?;
+        if volume.capacity_bytes() < page_bytes as u64 {
+            return Err(Error::Invalid(format!(
+                "volume of {} B is smaller than one {page_bytes} B page",
+                volume.capacity_bytes()
+            )));
+        }
+        Ok(VolumeStore {
+            volume,
+            page_bytes,
+            read_bytes: AtomicU64::new(0),
+            written_bytes: AtomicU64::new(0),
+        })
+    }
+
+    pub fn volume(&self) -> &Arc<Volume> {
+        &self.volume
+    }
+}
+
+impl PageStore for VolumeStore {
+    fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+    fn pages(&self) -> u64 {
+        self.volume.capacity_bytes() / self.page_bytes as u64
+    }
+    fn read_pages(&self, pages: &[PageId], out: &mut [Box<[u8]>]) -> Result<(), Error> {
+        check_batch(
+            self,
+            pages.iter().zip(out.iter()).map(|(p, b)| (*p, b.len())),
+        )?;
+        let mut run_buf = Vec::new();
+        for (start, n) in runs_of(pages, (RUN_BYTES_MAX / self.page_bytes).max(1)) {
+            run_buf.resize(n * self.page_bytes, 0);
+            self.volume
+                .read(pages[start] * self.page_bytes as u64, &mut run_buf)?;
+            for (buf, chunk) in out[start..start + n]
+                .iter_mut()
+                .zip(run_buf.chunks(self.page_bytes))
+            {
+                buf.copy_from_slice(chunk);
+            }
+        }
+        self.read_bytes
+            .fetch_add((pages.len() * self.page_bytes) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn read_run(&self, first: PageId, out: &mut [u8]) -> Result<(), Error> {
+        let offset = check_run(self, first, out.len())?;
+        // The volume sends each call's chunk I/O to every member at once.
+        for (i, chunk) in out.chunks_mut(RUN_WINDOW_BYTES).enumerate() {
+            self.volume
+                .read(offset + (i * RUN_WINDOW_BYTES) as u64, chunk)?;
+        }
+        self.read_bytes
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn write_run(&self, first: PageId, data: &[u8]) -> Result<(), Error> {
+        let offset = check_run(self, first, data.len())?;
+        for (i, chunk) in data.chunks(RUN_WINDOW_BYTES).enumerate() {
+            self.volume
+                .write(offset + (i * RUN_WINDOW_BYTES) as u64, chunk)?;
+        }
+        self.written_bytes
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn write_pages(&self, pages: &[(PageId, &[u8])]) -> Result<(), Error> {
+        check_batch(self, pages.iter().map(|(p, b)| (*p, b.len())))?;
+        let numbers: Vec<PageId> = pages.iter().map(|(p, _)| *p).collect();
+        let mut run_buf = Vec::new();
+        for (start, n) in runs_of(&numbers, (RUN_BYTES_MAX / self.page_bytes).max(1)) {
+            run_buf.clear();
+            for (_, bytes) in &pages[start..start + n] {
+                run_buf.extend_from_slice(bytes);
+            }
+            self.volume
+                .write(numbers[start] * self.page_bytes as u64, &run_buf)?;
+        }
+        self.written_bytes
+            .fetch_add((pages.len() * self.page_bytes) as u64, Ordering::Relaxed);
+        Ok(())
     }
     fn traffic_bytes(&self) -> (u64, u64) {
         (

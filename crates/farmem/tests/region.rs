@@ -1,7 +1,9 @@
-//! The page cache and FarVec over a real memory server on loopback.
+//! The page cache and FarVec over a real memory server on loopback. (A server
+//! SIGKILLed under far memory is tested on `camelot server` processes, in
+//! `crates/cli/tests/far_memory.rs`.)
 
 use camelot_client::{Client, ClientConfig, ClusterMap};
-use camelot_farmem::{CacheConfig, FarVec, PageCache, PageStore, RegionStore};
+use camelot_farmem::{CacheConfig, FarVec, PageCache, PageStore, RegionStore, VolumeStore};
 use camelot_server::dev::{DevCluster, DevClusterConfig};
 
 const PAGE: usize = 4096;
@@ -75,25 +77,70 @@ fn farvec_over_a_memory_server_keeps_every_element() {
     assert_eq!(sum, want);
 }
 
-/// A server that goes away is an error the caller sees, not a hang or a panic.
+/// The direct path over a server: runs written and read in place (several requests in
+/// flight), agreeing with the page-at-a-time path, and refused past the end.
 #[test]
-fn a_lost_server_is_an_error() {
-    let (cluster, client) = server();
-    let store = RegionStore::alloc(client, 16, PAGE, None).expect("region");
-    let mut cache = PageCache::new(store, &CacheConfig::new(2 * PAGE as u64)).expect("cache");
-    cache.write(0, &[1u8; 100]).expect("write");
-    drop(cluster);
-    let mut buf = [0u8; 1];
-    let mut failed = false;
-    // The first pages may still be local; a walk over all of them must reach the server.
-    for p in 0..16u64 {
-        if cache.read(p * PAGE as u64, &mut buf).is_err() {
-            failed = true;
-            break;
-        }
-    }
-    assert!(
-        failed,
-        "16 pages through a 2-page cache with the server gone never failed"
+fn runs_move_straight_between_slices_and_a_server() {
+    let (_cluster, client) = server();
+    let pages = 600u64; // 2.4 MiB: three 1 MiB requests a run
+    let store = RegionStore::alloc(client, pages, PAGE, None).expect("region");
+    let data: Vec<u8> = (0..(pages as usize - 10) * PAGE)
+        .map(|i| (i * 31 / 4096) as u8)
+        .collect();
+    store.write_run(5, &data).expect("write_run");
+    let mut back = vec![0u8; data.len()];
+    store.read_run(5, &mut back).expect("read_run");
+    assert!(back == data, "the run did not read back");
+    let mut page = vec![vec![0u8; PAGE].into_boxed_slice()];
+    store.read_pages(&[300], &mut page).expect("read_pages");
+    assert_eq!(&page[0][..], &data[295 * PAGE..296 * PAGE]);
+    assert!(store.read_run(pages - 1, &mut [0u8; 2 * PAGE]).is_err());
+    assert!(store.write_run(0, &[0u8; 100]).is_err(), "not whole pages");
+    assert_eq!(
+        store.traffic_bytes(),
+        ((data.len() + PAGE) as u64, data.len() as u64)
     );
+}
+
+/// A VolumeStore over raid5 on three servers: runs and pages agree, and a FarVec's
+/// large slices (the direct path) and single elements (the cached path) see each other.
+#[test]
+fn a_volume_store_serves_runs_pages_and_a_farvec() {
+    let cluster = DevCluster::start(DevClusterConfig {
+        nodes: 3,
+        memory_bytes_per_node: 64 << 20,
+        worker_threads: 1,
+        ..DevClusterConfig::default()
+    })
+    .expect("dev cluster");
+    let volume = camelot_blocks::Volume::create(
+        "farmem-vol",
+        camelot_blocks::Level::Raid5,
+        cluster.addrs(),
+        16 << 10,
+        4 << 20,
+        &camelot_blocks::VolumeConfig::default(),
+    )
+    .expect("volume");
+    let store = VolumeStore::new(std::sync::Arc::new(volume), PAGE).expect("store");
+    let pages = store.pages();
+    assert_eq!(pages, 1024);
+    let data: Vec<u8> = (0..100 * PAGE).map(|i| (i / 13) as u8).collect();
+    store.write_run(7, &data).expect("write_run");
+    let mut page = vec![vec![0u8; PAGE].into_boxed_slice()];
+    store.read_pages(&[50], &mut page).expect("read_pages");
+    assert_eq!(&page[0][..], &data[43 * PAGE..44 * PAGE]);
+
+    let cache = PageCache::new(store, &CacheConfig::new(8 * PAGE as u64)).expect("cache");
+    let v: FarVec<u64, _> = FarVec::new(cache, pages * PAGE as u64 / 8).expect("farvec");
+    let values: Vec<u64> = (0..v.len()).map(|i| i * 5 + 1).collect();
+    v.write_slice(0, &values).expect("write_slice");
+    v.set(777, 3).expect("set");
+    assert_eq!(v.get(12_345).expect("get"), 12_345 * 5 + 1);
+    let mut back = vec![0u64; values.len()];
+    v.read_slice(0, &mut back).expect("read_slice");
+    assert_eq!(back[777], 3, "the dirty frame is newer than the store");
+    back[777] = values[777];
+    assert!(back == values);
+    assert!(v.stats().direct_pages > 1000, "{:?}", v.stats());
 }

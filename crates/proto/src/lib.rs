@@ -25,7 +25,8 @@ use std::fmt;
 /// The version this build speaks. A server refuses any other at handshake.
 /// 2: HELLO names a principal, ALLOC carries an access mode, region infos carry it back,
 /// and errors QUOTA_EXCEEDED and FORBIDDEN exist.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// 3: WRITE_IF (a WRITE guarded by an 8-byte word elsewhere, for fencing writers).
+pub const PROTOCOL_VERSION: u16 = 3;
 /// First bytes of a HELLO, so a stray client (HTTP, Redis) is told apart at once.
 pub const HELLO_MAGIC: [u8; 4] = *b"CMLT";
 
@@ -167,6 +168,20 @@ pub enum Op {
         offset: u64,
         delta: u64,
     },
+    /// Writes `data` at `offset` of `region` only if the little-endian word at
+    /// `guard_offset` of `guard_region` (8-byte aligned; it may be `region` itself) equals
+    /// `expected`, the check and the write being one atomic step against every CAS,
+    /// FETCH_ADD and WRITE of the guard word: [`Reply::Word`], the guard word as found, so
+    /// the data was written exactly when it equals `expected`. What fences a writer: a
+    /// newer one bumps the guard (an epoch) and every older write fails at the server.
+    WriteIf {
+        region: RegionId,
+        offset: u64,
+        guard_region: RegionId,
+        guard_offset: u64,
+        expected: u64,
+        data: Bytes,
+    },
     /// The object under `key`: [`Reply::Object`], or NO_SUCH_KEY.
     Get {
         key: Bytes,
@@ -213,10 +228,11 @@ pub enum OpKind {
     Delete = 13,
     CasPut = 14,
     Scan = 15,
+    WriteIf = 16,
 }
 
 impl OpKind {
-    pub const ALL: [OpKind; 15] = [
+    pub const ALL: [OpKind; 16] = [
         OpKind::Ping,
         OpKind::Stats,
         OpKind::List,
@@ -232,6 +248,7 @@ impl OpKind {
         OpKind::Delete,
         OpKind::CasPut,
         OpKind::Scan,
+        OpKind::WriteIf,
     ];
 
     pub fn from_u8(v: u8) -> Option<OpKind> {
@@ -255,6 +272,7 @@ impl OpKind {
             OpKind::Delete => "delete",
             OpKind::CasPut => "cas_put",
             OpKind::Scan => "scan",
+            OpKind::WriteIf => "write_if",
         }
     }
 }
@@ -277,6 +295,7 @@ impl Op {
             Op::Delete { .. } => OpKind::Delete,
             Op::CasPut { .. } => OpKind::CasPut,
             Op::Scan { .. } => OpKind::Scan,
+            Op::WriteIf { .. } => OpKind::WriteIf,
         }
     }
 
@@ -291,7 +310,7 @@ impl Op {
     /// unknown size (GET, SCAN) count as nothing here and stay bounded by the hard limits.
     pub fn bulk_len(&self) -> usize {
         match self {
-            Op::Write { data, .. } => data.len(),
+            Op::Write { data, .. } | Op::WriteIf { data, .. } => data.len(),
             Op::Read { len, .. } => *len as usize,
             Op::Put { value, .. } | Op::CasPut { value, .. } => value.len(),
             _ => 0,

@@ -70,6 +70,7 @@ pub(crate) fn request_encoded_len(op: &Op) -> usize {
             Op::Free { .. } => 8,
             Op::Read { .. } => 8 + 8 + 4,
             Op::Write { data, .. } => 8 + 8 + 4 + data.len(),
+            Op::WriteIf { data, .. } => 8 * 5 + 4 + data.len(),
             Op::Cas { .. } => 8 * 4,
             Op::FetchAdd { .. } => 8 * 3,
             Op::Get { key } | Op::Delete { key } => KEY_HEADER_BYTES + key.len(),
@@ -94,7 +95,7 @@ pub(crate) fn reply_len_max(op: &Op) -> usize {
             Op::Alloc { .. } | Op::Lookup { .. } => REGION_INFO_BYTES_MAX,
             Op::Free { .. } | Op::Write { .. } => 0,
             Op::Read { len, .. } => 4 + *len as usize,
-            Op::Cas { .. } | Op::FetchAdd { .. } => 8,
+            Op::Cas { .. } | Op::FetchAdd { .. } | Op::WriteIf { .. } => 8,
             Op::Get { .. } => 8 + VALUE_HEADER_BYTES + VALUE_BYTES_MAX,
             Op::Put { .. } | Op::CasPut { .. } | Op::Delete { .. } => 8,
             // A scan fills at most what is left of the frame; the frame limit bounds it.
@@ -198,6 +199,23 @@ fn encode_op(buf: &mut BytesMut, op: &Op, payloads: &mut Payloads<'_>) -> Result
             limit("write length", data.len(), IO_BYTES_MAX)?;
             buf.put_u64_le(*region);
             buf.put_u64_le(*offset);
+            buf.put_u32_le(data.len() as u32);
+            payloads.put(buf, data);
+        }
+        Op::WriteIf {
+            region,
+            offset,
+            guard_region,
+            guard_offset,
+            expected,
+            data,
+        } => {
+            limit("write length", data.len(), IO_BYTES_MAX)?;
+            buf.put_u64_le(*region);
+            buf.put_u64_le(*offset);
+            buf.put_u64_le(*guard_region);
+            buf.put_u64_le(*guard_offset);
+            buf.put_u64_le(*expected);
             buf.put_u32_le(data.len() as u32);
             payloads.put(buf, data);
         }
@@ -776,6 +794,23 @@ fn decode_op(c: &mut Cursor) -> Result<Op, DecodeError> {
             Op::Write {
                 region,
                 offset,
+                data: c.bytes(len)?,
+            }
+        }
+        OpKind::WriteIf => {
+            let region = c.u64()?;
+            let offset = c.u64()?;
+            let guard_region = c.u64()?;
+            let guard_offset = c.u64()?;
+            let expected = c.u64()?;
+            let len = c.u32()? as usize;
+            check_limit("write length", len as u64, IO_BYTES_MAX as u64)?;
+            Op::WriteIf {
+                region,
+                offset,
+                guard_region,
+                guard_offset,
+                expected,
                 data: c.bytes(len)?,
             }
         }

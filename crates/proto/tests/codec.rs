@@ -58,6 +58,26 @@ fn op() -> impl Strategy<Value = Op> {
                 offset,
                 data: Bytes::from(data)
             }),
+        (
+            (
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>()
+            ),
+            proptest::collection::vec(any::<u8>(), 0..300)
+        )
+            .prop_map(
+                |((region, offset, guard_region, guard_offset, expected), data)| Op::WriteIf {
+                    region,
+                    offset,
+                    guard_region,
+                    guard_offset,
+                    expected,
+                    data: Bytes::from(data)
+                }
+            ),
         (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
             |(region, offset, expected, new)| Op::Cas {
                 region,

@@ -70,6 +70,19 @@ pub enum RvmError {
     /// holds the lock): this one may no longer write.
     #[error("fenced: {0}")]
     Fenced(String),
+    /// A pool server lacks the memory for one of the instance's regions.
+    #[error(
+        "no room for region {region:?}: it needs {needed_bytes} bytes and the server has \
+         {free_bytes} bytes free (of {cap_bytes}); an instance needs its log, two catalogs \
+         and a header page on every server, plus its segments' homes: give the server \
+         more memory (--memory), free some regions, or open with a smaller log_bytes"
+    )]
+    NoRoom {
+        region: String,
+        needed_bytes: u64,
+        free_bytes: String,
+        cap_bytes: String,
+    },
     #[error("backend unavailable: {0}")]
     Unavailable(String),
     /// A commit failed after it may have reached the backend: the in-memory state can no

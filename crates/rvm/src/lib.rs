@@ -217,6 +217,27 @@ pub struct Config {
     /// Map recovered segments at the addresses they had (pointers inside them stay
     /// valid); recovery fails when such a range is taken.
     pub fixed_addresses: bool,
+    /// Called at fixed points of the backend's work; for tests that must stop a writer at
+    /// an exact moment (see `tests/fencing.rs`). Empty by default.
+    #[doc(hidden)]
+    pub hooks: Hooks,
+}
+
+/// Test hooks: code run at named points, for tests that must stop a writer (SIGSTOP) at
+/// an exact moment to show what another writer's takeover does to it.
+#[doc(hidden)]
+#[derive(Clone, Default)]
+pub struct Hooks {
+    /// The pool backend, in truncation, just before it sends the home writes.
+    pub before_home_writes: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooks")
+            .field("before_home_writes", &self.before_home_writes.is_some())
+            .finish()
+    }
 }
 
 impl Config {
@@ -228,6 +249,7 @@ impl Config {
             truncate_log_bytes: TRUNCATE_LOG_BYTES_DEFAULT,
             background_truncation: true,
             fixed_addresses: false,
+            hooks: Hooks::default(),
         }
     }
 
@@ -421,6 +443,7 @@ fn open_backend(cfg: &Config) -> Result<Box<dyn Backend>> {
                 token.clone(),
                 *log_bytes,
                 cfg.recover,
+                cfg.hooks.clone(),
             )?)
         }
         BackendConfig::Redis {

@@ -8,7 +8,9 @@
 //! The checker is shown able to fail: `*_catches_early_acks` runs the same loops with a
 //! writer that reports each commit before making it, and expects violations.
 //!
-//! CI runs `KILLS_DEFAULT` kills per loop; the full run, quoted in BENCHMARKS.md, is
+//! CI (`scripts/test.sh`) runs `KILLS_DEFAULT` kills per loop twice: in the workspace's
+//! debug test run and again in a release build (`cargo test -p camelot-rvm --release
+//! --test crash`). The full run, quoted in BENCHMARKS.md, is
 //! `RVM_CRASH_KILLS=1000 cargo test -p camelot-rvm --release --test crash -- --nocapture`.
 
 mod common;

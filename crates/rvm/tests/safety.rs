@@ -252,3 +252,118 @@ fn redis_wait_replicas_fails_without_replicas() {
         other => panic!("a commit without the replica it waits for: {other:?}"),
     }
 }
+
+/// A pool server without room for an instance's log: the open fails naming the region,
+/// the bytes it needs and the bytes the server has free, not a bare OUT_OF_MEMORY.
+#[test]
+fn pool_open_without_room_names_bytes_needed_and_free() {
+    let node = DevCluster::start(DevClusterConfig {
+        nodes: 1,
+        memory_bytes_per_node: 4 * MIB,
+        worker_threads: 1,
+        ..DevClusterConfig::default()
+    })
+    .expect("dev cluster starts");
+    let backend = BackendConfig::Pool {
+        servers: node.addrs().to_vec(),
+        token: None,
+        log_bytes: 8 * MIB,
+    };
+    match Rvm::open(Config::new(backend, "tight")) {
+        Err(e @ RvmError::NoRoom { .. }) => {
+            let RvmError::NoRoom {
+                region,
+                needed_bytes,
+                free_bytes,
+                cap_bytes,
+            } = &e
+            else {
+                unreachable!()
+            };
+            assert_eq!(region, "rvm/tight/log");
+            assert_eq!(*needed_bytes, 8 * MIB);
+            assert_eq!(cap_bytes, &(4 * MIB).to_string());
+            // Only the header page is allocated before the log.
+            assert_eq!(free_bytes, &(4 * MIB - 4096).to_string());
+            let msg = e.to_string();
+            for part in [&(8 * MIB).to_string(), free_bytes, "rvm/tight/log"] {
+                assert!(msg.contains(part), "{msg:?} does not name {part}");
+            }
+        }
+        Err(e) => panic!("wrong error for a full server: {e}"),
+        Ok(_) => panic!("an 8 MiB log fitted in a 4 MiB server"),
+    }
+}
+
+/// Protocol-2 writers moved the log to `rvm/NAME/log.EPOCH` at a new owner's first change;
+/// a crash mid-move left either the new region (not yet named by the header) or the old one
+/// (not yet freed). Both leftovers are built here exactly as such a crash leaves them, and
+/// an open must free them while recovering every commit from the log the header names.
+#[test]
+fn pool_open_frees_log_regions_an_interrupted_move_left() {
+    use camelot_client::{Client, ClientConfig, ClusterMap};
+    let f = Fixture::start("pool");
+    let Fixture::Pool(node) = &f else {
+        unreachable!()
+    };
+    let client = Client::connect(
+        ClusterMap::from_addrs(node.addrs()),
+        ClientConfig::default(),
+    )
+    .expect("connect");
+    let rvm = Rvm::open(f.config("orph", false)).expect("create");
+    let s = rvm.alloc("s", 4096).expect("alloc");
+    commit_u64(&rvm, &s, 0, 7).expect("commit");
+    drop(s);
+    drop(rvm);
+    let log = client.lookup("rvm/orph/log").expect("the log");
+    let exists = |name: &str| client.lookup(name).is_ok();
+
+    // Crash after allocating (and partly filling) the new region, before the header named it.
+    let orphan = client
+        .alloc_on(0, log.size, Some("rvm/orph/log.9"))
+        .expect("alloc the leftover");
+    client
+        .write(&orphan, 0, bytes::Bytes::from_static(b"half a copy"))
+        .expect("write");
+    let rvm = Rvm::open(f.config("orph", true)).expect("recover");
+    let s = rvm.segment("s").expect("segment");
+    assert_eq!(s.read_u64(0).expect("read"), 7);
+    assert!(!exists("rvm/orph/log.9"), "the unnamed new log was kept");
+    assert!(exists("rvm/orph/log"), "the live log was freed");
+    commit_u64(&rvm, &s, 8, 8).expect("commit");
+    drop(s);
+    drop(rvm);
+
+    // Crash after the copy and the header's new generation, before the old region was freed.
+    let old = client.lookup("rvm/orph/log").expect("the log");
+    let moved = client
+        .alloc_on(0, old.size, Some("rvm/orph/log.12"))
+        .expect("alloc the new log");
+    let whole = client
+        .read(&old, 0, 1 << 20)
+        .expect("read the log's first MiB");
+    client.write(&moved, 0, whole).expect("copy");
+    let hdr = client.lookup("rvm/orph/hdr").expect("header");
+    client
+        .write(
+            &hdr,
+            32,
+            bytes::Bytes::copy_from_slice(&12u64.to_le_bytes()),
+        )
+        .expect("name generation 12");
+    let rvm = Rvm::open(f.config("orph", true)).expect("recover from the moved log");
+    let s = rvm.segment("s").expect("segment");
+    assert_eq!(
+        (s.read_u64(0).expect("read"), s.read_u64(8).expect("read")),
+        (7, 8)
+    );
+    assert!(!exists("rvm/orph/log"), "the old log was kept");
+    assert!(exists("rvm/orph/log.12"), "the live log was freed");
+    commit_u64(&rvm, &s, 16, 9).expect("commit into the adopted log");
+    drop(s);
+    drop(rvm);
+    let rvm = Rvm::open(f.config("orph", true)).expect("recover again");
+    let s = rvm.segment("s").expect("segment");
+    assert_eq!(s.read_u64(16).expect("read"), 9);
+}

@@ -2,6 +2,7 @@
 
 use crate::buffers::ConnBuffers;
 use crate::exec::exec;
+use crate::principals::PrincipalTokens;
 use crate::state::{Refusal, ServerState};
 use crate::store::Principal;
 use bytes::{Bytes, BytesMut};
@@ -48,6 +49,7 @@ pub(crate) struct Shared {
     /// Connections waiting to authenticate, shared with the Redis port.
     pub waiting: Arc<Waiting>,
     pub token: Option<Vec<u8>>,
+    pub principal_tokens: PrincipalTokens,
     pub handshake_timeout: Duration,
     pub idle_timeout: Option<Duration>,
 }
@@ -487,11 +489,22 @@ impl Conn {
             );
             return Err(self.fatal(ErrorCode::VersionMismatch, msg).await);
         }
-        if let Some(token) = &self.shared.token {
+        let named = if hello.principal.is_empty() {
+            PRINCIPAL_DEFAULT
+        } else {
+            hello.principal.as_str()
+        };
+        // A listed principal's own token replaces the cluster token; the reply does not
+        // say which was expected, so it tells a prober nothing about who is listed.
+        let expected = match self.shared.principal_tokens.token_of(named) {
+            Some(own) => Some(own),
+            None => self.shared.token.as_deref(),
+        };
+        if let Some(token) = expected {
             if !tokens_match(token, &hello.token) {
-                warn!(peer = %self.peer, "wrong or missing cluster token");
+                warn!(peer = %self.peer, principal = named, "wrong or missing token");
                 return Err(self
-                    .fatal(ErrorCode::AuthFailed, "wrong or missing cluster token")
+                    .fatal(ErrorCode::AuthFailed, "wrong or missing token")
                     .await);
             }
         }

@@ -286,6 +286,25 @@ impl Exec<'_, '_, '_> {
             } => self.guarded(id, OK_HEADER_BYTES, |s, who| {
                 s.write(who, *region, *offset, data).map(|()| Reply::Done)
             }),
+            Op::WriteIf {
+                region,
+                offset,
+                guard_region,
+                guard_offset,
+                expected,
+                data,
+            } => self.guarded(id, WORD_REPLY_BYTES, |s, who| {
+                s.write_if(
+                    who,
+                    *region,
+                    *offset,
+                    data,
+                    *guard_region,
+                    *guard_offset,
+                    *expected,
+                )
+                .map(Reply::Word)
+            }),
             Op::Cas {
                 region,
                 offset,

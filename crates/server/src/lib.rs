@@ -12,6 +12,7 @@ pub mod dev;
 pub mod exec;
 pub mod objects;
 pub mod ownership;
+pub mod principals;
 pub mod resp;
 pub mod state;
 pub mod store;
@@ -83,6 +84,9 @@ pub struct ServerConfig {
     pub quota: Quota,
     /// Refuse to start without a token, instead of warning when serving beyond loopback.
     pub require_token: bool,
+    /// Principals that must present their own token instead of the cluster token (native
+    /// port; see [`principals`]). Empty: every name goes with the cluster token.
+    pub principal_tokens: principals::PrincipalTokens,
 }
 
 impl ServerConfig {
@@ -104,6 +108,7 @@ impl ServerConfig {
             proto_max_bulk_len: resp::codec::PROTO_MAX_BULK_LEN_DEFAULT,
             quota: Quota::UNLIMITED,
             require_token: false,
+            principal_tokens: principals::PrincipalTokens::default(),
         }
     }
 }
@@ -342,6 +347,7 @@ impl ServerHandle {
             state: Arc::clone(&state),
             waiting,
             token: config.token,
+            principal_tokens: config.principal_tokens,
             handshake_timeout: config.handshake_timeout,
             idle_timeout: config.idle_timeout,
         }));

@@ -346,6 +346,67 @@ fn collection_full() -> ErrorReply {
     )
 }
 
+/// A collection type a key can hold (hash, list, set, sorted set): how to find it inside a
+/// `Value`, and how to wrap a new one.
+pub trait Collection: Default {
+    fn of(value: &mut Value) -> Option<&mut Self>;
+    fn into_value(self) -> Value;
+}
+
+macro_rules! collection {
+    ($t:ident, $variant:ident) => {
+        impl Collection for $t {
+            fn of(value: &mut Value) -> Option<&mut Self> {
+                match value {
+                    Value::$variant(c) => Some(c),
+                    _ => None,
+                }
+            }
+            fn into_value(self) -> Value {
+                Value::$variant(self)
+            }
+        }
+    };
+}
+collection!(Hash, Hash);
+collection!(ZSet, ZSet);
+collection!(List, List);
+collection!(Set, Set);
+
+/// The write half of HSET, SADD, LPUSH, ZADD…: `apply` runs on the collection the entry
+/// holds, or on a new empty one that is inserted when the key is missing. A key holding
+/// another type is WRONGTYPE and left untouched. `changed` says whether `apply`'s outcome
+/// altered an existing collection, which is what moves its version (WATCH and CAS see it).
+pub fn upsert_collection<C: Collection, R>(
+    entry: Option<&mut Entry>,
+    clock: &VersionClock,
+    apply: impl FnOnce(&mut C) -> Result<R, ErrorReply>,
+    changed: impl FnOnce(&R) -> bool,
+) -> Result<(R, Change), ErrorReply> {
+    match entry {
+        None => {
+            let mut c = C::default();
+            let outcome = apply(&mut c)?;
+            let value = c.into_value();
+            Ok((
+                outcome,
+                Change::Insert {
+                    value,
+                    expires_at: None,
+                },
+            ))
+        }
+        Some(e) => {
+            let c = C::of(&mut e.value).ok_or_else(wrong_type)?;
+            let outcome = apply(c)?;
+            if changed(&outcome) {
+                e.version = clock.next();
+            }
+            Ok((outcome, Change::Keep))
+        }
+    }
+}
+
 #[derive(Debug)]
 pub enum Value {
     Str(Bytes),
@@ -1127,6 +1188,37 @@ mod tests {
         assert_eq!(s.sweep_expired(later), 1);
         assert_eq!(budget.used(), 0);
         assert_eq!(s.sweep_expired(later), 0);
+    }
+
+    #[test]
+    fn upsert_creates_keeps_other_types_and_moves_the_version_only_on_change() {
+        let clock = VersionClock(AtomicU64::new(7));
+        let add = |m: &'static [u8]| move |s: &mut Set| s.insert(Bytes::from_static(m));
+        let (added, change) = upsert_collection(None, &clock, add(b"a"), |a| *a).unwrap();
+        let Change::Insert { value, .. } = change else {
+            panic!("a missing key must be created");
+        };
+        assert!(added);
+        let mut e = Entry {
+            version: 1,
+            value,
+            expires_at: None,
+            charge_bytes: 0,
+        };
+        let (added, _) = upsert_collection(Some(&mut e), &clock, add(b"a"), |a| *a).unwrap();
+        assert!(!added);
+        assert_eq!(e.version, 1, "adding a present member is no change");
+        upsert_collection(Some(&mut e), &clock, add(b"b"), |a| *a).unwrap();
+        assert_eq!(e.version, 7);
+        let mut s = Entry {
+            version: 3,
+            value: Value::Str(Bytes::from_static(b"x")),
+            expires_at: None,
+            charge_bytes: 0,
+        };
+        let r = upsert_collection(Some(&mut s), &clock, add(b"a"), |_| true);
+        assert_eq!(r.err().map(|e| e.code), Some(ErrorCode::WrongType));
+        assert!(matches!(&s.value, Value::Str(b) if &b[..] == b"x") && s.version == 3);
     }
 
     #[test]

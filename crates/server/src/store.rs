@@ -456,6 +456,59 @@ impl RegionStore {
     ) -> Result<u64, ErrorReply> {
         self.get(who, id)?.fetch_add(offset, delta)
     }
+
+    /// Writes `src` at `offset` of region `id` if the little-endian word at `guard_offset`
+    /// of region `guard` equals `expected`; returns the guard word as it was, so the write
+    /// happened exactly when the result equals `expected`. The guard's lock is held
+    /// (shared) across the write, and CAS, FETCH_ADD and WRITE take it exclusively, so no
+    /// change of the guard word falls between the check and the write.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_if(
+        &self,
+        who: &str,
+        id: RegionId,
+        offset: u64,
+        src: &[u8],
+        guard: RegionId,
+        guard_offset: u64,
+        expected: u64,
+    ) -> Result<u64, ErrorReply> {
+        let target = self.get(who, id)?;
+        let range = target.range(offset, src.len() as u64)?;
+        let word = |bytes: &[u8], at: &Range<usize>| {
+            let mut w = [0u8; WORD_BYTES as usize];
+            w.copy_from_slice(&bytes[at.clone()]);
+            u64::from_le_bytes(w)
+        };
+        if guard == id {
+            let at = target.word_range(guard_offset)?;
+            let mut bytes = target.bytes.write();
+            let old = word(&bytes, &at);
+            if old == expected {
+                bytes[range].copy_from_slice(src);
+            }
+            return Ok(old);
+        }
+        let guard = self.get(who, guard)?;
+        let at = guard.word_range(guard_offset)?;
+        // Two locks, always taken in region-id order: two WRITE_IFs each guarding the
+        // other's target cannot then wait on each other.
+        if guard.id < target.id {
+            let g = guard.bytes.read();
+            let old = word(&g, &at);
+            if old == expected {
+                target.bytes.write()[range].copy_from_slice(src);
+            }
+            Ok(old)
+        } else {
+            let mut t = target.bytes.write();
+            let old = word(&guard.bytes.read(), &at);
+            if old == expected {
+                t[range].copy_from_slice(src);
+            }
+            Ok(old)
+        }
+    }
 }
 
 /// Zeroed memory whose allocation failure is an error rather than an abort.
@@ -530,6 +583,120 @@ mod tests {
         }
         fn fetch_add(&self, id: RegionId, offset: u64, delta: u64) -> Result<u64, ErrorReply> {
             self.0.fetch_add(ME, id, offset, delta)
+        }
+        fn write_if(
+            &self,
+            (id, offset): (RegionId, u64),
+            src: &[u8],
+            (guard, guard_offset, expected): (RegionId, u64, u64),
+        ) -> Result<u64, ErrorReply> {
+            self.0
+                .write_if(ME, id, offset, src, guard, guard_offset, expected)
+        }
+    }
+
+    #[test]
+    fn write_if_writes_exactly_when_the_guard_matches() {
+        let s = store(1 << 20);
+        let a = s.alloc(PAGE, None).unwrap().id();
+        let b = s.alloc(PAGE, None).unwrap().id();
+        s.write(b, 8, &5u64.to_le_bytes()).unwrap();
+        let read = |id, off| {
+            let mut buf = [0u8; 4];
+            s.read(id, off, &mut buf).unwrap();
+            buf
+        };
+        // Both lock orders: guard id below and above the target's.
+        for (target, guard) in [(a, b), (b, a)] {
+            let off = if target == b { 64 } else { 0 };
+            s.write(guard, 8, &5u64.to_le_bytes()).unwrap();
+            assert_eq!(
+                s.write_if((target, off), b"nope", (guard, 8, 4)).unwrap(),
+                5
+            );
+            assert_eq!(read(target, off), [0; 4], "a failed guard wrote");
+            assert_eq!(
+                s.write_if((target, off), b"yes!", (guard, 8, 5)).unwrap(),
+                5
+            );
+            assert_eq!(&read(target, off), b"yes!");
+        }
+        // A guard inside the target region itself.
+        assert_eq!(s.write_if((b, 100), b"self", (b, 8, 5)).unwrap(), 5);
+        assert_eq!(&read(b, 100), b"self");
+        assert_eq!(s.write_if((b, 200), b"self", (b, 8, 6)).unwrap(), 5);
+        assert_eq!(read(b, 200), [0; 4]);
+        // Bad guards and bad targets are errors, not silent no-ops.
+        assert_eq!(
+            code(s.write_if((a, 0), b"x", (b, 3, 5))),
+            ErrorCode::Unaligned
+        );
+        assert_eq!(
+            code(s.write_if((a, 0), b"x", (b, PAGE, 5))),
+            ErrorCode::OutOfBounds
+        );
+        assert_eq!(
+            code(s.write_if((a, 0), b"x", (999, 0, 0))),
+            ErrorCode::NoSuchRegion
+        );
+        assert_eq!(
+            code(s.write_if((a, PAGE), b"x", (b, 8, 5))),
+            ErrorCode::OutOfBounds
+        );
+        let theirs =
+            s.0.alloc(&Principal::from("them"), PAGE, None, AccessMode::Private)
+                .unwrap()
+                .id();
+        assert_eq!(
+            code(s.write_if((a, 0), b"x", (theirs, 0, 0))),
+            ErrorCode::NoSuchRegion
+        );
+    }
+
+    /// The fencing property: once FETCH_ADD has moved the guard, no WRITE_IF expecting the
+    /// old value lands, however the threads interleave.
+    #[test]
+    fn no_guarded_write_lands_after_the_guard_moved() {
+        for round in 0..20u64 {
+            let s = Arc::new(store(1 << 20));
+            let target = s.alloc(PAGE, None).unwrap().id();
+            let guard = s.alloc(PAGE, None).unwrap().id();
+            let writer = {
+                let s = Arc::clone(&s);
+                std::thread::spawn(move || {
+                    let mut n = 1u64;
+                    while s
+                        .write_if((target, 0), &n.to_le_bytes(), (guard, 0, 0))
+                        .unwrap()
+                        == 0
+                    {
+                        n += 1;
+                    }
+                    n
+                })
+            };
+            // Let a few writes land first (bounded: the writer never stops on its own).
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            while s.fetch_add(target, 0, 0).unwrap() < round + 1 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the writer never wrote"
+                );
+                std::thread::yield_now();
+            }
+            s.fetch_add(guard, 0, 1).unwrap();
+            let seen = s.fetch_add(target, 0, 0).unwrap();
+            let refused = writer.join().unwrap();
+            assert_eq!(
+                s.fetch_add(target, 0, 0).unwrap(),
+                seen,
+                "a write landed after"
+            );
+            assert_eq!(
+                seen + 1,
+                refused,
+                "the first refused write was not the next one"
+            );
         }
     }
 

@@ -220,6 +220,50 @@ async fn wrong_or_missing_token_is_refused_and_nothing_is_served() {
     server.shutdown().await.unwrap();
 }
 
+/// A HELLO naming `principal` with `token`; answers whether the server let it in.
+async fn admitted(addr: SocketAddr, principal: &str, token: &[u8]) -> bool {
+    let mut p = Peer::connect(addr).await;
+    p.send(&Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token: Bytes::copy_from_slice(token),
+        principal: principal.into(),
+    }))
+    .await;
+    match p.recv().await {
+        Some(Frame::HelloOk(_)) => true,
+        other => {
+            assert_eq!(fatal_code(other), ErrorCode::AuthFailed);
+            p.expect_closed().await;
+            false
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listed_principal_is_claimed_only_with_its_own_token() {
+    let mut cfg = config();
+    cfg.token = Some(b"cluster".to_vec());
+    cfg.principal_tokens = camelot_server::principals::PrincipalTokens::parse(
+        "alice a1
+anonymous n0
+",
+    )
+    .unwrap();
+    let server = start(cfg).await;
+    let addr = server.local_addr();
+    // The cluster token no longer opens a listed principal, nor does another's token.
+    assert!(!admitted(addr, "alice", b"cluster").await);
+    assert!(!admitted(addr, "alice", b"n0").await);
+    assert!(admitted(addr, "alice", b"a1").await);
+    // Naming nobody is `anonymous`, which is listed too.
+    assert!(!admitted(addr, "", b"cluster").await);
+    assert!(admitted(addr, "", b"n0").await);
+    // Names not listed keep the cluster token's rule, and only it.
+    assert!(admitted(addr, "bob", b"cluster").await);
+    assert!(!admitted(addr, "bob", b"a1").await);
+    server.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn version_mismatch_is_fatal() {
     let server = start(config()).await;

@@ -6,20 +6,18 @@
 //! Each replica holds a header region (`rvm/NS/hdr`) written when the instance is
 //! created: the log's geometry, so a reopen never trusts the caller's `log_bytes`, and
 //! the fencing epoch. Every open takes a new epoch (FETCH_ADD on the header word) before
-//! it reads anything, and every batch that changes the instance ends with a CAS of the
-//! header word against the writer's own epoch. A server runs one connection's requests in
-//! order, so a batch whose CAS still sees the writer's epoch ran entirely before any
-//! newer open took over (which then reads it), and a batch whose CAS sees a newer epoch
-//! fails with [`RvmError::Fenced`]: an older writer can no longer have a commit
-//! acknowledged once a newer one has opened.
+//! it reads anything, and every WRITE that changes the instance — log appends, homes,
+//! catalogs — is a WRITE_IF guarded by that word: the server writes only while the word
+//! still holds the writer's own epoch, checking and writing in one step under the header
+//! region's lock, which the FETCH_ADD needs too. So each of an older writer's WRITEs either
+//! landed before the newer open took its epoch (and so before it read anything) or is
+//! refused, whenever the older writer sends it — paused, slow or unaware it was fenced. A
+//! refused WRITE answers the newer epoch and fails the call with [`RvmError::Fenced`].
 //!
-//! A CAS at the end of a batch cannot stop the batch's WRITEs, though, and an older writer
-//! that does not know it was fenced would append at its own log tail — where the newer
-//! owner appends too. So the log region belongs to one epoch: before its first change, a
-//! newer owner copies the unapplied log into a fresh region `rvm/NS/log.EPOCH`, records
-//! that generation in the header and frees the old region. Region ids are never reused, so
-//! the older writer's next WRITEs fail at the server. Truncation's home and catalog
-//! batches (rare, and not per commit) check the epoch with a CAS before they are sent.
+//! (Until protocol 3 a CAS ended each batch and the log moved to a region of the new
+//! epoch, `rvm/NS/log.EPOCH`, at a new owner's first change; the header's log generation
+//! still names the region an instance created then uses, and an open frees any other
+//! `rvm/NS/log*` region such a move left behind when it crashed.)
 
 use super::{Backend, HomeWrite};
 use crate::error::{Result, RvmError};
@@ -63,8 +61,9 @@ struct Replica {
     header: Region,
     /// The epoch this open took on this replica.
     epoch: u64,
-    /// The log region and the epoch that created it; replaced by [`PoolBackend::own_log`].
-    log: parking_lot::RwLock<(Region, u64)>,
+    /// The log region: `rvm/NS/log`, or `rvm/NS/log.GEN` for the generation the header
+    /// names.
+    log: Region,
     catalogs: [Region; 2],
     homes: Mutex<HashMap<u64, Region>>,
 }
@@ -79,6 +78,7 @@ struct Position {
 
 pub struct PoolBackend {
     ns: String,
+    hooks: crate::Hooks,
     /// `None` for a replica that was down when opened for recovery.
     replicas: Vec<Option<Replica>>,
     log_capacity_bytes: u64,
@@ -102,6 +102,7 @@ impl PoolBackend {
         token: Option<Vec<u8>>,
         log_capacity_bytes: u64,
         allow_down: bool,
+        hooks: crate::Hooks,
     ) -> Result<PoolBackend> {
         if servers.is_empty() || servers.len() > MIRRORS_MAX {
             return Err(RvmError::InvalidArgument(format!(
@@ -134,6 +135,7 @@ impl PoolBackend {
         }
         let mut backend = PoolBackend {
             ns: ns.to_owned(),
+            hooks,
             replicas,
             log_capacity_bytes,
             tail_bytes: Mutex::new(0),
@@ -280,46 +282,36 @@ impl PoolBackend {
 /// transfer (a 4 MiB write takes milliseconds, starting a thread tens of microseconds).
 const MIRROR_THREAD_BYTES_MIN: usize = 4 << 20;
 
-/// Submits `batch` followed by the fencing CAS (see the module comment), which the
-/// server runs after every op of the batch.
-fn submit_all(r: &Replica, batch: Vec<Op>) -> Result<(Vec<Pending>, Pending)> {
-    let pending = batch
+/// Submits `batch`, every op of which is one of `r`'s guarded writes
+/// ([`Replica::write_op`]), in order on `r`'s one connection.
+fn submit_all(r: &Replica, batch: Vec<Op>) -> Result<Vec<Pending>> {
+    batch
         .into_iter()
         .map(|op| r.client.submit(0, op).map_err(Into::into))
-        .collect::<Result<Vec<_>>>()?;
-    let fence = r
-        .client
-        .submit(0, r.header.cas_op(HEADER_EPOCH_OFFSET, r.epoch, r.epoch))?;
-    Ok((pending, fence))
+        .collect()
 }
 
 /// Waits for every answer (even after a failure, so nothing is left in flight) and
-/// returns the first error; a fencing CAS that found a newer epoch is one.
-fn wait_all(r: &Replica, (pending, fence): (Vec<Pending>, Pending)) -> Result<()> {
+/// returns the first error; a guarded write that found a newer epoch is
+/// [`RvmError::Fenced`], and wins over any other error of the batch.
+fn wait_all(r: &Replica, pending: Vec<Pending>) -> Result<()> {
     let mut first_err: Option<RvmError> = None;
+    let mut fenced = None;
     for p in pending {
-        if let Err(e) = reply::done(p.wait()) {
-            first_err.get_or_insert(e.into());
+        match reply::word(p.wait()) {
+            Ok(epoch) if epoch == r.epoch => {}
+            Ok(epoch) => {
+                fenced.get_or_insert(epoch);
+            }
+            Err(e) => {
+                first_err.get_or_insert(e.into());
+            }
         }
     }
-    match reply::word(fence.wait()) {
-        Ok(epoch) if epoch == r.epoch => {}
-        Ok(epoch) => {
-            // The newer owner's error wins: the batch's own errors follow from it.
-            return Err(RvmError::Fenced(format!(
-                "{} now has epoch {epoch}; this writer opened with epoch {} and another \
-                 open took over since",
-                r.addr, r.epoch
-            )));
-        }
-        Err(e) => {
-            first_err.get_or_insert(e.into());
-        }
+    if let Some(epoch) = fenced {
+        return Err(r.fenced(epoch));
     }
-    match first_err {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    first_err.map_or(Ok(()), Err)
 }
 
 /// A region named `name` of at least `size` bytes: the existing one, or a new one. An
@@ -337,10 +329,35 @@ fn lookup_or_alloc(client: &Client, name: &str, size: u64) -> Result<Region> {
         Err(e) if e.code() == Some(ErrorCode::NameNotFound) => {}
         Err(e) => return Err(e.into()),
     }
-    match client.alloc_on(0, rounded, Some(name)) {
+    match alloc_named(client, name, rounded) {
         Ok(r) => Ok(r),
         // Another opener created it between our lookup and alloc.
-        Err(e) if e.code() == Some(ErrorCode::NameExists) => Ok(client.lookup(name)?),
+        Err(RvmError::Pool(e)) if e.code() == Some(ErrorCode::NameExists) => {
+            Ok(client.lookup(name)?)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Allocates region `name` of `bytes`; a server without room for it is
+/// [`RvmError::NoRoom`], naming what was asked for and what the server has free.
+fn alloc_named(client: &Client, name: &str, bytes: u64) -> Result<Region> {
+    match client.alloc_on(0, bytes, Some(name)) {
+        Ok(r) => Ok(r),
+        Err(e) if e.code() == Some(ErrorCode::OutOfMemory) => {
+            let stats = client.stats(0).unwrap_or_default();
+            let stat = |k: &str| stats.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
+            let (used, cap) = (stat("memory_used_bytes"), stat("memory_cap_bytes"));
+            Err(RvmError::NoRoom {
+                region: name.to_owned(),
+                needed_bytes: bytes,
+                free_bytes: match (used, cap) {
+                    (Some(used), Some(cap)) => cap.saturating_sub(used).to_string(),
+                    _ => "an unknown number of".to_owned(),
+                },
+                cap_bytes: cap.map_or_else(|| "?".to_owned(), |c| c.to_string()),
+            })
+        }
         Err(e) => Err(e.into()),
     }
 }
@@ -361,11 +378,12 @@ fn owner_word() -> u64 {
     (u64::from(std::process::id()) << 32) | u64::from(nanos)
 }
 
-fn chunked_writes(region: &Region, offset: u64, data: &Bytes, ops: &mut Vec<Op>) {
+/// `data` at `offset` of `region` as guarded writes of at most `IO_CHUNK_BYTES` each.
+fn chunked_writes(r: &Replica, region: &Region, offset: u64, data: &Bytes, ops: &mut Vec<Op>) {
     let mut at = 0usize;
     while at < data.len() {
         let n = (data.len() - at).min(IO_CHUNK_BYTES);
-        ops.push(region.write_op(offset + at as u64, data.slice(at..at + n)));
+        ops.push(r.write_op(region, offset + at as u64, data.slice(at..at + n)));
         at += n;
     }
 }
@@ -378,7 +396,7 @@ fn get_or_alloc(client: &Client, name: &str, size: u64) -> Result<Region> {
         Err(e) if e.code() == Some(ErrorCode::NameNotFound) => {}
         Err(e) => return Err(e.into()),
     }
-    Ok(client.alloc_on(0, rounded, Some(name))?)
+    alloc_named(client, name, rounded)
 }
 
 impl Replica {
@@ -449,6 +467,7 @@ impl Replica {
             Some(old) => old,
             None => lookup_or_alloc(&client, &log_name, requested)?,
         };
+        free_orphan_logs(&client, ns, &log_name)?;
         if stored != Some(requested) || word_at(&head, HEADER_MAGIC_OFFSET) != HEADER_MAGIC {
             let mut geometry = Vec::with_capacity(16);
             geometry.extend_from_slice(&HEADER_MAGIC.to_le_bytes());
@@ -468,7 +487,7 @@ impl Replica {
             client: client.clone(),
             header,
             epoch,
-            log: parking_lot::RwLock::new((log, log_gen)),
+            log,
             catalogs,
             homes: Mutex::new(HashMap::new()),
         })
@@ -570,21 +589,17 @@ impl Replica {
     }
 
     fn scan(&self, first_seq: u64, capacity: u64) -> Result<(Vec<Record>, u64)> {
-        let log = self.log.read().0.clone();
+        let log = self.log.clone();
         let capacity = capacity.min(log.size);
         scan_stream(capacity, first_seq, IO_CHUNK_BYTES, |off, len, buf| {
             self.read_region_with(&log, off, len, |data| buf.extend_from_slice(data))
         })
     }
 
-    /// A CAS of the epoch word that must find this writer's epoch, waited for: sent before
-    /// a batch whose WRITEs must not land once another open took over.
-    fn check_epoch(&self) -> Result<Pending> {
-        Ok(self.client.submit(
-            0,
-            self.header
-                .cas_op(HEADER_EPOCH_OFFSET, self.epoch, self.epoch),
-        )?)
+    /// A WRITE of `data` at `offset` of `region` that the server carries out only while
+    /// the header's epoch word is still this writer's (see the module comment).
+    fn write_op(&self, region: &Region, offset: u64, data: Bytes) -> Op {
+        region.write_if_op(offset, data, &self.header, HEADER_EPOCH_OFFSET, self.epoch)
     }
 
     fn fenced(&self, epoch: u64) -> RvmError {
@@ -609,7 +624,6 @@ impl Backend for PoolBackend {
     fn append_log(&self, records: &[(u64, Bytes)]) -> Result<()> {
         let replicas = self.live()?;
         let mut tail = self.tail_bytes.lock();
-        self.own_log(&replicas, *tail)?;
         let total: u64 = records.iter().map(|(_, b)| b.len() as u64).sum();
         if *tail + total > self.log_capacity_bytes {
             return Err(RvmError::TooLarge {
@@ -622,9 +636,8 @@ impl Backend for PoolBackend {
         self.on_all(&replicas, |r| {
             let mut ops = Vec::new();
             let mut at = start;
-            let log = r.log.read();
             for (_, b) in records {
-                chunked_writes(&log.0, at, b, &mut ops);
+                chunked_writes(r, &r.log, at, b, &mut ops);
                 at += b.len() as u64;
             }
             Ok(ops)
@@ -653,7 +666,7 @@ impl Backend for PoolBackend {
             return Ok(None);
         }
         let r = self.source()?;
-        let log = r.log.read().0.clone();
+        let log = r.log.clone();
         let capacity = self.log_capacity_bytes.min(log.size);
         let (records, end, clean) = scan_stream_placing(
             capacity,
@@ -680,7 +693,7 @@ impl Backend for PoolBackend {
 
     fn read_log(&self, offset: u64, len: u64) -> Result<Bytes> {
         let r = self.source()?;
-        let log = r.log.read().0.clone();
+        let log = r.log.clone();
         let len = usize::try_from(len)
             .ok()
             .filter(|_| offset.checked_add(len).is_some_and(|e| e <= log.size))
@@ -716,10 +729,8 @@ impl Backend for PoolBackend {
             });
         }
         let replicas = self.live_or_alive();
-        self.own_log(&replicas, *self.tail_bytes.lock())?;
-        self.check_epochs(&replicas)?;
         self.on_all(&replicas, |r| {
-            Ok(vec![r.catalogs[slot].write_op(0, catalog.clone())])
+            Ok(vec![r.write_op(&r.catalogs[slot], 0, catalog.clone())])
         })
     }
 
@@ -733,13 +744,14 @@ impl Backend for PoolBackend {
 
     fn write_home(&self, writes: &[HomeWrite]) -> Result<()> {
         let replicas = self.live_or_alive();
-        self.own_log(&replicas, *self.tail_bytes.lock())?;
-        self.check_epochs(&replicas)?;
+        if let Some(hook) = &self.hooks.before_home_writes {
+            hook();
+        }
         self.on_all(&replicas, |r| {
             let mut ops = Vec::new();
             for w in writes {
                 let home = r.home(&self.ns, w.seg)?;
-                chunked_writes(&home, w.offset, &w.data, &mut ops);
+                chunked_writes(r, &home, w.offset, &w.data, &mut ops);
             }
             Ok(ops)
         })
@@ -783,68 +795,39 @@ impl PoolBackend {
     fn live_or_alive(&self) -> Vec<&Replica> {
         self.replicas.iter().flatten().collect()
     }
+}
 
-    /// Fails unless every replica still holds this writer's epoch (one round trip).
-    fn check_epochs(&self, replicas: &[&Replica]) -> Result<()> {
-        let pending = replicas
-            .iter()
-            .map(|r| r.check_epoch().map(|p| (*r, p)))
-            .collect::<Result<Vec<_>>>()?;
-        let mut first_err = None;
-        for (r, p) in pending {
-            let e = match reply::word(p.wait()) {
-                Ok(epoch) if epoch == r.epoch => continue,
-                Ok(epoch) => r.fenced(epoch),
-                Err(e) => e.into(),
-            };
-            first_err.get_or_insert(e);
-        }
-        first_err.map_or(Ok(()), Err)
-    }
-
-    /// Before this open's first change: moves each replica's log (its first `tail` bytes,
-    /// the records not yet applied) into a region of this epoch and frees the old one, so
-    /// that an older writer still appending fails at the server (see the module comment).
-    fn own_log(&self, replicas: &[&Replica], tail: u64) -> Result<()> {
-        for r in replicas {
-            let mut log = r.log.write();
-            if log.1 == r.epoch {
-                continue;
-            }
-            r.check_epoch().and_then(|p| match reply::word(p.wait())? {
-                epoch if epoch == r.epoch => Ok(()),
-                epoch => Err(r.fenced(epoch)),
-            })?;
-            let old = log.0.clone();
-            let name = log_region_name(&self.ns, r.epoch);
-            // A region left by an open of this same epoch that crashed cannot exist
-            // (epochs are taken once), but one of a failed earlier attempt here can.
-            let fresh = lookup_or_alloc(&r.client, &name, old.size)?;
-            let len = tail.min(old.size);
-            let mut at = 0u64;
-            while at < len {
-                let n = (len - at).min(READ_WINDOW_BYTES as u64) as usize;
-                let mut buf = Vec::with_capacity(n);
-                r.read_region_with(&old, at, n, |d| buf.extend_from_slice(d))?;
-                let mut ops = Vec::new();
-                chunked_writes(&fresh, at, &Bytes::from(buf), &mut ops);
-                wait_all(r, submit_all(r, ops)?)?;
-                at += n as u64;
-            }
-            let gen = Bytes::copy_from_slice(&r.epoch.to_le_bytes());
-            wait_all(
-                r,
-                submit_all(r, vec![r.header.write_op(HEADER_LOG_GEN_OFFSET, gen)])?,
-            )?;
-            match r.client.free(&old) {
+/// Frees every log region of instance `ns` but `current` (the one the header names). A
+/// protocol-2 writer moved the log to `rvm/NS/log.EPOCH` at a new owner's first change
+/// (see the module comment); a crash during that move left the new region unnamed by the
+/// header, or the old one not yet freed. Nothing moves logs any more, so whatever is
+/// found here is such a leftover: its records are either copies of the current log's or
+/// already superseded by it. Found with LIST (so among the server's lowest
+/// `LIST_ENTRIES_MAX` region ids, which is every region but on a very full server).
+fn free_orphan_logs(client: &Client, ns: &str, current: &str) -> Result<()> {
+    let prefix = format!("rvm/{ns}/log");
+    let is_log = |name: &str| {
+        name.strip_prefix(&prefix).is_some_and(|rest| {
+            rest.is_empty()
+                || rest
+                    .strip_prefix('.')
+                    .is_some_and(|g| !g.is_empty() && g.bytes().all(|b| b.is_ascii_digit()))
+        })
+    };
+    for region in client.list(0)? {
+        let Some(name) = region.name.as_deref() else {
+            continue;
+        };
+        if name != current && is_log(name) {
+            tracing::info!("rvm: freeing {name:?}, a log region an interrupted move left");
+            match client.free(&region) {
                 Ok(()) => {}
                 Err(e) if e.code() == Some(ErrorCode::NoSuchRegion) => {}
                 Err(e) => return Err(e.into()),
             }
-            *log = (fresh, r.epoch);
         }
-        Ok(())
     }
+    Ok(())
 }
 
 fn log_region_name(ns: &str, gen: u64) -> String {

@@ -5,6 +5,10 @@
 //!
 //! Usage: rvm-crash-writer BACKEND NAME LOG_BYTES TRUNCATE_BYTES SEED
 //!        rvm-crash-writer lazy BACKEND NAME LOG_BYTES flush|noflush|commit
+//!        rvm-crash-writer fence BACKEND NAME LOG_BYTES
+//!
+//! The `fence` form (see [`fence`]) commits, then stops itself with SIGSTOP in the middle
+//! of a truncation, for a test to take the instance over before it is continued.
 //!
 //! The `lazy` form makes lazy commits (see [`lazy`]), prints `parked` and waits to be
 //! SIGKILLed, so that only what reached the backend survives: Rvm's drop, which would
@@ -47,8 +51,10 @@ fn num(s: &str, what: &str) -> Result<u64, String> {
 
 fn run() -> Result<(), String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some("lazy") {
-        return lazy(&args[1..]);
+    match args.first().map(String::as_str) {
+        Some("lazy") => return lazy(&args[1..]),
+        Some("fence") => return fence(&args[1..]),
+        _ => {}
     }
     let ack_early = std::env::var("RVM_CRASH_WRITER_ACK_EARLY").is_ok_and(|v| v == "1");
     let mut backend =
@@ -199,4 +205,73 @@ fn lazy(args: &[String]) -> Result<(), String> {
     loop {
         std::thread::park();
     }
+}
+
+/// Offsets in segment "fence" of the `fence` mode's value.
+const FENCE_VALUE_OFFSET: u64 = 0;
+const FENCE_FIRST_VALUE: u64 = 111;
+const FENCE_LATE_VALUE: u64 = 333;
+
+/// Commits 111 at offset 0 of a new segment "fence", prints `committed`, then truncates the
+/// log; the pool backend's hook before the home writes prints `paused` and stops this
+/// process (SIGSTOP, sent by `kill`: std has no raise). Once continued, it prints
+/// `truncate: ok` or `truncate: ERROR`, then tries to commit 333 and prints `commit: ok` or
+/// `commit: ERROR`, and exits.
+fn fence(args: &[String]) -> Result<(), String> {
+    let e = |e: camelot_rvm::RvmError| e.to_string();
+    let mut backend = BackendConfig::parse(&arg(args, 0, "backend")?).map_err(|e| e.to_string())?;
+    let name = arg(args, 1, "name")?;
+    let log_bytes = num(&arg(args, 2, "log bytes")?, "log bytes")?;
+    if let BackendConfig::Pool { log_bytes: l, .. } = &mut backend {
+        *l = log_bytes;
+    }
+    let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut cfg = Config::new(backend, &name);
+    cfg.background_truncation = false;
+    cfg.truncate_log_bytes = log_bytes;
+    let hook_armed = std::sync::Arc::clone(&armed);
+    cfg.hooks.before_home_writes = Some(std::sync::Arc::new(move || {
+        if !hook_armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "paused");
+        let _ = out.flush();
+        drop(out);
+        let stopped = std::process::Command::new("kill")
+            .args(["-STOP", &std::process::id().to_string()])
+            .status();
+        if !stopped.as_ref().is_ok_and(|s| s.success()) {
+            eprintln!("rvm-crash-writer: could not stop itself: {stopped:?}");
+            std::process::exit(2);
+        }
+    }));
+    let rvm = Rvm::open(cfg).map_err(e)?;
+    let s = rvm.alloc("fence", 4096).map_err(e)?;
+    let commit = |v: u64| {
+        let mut t = rvm.begin();
+        t.set_range(&s, FENCE_VALUE_OFFSET, 8)?;
+        t.write_u64(&s, FENCE_VALUE_OFFSET, v)?;
+        t.commit()
+    };
+    commit(FENCE_FIRST_VALUE).map_err(e)?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "committed").map_err(|e| e.to_string())?;
+    out.flush().map_err(|e| e.to_string())?;
+    drop(out);
+    armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let truncated = rvm.truncate();
+    let committed = commit(FENCE_LATE_VALUE);
+    let mut out = std::io::stdout().lock();
+    let show = |r: Result<(), camelot_rvm::RvmError>| match r {
+        Ok(()) => "ok".to_owned(),
+        Err(e) => e.to_string(),
+    };
+    writeln!(out, "truncate: {}", show(truncated)).map_err(|e| e.to_string())?;
+    writeln!(out, "commit: {}", show(committed)).map_err(|e| e.to_string())?;
+    out.flush().map_err(|e| e.to_string())?;
+    drop(out);
+    // Not dropped: Rvm's drop would try more writes, and this test is about the two above.
+    std::mem::forget(rvm);
+    Ok(())
 }

@@ -1,7 +1,9 @@
 //! Hash commands: HSET, HMSET, HGET, HMGET, HGETALL, HLEN, HDEL.
 
 use super::{Call, Reply, WRONG_TYPE};
-use crate::objects::{wrong_type, Change, Hash, Value, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES};
+use crate::objects::{
+    upsert_collection, wrong_type, Change, Hash, Value, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES,
+};
 use bytes::Bytes;
 
 fn with_hash(c: &mut Call<'_>, f: impl FnOnce(Option<&Hash>, &mut Reply<'_>)) {
@@ -94,27 +96,7 @@ fn hset_generic(c: &mut Call<'_>, name: &str) {
         c.args[1],
         |_| growth,
         c.now,
-        |e, clock| match e {
-            None => {
-                let mut h = Hash::default();
-                let added = fill(&mut h)?;
-                Ok((
-                    added,
-                    Change::Insert {
-                        value: Value::Hash(h),
-                        expires_at: None,
-                    },
-                ))
-            }
-            Some(e) => {
-                let Value::Hash(h) = &mut e.value else {
-                    return Err(wrong_type());
-                };
-                let added = fill(h)?;
-                e.version = clock.next();
-                Ok((added, Change::Keep))
-            }
-        },
+        |e, clock| upsert_collection(e, clock, fill, |_| true),
     );
     match r {
         Ok((added, _)) if name == "hset" => c.out.integer(added as i64),

@@ -1,7 +1,9 @@
 //! List commands: LPUSH, RPUSH, LPOP, RPOP, LRANGE, LLEN.
 
 use super::{Call, WRONG_TYPE};
-use crate::objects::{wrong_type, Change, List, Value, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES};
+use crate::objects::{
+    upsert_collection, wrong_type, Change, List, Value, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES,
+};
 use bytes::Bytes;
 
 fn push(c: &mut Call<'_>, front: bool) {
@@ -22,27 +24,7 @@ fn push(c: &mut Call<'_>, front: bool) {
         c.args[1],
         |_| growth,
         c.now,
-        |e, clock| match e {
-            None => {
-                let mut l = List::default();
-                let len = fill(&mut l)?;
-                Ok((
-                    len,
-                    Change::Insert {
-                        value: Value::List(l),
-                        expires_at: None,
-                    },
-                ))
-            }
-            Some(e) => {
-                let Value::List(l) = &mut e.value else {
-                    return Err(wrong_type());
-                };
-                let len = fill(l)?;
-                e.version = clock.next();
-                Ok((len, Change::Keep))
-            }
-        },
+        |e, clock| upsert_collection(e, clock, fill, |_| true),
     );
     match r {
         Ok((len, _)) => c.out.integer(len as i64),

@@ -365,9 +365,15 @@ pub(super) fn info(c: &mut Call<'_>) {
         (
             "memory",
             format!(
-                "# Memory\r\nused_memory:{}\r\nmaxmemory:{}\r\n",
+                // Objects and regions share maxmemory; connection buffers have a budget
+                // of their own beside it, so a reader adding up what a server may hold
+                // needs both. mem_clients_normal is Redis's name for the buffers' bytes.
+                "# Memory\r\nused_memory:{}\r\nmaxmemory:{}\r\nmem_clients_normal:{}\r\n\
+                 camelot_connection_buffers_max:{}\r\n",
                 get("memory_used_bytes"),
-                get("memory_cap_bytes")
+                get("memory_cap_bytes"),
+                get("connection_buffers_used_bytes"),
+                get("connection_buffers_cap_bytes")
             ),
         ),
         (

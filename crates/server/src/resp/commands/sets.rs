@@ -1,7 +1,7 @@
 //! Set commands: SADD, SREM, SMEMBERS, SISMEMBER, SCARD.
 
 use super::{Call, Reply, WRONG_TYPE};
-use crate::objects::{wrong_type, Change, Set, Value, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES};
+use crate::objects::{upsert_collection, Set, Value, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES};
 use bytes::Bytes;
 
 pub(super) fn sadd(c: &mut Call<'_>) {
@@ -23,29 +23,7 @@ pub(super) fn sadd(c: &mut Call<'_>) {
         c.args[1],
         |_| growth,
         c.now,
-        |e, clock| match e {
-            None => {
-                let mut s = Set::default();
-                let added = fill(&mut s)?;
-                Ok((
-                    added,
-                    Change::Insert {
-                        value: Value::Set(s),
-                        expires_at: None,
-                    },
-                ))
-            }
-            Some(e) => {
-                let Value::Set(s) = &mut e.value else {
-                    return Err(wrong_type());
-                };
-                let added = fill(s)?;
-                if added > 0 {
-                    e.version = clock.next();
-                }
-                Ok((added, Change::Keep))
-            }
-        },
+        |e, clock| upsert_collection(e, clock, fill, |added| *added > 0),
     );
     match r {
         Ok((added, _)) => c.out.integer(added),

@@ -482,6 +482,18 @@ fn keys_globs_scan_info_and_command_count() {
         "{keyspace}"
     );
     assert!(h.run("INFO").contains("# Server"));
+    let memory = h.run("INFO memory");
+    let field = |name: &str| {
+        memory
+            .split("\r\n")
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.parse::<u64>().ok())
+    };
+    assert!(field("maxmemory").is_some_and(|b| b > 0), "{memory}");
+    assert!(
+        field("camelot_connection_buffers_max").is_some_and(|b| b > 0),
+        "{memory}"
+    );
+    assert!(field("mem_clients_normal").is_some(), "{memory}");
     assert_eq!(h.run("INFO nosuch"), "$0\r\n\r\n");
     let count = COMMANDS.iter().filter(|c| !c.is_refused()).count();
     assert!(count > 60);

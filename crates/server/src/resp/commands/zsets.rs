@@ -3,7 +3,7 @@
 
 use super::lists::clamp_range;
 use super::{is, parse_float, Call, Reply, NOT_FLOAT, NOT_INTEGER, SYNTAX, WRONG_TYPE};
-use crate::objects::{wrong_type, Change, Value, ZSet, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES};
+use crate::objects::{upsert_collection, Value, ZSet, ENTRY_OVERHEAD_BYTES, FIELD_OVERHEAD_BYTES};
 use bytes::Bytes;
 use camelot_proto::ErrorReply;
 
@@ -97,27 +97,7 @@ pub(super) fn zadd(c: &mut Call<'_>) {
         args[1],
         |_| growth,
         c.now,
-        |e, clock| match e {
-            None => {
-                let mut z = ZSet::default();
-                let counted = apply(&mut z)?;
-                Ok((
-                    counted,
-                    Change::Insert {
-                        value: Value::ZSet(z),
-                        expires_at: None,
-                    },
-                ))
-            }
-            Some(e) => {
-                let Value::ZSet(z) = &mut e.value else {
-                    return Err(wrong_type());
-                };
-                let counted = apply(z)?;
-                e.version = clock.next();
-                Ok((counted, Change::Keep))
-            }
-        },
+        |e, clock| upsert_collection(e, clock, apply, |_| true),
     );
     match r {
         Ok((counted, _)) => c.out.integer(counted),

@@ -1,0 +1,298 @@
+//! `camelot bench fault`: what one far page costs on each path, one thread —
+//! - a FarRegion fault (userfaultfd) whose page comes from a memory server,
+//! - the same through the explicit path, a FarVec miss,
+//! - a bare FarRegion fault served from local memory (userfaultfd's own cost),
+//! - the remote 4 KiB read alone (its round trip),
+//!
+//! each as latency p50/p99 (HdrHistogram) and faults a second. Every touch lands on a
+//! page not present (each page once, in a shuffled order, through a cache of a tenth
+//! of them), so every measured access is a fault/miss.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use camelot_farmem::{
+    CacheConfig, FarRegion, FarVec, LocalStore, PageCache, PageStore, RegionStore,
+};
+use camelot_results::output;
+use camelot_results::plot::{Figure, Panel};
+use camelot_results::schema::{now_rfc3339, BenchResult, Comparison, Point, Reference, Series};
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde_json::json;
+
+use crate::latency::LatencyRecorder;
+use crate::side::CamelotSpec;
+use crate::workload::Target;
+use crate::BenchError;
+
+/// Largest far space the bench maps (pages × page size).
+pub const FAULT_BYTES_MAX: u64 = 4 << 30;
+
+#[derive(Debug, Clone)]
+pub struct FaultConfig {
+    /// Pages touched per path (each once).
+    pub pages: u64,
+    pub page_bytes: usize,
+    /// Local memory as a percentage of the pages.
+    pub local_percent: u32,
+    pub seed: u64,
+    pub servers: Vec<std::net::SocketAddr>,
+    pub in_process: bool,
+    pub token: Option<Vec<u8>>,
+    pub quick: bool,
+}
+
+impl Default for FaultConfig {
+    fn default() -> Self {
+        FaultConfig {
+            pages: 65_536, // 256 MiB of 4 KiB pages
+            page_bytes: 4096,
+            local_percent: 10,
+            seed: 1,
+            servers: Vec::new(),
+            in_process: false,
+            token: None,
+            quick: false,
+        }
+    }
+}
+
+impl FaultConfig {
+    pub fn apply_quick(&mut self) {
+        self.quick = true;
+        self.pages = self.pages.min(4096);
+    }
+
+    pub fn validate(&self) -> Result<(), BenchError> {
+        camelot_farmem::store::check_page_bytes(self.page_bytes)
+            .map_err(|e| BenchError::InvalidConfig(e.to_string()))?;
+        if self.pages < 64 || self.pages.saturating_mul(self.page_bytes as u64) > FAULT_BYTES_MAX {
+            return Err(BenchError::InvalidConfig(format!(
+                "{} pages: 64 to {FAULT_BYTES_MAX} B worth",
+                self.pages
+            )));
+        }
+        if self.local_percent == 0 || self.local_percent >= 100 {
+            return Err(BenchError::InvalidConfig(
+                "--local is a percentage in 1..=99 (at 100 nothing would fault)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn local_bytes(&self) -> u64 {
+        (self.pages * self.local_percent as u64 / 100).max(2) * self.page_bytes as u64
+    }
+}
+
+/// One path's figures.
+struct PathRun {
+    latency: LatencyRecorder,
+    seconds: f64,
+    faults: u64,
+}
+
+impl PathRun {
+    fn point(&self, label: &str) -> Point {
+        let mut p = Point::new(label);
+        p.latency_us = Some(self.latency.summary());
+        p.ops_per_sec = Some(self.faults as f64 / self.seconds.max(1e-9));
+        p.extra.insert("faults".into(), json!(self.faults));
+        p.extra.insert("seconds".into(), json!(self.seconds));
+        p
+    }
+}
+
+fn setup<E: std::fmt::Display>(e: E) -> BenchError {
+    BenchError::Setup(e.to_string())
+}
+
+/// Touches one byte of every page of a FarRegion, in `order`, timing each touch.
+fn region_faults<S: PageStore + 'static>(
+    store: S,
+    cfg: &FaultConfig,
+    order: &[u64],
+) -> Result<(PathRun, u64), BenchError> {
+    let region = FarRegion::new(store, &CacheConfig::new(cfg.local_bytes())).map_err(setup)?;
+    let bytes = region.bytes();
+    let mut latency = LatencyRecorder::new();
+    let mut sum = 0u64;
+    let t = Instant::now();
+    for &page in order {
+        let at = page as usize * cfg.page_bytes;
+        let started = Instant::now();
+        sum = sum.wrapping_add(std::hint::black_box(bytes[at]) as u64);
+        latency.record(started.elapsed());
+    }
+    let seconds = t.elapsed().as_secs_f64();
+    std::hint::black_box(sum);
+    let stats = region.stats();
+    if let Some(why) = region.failure() {
+        return Err(BenchError::Setup(why));
+    }
+    Ok((
+        PathRun {
+            latency,
+            seconds,
+            faults: order.len() as u64,
+        },
+        stats.missing_faults,
+    ))
+}
+
+pub fn run(cfg: &FaultConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
+    cfg.validate()?;
+    let started = now_rfc3339();
+    let bytes = cfg.pages * cfg.page_bytes as u64;
+    let mut order: Vec<u64> = (0..cfg.pages).collect();
+    order.shuffle(&mut SmallRng::seed_from_u64(cfg.seed));
+
+    // Userfaultfd alone: pages from this process's memory.
+    let local = LocalStore::new(cfg.page_bytes, cfg.pages).map_err(setup)?;
+    let (bare, bare_faults) = region_faults(local, cfg, &order)?;
+
+    let mut spec = CamelotSpec::new(1, 2 * bytes + (16 << 20));
+    spec.token = cfg.token.clone();
+    let target = Target::open(&cfg.servers, &spec, cfg.in_process)?;
+    let client = target.connect(true)?;
+    let region = client.alloc(bytes, None)?;
+
+    // The remote read alone: one page, one request, the same pages in the same order.
+    let store = RegionStore::new(client.clone(), region.clone(), cfg.page_bytes).map_err(setup)?;
+    let mut rtt = LatencyRecorder::new();
+    let mut buf = vec![vec![0u8; cfg.page_bytes].into_boxed_slice()];
+    let t = Instant::now();
+    for &page in &order {
+        let started = Instant::now();
+        store.read_pages(&[page], &mut buf).map_err(setup)?;
+        rtt.record(started.elapsed());
+    }
+    let rtt = PathRun {
+        latency: rtt,
+        seconds: t.elapsed().as_secs_f64(),
+        faults: order.len() as u64,
+    };
+
+    // The transparent path: a FarRegion over the server.
+    let (far, far_faults) = region_faults(store, cfg, &order)?;
+
+    // The explicit path: a FarVec<u8> miss on the same pages.
+    let store = RegionStore::new(client.clone(), region.clone(), cfg.page_bytes).map_err(setup)?;
+    let cache = PageCache::new(store, &CacheConfig::new(cfg.local_bytes())).map_err(setup)?;
+    let v: FarVec<u8, _> = FarVec::new(cache, bytes).map_err(setup)?;
+    let mut latency = LatencyRecorder::new();
+    let mut sum = 0u64;
+    let t = Instant::now();
+    for &page in &order {
+        let started = Instant::now();
+        sum = sum.wrapping_add(v.get(page * cfg.page_bytes as u64).map_err(setup)? as u64);
+        latency.record(started.elapsed());
+    }
+    std::hint::black_box(sum);
+    let farvec = PathRun {
+        latency,
+        seconds: t.elapsed().as_secs_f64(),
+        faults: v.stats().misses,
+    };
+    client.free(&region)?;
+    let servers = target.describe();
+    let label = target.label("one byte read per page, every touch a fault");
+    target.close()?;
+
+    let p50 = |r: &PathRun| r.latency.summary().p50;
+    let mut series = Series::new(label);
+    for (label, run) in [
+        ("FarRegion fault, remote", &far),
+        ("FarVec miss, remote", &farvec),
+        ("FarRegion fault, local store", &bare),
+        ("remote 4 KiB read", &rtt),
+    ] {
+        series.points.push(run.point(label));
+    }
+    let comparisons = vec![
+        Comparison::new(
+            "FarRegion fault p50 ÷ (remote read p50 + bare fault p50)",
+            p50(&far),
+            p50(&rtt) + p50(&bare),
+            "µs",
+            "remote 4 KiB read + bare userfaultfd fault",
+        )
+        .with_target(2.0, true),
+        Comparison::new(
+            "FarRegion fault p50 ÷ FarVec miss p50",
+            p50(&far),
+            p50(&farvec),
+            "µs",
+            "FarVec miss (explicit path)",
+        ),
+    ];
+    let config = json!({
+        "x": "path",
+        "pages": cfg.pages,
+        "page_bytes": cfg.page_bytes,
+        "data_bytes": bytes,
+        "local_percent": cfg.local_percent,
+        "local_bytes": cfg.local_bytes(),
+        "seed": cfg.seed,
+        "policy": "lru",
+        "prefetch": "none",
+        "order": "every page once, shuffled",
+        "faults_counted": {"far_region_remote": far_faults, "far_region_local": bare_faults},
+        "process": servers["process"],
+        "servers": servers,
+        "sides": {
+            "camelot": {"process": servers["process"], "client": "camelot-farmem FarRegion (userfaultfd) and FarVec over RegionStore, one thread", "data_model": "one byte read per page"},
+            "bare": {"process": "in-process", "client": "FarRegion over LocalStore", "data_model": "the same touches"},
+            "remote read": {"process": servers["process"], "client": "RegionStore::read_pages, one page a request", "data_model": "4 KiB reads"}
+        },
+        "quick": cfg.quick,
+    });
+    let mut result = BenchResult::new("fault", started, config, vec![series]);
+    result.references = vec![
+        Reference {
+            label: "remote 4 KiB read p50".into(),
+            metric: "latency_us_p50".into(),
+            value: p50(&rtt),
+        },
+        Reference {
+            label: "bare userfaultfd fault p50".into(),
+            metric: "latency_us_p50".into(),
+            value: p50(&bare),
+        },
+    ];
+    result.comparisons = comparisons;
+    let labels: Vec<String> = result.series[0]
+        .points
+        .iter()
+        .map(|p| match &p.x {
+            camelot_results::schema::X::Label(l) => l.clone(),
+            camelot_results::schema::X::Num(n) => n.to_string(),
+        })
+        .collect();
+    let p50s: Vec<(f64, f64)> = result.series[0]
+        .points
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i as f64, p.latency_us.as_ref().map_or(0.0, |l| l.p50)))
+        .collect();
+    let p99s: Vec<(f64, f64)> = result.series[0]
+        .points
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i as f64, p.latency_us.as_ref().map_or(0.0, |l| l.p99)))
+        .collect();
+    let figure = Figure::new(&format!(
+        "One far page, {} KiB, with {}% local memory",
+        cfg.page_bytes >> 10,
+        cfg.local_percent
+    ))
+    .panel(
+        Panel::new("latency per fault", "path", "µs")
+            .bars(labels)
+            .line("p50", p50s)
+            .line("p99", p99s),
+    );
+    Ok(output::write_result_with_figure(out, &result, &figure)?)
+}

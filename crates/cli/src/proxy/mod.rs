@@ -1,0 +1,818 @@
+//! `camelot proxy`: a middlebox between clients and one memory server, speaking the
+//! native protocol on both sides (after SwordBox, which sits in front of Clover).
+//!
+//! - Pass-through (no flags): each client connection gets its own upstream connection.
+//! - `--conn-map N`: every client connection's requests ride N shared upstream
+//!   connections, chosen by region, so all requests to one region leave in one order.
+//! - `--cas-to-write` (needs `--conn-map`): with that order, the proxy knows the value of
+//!   words it has seen written; a CAS it can vouch for becomes a WRITE (or, if it would
+//!   fail, is answered at once). See `words`.
+//! - `--memory BYTES`: the budget for what the proxy knows, split over the lanes.
+//!
+//! The proxy authenticates its clients with the cluster token before it allocates
+//! anything for them (as the server's handshake does) and answers STATS with its own
+//! counters. It acts towards the server as one principal of its own, so through it
+//! clients reach shared regions, not each other's private ones.
+//!
+//! Fail-stop: with `--cas-to-write`, an upstream connection that fails leaves the proxy
+//! unsure what its in-flight WRITEs did, so it exits rather than vouch for anything
+//! again; clients then go to the server directly.
+
+mod cache;
+mod words;
+
+use anyhow::{bail, Context, Result};
+use bytes::{Bytes, BytesMut};
+use cache::ReadCache;
+use camelot_client::{ClientConfig, ClientError, ClusterMap, LoopClient};
+use camelot_proto::{
+    decode_frame, encode_frame, ErrorCode, ErrorReply, Frame, FrameDecoder, HelloOk, Op, Reply,
+    ResponseBatchEncoder, HELLO_BODY_BYTES_MAX, PROTOCOL_VERSION,
+};
+use clap::{Args, Subcommand};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Mutex};
+use words::{CasDecision, Words};
+
+use crate::units::{format_bytes, parse_bytes};
+
+/// Client connections served at once; more are closed at accept.
+pub const CONNECTIONS_MAX: usize = 1024;
+/// Most upstream connections `--conn-map` may ask for.
+pub const CONN_MAP_MAX: usize = 256;
+/// Request frames a client may have in flight through the proxy before it stops reading
+/// that client (back-pressure).
+pub const FRAMES_IN_FLIGHT_MAX: usize = 16;
+/// Time a client has to send its HELLO.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const READ_CHUNK_BYTES: usize = 64 << 10;
+
+#[derive(Subcommand)]
+pub enum ProxyCommand {
+    /// Run the proxy until SIGTERM or Ctrl-C.
+    Run(ProxyArgs),
+    /// Print a proxy's counters.
+    Stats(ProxyStatsArgs),
+}
+
+#[derive(Args)]
+pub struct ProxyArgs {
+    /// Where clients connect (host:port).
+    #[arg(long)]
+    listen: String,
+    /// The memory server behind the proxy (host:port, its native port).
+    #[arg(long)]
+    upstream: String,
+    /// Cluster token: clients must present it, and the proxy presents it upstream.
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Carry every client's requests on N shared upstream connections, by region.
+    #[arg(long, value_name = "N")]
+    conn_map: Option<usize>,
+    /// Turn a CAS the proxy can vouch for into a WRITE (needs --conn-map).
+    #[arg(long)]
+    cas_to_write: bool,
+    /// Answer READs from what earlier READs and WRITEs showed (needs --conn-map).
+    #[arg(long)]
+    read_cache: bool,
+    /// Budget for what the proxy remembers (known words), over all lanes.
+    #[arg(long, value_name = "BYTES", default_value = "64M", value_parser = parse_bytes)]
+    memory: u64,
+    /// Seconds an upstream request may take before its connection is given up (with
+    /// --cas-to-write, the proxy then stops: see `camelot proxy run --help`).
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    upstream_timeout: f64,
+    /// Worker threads of the proxy's runtime.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
+#[derive(Args)]
+pub struct ProxyStatsArgs {
+    /// The proxy's address (host:port).
+    addr: String,
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+#[derive(Subcommand)]
+pub enum MiddleboxCommand {
+    /// One shared word, 1…64 clients: CAS direct against CAS→WRITE through the proxy;
+    /// the proxy's operations per CPU-second beside the seed's 2.8 M per core.
+    Cas(MiddleboxCasArgs),
+}
+
+#[derive(Args)]
+pub struct MiddleboxCasArgs {
+    /// Scaled down (4 client counts, 1 s each).
+    #[arg(long)]
+    quick: bool,
+    /// Client counts, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    clients: Option<Vec<usize>>,
+    /// Seconds per point.
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Directory for middlebox-cas.json.
+    #[arg(long, default_value = "results")]
+    out: std::path::PathBuf,
+}
+
+pub fn bench(command: MiddleboxCommand) -> Result<()> {
+    match command {
+        MiddleboxCommand::Cas(a) => {
+            let mut cfg = camelot_bench::middlebox::CasConfig::defaults(a.quick);
+            if let Some(c) = a.clients {
+                cfg.clients = c;
+            }
+            if let Some(s) = a.seconds {
+                cfg.seconds_per_point = s;
+            }
+            let binary = std::env::current_exe().context("cannot tell where this program is")?;
+            for path in camelot_bench::middlebox::run_cas(&cfg, &binary, &a.out)? {
+                println!("wrote {}", path.display());
+            }
+            Ok(())
+        }
+    }
+}
+
+pub fn run(command: ProxyCommand) -> Result<()> {
+    match command {
+        ProxyCommand::Run(a) => run_proxy(a),
+        ProxyCommand::Stats(a) => stats(a),
+    }
+}
+
+fn stats(a: ProxyStatsArgs) -> Result<()> {
+    let addr = crate::resolve(&a.addr)?;
+    let config = ClientConfig {
+        token: a.token.map(String::into_bytes),
+        connections_per_node: 1,
+        ..ClientConfig::default()
+    };
+    let client = camelot_client::Client::connect(ClusterMap::from_addrs(&[addr]), config)?;
+    println!("proxy {addr}");
+    for (name, value) in client.stats(0)? {
+        if name.ends_with("_bytes") || name.ends_with("_bytes_max") {
+            println!("  {name:<28} {}", format_bytes(value));
+        } else {
+            println!("  {name:<28} {value}");
+        }
+    }
+    Ok(())
+}
+
+/// One upstream connection and what the proxy knows about the bytes behind it.
+struct Lane {
+    client: LoopClient,
+    state: Mutex<LaneState>,
+}
+
+struct LaneState {
+    words: Words,
+    cache: Option<ReadCache>,
+}
+
+#[derive(Default)]
+struct Counters {
+    requests: AtomicU64,
+    bytes_from_clients: AtomicU64,
+    bytes_to_clients: AtomicU64,
+    connections_total: AtomicU64,
+    refused_auth: AtomicU64,
+}
+
+struct Proxy {
+    token: Option<Vec<u8>>,
+    upstream: SocketAddr,
+    upstream_config: ClientConfig,
+    /// Shared lanes (`--conn-map`); empty in pass-through.
+    lanes: Vec<Arc<Lane>>,
+    cas_to_write: bool,
+    read_cache: bool,
+    memory_bytes_max: u64,
+    counters: Counters,
+    connections: AtomicUsize,
+}
+
+type Answer = Pin<Box<dyn Future<Output = Result<Reply, ErrorReply>> + Send>>;
+
+fn ready(r: Result<Reply, ErrorReply>) -> Answer {
+    Box::pin(std::future::ready(r))
+}
+
+fn region_of(op: &Op) -> Option<u64> {
+    match op {
+        Op::Read { region, .. }
+        | Op::Write { region, .. }
+        | Op::Cas { region, .. }
+        | Op::FetchAdd { region, .. }
+        | Op::Free { region } => Some(*region),
+        _ => None,
+    }
+}
+
+fn lane_index(region: Option<u64>, lanes: usize) -> usize {
+    match region {
+        // Region ids are random, but a multiplicative hash costs nothing and keeps a
+        // poorly chosen id space from landing on one lane.
+        Some(r) => ((r.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % lanes as u64) as usize,
+        None => 0,
+    }
+}
+
+impl LaneState {
+    /// Bytes whose value is now unknown here (a failed request, FETCH_ADD, …).
+    fn forget(&mut self, region: u64, offset: u64, len: u64) {
+        self.words.forget(region, offset, len);
+        if let Some(c) = self.cache.as_mut() {
+            c.forget(region, offset, len);
+        }
+    }
+}
+
+impl Proxy {
+    fn upstream_error(&self, e: ClientError) -> ErrorReply {
+        if let ClientError::Server(reply) = e {
+            return reply;
+        }
+        if self.cas_to_write {
+            // See the module doc: nothing this proxy knows can be trusted any more.
+            tracing::error!(error = %e, "upstream connection failed; stopping (fail-stop)");
+            std::process::exit(3);
+        }
+        ErrorReply::new(ErrorCode::Internal, format!("proxy upstream: {e}"))
+    }
+
+    async fn stats_list(&self) -> Vec<(String, u64)> {
+        let c = &self.counters;
+        let mut s = vec![
+            (
+                "proxy_requests".to_string(),
+                c.requests.load(Ordering::Relaxed),
+            ),
+            (
+                "proxy_bytes_from_clients".into(),
+                c.bytes_from_clients.load(Ordering::Relaxed),
+            ),
+            (
+                "proxy_bytes_to_clients".into(),
+                c.bytes_to_clients.load(Ordering::Relaxed),
+            ),
+            (
+                "proxy_connections_current".into(),
+                self.connections.load(Ordering::Relaxed) as u64,
+            ),
+            (
+                "proxy_connections_total".into(),
+                c.connections_total.load(Ordering::Relaxed),
+            ),
+            (
+                "proxy_refused_auth".into(),
+                c.refused_auth.load(Ordering::Relaxed),
+            ),
+            ("proxy_lanes".into(), self.lanes.len() as u64),
+            ("proxy_memory_bytes_max".into(), self.memory_bytes_max),
+        ];
+        let mut w = words::WordStats::default();
+        let mut r = cache::CacheStats::default();
+        let (mut words_n, mut words_bytes, mut cache_bytes) = (0, 0, 0);
+        for lane in &self.lanes {
+            let st = lane.state.lock().await;
+            let ws = st.words.stats;
+            w.conversions += ws.conversions;
+            w.failed_locally += ws.failed_locally;
+            w.forwarded += ws.forwarded;
+            w.learned += ws.learned;
+            w.evictions += ws.evictions;
+            words_n += st.words.len() as u64;
+            words_bytes += st.words.bytes();
+            if let Some(c) = &st.cache {
+                r.hits += c.stats.hits;
+                r.misses += c.stats.misses;
+                r.fills += c.stats.fills;
+                r.fills_refused += c.stats.fills_refused;
+                r.evictions += c.stats.evictions;
+                cache_bytes += c.bytes();
+            }
+        }
+        s.extend([
+            ("proxy_cas_converted".to_string(), w.conversions),
+            ("proxy_cas_failed_locally".into(), w.failed_locally),
+            ("proxy_cas_forwarded".into(), w.forwarded),
+            ("proxy_words".into(), words_n),
+            ("proxy_words_learned".into(), w.learned),
+            ("proxy_words_evicted".into(), w.evictions),
+            ("proxy_words_bytes".into(), words_bytes),
+            ("proxy_read_hits".into(), r.hits),
+            ("proxy_read_misses".into(), r.misses),
+            ("proxy_read_fills".into(), r.fills),
+            ("proxy_read_fills_refused".into(), r.fills_refused),
+            ("proxy_read_evictions".into(), r.evictions),
+            ("proxy_read_cache_bytes".into(), cache_bytes),
+            ("proxy_state_bytes".into(), words_bytes + cache_bytes),
+        ]);
+        s
+    }
+
+    /// Decides one request and queues it upstream; the answer comes by awaiting what
+    /// this returns. Requests are decided one at a time per client, in frame order, and
+    /// every decision about a lane's bytes is made and queued under that lane's lock.
+    async fn dispatch(self: &Arc<Self>, lanes: &[Arc<Lane>], op: Op) -> Answer {
+        self.counters.requests.fetch_add(1, Ordering::Relaxed);
+        if let Op::Stats = op {
+            return ready(Ok(Reply::Stats(self.stats_list().await)));
+        }
+        let lane = lanes[lane_index(region_of(&op), lanes.len())].clone();
+        if !(self.cas_to_write || self.read_cache) {
+            return self.forward(&lane, op).await;
+        }
+        match op {
+            Op::Read {
+                region,
+                offset,
+                len,
+            } if self.read_cache => {
+                let mut st = lane.state.lock().await;
+                let Some(cache) = st.cache.as_mut() else {
+                    drop(st);
+                    return self.forward(&lane, op).await;
+                };
+                if let Some(hit) = cache.get(region, offset, len) {
+                    return ready(Ok(Reply::Data(hit)));
+                }
+                let ticket = cache.ticket(region, offset, len);
+                let sent = lane.client.submit(0, op).await;
+                drop(st);
+                let proxy = self.clone();
+                Box::pin(async move {
+                    let r = match sent {
+                        Ok(p) => p.await,
+                        Err(e) => Err(e),
+                    };
+                    match r {
+                        Ok(Reply::Data(d)) => {
+                            if let Some(t) = ticket {
+                                if let Some(c) = lane.state.lock().await.cache.as_mut() {
+                                    c.fill(t, &d);
+                                }
+                            }
+                            Ok(Reply::Data(d))
+                        }
+                        Ok(other) => Ok(other),
+                        Err(e) => Err(proxy.upstream_error(e)),
+                    }
+                })
+            }
+            Op::Cas {
+                region,
+                offset,
+                expected,
+                new,
+            } if offset.is_multiple_of(8) => {
+                let mut st = lane.state.lock().await;
+                match st
+                    .words
+                    .cas(region, offset, expected, new, self.cas_to_write)
+                {
+                    CasDecision::Fail(v) => ready(Ok(Reply::Word(v))),
+                    CasDecision::Convert => {
+                        let bytes = new.to_le_bytes();
+                        if let Some(c) = st.cache.as_mut() {
+                            c.write(region, offset, &bytes);
+                        }
+                        let write = Op::Write {
+                            region,
+                            offset,
+                            data: Bytes::copy_from_slice(&bytes),
+                        };
+                        let sent = lane.client.submit(0, write).await;
+                        drop(st);
+                        let proxy = self.clone();
+                        Box::pin(async move {
+                            let r = match sent {
+                                Ok(p) => p.await,
+                                Err(e) => Err(e),
+                            };
+                            match r {
+                                Ok(Reply::Done) => Ok(Reply::Word(expected)),
+                                Ok(other) => Err(ErrorReply::new(
+                                    ErrorCode::Internal,
+                                    format!("upstream answered a WRITE with {other:?}"),
+                                )),
+                                Err(e) => {
+                                    lane.state.lock().await.forget(region, offset, 8);
+                                    Err(proxy.upstream_error(e))
+                                }
+                            }
+                        })
+                    }
+                    CasDecision::Forward { ticket } => {
+                        if let Some(c) = st.cache.as_mut() {
+                            c.forget(region, offset, 8);
+                        }
+                        let sent = lane.client.submit(0, op).await;
+                        drop(st);
+                        let proxy = self.clone();
+                        Box::pin(async move {
+                            let r = match sent {
+                                Ok(p) => p.await,
+                                Err(e) => Err(e),
+                            };
+                            let mut st = lane.state.lock().await;
+                            match r {
+                                Ok(Reply::Word(before)) => {
+                                    st.words.cas_answered(
+                                        region, offset, ticket, expected, new, before,
+                                    );
+                                    Ok(Reply::Word(before))
+                                }
+                                Ok(other) => {
+                                    st.words.cas_failed(region, offset, ticket);
+                                    Ok(other)
+                                }
+                                Err(e) => {
+                                    st.words.cas_failed(region, offset, ticket);
+                                    drop(st);
+                                    Err(proxy.upstream_error(e))
+                                }
+                            }
+                        })
+                    }
+                }
+            }
+            Op::Write {
+                region,
+                offset,
+                ref data,
+            } => {
+                let len = data.len() as u64;
+                let mut st = lane.state.lock().await;
+                st.words.write(region, offset, data);
+                if let Some(c) = st.cache.as_mut() {
+                    c.write(region, offset, data);
+                }
+                let sent = lane.client.submit(0, op).await;
+                drop(st);
+                let proxy = self.clone();
+                Box::pin(async move {
+                    let r = match sent {
+                        Ok(p) => p.await,
+                        Err(e) => Err(e),
+                    };
+                    match r {
+                        Ok(reply) => Ok(reply),
+                        Err(e) => {
+                            lane.state.lock().await.forget(region, offset, len);
+                            Err(proxy.upstream_error(e))
+                        }
+                    }
+                })
+            }
+            Op::FetchAdd { region, offset, .. } | Op::Cas { region, offset, .. } => {
+                let mut st = lane.state.lock().await;
+                st.forget(region, offset, 8);
+                let a = self.forward(&lane, op).await;
+                drop(st);
+                a
+            }
+            Op::Free { region } => {
+                let mut st = lane.state.lock().await;
+                st.words.forget_region(region);
+                if let Some(c) = st.cache.as_mut() {
+                    c.forget_region(region);
+                }
+                let a = self.forward(&lane, op).await;
+                drop(st);
+                a
+            }
+            other => self.forward(&lane, other).await,
+        }
+    }
+
+    async fn forward(self: &Arc<Self>, lane: &Lane, op: Op) -> Answer {
+        let sent = lane.client.submit(0, op).await;
+        let proxy = self.clone();
+        Box::pin(async move {
+            let r = match sent {
+                Ok(p) => p.await,
+                Err(e) => Err(e),
+            };
+            r.map_err(|e| proxy.upstream_error(e))
+        })
+    }
+
+    async fn new_lane(
+        &self,
+        words_bytes: u64,
+        cache_bytes: Option<u64>,
+    ) -> Result<Arc<Lane>, ClientError> {
+        let client = LoopClient::connect(
+            ClusterMap::from_addrs(&[self.upstream]),
+            self.upstream_config.clone(),
+        )
+        .await?;
+        Ok(Arc::new(Lane {
+            client,
+            state: Mutex::new(LaneState {
+                words: Words::new(words_bytes),
+                cache: cache_bytes.and_then(ReadCache::new),
+            }),
+        }))
+    }
+}
+
+fn tokens_match(expected: &[u8], given: &[u8]) -> bool {
+    // Constant time in the token's bytes, as the server compares it.
+    let mut diff = u8::from(expected.len() != given.len());
+    for (i, &e) in expected.iter().enumerate() {
+        diff |= e ^ given.get(i).copied().unwrap_or(!e);
+    }
+    std::hint::black_box(diff) == 0
+}
+
+async fn send_fatal(stream: &mut TcpStream, code: ErrorCode, message: &str) {
+    let mut buf = BytesMut::new();
+    if encode_frame(&Frame::Fatal(ErrorReply::new(code, message)), &mut buf).is_ok() {
+        let _ = stream.write_all(&buf).await;
+    }
+}
+
+/// Reads and checks the HELLO; nothing larger than a HELLO is read before it passes.
+async fn handshake(proxy: &Proxy, stream: &mut TcpStream) -> Result<(), String> {
+    let mut len = [0u8; 4];
+    stream
+        .read_exact(&mut len)
+        .await
+        .map_err(|e| e.to_string())?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len == 0 || len > HELLO_BODY_BYTES_MAX {
+        return Err(format!("first frame of {len} bytes is no HELLO"));
+    }
+    let mut body = vec![0u8; len];
+    stream
+        .read_exact(&mut body)
+        .await
+        .map_err(|e| e.to_string())?;
+    let hello = match decode_frame(Bytes::from(body)) {
+        Ok(Frame::Hello(h)) => h,
+        _ => {
+            send_fatal(stream, ErrorCode::BadRequest, "expected HELLO").await;
+            return Err("first frame is not a HELLO".into());
+        }
+    };
+    if hello.version != PROTOCOL_VERSION {
+        let msg = format!("this proxy speaks protocol version {PROTOCOL_VERSION}");
+        send_fatal(stream, ErrorCode::VersionMismatch, &msg).await;
+        return Err(msg);
+    }
+    if let Some(token) = &proxy.token {
+        if !tokens_match(token, &hello.token) {
+            proxy.counters.refused_auth.fetch_add(1, Ordering::Relaxed);
+            send_fatal(
+                stream,
+                ErrorCode::AuthFailed,
+                "wrong or missing cluster token",
+            )
+            .await;
+            return Err("wrong or missing cluster token".into());
+        }
+    }
+    let mut buf = BytesMut::new();
+    encode_frame(
+        &Frame::HelloOk(HelloOk {
+            version: PROTOCOL_VERSION,
+            epoch: 0,
+        }),
+        &mut buf,
+    )
+    .map_err(|e| e.to_string())?;
+    stream.write_all(&buf).await.map_err(|e| e.to_string())
+}
+
+type PendingFrame = Vec<(u64, Answer)>;
+
+async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&proxy, &mut stream)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            tracing::debug!(%peer, error = %e, "handshake refused");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(%peer, "no HELLO in time");
+            return;
+        }
+    }
+    // Only now, authenticated, does the client cost us anything.
+    let lanes: Vec<Arc<Lane>> = if proxy.lanes.is_empty() {
+        match proxy.new_lane(0, None).await {
+            Ok(l) => vec![l],
+            Err(e) => {
+                send_fatal(
+                    &mut stream,
+                    ErrorCode::Internal,
+                    &format!("proxy upstream: {e}"),
+                )
+                .await;
+                return;
+            }
+        }
+    } else {
+        proxy.lanes.clone()
+    };
+    let _ = stream.set_nodelay(true);
+    let (mut rd, mut wr) = stream.into_split();
+    let (tx, mut rx) = mpsc::channel::<PendingFrame>(FRAMES_IN_FLIGHT_MAX);
+    let writer_proxy = proxy.clone();
+    let writer = tokio::spawn(async move {
+        let mut buf = BytesMut::new();
+        while let Some(frame) = rx.recv().await {
+            buf.clear();
+            let mut enc = ResponseBatchEncoder::begin(&mut buf);
+            for (id, answer) in frame {
+                let pushed = match answer.await {
+                    Ok(reply) => enc.push_ok(id, &reply),
+                    Err(e) => enc.push_err(id, &e),
+                };
+                if pushed.is_err() {
+                    let e = ErrorReply::new(ErrorCode::TooLarge, "reply does not fit a frame");
+                    if enc.push_err(id, &e).is_err() {
+                        return;
+                    }
+                }
+            }
+            if enc.finish().is_err() {
+                return;
+            }
+            writer_proxy
+                .counters
+                .bytes_to_clients
+                .fetch_add(buf.len() as u64, Ordering::Relaxed);
+            if wr.write_all(&buf).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut inbuf = BytesMut::with_capacity(READ_CHUNK_BYTES);
+    'conn: loop {
+        loop {
+            let body = match FrameDecoder::split_frame(&mut inbuf) {
+                Ok(Some(b)) => b,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "bad frame; closing");
+                    break 'conn;
+                }
+            };
+            let batch = match decode_frame(body) {
+                Ok(Frame::Requests(b)) => b,
+                _ => {
+                    tracing::debug!(%peer, "not a REQUESTS frame; closing");
+                    break 'conn;
+                }
+            };
+            let mut frame = Vec::with_capacity(batch.requests.len());
+            for req in batch.requests {
+                frame.push((req.id, proxy.dispatch(&lanes, req.op).await));
+            }
+            if tx.send(frame).await.is_err() {
+                break 'conn;
+            }
+        }
+        inbuf.reserve(READ_CHUNK_BYTES);
+        match rd.read_buf(&mut inbuf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                proxy
+                    .counters
+                    .bytes_from_clients
+                    .fetch_add(n as u64, Ordering::Relaxed);
+            }
+        }
+    }
+    drop(tx);
+    let _ = writer.await;
+}
+
+fn run_proxy(a: ProxyArgs) -> Result<()> {
+    let listen = crate::resolve(&a.listen)?;
+    let upstream = crate::resolve(&a.upstream)?;
+    if (a.cas_to_write || a.read_cache) && a.conn_map.is_none() {
+        bail!("--cas-to-write and --read-cache need --conn-map: only mapped connections keep a region's requests in one order");
+    }
+    if let Some(n) = a.conn_map {
+        if n == 0 || n > CONN_MAP_MAX {
+            bail!("--conn-map takes 1 to {CONN_MAP_MAX} connections");
+        }
+    }
+    if a.threads == 0 {
+        bail!("--threads must be at least 1");
+    }
+    if !(a.upstream_timeout.is_finite() && a.upstream_timeout > 0.0) {
+        bail!("--upstream-timeout must be a number of seconds above 0");
+    }
+    let upstream_timeout = Duration::try_from_secs_f64(a.upstream_timeout)
+        .context("--upstream-timeout is too long")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .worker_threads(a.threads)
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async move {
+        let token = a.token.map(String::into_bytes);
+        let upstream_config = ClientConfig {
+            token: token.clone(),
+            connections_per_node: 1,
+            request_timeout: upstream_timeout,
+            ..ClientConfig::default()
+        };
+        let mut proxy = Proxy {
+            token,
+            upstream,
+            upstream_config,
+            lanes: Vec::new(),
+            cas_to_write: a.cas_to_write,
+            read_cache: a.read_cache,
+            memory_bytes_max: a.memory,
+            counters: Counters::default(),
+            connections: AtomicUsize::new(0),
+        };
+        if let Some(n) = a.conn_map {
+            // One budget: each lane a share; within a lane, with both on, the read cache
+            // takes three quarters (it holds bytes, the word table only words).
+            let per_lane = a.memory / n as u64;
+            let (words_bytes, cache_bytes) = match (a.cas_to_write, a.read_cache) {
+                (true, true) => (per_lane / 4, Some(per_lane - per_lane / 4)),
+                (false, true) => (0, Some(per_lane)),
+                _ => (per_lane, None),
+            };
+            if let Some(b) = cache_bytes {
+                if ReadCache::new(b).is_none() {
+                    bail!(
+                        "--memory leaves each lane's read cache {} bytes, less than its {}-byte slot table",
+                        b,
+                        cache::SLOTS * 8
+                    );
+                }
+            }
+            for _ in 0..n {
+                let lane = proxy
+                    .new_lane(words_bytes, cache_bytes)
+                    .await
+                    .with_context(|| format!("cannot reach the upstream server {upstream}"))?;
+                proxy.lanes.push(lane);
+            }
+        }
+        let proxy = Arc::new(proxy);
+        let listener = TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("cannot listen on {listen}"))?;
+        println!(
+            "camelot proxy listening on {} for {upstream} (conn-map {}, cas-to-write {}, read-cache {}, memory {})",
+            listener.local_addr()?,
+            a.conn_map.map_or("off".to_string(), |n| n.to_string()),
+            if a.cas_to_write { "on" } else { "off" },
+            if a.read_cache { "on" } else { "off" },
+            format_bytes(a.memory),
+        );
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("cannot install SIGTERM handler")?;
+        let mut int = signal(SignalKind::interrupt()).context("cannot install Ctrl-C handler")?;
+        loop {
+            tokio::select! {
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+                accepted = listener.accept() => {
+                    let (stream, peer) = match accepted {
+                        Ok(a) => a,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "accept failed");
+                            continue;
+                        }
+                    };
+                    if proxy.connections.fetch_add(1, Ordering::SeqCst) >= CONNECTIONS_MAX {
+                        proxy.connections.fetch_sub(1, Ordering::SeqCst);
+                        drop(stream);
+                        continue;
+                    }
+                    proxy.counters.connections_total.fetch_add(1, Ordering::Relaxed);
+                    let proxy = proxy.clone();
+                    tokio::spawn(async move {
+                        serve(proxy.clone(), stream, peer).await;
+                        proxy.connections.fetch_sub(1, Ordering::SeqCst);
+                    });
+                }
+            }
+        }
+        Ok(())
+    })
+}

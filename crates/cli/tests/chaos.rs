@@ -1,0 +1,198 @@
+//! `camelot chaos` end to end, as root: memory servers on testbed hosts, the worker on
+//! another, seeded kills, pauses and partitions, then the checkers. Each face passes a
+//! short fixed-seed run, and each fails when the worker acknowledges writes it never
+//! made (the checkers are shown able to fail). Bounded: a run that hangs is killed.
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_camelot");
+const RUN_DEADLINE: Duration = Duration::from_secs(180);
+
+fn is_root() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let root = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        == Some("0");
+    if !root {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI runs as root: the chaos tests must run there, not skip"
+        );
+        let out = Command::new(BIN)
+            .args(["chaos", "--quick"])
+            .output()
+            .unwrap();
+        assert!(String::from_utf8_lossy(&out.stderr).contains("needs root"));
+        eprintln!("not root: checked the refusal only");
+    }
+    root
+}
+
+/// Runs chaos; returns (succeeded, stdout).
+fn chaos(args: &[&str]) -> (bool, String) {
+    let dir = std::env::temp_dir().join(format!("camelot-chaos-tests-{}", std::process::id()));
+    let mut child = Command::new(BIN)
+        .arg("chaos")
+        .args(args)
+        .env("CAMELOT_TESTBED_DIR", &dir)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + RUN_DEADLINE;
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("chaos {args:?} ran past {RUN_DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = reader.join().unwrap();
+    eprintln!("{out}");
+    (status.success(), out)
+}
+
+/// The run's own testbed (named in its first line) is gone.
+fn its_namespaces_are_gone(out: &str) {
+    let run = out
+        .split("(testbed ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .expect("chaos names its testbed");
+    let listed = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    let prefix = format!("cmlt-tb-{run}-");
+    assert!(
+        !String::from_utf8_lossy(&listed.stdout).contains(&prefix),
+        "testbed {run} left behind"
+    );
+}
+
+#[test]
+fn raid5_survives_kills_pauses_and_partitions() {
+    if !is_root() {
+        return;
+    }
+    let (ok, out) = chaos(&[
+        "--seed",
+        "7",
+        "--duration",
+        "10",
+        "--quick",
+        "--face",
+        "raid5",
+    ]);
+    assert!(ok, "{out}");
+    assert!(out.contains("PASS seed 7"));
+    // Seed 7's schedule has every kind of fault: the run was not a quiet one.
+    for kind in ["kill h", "pause h", "partition h"] {
+        assert!(out.contains(kind), "no {kind} in seed 7's run");
+    }
+    assert!(out.contains("raid5 scrub clean: ok"));
+    its_namespaces_are_gone(&out);
+}
+
+#[test]
+fn rvm_on_a_mirrored_pool_recovers_the_last_acknowledged_commit() {
+    if !is_root() {
+        return;
+    }
+    let (ok, out) = chaos(&[
+        "--seed",
+        "3",
+        "--duration",
+        "10",
+        "--quick",
+        "--face",
+        "rvm",
+    ]);
+    assert!(ok, "{out}");
+    assert!(out.contains("PASS seed 3"));
+    assert!(out.contains("kill h"));
+    assert!(out.contains("rvm recovery matches the last acknowledged commit: ok"));
+    its_namespaces_are_gone(&out);
+}
+
+#[test]
+fn acknowledging_before_writing_makes_chaos_fail() {
+    if !is_root() {
+        return;
+    }
+    for face in ["raid5", "rvm"] {
+        let (ok, out) = chaos(&[
+            "--seed",
+            "7",
+            "--duration",
+            "4",
+            "--quick",
+            "--face",
+            face,
+            "--broken-ack-before-write",
+        ]);
+        assert!(!ok, "{face}: {out}");
+        assert!(out.contains("FAIL seed 7"), "{face}: {out}");
+        assert!(
+            out.contains("acknowledged writes present:") && out.contains("violations"),
+            "{face}: {out}"
+        );
+        its_namespaces_are_gone(&out);
+    }
+}
+
+#[test]
+fn sigterm_mid_run_takes_the_testbed_down() {
+    if !is_root() {
+        return;
+    }
+    use std::io::BufRead;
+    let dir = std::env::temp_dir().join(format!("camelot-chaos-tests-{}", std::process::id()));
+    let mut child = Command::new(BIN)
+        .args(["chaos", "--seed", "7", "--duration", "30", "--quick"])
+        .env("CAMELOT_TESTBED_DIR", &dir)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            if tx.send(line.unwrap_or_default()).is_err() {
+                break;
+            }
+        }
+    });
+    let first = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    // The first fault's line: the testbed is up and the servers and worker run.
+    let fault = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert!(fault.contains(" h"), "{fault}");
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let st = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "chaos did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(st.code(), Some(130));
+    its_namespaces_are_gone(&first);
+}

@@ -1,0 +1,303 @@
+//! The metadata service: makes blocks, hands out free nodes, keeps each key's head, and
+//! collects old versions.
+//!
+//! Collection is epoch-based. A pass extends what it knows of each chain (reading only
+//! nodes appended since the last pass), keeps the newest `versions_kept` versions, moves
+//! the head past the rest and retires them in the current epoch, then advances the epoch.
+//! A retired node returns to the free pool only once every store operation that was
+//! running when it was retired has finished (each announces the epoch it started in), so
+//! walks in flight keep intact nodes under their feet. Cached hints held between
+//! operations are not protected; the walk's (key id, sequence number) check catches a
+//! reused node and restarts from the head (see `chain`).
+
+use crate::chain::Hint;
+use crate::layout::{decode_node, encode_node, Next, NodeAddr, HEADER_BYTES};
+use crate::memory::Memory;
+use crate::CloverError;
+use parking_lot::Mutex;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+/// Most keys a metadata service tracks by default.
+pub const KEYS_MAX_DEFAULT: usize = 1 << 20;
+/// Most nodes one collection pass reads along one chain; the rest wait for the next.
+pub const GC_HOPS_PER_CHAIN_MAX: usize = 65_536;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetaConfig {
+    /// Blocks the service may make: with the geometry, the store's whole memory.
+    pub blocks_max: u32,
+    pub keys_max: usize,
+    /// Versions of each key kept behind the head (at least 1: the current one).
+    pub versions_kept: usize,
+}
+
+impl Default for MetaConfig {
+    fn default() -> Self {
+        MetaConfig {
+            blocks_max: 64,
+            keys_max: KEYS_MAX_DEFAULT,
+            versions_kept: 2,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MetaStats {
+    pub blocks: u32,
+    pub keys: usize,
+    pub free_nodes: usize,
+    pub limbo_nodes: usize,
+    pub gc_passes: u64,
+    pub nodes_retired: u64,
+    pub nodes_reclaimed: u64,
+    pub epoch: u64,
+}
+
+struct Chain {
+    /// Linked versions from the head on, as far as the last pass read.
+    known: VecDeque<Hint>,
+}
+
+struct State {
+    keys: HashMap<Vec<u8>, u64>,
+    /// Index key id − 1.
+    chains: Vec<Chain>,
+    free: Vec<NodeAddr>,
+    /// Retired nodes and the epoch they were retired in, oldest first.
+    limbo: VecDeque<(NodeAddr, u64)>,
+    stats: MetaStats,
+}
+
+pub struct Meta<M: Memory> {
+    mem: M,
+    config: MetaConfig,
+    state: Mutex<State>,
+    epoch: AtomicU64,
+    /// Each store's announcement: the epoch its running operation started in, or
+    /// `u64::MAX` between operations.
+    slots: Mutex<Vec<Weak<AtomicU64>>>,
+}
+
+/// Marks a store operation as running from the epoch it read until dropped.
+pub struct Pin<'a> {
+    slot: &'a AtomicU64,
+}
+
+impl Drop for Pin<'_> {
+    fn drop(&mut self) {
+        self.slot.store(u64::MAX, Ordering::SeqCst);
+    }
+}
+
+impl<M: Memory> Meta<M> {
+    pub fn new(mem: M, config: MetaConfig) -> Result<Meta<M>, CloverError> {
+        if config.versions_kept == 0 || config.blocks_max == 0 {
+            return Err(CloverError::InvalidArgument(
+                "versions_kept and blocks_max must be at least 1".into(),
+            ));
+        }
+        Ok(Meta {
+            mem,
+            config,
+            state: Mutex::new(State {
+                keys: HashMap::new(),
+                chains: Vec::new(),
+                free: Vec::new(),
+                limbo: VecDeque::new(),
+                stats: MetaStats::default(),
+            }),
+            epoch: AtomicU64::new(1),
+            slots: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn memory(&self) -> &M {
+        &self.mem
+    }
+
+    pub fn config(&self) -> &MetaConfig {
+        &self.config
+    }
+
+    /// A new store's announcement slot.
+    pub fn register(&self) -> Arc<AtomicU64> {
+        let slot = Arc::new(AtomicU64::new(u64::MAX));
+        let mut slots = self.slots.lock();
+        slots.retain(|w| w.strong_count() > 0);
+        slots.push(Arc::downgrade(&slot));
+        slot
+    }
+
+    /// Announces an operation starting. The epoch is re-read after the announcement so a
+    /// pass that advanced it in between cannot miss us.
+    pub fn pin<'a>(&self, slot: &'a AtomicU64) -> Pin<'a> {
+        loop {
+            let e = self.epoch.load(Ordering::SeqCst);
+            slot.store(e, Ordering::SeqCst);
+            if self.epoch.load(Ordering::SeqCst) == e {
+                return Pin { slot };
+            }
+        }
+    }
+
+    /// The key's id and head, making the key (absent, version 0) if it is new.
+    pub fn key(&self, key: &[u8]) -> Result<(u64, Hint), CloverError> {
+        let mut st = self.state.lock();
+        if let Some(&id) = st.keys.get(key) {
+            return Ok((id, head_of(&st, id)?));
+        }
+        if st.keys.len() >= self.config.keys_max {
+            return Err(CloverError::TooManyKeys(self.config.keys_max));
+        }
+        let node = self.take_nodes(&mut st, 1)?[0];
+        let id = st.chains.len() as u64 + 1;
+        let data = encode_node(&self.mem.geometry(), id, 0, None)?;
+        if let Err(e) = self.mem.write(node, data) {
+            st.free.push(node);
+            return Err(e);
+        }
+        let head = Hint { addr: node, seq: 0 };
+        st.chains.push(Chain {
+            known: VecDeque::from([head]),
+        });
+        st.keys.insert(key.to_vec(), id);
+        st.stats.keys = st.keys.len();
+        Ok((id, head))
+    }
+
+    pub fn head(&self, key_id: u64) -> Result<Hint, CloverError> {
+        head_of(&self.state.lock(), key_id)
+    }
+
+    /// Up to `n` (at least one) free nodes for a writer to own. Reclaims, collects and
+    /// makes blocks, in that order, when the pool runs short.
+    pub fn grant(&self, n: usize) -> Result<Vec<NodeAddr>, CloverError> {
+        let mut st = self.state.lock();
+        self.take_nodes(&mut st, n.max(1))
+    }
+
+    /// Nodes a writer owned and never linked.
+    pub fn give_back(&self, nodes: Vec<NodeAddr>) {
+        self.state.lock().free.extend(nodes);
+    }
+
+    /// One collection pass.
+    pub fn gc(&self) -> Result<MetaStats, CloverError> {
+        let mut st = self.state.lock();
+        self.gc_locked(&mut st)?;
+        Ok(self.stats_locked(&st))
+    }
+
+    pub fn stats(&self) -> MetaStats {
+        self.stats_locked(&self.state.lock())
+    }
+
+    fn stats_locked(&self, st: &State) -> MetaStats {
+        MetaStats {
+            blocks: self.mem.blocks(),
+            free_nodes: st.free.len(),
+            limbo_nodes: st.limbo.len(),
+            epoch: self.epoch.load(Ordering::SeqCst),
+            ..st.stats
+        }
+    }
+
+    fn take_nodes(&self, st: &mut State, n: usize) -> Result<Vec<NodeAddr>, CloverError> {
+        if st.free.len() < n {
+            self.reclaim(st);
+        }
+        if st.free.len() < n && !st.chains.is_empty() {
+            self.gc_locked(st)?;
+        }
+        while st.free.len() < n && self.mem.blocks() < self.config.blocks_max {
+            let block = self.mem.add_block()?;
+            let nodes = self.mem.geometry().nodes_per_block;
+            // Highest slot first, so nodes are handed out in address order.
+            st.free
+                .extend((0..nodes).rev().map(|slot| NodeAddr { block, slot }));
+        }
+        if st.free.is_empty() {
+            return Err(CloverError::OutOfMemory {
+                blocks_max: self.config.blocks_max,
+            });
+        }
+        let keep = st.free.len().saturating_sub(n);
+        Ok(st.free.split_off(keep))
+    }
+
+    fn gc_locked(&self, st: &mut State) -> Result<(), CloverError> {
+        let epoch = self.epoch.load(Ordering::SeqCst);
+        let State {
+            chains,
+            limbo,
+            stats,
+            ..
+        } = st;
+        for (i, chain) in chains.iter_mut().enumerate() {
+            let key_id = i as u64 + 1;
+            for _ in 0..GC_HOPS_PER_CHAIN_MAX {
+                let Some(&last) = chain.known.back() else {
+                    break;
+                };
+                let bytes = self.mem.read(last.addr, HEADER_BYTES)?;
+                let (h, _) = decode_node(&bytes)?;
+                if h.key_id != key_id || h.seq != last.seq {
+                    // A node the pass knows as linked is never reused.
+                    return Err(CloverError::Corrupt(format!(
+                        "key {key_id}: node {:?} holds key {} version {}, expected version {}",
+                        last.addr, h.key_id, h.seq, last.seq
+                    )));
+                }
+                match Next::decode(h.next) {
+                    Next::Node(a) => chain.known.push_back(Hint {
+                        addr: a,
+                        seq: last.seq + 1,
+                    }),
+                    _ => break,
+                }
+            }
+            while chain.known.len() > self.config.versions_kept {
+                if let Some(old) = chain.known.pop_front() {
+                    limbo.push_back((old.addr, epoch));
+                    stats.nodes_retired += 1;
+                }
+            }
+        }
+        stats.gc_passes += 1;
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        self.reclaim(st);
+        Ok(())
+    }
+
+    /// Frees retired nodes no running operation can still be walking.
+    fn reclaim(&self, st: &mut State) {
+        let oldest_running = {
+            let mut slots = self.slots.lock();
+            slots.retain(|w| w.strong_count() > 0);
+            slots
+                .iter()
+                .filter_map(Weak::upgrade)
+                .map(|s| s.load(Ordering::SeqCst))
+                .min()
+                .unwrap_or(u64::MAX)
+        };
+        while let Some(&(addr, retired)) = st.limbo.front() {
+            if retired >= oldest_running {
+                break;
+            }
+            st.limbo.pop_front();
+            st.free.push(addr);
+            st.stats.nodes_reclaimed += 1;
+        }
+    }
+}
+
+fn head_of(st: &State, key_id: u64) -> Result<Hint, CloverError> {
+    key_id
+        .checked_sub(1)
+        .and_then(|i| st.chains.get(i as usize))
+        .and_then(|c| c.known.front().copied())
+        .ok_or(CloverError::UnknownKey(key_id))
+}
