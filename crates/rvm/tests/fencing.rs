@@ -118,3 +118,12 @@ fn mirrored_pool_paused_writer_lands_nothing_after_a_takeover() {
 fn redis_paused_writer_lands_nothing_after_a_takeover() {
     paused_writer_lands_nothing("redis");
 }
+
+/// Against Camelot's own RESP port, whose EXEC runs with the object store to itself and
+/// whose WATCH compares the epoch key's version. Before the port had MULTI/EXEC the
+/// backend fell back to writes-then-GET there, and A's home write landed (recovery read
+/// 111).
+#[test]
+fn camelot_resp_paused_writer_lands_nothing_after_a_takeover() {
+    paused_writer_lands_nothing("camelot-resp");
+}
