@@ -341,7 +341,7 @@ fn run(ctx: &Ctx<'_>, session: &mut Session, args: &[&[u8]], now: Instant, out: 
         return;
     }
     if session.tx.in_multi() && cmd.flags & NQ == 0 {
-        match session.tx.enqueue(args) {
+        match session.tx.enqueue(args, ctx.state.connection_buffers()) {
             Ok(()) => out.simple("QUEUED"),
             Err(e) => out.error(&e),
         }

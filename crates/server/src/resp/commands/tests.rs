@@ -735,3 +735,40 @@ fn exec_is_atomic_to_other_threads() {
     assert!(reads > 0);
     assert_eq!(torn, 0, "{torn} of {reads} MGETs saw a half-applied EXEC");
 }
+
+/// Queued arguments are charged to the connection-buffer budget, refused past it (the
+/// transaction then aborts), and given back by EXEC and DISCARD.
+#[test]
+fn queued_commands_are_charged_to_the_connection_budget() {
+    let buffers = MemoryBudget::new(4_096);
+    let mut h = Harness::new(1 << 20, None);
+    h.state = ServerState::with_limits(
+        MemoryBudget::new(1 << 20),
+        std::sync::Arc::clone(&buffers),
+        0,
+        crate::store::Quota::UNLIMITED,
+    );
+    let value = "v".repeat(1_000);
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run(&format!("SET k {value}")), "+QUEUED\r\n");
+    assert!(buffers.used() >= 1_000);
+    assert_eq!(h.run("DISCARD"), "+OK\r\n");
+    assert_eq!(buffers.used(), 0);
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    let mut refused = false;
+    for _ in 0..5 {
+        let r = h.run(&format!("SET k {value}"));
+        if r.starts_with("-ERR connection buffer memory exhausted") {
+            refused = true;
+            break;
+        }
+        assert_eq!(r, "+QUEUED\r\n");
+    }
+    assert!(refused, "queued past a 4 KiB connection budget");
+    assert_eq!(buffers.used(), 0, "an aborted queue still holds memory");
+    assert!(h.run("EXEC").starts_with("-EXECABORT"));
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run(&format!("SET k {value}")), "+QUEUED\r\n");
+    assert_eq!(h.run("EXEC"), "*1\r\n+OK\r\n");
+    assert_eq!(buffers.used(), 0);
+}

@@ -9,7 +9,9 @@
 //! first compares them and answers a nil array, running nothing, if any moved.
 
 use super::{Call, Reply};
+use crate::budget::{MemoryBudget, Reservation};
 use bytes::Bytes;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Most commands one MULTI may queue.
@@ -25,6 +27,9 @@ pub const WATCHED_KEYS_MAX: usize = 1_024;
 pub struct Queue {
     commands: Vec<Vec<Bytes>>,
     bytes: usize,
+    /// The queued arguments' bytes, charged to the server's connection-buffer budget
+    /// (one reservation per command) until EXEC, DISCARD or the connection's end.
+    held: Vec<Reservation>,
     /// A command was refused while queuing: EXEC answers EXECABORT.
     aborted: bool,
 }
@@ -52,7 +57,11 @@ impl TxState {
 
     /// Queues a checked command; `Err` is the error to answer (the queue is then
     /// dropped, keeping only the abort).
-    pub(super) fn enqueue(&mut self, args: &[&[u8]]) -> Result<(), String> {
+    pub(super) fn enqueue(
+        &mut self,
+        args: &[&[u8]],
+        budget: &Arc<MemoryBudget>,
+    ) -> Result<(), String> {
         let Some(q) = &mut self.queue else {
             return Err("ERR queueing outside MULTI".into());
         };
@@ -71,6 +80,17 @@ impl TxState {
                  {QUEUED_BYTES_MAX} bytes of arguments may be queued"
             ));
         }
+        let held = match budget.try_reserve(bytes as u64) {
+            Ok(r) => r,
+            Err(e) => {
+                *q = Queue {
+                    aborted: true,
+                    ..Queue::default()
+                };
+                return Err(format!("ERR connection buffer memory exhausted: {e}"));
+            }
+        };
+        q.held.push(held);
         q.bytes += bytes;
         q.commands
             .push(args.iter().map(|a| Bytes::copy_from_slice(a)).collect());
