@@ -228,7 +228,8 @@ pub struct Config {
 #[doc(hidden)]
 #[derive(Clone, Default)]
 pub struct Hooks {
-    /// The pool backend, in truncation, just before it sends the home writes.
+    /// In truncation, just before the home writes are sent: the pool backend before its
+    /// guarded WRITEs, the redis backend after its WATCH and epoch GET, before MULTI/EXEC.
     pub before_home_writes: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
@@ -453,6 +454,7 @@ fn open_backend(cfg: &Config) -> Result<Box<dyn Backend>> {
             *addr,
             &cfg.name,
             *wait_replicas,
+            cfg.hooks.clone(),
         )?),
         BackendConfig::File { dir } => Box::new(backend::file::FileBackend::open(dir)?),
     })

@@ -1,8 +1,11 @@
 //! A writer paused across another opener's takeover must not land anything once it is
-//! continued: the pool server refuses every WRITE not guarded by the current epoch.
+//! continued: the pool server refuses every WRITE not guarded by the current epoch, and
+//! redis-server aborts the home writes' MULTI/EXEC because the takeover's INCR touched the
+//! epoch key the writer WATCHes.
 //! The paused writer is a real process (`rvm-crash-writer fence`) that stops itself with
 //! SIGSTOP between deciding to write its truncation's homes and sending them — the moment
-//! a check made by the client beforehand cannot cover.
+//! a check made by the client beforehand cannot cover (for redis: after the WATCH and the
+//! GET that found its own epoch, before MULTI/EXEC).
 
 mod common;
 
@@ -106,4 +109,21 @@ fn pool_paused_writer_lands_nothing_after_a_takeover() {
 #[test]
 fn mirrored_pool_paused_writer_lands_nothing_after_a_takeover() {
     paused_writer_lands_nothing("pool-mirrored");
+}
+
+/// Against a real redis-server. With the home writes sent as before (SETRANGEs, then a
+/// GET of the epoch in the same pipeline), A's SETRANGE landed over B's truncated value
+/// and the recovery read 111.
+#[test]
+fn redis_paused_writer_lands_nothing_after_a_takeover() {
+    paused_writer_lands_nothing("redis");
+}
+
+/// Against Camelot's own RESP port, whose EXEC runs with the object store to itself and
+/// whose WATCH compares the epoch key's version. Before the port had MULTI/EXEC the
+/// backend fell back to writes-then-GET there, and A's home write landed (recovery read
+/// 111).
+#[test]
+fn camelot_resp_paused_writer_lands_nothing_after_a_takeover() {
+    paused_writer_lands_nothing("camelot-resp");
 }

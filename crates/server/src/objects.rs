@@ -606,8 +606,30 @@ impl<'a, T, I: Iterator<Item = (&'a Bytes, T)>> Iterator for KeyOrder<'a, T, I> 
     }
 }
 
+/// Holds off EXEC's exclusive hold of the store while one operation runs (see
+/// [`ObjectStore::exclusive`]). Only the outermost operation on a thread takes the gate:
+/// a nested read of a fair lock could wait behind a queued EXEC that waits for it.
+pub struct GateHold<'a> {
+    _read: Option<RwLockReadGuard<'a, ()>>,
+}
+
+thread_local! {
+    /// Store operations running on this thread (nesting depth), or 1 while this thread
+    /// runs a transaction under [`ObjectStore::exclusive`].
+    static GATE_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+impl Drop for GateHold<'_> {
+    fn drop(&mut self) {
+        GATE_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+    }
+}
+
 pub struct ObjectStore {
     shards: Box<[RwLock<Shard>]>,
+    /// Shared by every operation, exclusive for a transaction (EXEC), so a transaction
+    /// runs as one step with respect to every other command on every port.
+    exec_gate: RwLock<()>,
     budget: Arc<MemoryBudget>,
     clock: VersionClock,
     /// Everything this store has charged to the budget, so dropping it gives all back.
@@ -620,11 +642,44 @@ impl ObjectStore {
     pub fn new(budget: Arc<MemoryBudget>) -> Self {
         ObjectStore {
             shards: (0..SHARDS).map(|_| RwLock::new(Shard::default())).collect(),
+            exec_gate: RwLock::new(()),
             budget,
             clock: VersionClock(AtomicU64::new(1)),
             charged_bytes: AtomicU64::new(0),
             expiring: AtomicU64::new(0),
         }
+    }
+
+    /// The shared side of the gate, for one operation (none when nested, or inside
+    /// [`ObjectStore::exclusive`] on this thread).
+    ///
+    /// A caller running several operations that must not be split by a transaction (a
+    /// multi-key command) holds one for all of them.
+    pub fn gate(&self) -> GateHold<'_> {
+        let outermost = GATE_DEPTH.with(|d| {
+            let depth = d.get();
+            d.set(depth + 1);
+            depth == 0
+        });
+        GateHold {
+            _read: outermost.then(|| self.exec_gate.read()),
+        }
+    }
+
+    /// Runs `f` with the store to itself: no operation of another thread runs meanwhile,
+    /// and the store operations `f` makes on this thread go straight through. For EXEC.
+    /// `f` must not wait for another thread's store operation.
+    pub fn exclusive<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _write = self.exec_gate.write();
+        let outer = GATE_DEPTH.with(|d| d.replace(1));
+        struct Restore(u32);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                GATE_DEPTH.with(|d| d.set(self.0));
+            }
+        }
+        let _restore = Restore(outer);
+        f()
     }
 
     fn shard(&self, key: &[u8]) -> &RwLock<Shard> {
@@ -633,6 +688,7 @@ impl ObjectStore {
 
     /// Objects stored (including expired ones the sweeper has not reached yet).
     pub fn len(&self) -> usize {
+        let _gate = self.gate();
         self.shards.iter().map(|s| s.read().len()).sum()
     }
 
@@ -642,6 +698,7 @@ impl ObjectStore {
 
     /// Runs `f` on the live entry under `key` (or `None`) under the shard's read lock.
     pub fn read<R>(&self, key: &[u8], now: Instant, f: impl FnOnce(Option<&Entry>) -> R) -> R {
+        let _gate = self.gate();
         let shard = self.shard(key).read();
         f(shard.get(key).filter(|e| e.is_live(now)))
     }
@@ -749,6 +806,7 @@ impl ObjectStore {
         f: impl FnOnce(Option<&mut Entry>, &VersionClock) -> Result<(R, Change), ErrorReply>,
     ) -> Result<(R, Option<u64>), ErrorReply> {
         check_key(key)?;
+        let _gate = self.gate();
         let mut shard = self.shard(key).write();
         let expired = shard.get(key).is_some_and(|e| !e.is_live(now));
         let mut freed_bytes = 0;
@@ -861,6 +919,7 @@ impl ObjectStore {
         reply_bytes_max: usize,
         now: Instant,
     ) -> Result<Vec<Item>, ErrorReply> {
+        let _gate = self.gate();
         let limit = limit.min(SCAN_ITEMS_MAX);
         // Read locks on every shard at once, always in shard order, so the view is one
         // moment and writers (which take one shard each) cannot deadlock with us.
@@ -904,6 +963,7 @@ impl ObjectStore {
     /// Each step reads every key's hash (O(keys), holding one shard's lock at a time),
     /// which is the price of not keeping a second, hash-ordered index.
     pub fn scan_by_hash(&self, cursor: u64, count: usize, now: Instant) -> (Vec<Bytes>, u64) {
+        let _gate = self.gate();
         let count = count.clamp(1, SCAN_ITEMS_MAX);
         // The `count` smallest hashes seen so far, largest on top.
         let mut chosen: BinaryHeap<(u64, Bytes)> = BinaryHeap::with_capacity(count + 1);
@@ -957,6 +1017,7 @@ impl ObjectStore {
         now: Instant,
         keep: impl Fn(&[u8]) -> bool,
     ) -> Vec<Bytes> {
+        let _gate = self.gate();
         // Merged in order so that only `limit` keys are ever held, whatever the store
         // holds; read locks as in `scan`.
         let guards: Vec<RwLockReadGuard<'_, Shard>> =
@@ -973,6 +1034,7 @@ impl ObjectStore {
 
     /// Removes every object.
     pub fn clear(&self) {
+        let _gate = self.gate();
         for s in self.shards.iter() {
             let mut shard = s.write();
             let freed = shard.clear();
@@ -984,6 +1046,7 @@ impl ObjectStore {
 
     /// Removes expired objects; cheap when none has an expiry. Returns how many went.
     pub fn sweep_expired(&self, now: Instant) -> usize {
+        let _gate = self.gate();
         if self.expiring.load(Ordering::Relaxed) == 0 {
             return 0;
         }

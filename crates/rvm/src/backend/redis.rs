@@ -8,14 +8,24 @@
 //! (`appendonly yes` with `appendfsync always` makes each answer follow an fsync). With
 //! `wait_replicas` N > 0, every commit also waits (WAIT) until N replicas have it.
 //!
-//! Fencing, without Lua: every open takes a new epoch (INCR on `rvm:NS:epoch`), and every
-//! pipeline that changes the instance ends with a GET of that key. Redis runs one
-//! connection's commands in order, one at a time, so a pipeline whose GET still sees the
-//! writer's epoch ran entirely before any newer open (which then reads it); one whose GET
-//! sees a newer epoch fails with [`RvmError::Fenced`]. Log records are written with
-//! `SET NX`: sequence numbers are never reused, so a fenced writer's next (and last)
-//! batch cannot replace a record the newer owner appended; a key the newer owner finds
-//! taken is that fenced batch's, and is replaced (`append_log`).
+//! Fencing, without Lua: every open takes a new epoch (INCR on `rvm:NS:epoch`).
+//!
+//! - Writes that can overwrite what a newer owner wrote (home pages in truncation, the
+//!   catalog slots, the DELs of log records and homes) run as a guarded transaction:
+//!   `WATCH epoch`, `GET epoch` (must be ours, else [`RvmError::Fenced`] and nothing is
+//!   sent), then `MULTI`, the writes, `EXEC`. A newer open's INCR between the GET and the
+//!   EXEC touches the watched key, so Redis answers EXEC with nil and runs none of the
+//!   writes: a writer paused (SIGSTOP) anywhere in there lands nothing when continued.
+//!   Two round trips instead of one; truncation and catalog writes are rare.
+//! - Log appends stay one round trip: `SET NX` of each record, then `GET epoch`. A fenced
+//!   writer's last batch can land, but never over a record the newer owner appended
+//!   (sequence numbers are never reused); a key the newer owner finds taken is that
+//!   fenced batch's, and is replaced (`append_log`) in a guarded transaction.
+//!
+//! A server without transactions (Camelot's own RESP port answers MULTI with an error;
+//! probed at open) gets the weaker form for guarded writes too: the writes, then the
+//! fencing GET in the same pipeline. There, a writer paused across a takeover can land
+//! one batch of home or catalog writes; the open logs a warning saying so.
 
 use super::resp::{Conn, Reply};
 use super::{Backend, HomeWrite};
@@ -42,12 +52,20 @@ pub struct RedisBackend {
     epoch: u64,
     wait_replicas: u32,
     conn: Mutex<Conn>,
+    /// The server runs WATCH/MULTI/EXEC (real Redis does; Camelot's RESP port does not).
+    transactions: bool,
+    hooks: crate::Hooks,
     /// Sequence numbers of the records now in the log: first..next.
     log_seqs: Mutex<(u64, u64)>,
 }
 
 impl RedisBackend {
-    pub fn open(addr: SocketAddr, ns: &str, wait_replicas: u32) -> Result<RedisBackend> {
+    pub fn open(
+        addr: SocketAddr,
+        ns: &str,
+        wait_replicas: u32,
+        hooks: crate::Hooks,
+    ) -> Result<RedisBackend> {
         if wait_replicas > WAIT_REPLICAS_MAX {
             return Err(RvmError::TooLarge {
                 what: "wait_replicas",
@@ -65,12 +83,21 @@ impl RedisBackend {
             epoch: 0,
             wait_replicas,
             conn: Mutex::new(conn),
+            transactions: false,
+            hooks,
             log_seqs: Mutex::new((1, 1)),
         };
         // Fail now, not at the first commit, when something else answers on that port.
         match b.run(&[vec![b"PING".to_vec()]])?.pop() {
             Some(Reply::Status(s)) if s == "PONG" => {}
             other => return Err(b.err(format!("PING answered {other:?}"))),
+        }
+        b.transactions = b.probe_transactions()?;
+        if !b.transactions {
+            tracing::warn!(
+                "rvm: redis {addr} has no MULTI/EXEC: a writer fenced by a newer open can \
+                 still land one batch of home or catalog writes"
+            );
         }
         let incr = vec![b"INCR".to_vec(), b.epoch_key().into_bytes()];
         b.epoch = match b.run(&[incr])?.pop() {
@@ -82,6 +109,115 @@ impl RedisBackend {
 
     fn epoch_key(&self) -> String {
         format!("{}:epoch", self.prefix)
+    }
+
+    /// Whether the server runs transactions: MULTI then DISCARD both answer OK.
+    fn probe_transactions(&self) -> Result<bool> {
+        let mut conn = self.conn.lock();
+        let io = |e: std::io::Error| self.err(e.to_string());
+        conn.command(&[b"MULTI"]).map_err(io)?;
+        conn.command(&[b"DISCARD"]).map_err(io)?;
+        let replies = conn.finish(2).map_err(io)?;
+        Ok(replies
+            .iter()
+            .all(|r| matches!(r, Reply::Status(s) if s == "OK")))
+    }
+
+    fn fenced(&self, seen: &dyn std::fmt::Debug) -> RvmError {
+        RvmError::Fenced(format!(
+            "redis {} holds epoch {seen:?} for this instance; this writer opened with epoch \
+             {} and another open took over since",
+            self.addr, self.epoch
+        ))
+    }
+
+    /// Runs `commands` only while the epoch key still holds this writer's epoch, all or
+    /// none: WATCH + GET, then MULTI, the commands, EXEC (and WAIT with `wait_replicas`).
+    /// Returns the commands' replies. Without server transactions: [`Self::run_fenced`].
+    /// `pause` (a test hook) runs once the epoch check passed, before the writes go out.
+    fn run_guarded(
+        &self,
+        commands: &[Vec<&[u8]>],
+        pause: Option<&(dyn Fn() + Send + Sync)>,
+    ) -> Result<Vec<Reply>> {
+        if !self.transactions {
+            if let Some(pause) = pause {
+                pause();
+            }
+            return self.run_fenced(commands);
+        }
+        let epoch_key = self.epoch_key();
+        let mut conn = self.conn.lock();
+        let io = |e: std::io::Error| self.err(e.to_string());
+        conn.command(&[b"WATCH", epoch_key.as_bytes()])
+            .map_err(io)?;
+        conn.command(&[b"GET", epoch_key.as_bytes()]).map_err(io)?;
+        let mut replies = conn.finish(2).map_err(io)?;
+        let seen = replies.pop();
+        if let Some(Reply::Error(e)) = replies.pop() {
+            return Err(self.err(format!("WATCH: {e}")));
+        }
+        if parse_epoch(&seen) != Some(self.epoch) {
+            // Best effort: a fenced writer sends nothing more that WATCH could affect.
+            let _ = conn
+                .command(&[b"UNWATCH"])
+                .and_then(|()| conn.finish(1).map(drop));
+            return Err(self.fenced(&seen));
+        }
+        if let Some(pause) = pause {
+            pause();
+        }
+        let wait_n = self.wait_replicas.to_string();
+        let wait_ms = WAIT_REPLICAS_TIMEOUT_MS.to_string();
+        conn.command(&[b"MULTI"]).map_err(io)?;
+        for c in commands {
+            conn.command(c).map_err(io)?;
+        }
+        conn.command(&[b"EXEC"]).map_err(io)?;
+        let mut sent = commands.len() + 2;
+        if self.wait_replicas > 0 {
+            conn.command(&[b"WAIT", wait_n.as_bytes(), wait_ms.as_bytes()])
+                .map_err(io)?;
+            sent += 1;
+        }
+        let mut replies = conn.finish(sent).map_err(io)?;
+        drop(conn);
+        let waited = if self.wait_replicas > 0 {
+            replies.pop()
+        } else {
+            None
+        };
+        let exec = replies.pop();
+        // MULTI's and each queued command's replies: an error there (a command Redis
+        // refused to queue) makes EXEC answer EXECABORT; name the first cause.
+        if let Some(Reply::Error(e)) = replies.iter().find(|r| matches!(r, Reply::Error(_))) {
+            return Err(self.err(format!("transaction refused: {e}; EXEC answered {exec:?}")));
+        }
+        let results = match exec {
+            Some(Reply::Array(Some(results))) if results.len() == commands.len() => results,
+            // EXEC's nil: the watched epoch changed after our GET, nothing ran.
+            Some(Reply::Array(None)) | Some(Reply::Bulk(None)) => {
+                return Err(self.fenced(&"a newer epoch (EXEC aborted by WATCH)"))
+            }
+            other => return Err(self.err(format!("EXEC answered {other:?}"))),
+        };
+        if let Some(Reply::Error(e)) = results.iter().find(|r| matches!(r, Reply::Error(_))) {
+            return Err(self.err(e.clone()));
+        }
+        if let Some(w) = waited {
+            self.check_wait(w)?;
+        }
+        Ok(results)
+    }
+
+    fn check_wait(&self, reply: Reply) -> Result<()> {
+        match reply {
+            Reply::Int(n) if n >= i64::from(self.wait_replicas) => Ok(()),
+            other => Err(RvmError::Unavailable(format!(
+                "redis {}: WAIT {} answered {other:?} within {WAIT_REPLICAS_TIMEOUT_MS} ms",
+                self.addr, self.wait_replicas
+            ))),
+        }
     }
 
     /// `run_borrowed` for commands that change the instance: followed by WAIT (with
@@ -103,31 +239,15 @@ impl RedisBackend {
         let mut replies = conn.finish(all.len()).map_err(io)?;
         drop(conn);
         let fence = replies.pop();
-        let now = match &fence {
-            Some(Reply::Bulk(Some(v))) => std::str::from_utf8(v).ok().and_then(|v| v.parse().ok()),
-            _ => None,
-        };
-        if now != Some(self.epoch) {
-            return Err(RvmError::Fenced(format!(
-                "redis {} holds epoch {fence:?} for this instance; this writer opened with \
-                 epoch {} and another open took over since",
-                self.addr, self.epoch
-            )));
+        if parse_epoch(&fence) != Some(self.epoch) {
+            return Err(self.fenced(&fence));
         }
         if let Some(Reply::Error(e)) = replies.iter().find(|r| matches!(r, Reply::Error(_))) {
             return Err(self.err(e.clone()));
         }
         if self.wait_replicas > 0 {
-            match replies.pop() {
-                Some(Reply::Int(n)) if n >= i64::from(self.wait_replicas) => {}
-                other => {
-                    return Err(RvmError::Unavailable(format!(
-                        "redis {}: WAIT {} answered {other:?} within {WAIT_REPLICAS_TIMEOUT_MS} \
-                         ms",
-                        self.addr, self.wait_replicas
-                    )))
-                }
-            }
+            let w = replies.pop().unwrap_or(Reply::Bulk(None));
+            self.check_wait(w)?;
         }
         Ok(replies)
     }
@@ -177,7 +297,7 @@ impl RedisBackend {
             .map(|c| c.iter().map(Vec::as_slice).collect())
             .collect();
         if !borrowed.is_empty() {
-            self.run_fenced(&borrowed)?;
+            self.run_guarded(&borrowed, None)?;
         }
         Ok(())
     }
@@ -212,7 +332,7 @@ impl Backend for RedisBackend {
                 taken.len(),
                 self.addr
             );
-            self.run_fenced(&taken)?;
+            self.run_guarded(&taken, None)?;
         }
         let mut seqs = self.log_seqs.lock();
         if let Some((last, _)) = records.last() {
@@ -274,7 +394,7 @@ impl Backend for RedisBackend {
 
     fn write_catalog_slot(&self, slot: usize, catalog: Bytes) -> Result<()> {
         let key = format!("{}:cat:{slot}", self.prefix);
-        self.run_fenced(&[vec![&b"SET"[..], key.as_bytes(), &catalog[..]]])?;
+        self.run_guarded(&[vec![&b"SET"[..], key.as_bytes(), &catalog[..]]], None)?;
         Ok(())
     }
 
@@ -307,7 +427,7 @@ impl Backend for RedisBackend {
             .map(|((k, _, d), o)| vec![&b"SETRANGE"[..], keys[*k].as_bytes(), o.as_bytes(), d])
             .collect();
         for chunk in commands.chunks(REDIS_KEYS_PER_COMMAND_MAX) {
-            self.run_fenced(chunk)?;
+            self.run_guarded(chunk, self.hooks.before_home_writes.as_deref())?;
         }
         Ok(())
     }
@@ -355,5 +475,13 @@ impl Backend for RedisBackend {
     fn drop_home(&self, seg: u64, len: u64) -> Result<()> {
         let pages = len.div_ceil(PAGE_BYTES);
         self.del_keys((0..pages).map(|p| self.page_key(seg, p)).collect())
+    }
+}
+
+/// The epoch a GET of the epoch key answered, if it holds one.
+fn parse_epoch(reply: &Option<Reply>) -> Option<u64> {
+    match reply {
+        Some(Reply::Bulk(Some(v))) => std::str::from_utf8(v).ok()?.parse().ok(),
+        _ => None,
     }
 }

@@ -15,6 +15,7 @@ mod reply;
 mod server;
 mod sets;
 mod strings;
+mod transactions;
 mod zsets;
 
 use crate::objects::ObjectStore;
@@ -78,8 +79,12 @@ pub mod flags {
     pub const READONLY: u8 = 2;
     /// Runs before AUTH (AUTH, HELLO, QUIT).
     pub const NO_AUTH: u8 = 4;
-    /// Known to Redis but refused here with a clear error (transactions).
+    /// Known to Redis but refused here with a clear error (none at present).
     pub const REFUSED: u8 = 8;
+    /// Runs at once between MULTI and EXEC instead of being queued.
+    pub const NO_QUEUE: u8 = 16;
+    /// Takes the object store to itself (EXEC), so must not run inside its shared gate.
+    pub const EXCLUSIVE: u8 = 32;
 }
 
 /// Per-connection state.
@@ -97,7 +102,11 @@ pub struct Session {
     /// Commands run since the last [`Session::take_ops`], by [`Group`]; folded into the
     /// shared counters once per socket read, not per command.
     ops: [u64; RESP_GROUPS.len()],
+    /// MULTI's queue and the WATCHed keys.
+    tx: transactions::TxState,
 }
+
+pub use transactions::{QUEUED_BYTES_MAX, QUEUED_COMMANDS_MAX, WATCHED_KEYS_MAX};
 
 static NEXT_CLIENT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -110,6 +119,7 @@ impl Default for Session {
             name: None,
             resp3: false,
             ops: [0; RESP_GROUPS.len()],
+            tx: transactions::TxState::default(),
         }
     }
 }
@@ -199,7 +209,7 @@ const fn row(name: &'static str, arity: i32, flags: u8, group: Group, handler: H
     }
 }
 
-use flags::{NO_AUTH, READONLY as R, REFUSED, WRITE as W};
+use flags::{EXCLUSIVE, NO_AUTH, NO_QUEUE as NQ, READONLY as R, WRITE as W};
 use Group::{Camelot as C, Hashes as H, Keys as K, Lists as L, Server as S, Sets as T};
 use Group::{SortedSets as Z, Strings as Str};
 
@@ -219,9 +229,9 @@ pub static COMMANDS: &[Command] = &[
     row("decr", 2, W, Str, strings::decr),
     row("decrby", 3, W, Str, strings::decrby),
     row("del", -2, W, K, keys::del),
-    row("discard", 1, REFUSED, S, server::refused),
+    row("discard", 1, NQ, S, transactions::discard),
     row("echo", 2, 0, S, server::echo),
-    row("exec", 1, REFUSED, S, server::refused),
+    row("exec", 1, NQ | EXCLUSIVE, S, transactions::exec),
     row("exists", -2, R, K, keys::exists),
     row("expire", -3, W, K, keys::expire),
     row("expireat", -3, W, K, keys::expireat),
@@ -247,13 +257,13 @@ pub static COMMANDS: &[Command] = &[
     row("lrange", 4, R, L, lists::lrange),
     row("mget", -2, R, Str, strings::mget),
     row("mset", -3, W, Str, strings::mset),
-    row("multi", 1, REFUSED, S, server::refused),
+    row("multi", 1, NQ, S, transactions::multi),
     row("persist", 2, W, K, keys::persist),
     row("pexpire", -3, W, K, keys::pexpire),
     row("pexpireat", -3, W, K, keys::pexpireat),
     row("ping", -1, 0, S, server::ping),
     row("pttl", 2, R, K, keys::pttl),
-    row("quit", -1, NO_AUTH, S, server::quit),
+    row("quit", -1, NO_AUTH | NQ, S, server::quit),
     row("rpop", -2, W, L, lists::rpop),
     row("rpush", -3, W, L, lists::rpush),
     row("sadd", -3, W, T, sets::sadd),
@@ -268,8 +278,8 @@ pub static COMMANDS: &[Command] = &[
     row("strlen", 2, R, Str, strings::strlen),
     row("ttl", 2, R, K, keys::ttl),
     row("type", 2, R, K, keys::type_),
-    row("unwatch", 1, REFUSED, S, server::refused),
-    row("watch", -2, REFUSED, S, server::refused),
+    row("unwatch", 1, 0, S, transactions::unwatch),
+    row("watch", -2, NQ, S, transactions::watch),
     row("zadd", -4, W, Z, zsets::zadd),
     row("zcard", 2, R, Z, zsets::zcard),
     row("zrange", -4, R, Z, zsets::zrange),
@@ -305,24 +315,43 @@ pub fn execute(
     now: Instant,
     out: &mut BytesMut,
 ) {
+    let out = &mut Reply::new(out, session.resp3);
+    run(ctx, session, args, now, out);
+}
+
+/// Runs (or, between MULTI and EXEC, queues) one command, its reply going to `out`.
+fn run(ctx: &Ctx<'_>, session: &mut Session, args: &[&[u8]], now: Instant, out: &mut Reply<'_>) {
     let Some(name) = args.first() else {
         return;
     };
-    let out = &mut Reply::new(out, session.resp3);
     // Redis's order: unknown command, then arity, then authentication.
     let Some(cmd) = lookup(name) else {
         unknown_command(out, args);
+        session.tx.flag_error();
         return;
     };
     if !cmd.arity_ok(args.len()) {
         arity_error(out, cmd.name);
+        session.tx.flag_error();
         return;
     }
     if ctx.token.is_some() && !session.authenticated && cmd.flags & NO_AUTH == 0 {
         out.error("NOAUTH Authentication required.");
+        session.tx.flag_error();
+        return;
+    }
+    if session.tx.in_multi() && cmd.flags & NQ == 0 {
+        match session.tx.enqueue(args, ctx.state.connection_buffers()) {
+            Ok(()) => out.simple("QUEUED"),
+            Err(e) => out.error(&e),
+        }
         return;
     }
     session.ops[cmd.group.index()] += 1;
+    // A command's store operations run as one step with respect to EXEC (MGET never
+    // sees half a transaction); inside EXEC this is free.
+    let _gate = (cmd.flags & EXCLUSIVE == 0).then(|| ctx.state.objects().gate());
+    let out = &mut out.reborrow();
     let mut call = Call {
         ctx,
         session,
@@ -572,11 +601,20 @@ pub fn commands_markdown() -> String {
         .filter(|c| c.is_refused())
         .map(|c| format!("`{}`", c.name.to_ascii_uppercase()))
         .collect();
+    md.push('\n');
+    if !refused.is_empty() {
+        md.push_str(&format!(
+            "Known but refused with `-ERR ... not supported by Camelot`: {}. ",
+            refused.join(" ")
+        ));
+    }
     md.push_str(&format!(
-        "\nKnown but refused with `-ERR ... not supported by Camelot`: {}. \
-         Every other command gets Redis's own `-ERR unknown command '…', with args \
-         beginning with: …` reply.\n",
-        refused.join(" ")
+        "Every other command gets Redis's own `-ERR unknown command '…', with args \
+         beginning with: …` reply. MULTI/EXEC/WATCH behave as Redis's: EXEC runs its queue \
+         with no other command of any connection in between (at most {QUEUED_COMMANDS_MAX} \
+         commands and {} MiB of arguments queued, {WATCHED_KEYS_MAX} keys watched per \
+         connection).\n",
+        QUEUED_BYTES_MAX >> 20
     ));
     md
 }

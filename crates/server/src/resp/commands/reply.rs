@@ -15,6 +15,14 @@ impl<'a> Reply<'a> {
         Reply { buf, resp3 }
     }
 
+    /// The same buffer and protocol, borrowed for a shorter time (one command's call).
+    pub fn reborrow(&mut self) -> Reply<'_> {
+        Reply {
+            buf: &mut *self.buf,
+            resp3: self.resp3,
+        }
+    }
+
     pub fn is_resp3(&self) -> bool {
         self.resp3
     }

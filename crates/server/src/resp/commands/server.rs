@@ -1,5 +1,5 @@
 //! Connection and server commands: PING, ECHO, SELECT, AUTH, HELLO, CLIENT, QUIT, INFO,
-//! DBSIZE, FLUSHALL/FLUSHDB, COMMAND, CONFIG GET, and the refused transaction commands.
+//! DBSIZE, FLUSHALL/FLUSHDB, COMMAND, CONFIG GET.
 
 use super::{is, parse_int, Call, Reply, COMMANDS, NOT_INTEGER, SYNTAX};
 use crate::conn::tokens_match;
@@ -56,13 +56,6 @@ pub(super) fn flushall(c: &mut Call<'_>) {
 /// MULTI, EXEC, DISCARD, WATCH, UNWATCH: Camelot has no transactions. A clear refusal
 /// beats pretending: a client that queued commands after a fake MULTI would see them run
 /// one by one.
-pub(super) fn refused(c: &mut Call<'_>) {
-    let name = String::from_utf8_lossy(c.args[0]).to_ascii_uppercase();
-    c.error(&format!(
-        "ERR {name} is not supported by Camelot: it has no transactions"
-    ));
-}
-
 /// Checks a password against the cluster token; `Err` holds the error text to send.
 fn check_password(c: &Call<'_>, user: Option<&[u8]>, password: &[u8]) -> Result<(), &'static str> {
     let Some(token) = c.ctx.token else {

@@ -294,9 +294,6 @@ fn clients_can_say_hello_and_name_themselves() {
         h.run("CLIENT foo"),
         "-ERR unknown subcommand 'foo'. Try CLIENT HELP.\r\n"
     );
-    assert!(h
-        .run("MULTI")
-        .starts_with("-ERR MULTI is not supported by Camelot"));
     // With a token, HELLO can authenticate.
     let mut h = Harness::new(1 << 20, Some("tok"));
     assert!(h.run("HELLO 2").starts_with("-NOAUTH HELLO must be called"));
@@ -529,4 +526,249 @@ fn unknown_commands_get_redis_text() {
         h.run("frob"),
         "-ERR unknown command 'frob', with args beginning with: \r\n"
     );
+}
+
+#[test]
+fn transactions_answer_as_redis_7_does() {
+    let mut h = Harness::new(1 << 20, None);
+    assert_eq!(h.run("EXEC"), "-ERR EXEC without MULTI\r\n");
+    assert_eq!(h.run("DISCARD"), "-ERR DISCARD without MULTI\r\n");
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run("MULTI"), "-ERR MULTI calls can not be nested\r\n");
+    assert_eq!(
+        h.run("WATCH a"),
+        "-ERR WATCH inside MULTI is not allowed\r\n"
+    );
+    assert_eq!(h.run("SET a 1"), "+QUEUED\r\n");
+    assert_eq!(h.run("INCR a"), "+QUEUED\r\n");
+    assert_eq!(h.run("LPUSH a x"), "+QUEUED\r\n");
+    assert_eq!(h.run("GET a"), "+QUEUED\r\n");
+    // Nothing ran before EXEC; then all of it, a failing command's error in its slot.
+    assert_eq!(
+        h.run("EXEC"),
+        "*4\r\n+OK\r\n:2\r\n-WRONGTYPE Operation against a key holding the wrong kind of value\r\n$1\r\n2\r\n"
+    );
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run("SET a 5"), "+QUEUED\r\n");
+    assert_eq!(h.run("DISCARD"), "+OK\r\n");
+    assert_eq!(h.run("GET a"), "$1\r\n2\r\n");
+    // A command refused while queuing aborts the whole transaction.
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run("SET a 6"), "+QUEUED\r\n");
+    assert_eq!(
+        h.run("GET"),
+        "-ERR wrong number of arguments for 'get' command\r\n"
+    );
+    assert_eq!(
+        h.run("EXEC"),
+        "-EXECABORT Transaction discarded because of previous errors.\r\n"
+    );
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert!(h.run("NOPE x").starts_with("-ERR unknown command 'NOPE'"));
+    assert_eq!(
+        h.run("EXEC"),
+        "-EXECABORT Transaction discarded because of previous errors.\r\n"
+    );
+    assert_eq!(h.run("GET a"), "$1\r\n2\r\n");
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run("EXEC"), "*0\r\n");
+}
+
+#[test]
+fn watch_aborts_exec_when_a_watched_key_changed() {
+    let mut h = Harness::new(1 << 20, None);
+    let mut other = Session::default();
+    let run_other = |h: &Harness, other: &mut Session, line: &str| {
+        let args: Vec<&[u8]> = line.split_whitespace().map(str::as_bytes).collect();
+        let ctx = Ctx {
+            state: &h.state,
+            token: None,
+        };
+        let mut out = BytesMut::new();
+        execute(&ctx, other, &args, Instant::now(), &mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    assert_eq!(h.run("SET epoch 1"), "+OK\r\n");
+    // Unchanged: EXEC runs.
+    assert_eq!(h.run("WATCH epoch"), "+OK\r\n");
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run("SET v a"), "+QUEUED\r\n");
+    assert_eq!(h.run("EXEC"), "*1\r\n+OK\r\n");
+    // Another connection's change between WATCH and EXEC: nil, nothing ran.
+    for change in [
+        "INCR epoch",
+        "SETRANGE epoch 0 9",
+        "DEL epoch",
+        "SET epoch 1",
+    ] {
+        assert_eq!(h.run("WATCH epoch"), "+OK\r\n");
+        assert!(!run_other(&h, &mut other, change).starts_with('-'));
+        assert_eq!(h.run("MULTI"), "+OK\r\n");
+        assert_eq!(h.run("SET v b"), "+QUEUED\r\n");
+        assert_eq!(h.run("EXEC"), "*-1\r\n", "after {change}");
+        assert_eq!(h.run("GET v"), "$1\r\na\r\n", "after {change}");
+    }
+    // A watched absent key that appears aborts too; EXEC and UNWATCH forget the watch.
+    assert_eq!(h.run("WATCH fresh"), "+OK\r\n");
+    assert_eq!(run_other(&h, &mut other, "SET fresh 1"), "+OK\r\n");
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run("EXEC"), "*-1\r\n");
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run("EXEC"), "*0\r\n");
+    assert_eq!(h.run("WATCH fresh"), "+OK\r\n");
+    assert_eq!(h.run("UNWATCH"), "+OK\r\n");
+    assert_eq!(run_other(&h, &mut other, "SET fresh 2"), "+OK\r\n");
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run("EXEC"), "*0\r\n");
+    h.session.resp3 = true;
+    assert_eq!(h.run("WATCH fresh"), "+OK\r\n");
+    assert_eq!(run_other(&h, &mut other, "SET fresh 3"), "+OK\r\n");
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run("EXEC"), "_\r\n");
+}
+
+#[test]
+fn transaction_queue_and_watches_are_bounded() {
+    let mut h = Harness::new(64 << 20, None);
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    for _ in 0..QUEUED_COMMANDS_MAX {
+        assert_eq!(h.run("INCR n"), "+QUEUED\r\n");
+    }
+    assert!(h.run("INCR n").starts_with("-ERR transaction too large"));
+    assert_eq!(
+        h.run("EXEC"),
+        "-EXECABORT Transaction discarded because of previous errors.\r\n"
+    );
+    assert_eq!(h.run("GET n"), "$-1\r\n");
+    let big = "x".repeat(1 << 20);
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    let mut refused = false;
+    for _ in 0..=QUEUED_BYTES_MAX >> 20 {
+        let r = h.run(&format!("SET k {big}"));
+        if r.starts_with("-ERR transaction too large") {
+            refused = true;
+            break;
+        }
+        assert_eq!(r, "+QUEUED\r\n");
+    }
+    assert!(refused, "more than {QUEUED_BYTES_MAX} bytes were queued");
+    assert!(h.run("EXEC").starts_with("-EXECABORT"));
+    let keys: Vec<String> = (0..=WATCHED_KEYS_MAX).map(|i| format!("k{i}")).collect();
+    assert!(h
+        .run(&format!("WATCH {}", keys.join(" ")))
+        .starts_with("-ERR too many watched keys"));
+    assert_eq!(
+        h.run(&format!("WATCH {}", keys[..WATCHED_KEYS_MAX].join(" "))),
+        "+OK\r\n"
+    );
+}
+
+/// EXEC's commands run as one step: a reader on another thread never sees the first of
+/// two queued SETs without the second.
+#[test]
+fn exec_is_atomic_to_other_threads() {
+    // Run until the reader has overlapped this many transactions (or the time is up).
+    const READS_MIN: u64 = 50_000;
+    const DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
+    let reads_done = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let state = std::sync::Arc::new(ServerState::new(MemoryBudget::new(1 << 24), 0));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let state = std::sync::Arc::clone(&state);
+        let stop = std::sync::Arc::clone(&stop);
+        let reads_done = std::sync::Arc::clone(&reads_done);
+        std::thread::spawn(move || {
+            let mut torn = 0u64;
+            let mut reads = 0u64;
+            let mut session = Session::default();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let ctx = Ctx {
+                    state: &state,
+                    token: None,
+                };
+                let mut out = BytesMut::new();
+                execute(
+                    &ctx,
+                    &mut session,
+                    &[b"MGET", b"a", b"b"],
+                    Instant::now(),
+                    &mut out,
+                );
+                let text = String::from_utf8_lossy(&out).into_owned();
+                let values: Vec<&str> = text
+                    .split("\r\n")
+                    .filter(|l| !l.starts_with(['*', '$']))
+                    .collect();
+                if values.len() >= 2 && values[0] != values[1] {
+                    torn += 1;
+                }
+                reads += 1;
+                reads_done.store(reads, std::sync::atomic::Ordering::Relaxed);
+            }
+            (torn, reads)
+        })
+    };
+    let mut session = Session::default();
+    let started = Instant::now();
+    let mut i = 0u64;
+    while reads_done.load(std::sync::atomic::Ordering::Relaxed) < READS_MIN
+        && started.elapsed() < DEADLINE
+    {
+        i += 1;
+        let v = i.to_string();
+        for args in [
+            vec![&b"MULTI"[..]],
+            vec![b"SET", b"a", v.as_bytes()],
+            vec![b"SET", b"b", v.as_bytes()],
+            vec![b"EXEC"],
+        ] {
+            let ctx = Ctx {
+                state: &state,
+                token: None,
+            };
+            let mut out = BytesMut::new();
+            execute(&ctx, &mut session, &args, Instant::now(), &mut out);
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (torn, reads) = reader.join().expect("reader");
+    assert!(reads > 0);
+    assert_eq!(torn, 0, "{torn} of {reads} MGETs saw a half-applied EXEC");
+}
+
+/// Queued arguments are charged to the connection-buffer budget, refused past it (the
+/// transaction then aborts), and given back by EXEC and DISCARD.
+#[test]
+fn queued_commands_are_charged_to_the_connection_budget() {
+    let buffers = MemoryBudget::new(4_096);
+    let mut h = Harness::new(1 << 20, None);
+    h.state = ServerState::with_limits(
+        MemoryBudget::new(1 << 20),
+        std::sync::Arc::clone(&buffers),
+        0,
+        crate::store::Quota::UNLIMITED,
+    );
+    let value = "v".repeat(1_000);
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run(&format!("SET k {value}")), "+QUEUED\r\n");
+    assert!(buffers.used() >= 1_000);
+    assert_eq!(h.run("DISCARD"), "+OK\r\n");
+    assert_eq!(buffers.used(), 0);
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    let mut refused = false;
+    for _ in 0..5 {
+        let r = h.run(&format!("SET k {value}"));
+        if r.starts_with("-ERR connection buffer memory exhausted") {
+            refused = true;
+            break;
+        }
+        assert_eq!(r, "+QUEUED\r\n");
+    }
+    assert!(refused, "queued past a 4 KiB connection budget");
+    assert_eq!(buffers.used(), 0, "an aborted queue still holds memory");
+    assert!(h.run("EXEC").starts_with("-EXECABORT"));
+    assert_eq!(h.run("MULTI"), "+OK\r\n");
+    assert_eq!(h.run(&format!("SET k {value}")), "+QUEUED\r\n");
+    assert_eq!(h.run("EXEC"), "*1\r\n+OK\r\n");
+    assert_eq!(buffers.used(), 0);
 }
