@@ -9,8 +9,10 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo test --workspace --locked
+# --all-features: the etcd source too, which the default build leaves out (its build
+# needs protoc; setup.sh has installed it above).
+cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+cargo test --workspace --all-features --locked
 # The RVM crash tests once more in a release build (50 SIGKILLs per loop: writer on every
 # backend, a pool mirror, redis-server): a release writer commits several times faster,
 # so kills land at other moments than in the debug run above. Building camelot-rvm's
@@ -21,7 +23,7 @@ cargo test -p camelot-rvm --release --locked --test crash
 # testbed namespace may be left behind by it or by the tests.
 if [ "$(id -u)" = 0 ]; then
   for face in raid5 rvm; do
-    cargo run --quiet --locked -p camelot -- chaos --seed 42 --duration 60 --face "$face"
+    cargo run --quiet --locked --all-features -p camelot -- chaos --seed 42 --duration 60 --face "$face"
   done
   if ip netns list | grep -q '^cmlt-tb-'; then
     echo "testbed namespaces left behind:" >&2

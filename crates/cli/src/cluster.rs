@@ -1,18 +1,27 @@
 //! `camelot cluster …` and the cluster flags of `camelot server`: glue between the
 //! cluster crate (map, planner, etcd) and the server; no logic a library could hold.
 
+#[cfg(feature = "etcd")]
 use std::net::SocketAddr;
 use std::path::PathBuf;
+#[cfg(feature = "etcd")]
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
-use camelot_cluster::etcd::{EtcdCluster, Registration, LEASE_TTL_DEFAULT, PREFIX_DEFAULT};
-use camelot_cluster::{ClusterMap, Node, PARTITIONS_DEFAULT};
+#[cfg(feature = "etcd")]
+use anyhow::Context;
+use anyhow::{bail, Result};
+#[cfg(feature = "etcd")]
+use camelot_cluster::etcd::{EtcdCluster, Registration};
+use camelot_cluster::{ClusterMap, Node, LEASE_TTL_DEFAULT, PARTITIONS_DEFAULT, PREFIX_DEFAULT};
+#[cfg(feature = "etcd")]
 use camelot_server::ownership::Ownership;
-use camelot_server::{ServerConfig, ServerHandle};
+#[cfg(feature = "etcd")]
+use camelot_server::ServerConfig;
+use camelot_server::ServerHandle;
 use clap::{Args, Subcommand};
 
 use crate::units::parse_bytes;
+#[cfg(feature = "etcd")]
 use crate::{format_bytes, Signals};
 
 /// `camelot server` as a cluster member: registers under a lease and follows the map.
@@ -37,12 +46,33 @@ pub struct MemberArgs {
     pub lease_ttl: u64,
 }
 
+/// Why this build cannot reach etcd, and how to get one that can.
+#[cfg(not(feature = "etcd"))]
+const NO_ETCD: &str = "this camelot was built without etcd support: rebuild with \
+     `cargo build --release -p camelot --features etcd` (its build needs protoc, which \
+     scripts/setup.sh installs), or use a static map (--map FILE)";
+
 /// What keeps a member in the cluster: its lease renewals and its map follower.
+#[cfg(not(feature = "etcd"))]
+pub struct Member;
+
+/// Without etcd support, `--etcd` is refused rather than ignored.
+#[cfg(not(feature = "etcd"))]
+pub async fn join(_handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Member>> {
+    match &args.etcd {
+        None => Ok(None),
+        Some(_) => bail!("--etcd: {NO_ETCD}"),
+    }
+}
+
+/// What keeps a member in the cluster: its lease renewals and its map follower.
+#[cfg(feature = "etcd")]
 pub struct Member {
     _registration: Registration,
     follower: tokio::task::JoinHandle<()>,
 }
 
+#[cfg(feature = "etcd")]
 impl Drop for Member {
     fn drop(&mut self) {
         self.follower.abort();
@@ -52,6 +82,7 @@ impl Drop for Member {
 /// Joins the cluster when `--etcd` is given: follows the map (installing this node's
 /// partitions in the server at each new epoch), then registers. Must run on the server's
 /// runtime.
+#[cfg(feature = "etcd")]
 pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Member>> {
     let (Some(endpoint), Some(id)) = (&args.etcd, args.node_id) else {
         return Ok(None);
@@ -140,6 +171,12 @@ pub fn run(cmd: ClusterCommand) -> Result<()> {
     }
 }
 
+#[cfg(not(feature = "etcd"))]
+async fn up(_a: UpArgs) -> Result<()> {
+    bail!("cluster up: {NO_ETCD}")
+}
+
+#[cfg(feature = "etcd")]
 async fn up(a: UpArgs) -> Result<()> {
     if a.nodes == 0 {
         bail!("--nodes must be at least 1");
@@ -229,13 +266,23 @@ async fn load(a: &SourceArgs) -> Result<(ClusterMap, Option<Vec<Node>>)> {
     let Some(endpoint) = &a.etcd else {
         bail!("give --etcd URL or --map FILE");
     };
-    let etcd = EtcdCluster::connect(std::slice::from_ref(endpoint), &a.etcd_prefix)
+    load_etcd(endpoint, &a.etcd_prefix).await
+}
+
+#[cfg(not(feature = "etcd"))]
+async fn load_etcd(endpoint: &str, _prefix: &str) -> Result<(ClusterMap, Option<Vec<Node>>)> {
+    bail!("--etcd {endpoint}: {NO_ETCD}")
+}
+
+#[cfg(feature = "etcd")]
+async fn load_etcd(endpoint: &str, prefix: &str) -> Result<(ClusterMap, Option<Vec<Node>>)> {
+    let etcd = EtcdCluster::connect(&[endpoint.to_owned()], prefix)
         .await
         .with_context(|| format!("cannot reach etcd at {endpoint}"))?;
     let map = etcd
         .read_map()
         .await?
-        .with_context(|| format!("no cluster map under {} in etcd", a.etcd_prefix))?
+        .with_context(|| format!("no cluster map under {prefix} in etcd"))?
         .map;
     Ok((map, Some(etcd.live_nodes().await?)))
 }

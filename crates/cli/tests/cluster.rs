@@ -1,5 +1,6 @@
 //! The cluster on a real etcd with real `camelot server` processes: stale-epoch redirects
 //! end to end, and `camelot cluster up/status/plan`.
+#![cfg(feature = "etcd")]
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;

@@ -20,10 +20,7 @@ use tokio::task::JoinHandle;
 use crate::error::MapError;
 use crate::map::{ClusterMap, Node, NodeId, NODES_MAX};
 
-pub const PREFIX_DEFAULT: &str = "/camelot";
-/// Lease TTL of a node registration unless told otherwise: a dead node leaves the member
-/// list within this long (plus etcd's own expiry check, ~0.5 s).
-pub const LEASE_TTL_DEFAULT: Duration = Duration::from_secs(2);
+pub use crate::{LEASE_TTL_DEFAULT, PREFIX_DEFAULT};
 /// etcd refuses requests over 1.5 MiB by default (`--max-request-bytes`); refusing a
 /// bigger map here gives a typed error instead of a gRPC one.
 pub const ETCD_VALUE_BYTES_MAX: usize = 1_536 * 1024 - 4096;

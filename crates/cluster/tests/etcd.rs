@@ -1,5 +1,6 @@
 //! The etcd source against a real `etcd` (Debian's etcd-server), started on free loopback
 //! ports with a private data directory by camelot-testkit.
+#![cfg(feature = "etcd")]
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
