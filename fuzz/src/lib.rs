@@ -142,6 +142,8 @@ fn region_of(op: &mut Op) -> Option<&mut u64> {
         | Op::Read { region, .. }
         | Op::Write { region, .. }
         | Op::WriteIf { region, .. }
+        | Op::Swap { region, .. }
+        | Op::XorInto { region, .. }
         | Op::Cas { region, .. }
         | Op::FetchAdd { region, .. } => Some(region),
         _ => None,

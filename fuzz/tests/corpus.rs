@@ -230,6 +230,16 @@ fn region_ops() -> Vec<Op> {
             offset: 0,
             delta: 1,
         },
+        Op::Swap {
+            region: 1,
+            offset: 8,
+            data: Bytes::from_static(b"swapped!"),
+        },
+        Op::XorInto {
+            region: 1,
+            offset: 8,
+            data: Bytes::from_static(b"\xff\x00\xff\x00"),
+        },
         Op::List,
         Op::Free { region: 0 },
         Op::Stats,

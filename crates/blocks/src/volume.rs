@@ -13,7 +13,15 @@
 //! The write hole is closed the way md's write-intent bitmap closes it: stripes are grouped
 //! in zones of `INTENT_ZONE_STRIPES`, each with an intent word on every member. Before the
 //! first write into a zone, the word is set on every present member and acknowledged (it
-//! rides with the read-modify-write reads, so a partial write pays no extra round trip).
+//! rides with a degraded write's reads; before a partial write's SWAPs, which change data,
+//! it is a round trip of its own, once per zone).
+//!
+//! A partial write on a parity level is SWAP (write the new bytes, get the old) on each
+//! touched data member, then XOR_INTO enc(old ^ new) on each parity member: two requests
+//! for a one-chunk write instead of four, and no parity is read. Deltas commute, so parity
+//! ends as the code of the data whatever order writers' SWAPs and XORs land in. A SWAP that
+//! landed always has its delta sent, even when another request of the call failed, so a
+//! degraded retry rebuilds lost slots from parity that matches the data.
 //! The mark then stays while the zone is written to, and is cleared lazily — only while
 //! every stripe lock of the zone is held, so no write into it is in flight — when more
 //! than `MARKED_ZONES_MAX` zones are marked, when a zone has been idle for
@@ -138,6 +146,57 @@ enum Stop {
 impl From<BlocksError> for Stop {
     fn from(e: BlocksError) -> Stop {
         Stop::Fatal(e)
+    }
+}
+
+/// What went wrong across the answers of one or more exchanges of an attempt.
+#[derive(Default)]
+struct Outcome {
+    lost: Vec<usize>,
+    fatal: Option<BlocksError>,
+}
+
+impl Outcome {
+    /// The replies that came back (`None` where a request failed), noting the failures.
+    fn sort(&mut self, answers: Vec<(usize, Result<Reply, ClientError>)>) -> Vec<Option<Reply>> {
+        answers
+            .into_iter()
+            .map(|(m, r)| match r {
+                Ok(reply) => Some(reply),
+                Err(e) if is_member_failure(&e) => {
+                    if !self.lost.contains(&m) {
+                        self.lost.push(m);
+                    }
+                    None
+                }
+                Err(e) => {
+                    self.fail(BlocksError::Member {
+                        member: m,
+                        source: e,
+                    });
+                    None
+                }
+            })
+            .collect()
+    }
+
+    fn fail(&mut self, e: BlocksError) {
+        self.fatal.get_or_insert(e);
+    }
+
+    fn ok(&self) -> bool {
+        self.lost.is_empty() && self.fatal.is_none()
+    }
+
+    /// Lost members first: marking them missing and retrying may still succeed.
+    fn into_result(self) -> Result<(), Stop> {
+        if !self.lost.is_empty() {
+            return Err(Stop::Lost(self.lost));
+        }
+        match self.fatal {
+            Some(e) => Err(Stop::Fatal(e)),
+            None => Ok(()),
+        }
     }
 }
 
@@ -487,34 +546,13 @@ impl Volume {
 
     /// Like `exchange`, but member failures stop the attempt and other errors are fatal.
     fn exchange_all(&self, ops: Vec<(usize, Op)>) -> Result<Vec<Reply>, Stop> {
-        let answers = self.exchange(ops);
-        let mut lost = Vec::new();
-        let mut out = Vec::with_capacity(answers.len());
-        let mut fatal = None;
-        for (m, r) in answers {
-            match r {
-                Ok(reply) => out.push(reply),
-                Err(e) if is_member_failure(&e) => {
-                    if !lost.contains(&m) {
-                        lost.push(m);
-                    }
-                    out.push(Reply::Done);
-                }
-                Err(e) => {
-                    fatal.get_or_insert(BlocksError::Member {
-                        member: m,
-                        source: e,
-                    });
-                    out.push(Reply::Done);
-                }
-            }
-        }
-        if !lost.is_empty() {
-            return Err(Stop::Lost(lost));
-        }
-        if let Some(e) = fatal {
-            return Err(Stop::Fatal(e));
-        }
+        let mut outcome = Outcome::default();
+        let out = outcome
+            .sort(self.exchange(ops))
+            .into_iter()
+            .map(|r| r.unwrap_or(Reply::Done))
+            .collect();
+        outcome.into_result()?;
         Ok(out)
     }
 
@@ -572,6 +610,22 @@ impl Volume {
 
     fn write_op(&self, st: &State, member: usize, stripe: u64, from: u64, data: Bytes) -> Op {
         Op::Write {
+            region: st.members[member].region,
+            offset: self.chunk_at(stripe, from),
+            data,
+        }
+    }
+
+    fn swap_op(&self, st: &State, member: usize, stripe: u64, from: u64, data: Bytes) -> Op {
+        Op::Swap {
+            region: st.members[member].region,
+            offset: self.chunk_at(stripe, from),
+            data,
+        }
+    }
+
+    fn xor_op(&self, st: &State, member: usize, stripe: u64, from: u64, data: Bytes) -> Op {
+        Op::XorInto {
             region: st.members[member].region,
             offset: self.chunk_at(stripe, from),
             data,
@@ -759,7 +813,9 @@ impl Volume {
             Plain,
             /// Whole stripe: parity from the new data, nothing read.
             Full,
-            /// Old data of the pieces and old parity over the range; parity ^= enc(Δ).
+            /// SWAP the pieces in (the server answers the old bytes), then XOR_INTO
+            /// enc(old ^ new) into the parity: two requests for a one-chunk write, and
+            /// deltas commute, so their order against other writers' does not matter.
             Rmw,
             /// A member is missing: read every present slot over the range, rebuild the
             /// missing ones, apply the data, re-encode parity.
@@ -801,11 +857,32 @@ impl Volume {
                 }
             }
         }
-        for &zone in &new_marks {
-            for m in (0..n).filter(|&m| st.members[m].state == MemberState::Active) {
-                ops.push((m, self.mark_op(&st, m, zone, 1)));
-                gots.push(Got::Intent);
+        let mark_ops = |zones: &[u64]| -> Vec<(usize, Op)> {
+            zones
+                .iter()
+                .flat_map(|&zone| {
+                    (0..n)
+                        .filter(|&m| st.members[m].state == MemberState::Active)
+                        .map(move |m| (m, zone))
+                })
+                .map(|(m, zone)| (m, self.mark_op(&st, m, zone, 1)))
+                .collect()
+        };
+        if !new_marks.is_empty() && modes.contains(&Mode::Rmw) {
+            // A SWAP changes data, so unlike a read it cannot ride with the marks: they
+            // are acknowledged on every member first (once per zone).
+            for reply in self.exchange_all(mark_ops(&new_marks))? {
+                reply::done(Ok(reply)).map_err(BlocksError::from)?;
             }
+            let now = Instant::now();
+            let mut marked = self.marked.lock();
+            for zone in new_marks.drain(..) {
+                marked.insert(zone, now);
+            }
+        }
+        for op in mark_ops(&new_marks) {
+            ops.push(op);
+            gots.push(Got::Intent);
         }
         for (si, span) in spans.iter().enumerate() {
             let s = span.stripe;
@@ -815,16 +892,12 @@ impl Volume {
                 Mode::Rmw => {
                     for (pi, p) in span.pieces.iter().enumerate() {
                         let m = self.layout.member_of(s, p.slot);
-                        ops.push((m, self.read_op(&st, m, s, p.chunk_from, p.len)));
+                        let new = Bytes::copy_from_slice(&data[p.buf_from..][..p.len as usize]);
+                        ops.push((m, self.swap_op(&st, m, s, p.chunk_from, new)));
                         gots.push(Got::OldPiece {
                             span: si,
                             piece: pi,
                         });
-                    }
-                    for slot in k..n {
-                        let m = self.layout.member_of(s, slot);
-                        ops.push((m, self.read_op(&st, m, s, lo, hi - lo)));
-                        gots.push(Got::Slot { span: si, slot });
                     }
                 }
                 Mode::Reconstruct => {
@@ -841,9 +914,13 @@ impl Volume {
         let mut old_pieces: Vec<Vec<Option<Bytes>>> =
             spans.iter().map(|s| vec![None; s.pieces.len()]).collect();
         let mut slots: Vec<Vec<Option<Vec<u8>>>> = vec![vec![None; n]; spans.len()];
+        // A SWAP that landed has changed data, so its parity delta must go out even when
+        // the rest of this phase failed: a retry (degraded, once a member is marked
+        // missing) rebuilds lost slots from parity, which must then match the data.
+        let mut outcome = Outcome::default();
         if !ops.is_empty() {
-            let replies = self.exchange_all(ops)?;
-            if !new_marks.is_empty() {
+            let replies = outcome.sort(self.exchange(ops));
+            if outcome.ok() && !new_marks.is_empty() {
                 let now = Instant::now();
                 let mut marked = self.marked.lock();
                 for &zone in &new_marks {
@@ -851,21 +928,23 @@ impl Volume {
                 }
             }
             for (reply, got) in replies.into_iter().zip(gots) {
-                match got {
-                    Got::Intent => {
-                        reply::done(Ok(reply)).map_err(BlocksError::from)?;
-                    }
+                let Some(reply) = reply else { continue };
+                let res = match got {
+                    Got::Intent => reply::done(Ok(reply)),
                     Got::OldPiece { span, piece } => {
-                        old_pieces[span][piece] =
-                            Some(reply::data(Ok(reply)).map_err(BlocksError::from)?);
+                        reply::data(Ok(reply)).map(|d| old_pieces[span][piece] = Some(d))
                     }
                     Got::Slot { span, slot } => {
-                        slots[span][slot] =
-                            Some(reply::data(Ok(reply)).map_err(BlocksError::from)?.to_vec());
+                        reply::data(Ok(reply)).map(|d| slots[span][slot] = Some(d.to_vec()))
                     }
+                };
+                if let Err(e) = res {
+                    outcome.fail(e.into());
                 }
             }
         }
+        // After a failed first phase only the deltas of SWAPs that landed go out.
+        let deltas_only = !outcome.ok();
 
         // Phase 2: data and parity.
         let mut writes = Vec::new();
@@ -873,6 +952,9 @@ impl Volume {
             let s = span.stripe;
             let piece_bytes = |p: &plan::Piece| &data[p.buf_from..p.buf_from + p.len as usize];
             let (lo, hi) = span.range(RS_ALIGN, chunk);
+            if deltas_only && modes[si] != Mode::Rmw {
+                continue;
+            }
             match modes[si] {
                 Mode::Plain => {
                     for p in &span.pieces {
@@ -915,38 +997,33 @@ impl Volume {
                     let width = (hi - lo) as usize;
                     let mut deltas: Vec<Option<Vec<u8>>> = vec![None; k];
                     for (pi, p) in span.pieces.iter().enumerate() {
-                        let old = old_pieces[si][pi].as_deref().unwrap_or(&[]);
+                        // A SWAP that failed changed nothing we know of: no delta.
+                        let Some(old) = old_pieces[si][pi].as_deref() else {
+                            continue;
+                        };
                         let new = piece_bytes(p);
                         if old.len() != new.len() {
-                            return Err(Stop::Fatal(BlocksError::Codec("short read".into())));
+                            outcome.fail(BlocksError::Codec("short swap reply".into()));
+                            continue;
                         }
                         let d = deltas[p.slot].get_or_insert_with(|| vec![0u8; width]);
                         let at = (p.chunk_from - lo) as usize;
                         let dst = &mut d[at..at + new.len()];
                         dst.copy_from_slice(old);
                         xor_into(dst, new);
-                        writes.push((
-                            self.layout.member_of(s, p.slot),
-                            self.write_op(
-                                &st,
-                                self.layout.member_of(s, p.slot),
-                                s,
-                                p.chunk_from,
-                                Bytes::copy_from_slice(new),
-                            ),
-                        ));
                     }
-                    let mut parity: Vec<Vec<u8>> = (k..n)
-                        .map(|slot| slots[si][slot].take().unwrap_or_default())
-                        .collect();
-                    if parity.iter().any(|p| p.len() != width) {
-                        return Err(Stop::Fatal(BlocksError::Codec("short parity read".into())));
+                    if deltas.iter().all(Option::is_none) {
+                        continue;
                     }
+                    // enc(Δ) alone: the code is linear, so parity ^= enc(Δ) at the server.
+                    let mut parity = vec![vec![0u8; width]; n - k];
                     let refs: Vec<Option<&[u8]>> = deltas.iter().map(|d| d.as_deref()).collect();
                     self.codec.apply_delta(&refs, &mut parity)?;
                     for (j, par) in parity.into_iter().enumerate() {
                         let m = self.layout.member_of(s, k + j);
-                        writes.push((m, self.write_op(&st, m, s, lo, Bytes::from(par))));
+                        if !outcome.lost.contains(&m) {
+                            writes.push((m, self.xor_op(&st, m, s, lo, Bytes::from(par))));
+                        }
                     }
                 }
                 Mode::Reconstruct => {
@@ -986,9 +1063,10 @@ impl Volume {
                 }
             }
         }
-        self.exchange_all(writes)?;
-
-        Ok(())
+        if !writes.is_empty() {
+            outcome.sort(self.exchange(writes));
+        }
+        outcome.into_result()
     }
 
     /// Reads every stripe in `stripes` whole, checks parity against data, and (when

@@ -218,6 +218,25 @@ impl Region {
         }
     }
 
+    /// Writes `data` and is answered with the bytes it replaced ([`reply::data`]), both in
+    /// one step at the server.
+    pub fn swap_op(&self, offset: u64, data: Bytes) -> Op {
+        Op::Swap {
+            region: self.id,
+            offset,
+            data,
+        }
+    }
+
+    /// XORs `data` into the bytes at `offset`, atomically at the server ([`reply::done`]).
+    pub fn xor_into_op(&self, offset: u64, data: Bytes) -> Op {
+        Op::XorInto {
+            region: self.id,
+            offset,
+            data,
+        }
+    }
+
     /// A WRITE that lands only if the word at `guard_offset` of `guard` still equals
     /// `expected` (checked by the server atomically with the write); answered with the
     /// guard word as found ([`reply::word`]).

@@ -26,7 +26,9 @@ use std::fmt;
 /// 2: HELLO names a principal, ALLOC carries an access mode, region infos carry it back,
 /// and errors QUOTA_EXCEEDED and FORBIDDEN exist.
 /// 3: WRITE_IF (a WRITE guarded by an 8-byte word elsewhere, for fencing writers).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// 4: SWAP (a WRITE answered with the bytes it replaced) and XOR_INTO (bytes XORed into a
+/// span), so a parity update is two requests instead of four.
+pub const PROTOCOL_VERSION: u16 = 4;
 /// First bytes of a HELLO, so a stray client (HTTP, Redis) is told apart at once.
 pub const HELLO_MAGIC: [u8; 4] = *b"CMLT";
 
@@ -182,6 +184,22 @@ pub enum Op {
         expected: u64,
         data: Bytes,
     },
+    /// Writes `data` at `offset` and answers the bytes it replaced ([`Reply::Data`]), in
+    /// one step atomic against every other op on the region. At most
+    /// [`limits::IO_BYTES_MAX`] bytes, like READ and WRITE.
+    Swap {
+        region: RegionId,
+        offset: u64,
+        data: Bytes,
+    },
+    /// XORs `data` into the bytes at `offset` ([`Reply::Done`]), in one step atomic against
+    /// every other op on the region; two XOR_INTOs commute, so concurrent parity deltas
+    /// need no ordering between writers. At most [`limits::IO_BYTES_MAX`] bytes.
+    XorInto {
+        region: RegionId,
+        offset: u64,
+        data: Bytes,
+    },
     /// The object under `key`: [`Reply::Object`], or NO_SUCH_KEY.
     Get {
         key: Bytes,
@@ -229,10 +247,12 @@ pub enum OpKind {
     CasPut = 14,
     Scan = 15,
     WriteIf = 16,
+    Swap = 17,
+    XorInto = 18,
 }
 
 impl OpKind {
-    pub const ALL: [OpKind; 16] = [
+    pub const ALL: [OpKind; 18] = [
         OpKind::Ping,
         OpKind::Stats,
         OpKind::List,
@@ -249,6 +269,8 @@ impl OpKind {
         OpKind::CasPut,
         OpKind::Scan,
         OpKind::WriteIf,
+        OpKind::Swap,
+        OpKind::XorInto,
     ];
 
     pub fn from_u8(v: u8) -> Option<OpKind> {
@@ -273,6 +295,8 @@ impl OpKind {
             OpKind::CasPut => "cas_put",
             OpKind::Scan => "scan",
             OpKind::WriteIf => "write_if",
+            OpKind::Swap => "swap",
+            OpKind::XorInto => "xor_into",
         }
     }
 }
@@ -296,6 +320,8 @@ impl Op {
             Op::CasPut { .. } => OpKind::CasPut,
             Op::Scan { .. } => OpKind::Scan,
             Op::WriteIf { .. } => OpKind::WriteIf,
+            Op::Swap { .. } => OpKind::Swap,
+            Op::XorInto { .. } => OpKind::XorInto,
         }
     }
 
@@ -310,7 +336,11 @@ impl Op {
     /// unknown size (GET, SCAN) count as nothing here and stay bounded by the hard limits.
     pub fn bulk_len(&self) -> usize {
         match self {
-            Op::Write { data, .. } | Op::WriteIf { data, .. } => data.len(),
+            Op::Write { data, .. } | Op::WriteIf { data, .. } | Op::XorInto { data, .. } => {
+                data.len()
+            }
+            // Its data goes out and as much comes back.
+            Op::Swap { data, .. } => 2 * data.len(),
             Op::Read { len, .. } => *len as usize,
             Op::Put { value, .. } | Op::CasPut { value, .. } => value.len(),
             _ => 0,
@@ -341,9 +371,9 @@ pub enum Reply {
     List(Vec<RegionInfo>),
     /// ALLOC and LOOKUP.
     Region(RegionInfo),
-    /// FREE and WRITE.
+    /// FREE, WRITE and XOR_INTO.
     Done,
-    /// READ.
+    /// READ, and SWAP (the bytes replaced).
     Data(Bytes),
     /// CAS and FETCH_ADD: the word's value before the operation. A CAS succeeded
     /// exactly when this equals the expected value.

@@ -69,7 +69,9 @@ pub(crate) fn request_encoded_len(op: &Op) -> usize {
             Op::Lookup { name } => 1 + name.len(),
             Op::Free { .. } => 8,
             Op::Read { .. } => 8 + 8 + 4,
-            Op::Write { data, .. } => 8 + 8 + 4 + data.len(),
+            Op::Write { data, .. } | Op::Swap { data, .. } | Op::XorInto { data, .. } => {
+                8 + 8 + 4 + data.len()
+            }
             Op::WriteIf { data, .. } => 8 * 5 + 4 + data.len(),
             Op::Cas { .. } => 8 * 4,
             Op::FetchAdd { .. } => 8 * 3,
@@ -95,6 +97,8 @@ pub(crate) fn reply_len_max(op: &Op) -> usize {
             Op::Alloc { .. } | Op::Lookup { .. } => REGION_INFO_BYTES_MAX,
             Op::Free { .. } | Op::Write { .. } => 0,
             Op::Read { len, .. } => 4 + *len as usize,
+            Op::Swap { data, .. } => 4 + data.len(),
+            Op::XorInto { .. } => 0,
             Op::Cas { .. } | Op::FetchAdd { .. } | Op::WriteIf { .. } => 8,
             Op::Get { .. } => 8 + VALUE_HEADER_BYTES + VALUE_BYTES_MAX,
             Op::Put { .. } | Op::CasPut { .. } | Op::Delete { .. } => 8,
@@ -192,6 +196,16 @@ fn encode_op(buf: &mut BytesMut, op: &Op, payloads: &mut Payloads<'_>) -> Result
             buf.put_u32_le(*len);
         }
         Op::Write {
+            region,
+            offset,
+            data,
+        }
+        | Op::Swap {
+            region,
+            offset,
+            data,
+        }
+        | Op::XorInto {
             region,
             offset,
             data,
@@ -786,15 +800,28 @@ fn decode_op(c: &mut Cursor) -> Result<Op, DecodeError> {
                 len,
             }
         }
-        OpKind::Write => {
+        OpKind::Write | OpKind::Swap | OpKind::XorInto => {
             let region = c.u64()?;
             let offset = c.u64()?;
             let len = c.u32()? as usize;
             check_limit("write length", len as u64, IO_BYTES_MAX as u64)?;
-            Op::Write {
-                region,
-                offset,
-                data: c.bytes(len)?,
+            let data = c.bytes(len)?;
+            match kind {
+                OpKind::Swap => Op::Swap {
+                    region,
+                    offset,
+                    data,
+                },
+                OpKind::XorInto => Op::XorInto {
+                    region,
+                    offset,
+                    data,
+                },
+                _ => Op::Write {
+                    region,
+                    offset,
+                    data,
+                },
             }
         }
         OpKind::WriteIf => {

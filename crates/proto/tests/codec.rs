@@ -78,6 +78,26 @@ fn op() -> impl Strategy<Value = Op> {
                     data: Bytes::from(data)
                 }
             ),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            proptest::collection::vec(any::<u8>(), 0..300)
+        )
+            .prop_map(|(region, offset, data)| Op::Swap {
+                region,
+                offset,
+                data: Bytes::from(data)
+            }),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            proptest::collection::vec(any::<u8>(), 0..300)
+        )
+            .prop_map(|(region, offset, data)| Op::XorInto {
+                region,
+                offset,
+                data: Bytes::from(data)
+            }),
         (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
             |(region, offset, expected, new)| Op::Cas {
                 region,

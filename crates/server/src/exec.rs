@@ -286,6 +286,19 @@ impl Exec<'_, '_, '_> {
             } => self.guarded(id, OK_HEADER_BYTES, |s, who| {
                 s.write(who, *region, *offset, data).map(|()| Reply::Done)
             }),
+            Op::Swap {
+                region,
+                offset,
+                data,
+            } => self.swap(id, *region, *offset, data),
+            Op::XorInto {
+                region,
+                offset,
+                data,
+            } => self.guarded(id, OK_HEADER_BYTES, |s, who| {
+                s.xor_into(who, *region, *offset, data)
+                    .map(|()| Reply::Done)
+            }),
             Op::WriteIf {
                 region,
                 offset,
@@ -372,6 +385,40 @@ impl Exec<'_, '_, '_> {
         }
         self.enc
             .push_data_with(id, len, |dst| r.read_range(range, dst))
+    }
+
+    /// Like `read`, but the bytes are replaced by `data` in the same step; nothing is
+    /// written unless the old bytes' reply fits.
+    fn swap(
+        &mut self,
+        id: u64,
+        region: RegionId,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), EncodeError> {
+        if data.len() > IO_BYTES_MAX {
+            let e = ErrorReply::new(
+                ErrorCode::TooLarge,
+                format!(
+                    "swap of {} bytes exceeds the limit of {IO_BYTES_MAX}",
+                    data.len()
+                ),
+            );
+            return self.enc.push_err(id, &e);
+        }
+        let checked = self.state.store().get(self.who, region).and_then(|r| {
+            let range = r.range(offset, data.len() as u64)?;
+            Ok((r, range))
+        });
+        let (r, range) = match checked {
+            Ok(x) => x,
+            Err(e) => return self.enc.push_err(id, &e),
+        };
+        if !self.fits(DATA_REPLY_HEADER_BYTES + data.len()) {
+            return self.too_large(id);
+        }
+        self.enc
+            .push_data_with(id, data.len(), |dst| r.swap_range(range, data, dst))
     }
 }
 
@@ -599,6 +646,45 @@ mod tests {
     }
 
     #[test]
+    fn swap_answers_the_replaced_bytes_and_xor_into_applies_in_batch_order() {
+        let st = state(1 << 20);
+        let id = alloc(&st, 4096);
+        let op = |kind: fn(RegionId, u64, Bytes) -> Op, at: u64, d: &'static [u8]| {
+            kind(id, at, Bytes::from_static(d))
+        };
+        let swap = |region, offset, data| Op::Swap {
+            region,
+            offset,
+            data,
+        };
+        let xor = |region, offset, data| Op::XorInto {
+            region,
+            offset,
+            data,
+        };
+        let r = run(
+            &st,
+            0,
+            vec![
+                op(swap, 0, b"abc"),
+                op(swap, 0, b"def"),
+                op(xor, 1, b"\x01\x01"),
+                op(swap, 0, b"ghi"),
+                op(swap, 4094, b"xyz"),
+                op(xor, 4095, b"xy"),
+            ],
+        );
+        assert_eq!(r[0].result, Ok(Reply::Data(Bytes::from_static(&[0; 3]))));
+        assert_eq!(r[1].result, Ok(Reply::Data(Bytes::from_static(b"abc"))));
+        assert_eq!(r[2].result, Ok(Reply::Done));
+        assert_eq!(r[3].result, Ok(Reply::Data(Bytes::from_static(b"ddg"))));
+        assert_eq!(code(&r[4]), ErrorCode::OutOfBounds);
+        assert_eq!(code(&r[5]), ErrorCode::OutOfBounds);
+        assert_eq!(st.stats().ops(OpKind::Swap), 4);
+        assert_eq!(st.stats().ops(OpKind::XorInto), 2);
+    }
+
+    #[test]
     fn reads_past_the_frame_budget_get_too_large() {
         let big = IO_BYTES_MAX as u32;
         let st = state(1 << 30);
@@ -678,6 +764,16 @@ mod tests {
                     offset: 8,
                     data: Bytes::from_static(b"x"),
                 },
+                Op::Swap {
+                    region: id,
+                    offset: 9,
+                    data: Bytes::from_static(b"y"),
+                },
+                Op::XorInto {
+                    region: id,
+                    offset: 10,
+                    data: Bytes::from_static(b"z"),
+                },
                 Op::Alloc {
                     size: 1,
                     name: None,
@@ -695,9 +791,9 @@ mod tests {
             &r[2..]
         );
         assert_eq!(st.store().fetch_add(ME, id, 0, 0).unwrap(), 0);
-        let mut b = [0u8; 1];
+        let mut b = [0u8; 3];
         st.store().read(ME, id, 8, &mut b).unwrap();
-        assert_eq!(b, [0]);
+        assert_eq!(b, [0; 3]);
         assert_eq!(st.store().len(), 1);
 
         // Leave exactly a word reply's room: the FETCH_ADD runs, the PING after it cannot.
