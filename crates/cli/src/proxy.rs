@@ -63,6 +63,28 @@ pub enum MiddleboxCommand {
     /// One shared word, 1…64 clients: CAS direct against CAS→WRITE through the proxy;
     /// the proxy's operations per CPU-second beside the seed's 2.8 M per core.
     Cas(MiddleboxCasArgs),
+    /// Bytes on the wire per operation each way, Clover YCSB-A zipf, direct and through a
+    /// proxy with every technique (client side and server side).
+    Bandwidth(MiddleboxLoadArgs),
+    /// p50/p99 read and write latency, Clover zipf, 64 clients: direct, proxy
+    /// pass-through, proxy with every technique.
+    Tail(MiddleboxLoadArgs),
+}
+
+#[derive(Args)]
+pub struct MiddleboxLoadArgs {
+    /// Scaled down (1000 keys, 2 s per side).
+    #[arg(long)]
+    quick: bool,
+    /// Client threads.
+    #[arg(long)]
+    clients: Option<usize>,
+    /// Seconds per side.
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Directory for the result JSON.
+    #[arg(long, default_value = "results")]
+    out: std::path::PathBuf,
 }
 
 #[derive(Args)]
@@ -97,7 +119,42 @@ pub fn bench(command: MiddleboxCommand) -> Result<()> {
             }
             Ok(())
         }
+        MiddleboxCommand::Bandwidth(a) => {
+            let cfg = load_config(
+                camelot_bench::middlebox::CloverLoadConfig::bandwidth(a.quick),
+                &a,
+            );
+            let binary = std::env::current_exe().context("cannot tell where this program is")?;
+            for path in camelot_bench::middlebox::run_bandwidth(&cfg, &binary, &a.out)? {
+                println!("wrote {}", path.display());
+            }
+            Ok(())
+        }
+        MiddleboxCommand::Tail(a) => {
+            let cfg = load_config(
+                camelot_bench::middlebox::CloverLoadConfig::tail(a.quick),
+                &a,
+            );
+            let binary = std::env::current_exe().context("cannot tell where this program is")?;
+            for path in camelot_bench::middlebox::run_tail(&cfg, &binary, &a.out)? {
+                println!("wrote {}", path.display());
+            }
+            Ok(())
+        }
     }
+}
+
+fn load_config(
+    mut cfg: camelot_bench::middlebox::CloverLoadConfig,
+    a: &MiddleboxLoadArgs,
+) -> camelot_bench::middlebox::CloverLoadConfig {
+    if let Some(c) = a.clients {
+        cfg.clients = c;
+    }
+    if let Some(s) = a.seconds {
+        cfg.seconds_per_side = s;
+    }
+    cfg
 }
 
 pub fn run(command: ProxyCommand) -> Result<()> {
