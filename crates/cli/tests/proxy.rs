@@ -526,10 +526,16 @@ fn the_bandwidth_bench_counts_both_sides_of_the_proxy() {
     assert_eq!(series.len(), 3);
     for s in series {
         let p = &s["points"][0];
-        assert!(p["ops"].as_u64().unwrap() > 0, "{p}");
+        assert!(p["extra"]["ops"].as_u64().unwrap() > 0, "{p}");
         // A Clover operation is at least one request frame and one answer frame.
-        assert!(p["bytes_per_op_to_server"].as_f64().unwrap() > 8.0, "{p}");
-        assert!(p["bytes_per_op_from_server"].as_f64().unwrap() > 8.0, "{p}");
+        assert!(
+            p["extra"]["bytes_per_op_to_server"].as_f64().unwrap() > 8.0,
+            "{p}"
+        );
+        assert!(
+            p["extra"]["bytes_per_op_from_server"].as_f64().unwrap() > 8.0,
+            "{p}"
+        );
     }
     let cmp = json["comparisons"].as_array().unwrap();
     assert!(cmp[0]["ratio"].as_f64().unwrap() > 0.0, "{cmp:?}");
@@ -551,7 +557,7 @@ fn the_tail_bench_reports_p99_for_every_side() {
                 l["p99"].as_f64().unwrap() >= l["p50"].as_f64().unwrap(),
                 "{p}"
             );
-            assert!(p["count"].as_u64().unwrap() > 0, "{p}");
+            assert!(p["extra"]["count"].as_u64().unwrap() > 0, "{p}");
         }
     }
     let cmp = &json["comparisons"][0];
