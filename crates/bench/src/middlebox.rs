@@ -294,3 +294,490 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
     }
     Ok(vec![output::write_result(out, &result)?])
 }
+
+// ---- Clover YCSB load, direct and through the proxy: the bandwidth and tail benches ----
+
+/// Keys of the Clover load (zipf 0.99 over them).
+pub const CLOVER_KEYS_MAX: u64 = 1 << 20;
+/// The ceiling for pass-through p50 ÷ direct p50.
+pub const PASS_THROUGH_P50_RATIO_TARGET: f64 = 1.3;
+/// The floor for the cut in bytes per operation (YCSB-A zipf) with the proxy.
+pub const BANDWIDTH_CUT_TARGET: f64 = 0.5;
+const CLOVER_VALUE_BYTES: u32 = 64;
+const LATENCY_US_MAX: u64 = 60_000_000;
+
+#[derive(Debug, Clone)]
+pub struct CloverLoadConfig {
+    pub clients: usize,
+    pub keys: u64,
+    /// Share of operations that are writes (YCSB-A: 0.5).
+    pub write_fraction: f64,
+    pub seconds_per_side: f64,
+    pub quick: bool,
+}
+
+impl CloverLoadConfig {
+    pub fn bandwidth(quick: bool) -> CloverLoadConfig {
+        CloverLoadConfig {
+            clients: if quick { 16 } else { 32 },
+            keys: if quick { 1000 } else { 10_000 },
+            write_fraction: 0.5,
+            seconds_per_side: if quick { 2.0 } else { 10.0 },
+            quick,
+        }
+    }
+
+    pub fn tail(quick: bool) -> CloverLoadConfig {
+        CloverLoadConfig {
+            clients: 64,
+            ..CloverLoadConfig::bandwidth(quick)
+        }
+    }
+
+    fn validate(&self) -> Result<(), BenchError> {
+        if self.clients == 0 || self.clients > CLIENTS_MAX {
+            return Err(BenchError::InvalidConfig(format!(
+                "clients are 1 to {CLIENTS_MAX}"
+            )));
+        }
+        if self.keys < 2 || self.keys > CLOVER_KEYS_MAX {
+            return Err(BenchError::InvalidConfig(format!(
+                "keys are 2 to {CLOVER_KEYS_MAX}"
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.write_fraction) {
+            return Err(BenchError::InvalidConfig(
+                "the write fraction is 0 to 1".into(),
+            ));
+        }
+        if !(self.seconds_per_side.is_finite()
+            && self.seconds_per_side > 0.0
+            && self.seconds_per_side <= 3600.0)
+        {
+            return Err(BenchError::InvalidConfig(
+                "seconds per side: above 0, at most an hour".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One side's run of the Clover load.
+struct CloverSide {
+    ops: u64,
+    reads: hdrhistogram::Histogram<u64>,
+    writes: hdrhistogram::Histogram<u64>,
+    elapsed_s: f64,
+}
+
+fn summary(h: &hdrhistogram::Histogram<u64>) -> camelot_results::schema::LatencySummary {
+    camelot_results::schema::LatencySummary {
+        p50: h.value_at_quantile(0.5) as f64,
+        p90: h.value_at_quantile(0.9) as f64,
+        p99: h.value_at_quantile(0.99) as f64,
+        p999: h.value_at_quantile(0.999) as f64,
+        max: h.max() as f64,
+    }
+}
+
+fn new_histogram() -> Result<hdrhistogram::Histogram<u64>, BenchError> {
+    hdrhistogram::Histogram::new_with_bounds(1, LATENCY_US_MAX, 3)
+        .map_err(|e| BenchError::Setup(format!("histogram: {e}")))
+}
+
+/// A fresh Clover store (its own metadata service and regions) reached through `map`,
+/// loaded by `cfg.clients` threads for `cfg.seconds_per_side`: YCSB-style reads and
+/// writes, keys zipf 0.99. Every key is written once before the clock starts, so every
+/// timed read finds a value; a read that finds none is an error.
+fn clover_side(map: &ClusterMap, cfg: &CloverLoadConfig) -> Result<CloverSide, BenchError> {
+    use camelot_clover::{Geometry, Meta, MetaConfig, RegionMemory, Store, StoreConfig};
+    use rand::{Rng, SeedableRng};
+    let setup = |what: &str, e: String| BenchError::Setup(format!("clover {what}: {e}"));
+    let config = ClientConfig {
+        connections_per_node: 1,
+        ..ClientConfig::default()
+    };
+    let connect = || {
+        Client::connect(map.clone(), config.clone()).map_err(|e| setup("connect", e.to_string()))
+    };
+    let geometry =
+        Geometry::new(CLOVER_VALUE_BYTES, 256).map_err(|e| setup("geometry", e.to_string()))?;
+    let mem = RegionMemory::new(connect()?, geometry);
+    let meta = Arc::new(
+        Meta::new(
+            mem.clone(),
+            MetaConfig {
+                blocks_max: 1024,
+                keys_max: cfg.keys as usize + 16,
+                versions_kept: 2,
+            },
+        )
+        .map_err(|e| setup("meta", e.to_string()))?,
+    );
+    let value = bytes::Bytes::from(vec![0xA5u8; CLOVER_VALUE_BYTES as usize]);
+    {
+        let mut store = Store::new(meta.clone(), mem.clone(), StoreConfig::default());
+        for k in 0..cfg.keys {
+            store
+                .put(&k.to_le_bytes(), value.clone())
+                .map_err(|e| setup("preload", e.to_string()))?;
+            if k % 64 == 63 {
+                meta.gc().map_err(|e| setup("gc", e.to_string()))?;
+            }
+        }
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Arc::new(Barrier::new(cfg.clients + 2));
+    let collector = {
+        let (meta, stop, start) = (meta.clone(), stop.clone(), start.clone());
+        std::thread::spawn(move || -> Result<(), String> {
+            start.wait();
+            while !stop.load(Ordering::Relaxed) {
+                meta.gc().map_err(|e| e.to_string())?;
+                // Pacing, not synchronisation: collection keeps up with writers.
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Ok(())
+        })
+    };
+    let mut threads = Vec::with_capacity(cfg.clients);
+    for c in 0..cfg.clients {
+        let mem = mem.with_client(connect()?);
+        let (meta, stop, start, value) = (meta.clone(), stop.clone(), start.clone(), value.clone());
+        let (keys, write_fraction) = (cfg.keys, cfg.write_fraction);
+        let mut reads = new_histogram()?;
+        let mut writes = new_histogram()?;
+        threads.push(std::thread::spawn(move || -> Result<_, String> {
+            let mut store = Store::new(meta, mem, StoreConfig::default());
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(0x5EED ^ c as u64);
+            let mut zipf = crate::ycsb::generators::Zipfian::new(0, keys);
+            let mut ops = 0u64;
+            start.wait();
+            while !stop.load(Ordering::Relaxed) {
+                let key = zipf.next(rng.gen::<f64>()).to_le_bytes();
+                let t = Instant::now();
+                if rng.gen::<f64>() < write_fraction {
+                    store.put(&key, value.clone()).map_err(|e| e.to_string())?;
+                    let _ = writes.record((t.elapsed().as_micros() as u64).max(1));
+                } else {
+                    let got = store.get(&key).map_err(|e| e.to_string())?;
+                    if got.as_deref() != Some(&value[..]) {
+                        return Err(format!("read of a preloaded key found {got:?}"));
+                    }
+                    let _ = reads.record((t.elapsed().as_micros() as u64).max(1));
+                }
+                ops += 1;
+            }
+            Ok((ops, reads, writes))
+        }));
+    }
+    start.wait();
+    let t = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(cfg.seconds_per_side));
+    stop.store(true, Ordering::Relaxed);
+    let mut side = CloverSide {
+        ops: 0,
+        reads: new_histogram()?,
+        writes: new_histogram()?,
+        elapsed_s: 0.0,
+    };
+    let mut failure = None;
+    for th in threads {
+        match th.join() {
+            Ok(Ok((ops, r, w))) => {
+                side.ops += ops;
+                let _ = side.reads.add(&r);
+                let _ = side.writes.add(&w);
+            }
+            Ok(Err(e)) => failure = Some(e),
+            Err(_) => failure = Some("a client thread panicked".into()),
+        }
+    }
+    side.elapsed_s = t.elapsed().as_secs_f64();
+    match collector.join() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => failure = Some(format!("gc: {e}")),
+        Err(_) => failure = Some("the collector panicked".into()),
+    }
+    if let Some(e) = failure {
+        return Err(BenchError::Check(format!("clover load: {e}")));
+    }
+    Ok(side)
+}
+
+fn start_proxy(
+    binary: &Path,
+    upstream: std::net::SocketAddr,
+    flags: &[&str],
+) -> Result<ServerProcess, BenchError> {
+    let flags: Vec<OsString> = flags.iter().map(OsString::from).collect();
+    Ok(ServerProcess::start(
+        Program {
+            program: binary.to_string_lossy().into_owned().into(),
+            package: "camelot".into(),
+        },
+        "camelot-proxy",
+        Readiness::Accepting,
+        |port| {
+            let mut args: Vec<OsString> = vec![
+                "proxy".into(),
+                "run".into(),
+                "--listen".into(),
+                format!("127.0.0.1:{port}").into(),
+                "--upstream".into(),
+                upstream.to_string().into(),
+            ];
+            args.extend(flags.iter().cloned());
+            args
+        },
+    )?)
+}
+
+fn start_clover_server(binary: &Path) -> Result<CamelotServer, BenchError> {
+    Ok(CamelotServer::start(
+        binary,
+        &CamelotServerOptions {
+            resp: false,
+            args: vec!["--memory".into(), "512M".into()],
+        },
+    )?)
+}
+
+fn stat_of(stats: &[(String, u64)], name: &str) -> Result<u64, BenchError> {
+    stats
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| *v)
+        .ok_or_else(|| BenchError::Check(format!("STATS has no {name}")))
+}
+
+fn stats(client: &Client) -> Result<Vec<(String, u64)>, BenchError> {
+    client
+        .stats(0)
+        .map_err(|e| BenchError::Setup(format!("stats: {e}")))
+}
+
+/// Every technique the proxy has, for the "with the proxy" side.
+pub const PROXY_ALL_FLAGS: [&str; 5] = [
+    "--conn-map",
+    "4",
+    "--cas-to-write",
+    "--read-cache",
+    "--threads=1",
+];
+
+fn load_config_json(cfg: &CloverLoadConfig) -> serde_json::Value {
+    json!({
+        "clients": cfg.clients,
+        "keys": cfg.keys,
+        "key_distribution": "zipf 0.99 (YCSB's zipfian)",
+        "write_fraction": cfg.write_fraction,
+        "value_bytes": CLOVER_VALUE_BYTES,
+        "seconds_per_side": cfg.seconds_per_side,
+        "quick": cfg.quick,
+        "store": "camelot-clover, a fresh metadata service and regions per side, gc every 2 ms",
+        "server": "camelot server --memory 512M (a process)",
+        "client": "camelot-client, one connection per client thread",
+    })
+}
+
+/// `camelot bench middlebox bandwidth`: bytes on the wire per operation, each way, for
+/// Clover direct and through a proxy with every technique; the server's own counters
+/// give the upstream side, the proxy's the client side.
+pub fn run_bandwidth(
+    cfg: &CloverLoadConfig,
+    binary: &Path,
+    out: &Path,
+) -> Result<Vec<PathBuf>, BenchError> {
+    cfg.validate()?;
+    let started = now_rfc3339();
+    let server = start_clover_server(binary)?;
+    let upstream = server.addr();
+    let direct = ClusterMap::from_addrs(&[upstream]);
+    let admin = Client::connect(direct.clone(), ClientConfig::default())
+        .map_err(|e| BenchError::Setup(format!("connect: {e}")))?;
+    let proxy = start_proxy(binary, upstream, &PROXY_ALL_FLAGS)?;
+    let proxy_admin = Client::connect(
+        ClusterMap::from_addrs(&[proxy.addr()]),
+        ClientConfig::default(),
+    )
+    .map_err(|e| BenchError::Setup(format!("connect to the proxy: {e}")))?;
+
+    // Counters are read before and after the timed part only (the preload is excluded
+    // by reading them after clover_side's preload would need a hook; instead both sides
+    // preload the same keys, so both carry the same preload bytes — see config).
+    let s0 = stats(&admin)?;
+    let d = clover_side(&direct, cfg)?;
+    let s1 = stats(&admin)?;
+    let p0 = stats(&proxy_admin)?;
+    let p = clover_side(&ClusterMap::from_addrs(&[proxy.addr()]), cfg)?;
+    let p1 = stats(&proxy_admin)?;
+    let s2 = stats(&admin)?;
+    let delta = |a: &[(String, u64)], b: &[(String, u64)], n: &str| -> Result<f64, BenchError> {
+        Ok(stat_of(b, n)?.saturating_sub(stat_of(a, n)?) as f64)
+    };
+    let d_up = delta(&s0, &s1, "bytes_in")? / d.ops as f64;
+    let d_down = delta(&s0, &s1, "bytes_out")? / d.ops as f64;
+    let p_client_up = delta(&p0, &p1, "proxy_bytes_from_clients")? / p.ops as f64;
+    let p_client_down = delta(&p0, &p1, "proxy_bytes_to_clients")? / p.ops as f64;
+    let p_server_up = delta(&s1, &s2, "bytes_in")? / p.ops as f64;
+    let p_server_down = delta(&s1, &s2, "bytes_out")? / p.ops as f64;
+    eprintln!(
+        "direct: {} ops, {:.0} B/op to server, {:.0} B/op back",
+        d.ops, d_up, d_down
+    );
+    eprintln!(
+        "proxy:  {} ops, client side {:.0} B/op up / {:.0} back; server side {:.0} B/op up / {:.0} back",
+        p.ops, p_client_up, p_client_down, p_server_up, p_server_down
+    );
+    let point = |label: &str, up: f64, down: f64, ops: u64, elapsed: f64| {
+        let mut pt = Point::new(label);
+        pt.ops_per_sec = Some(ops as f64 / elapsed);
+        pt.extra.insert("bytes_per_op_to_server".into(), json!(up));
+        pt.extra
+            .insert("bytes_per_op_from_server".into(), json!(down));
+        pt.extra
+            .insert("bytes_per_op_total".into(), json!(up + down));
+        pt.extra.insert("ops".into(), json!(ops));
+        pt
+    };
+    let mut direct_series = Series::new("Clover direct (client ↔ server)");
+    direct_series
+        .points
+        .push(point("direct", d_up, d_down, d.ops, d.elapsed_s));
+    let mut server_side = Series::new("through the proxy: proxy ↔ server");
+    server_side.points.push(point(
+        "proxy ↔ server",
+        p_server_up,
+        p_server_down,
+        p.ops,
+        p.elapsed_s,
+    ));
+    let mut client_side = Series::new("through the proxy: clients ↔ proxy");
+    client_side.points.push(point(
+        "clients ↔ proxy",
+        p_client_up,
+        p_client_down,
+        p.ops,
+        p.elapsed_s,
+    ));
+    let mut config = load_config_json(cfg);
+    config["figure"] = json!(
+        "bytes on the wire per operation, each way (frames as counted by the server and the proxy)"
+    );
+    config["proxy"] = json!(format!("camelot proxy run {}", PROXY_ALL_FLAGS.join(" ")));
+    config["counted"] = json!("each side's counters span its preload and its timed run (the same preload both sides), divided by timed operations; the server's side includes the proxy's STATS reads, a few hundred bytes");
+    let mut result = BenchResult::new(
+        "middlebox-bandwidth",
+        started,
+        config,
+        vec![direct_series, server_side, client_side],
+    );
+    let (d_total, p_total) = (d_up + d_down, p_server_up + p_server_down);
+    result.comparisons.push(
+        Comparison::new(
+            "bytes per operation at the server, proxy ÷ direct (YCSB-A zipf)",
+            p_total,
+            d_total,
+            "bytes/op",
+            "Clover direct (same run)",
+        )
+        .with_target(1.0 - BANDWIDTH_CUT_TARGET, true),
+    );
+    result.comparisons.push(Comparison::new(
+        "bytes per operation, clients ↔ proxy ÷ direct",
+        p_client_up + p_client_down,
+        d_total,
+        "bytes/op",
+        "Clover direct (same run)",
+    ));
+    drop(proxy);
+    drop(server);
+    Ok(vec![output::write_result(out, &result)?])
+}
+
+/// `camelot bench middlebox tail`: p50/p99 read and write latency of Clover, direct,
+/// through a pass-through proxy, and through a proxy with every technique.
+pub fn run_tail(
+    cfg: &CloverLoadConfig,
+    binary: &Path,
+    out: &Path,
+) -> Result<Vec<PathBuf>, BenchError> {
+    cfg.validate()?;
+    let started = now_rfc3339();
+    let server = start_clover_server(binary)?;
+    let upstream = server.addr();
+    let pass = start_proxy(binary, upstream, &["--threads=1"])?;
+    let all = start_proxy(binary, upstream, &PROXY_ALL_FLAGS)?;
+    let sides: [(&str, ClusterMap); 3] = [
+        ("Clover direct", ClusterMap::from_addrs(&[upstream])),
+        ("proxy pass-through", ClusterMap::from_addrs(&[pass.addr()])),
+        (
+            "proxy, every technique",
+            ClusterMap::from_addrs(&[all.addr()]),
+        ),
+    ];
+    let mut series = Vec::new();
+    let mut p50 = Vec::new();
+    for (label, map) in &sides {
+        let side = clover_side(map, cfg)?;
+        let (r, w) = (summary(&side.reads), summary(&side.writes));
+        eprintln!(
+            "{label:<24} {:>8.0} ops/s  read p50 {:>6.0} µs p99 {:>7.0} µs  write p50 {:>6.0} µs p99 {:>7.0} µs",
+            side.ops as f64 / side.elapsed_s,
+            r.p50,
+            r.p99,
+            w.p50,
+            w.p99
+        );
+        let all_ops = {
+            let mut h = side.reads.clone();
+            let _ = h.add(&side.writes);
+            summary(&h)
+        };
+        p50.push((r.p99, w.p99, all_ops.p50));
+        let mut s = Series::new(*label);
+        for (kind, sum, n) in [
+            ("read", r, side.reads.len()),
+            ("write", w, side.writes.len()),
+        ] {
+            let mut pt = Point::new(kind);
+            pt.ops_per_sec = Some(side.ops as f64 / side.elapsed_s);
+            pt.latency_us = Some(sum);
+            pt.extra.insert("count".into(), json!(n));
+            s.points.push(pt);
+        }
+        series.push(s);
+    }
+    let mut config = load_config_json(cfg);
+    config["figure"] = json!("per-operation latency (µs) of reads and writes, 64 clients, zipf");
+    config["proxies"] = json!([
+        "camelot proxy run --threads=1",
+        format!("camelot proxy run {}", PROXY_ALL_FLAGS.join(" ")),
+    ]);
+    let mut result = BenchResult::new("middlebox-tail", started, config, series);
+    result.comparisons.push(
+        Comparison::new(
+            "p50 of all operations, proxy pass-through ÷ direct",
+            p50[1].2,
+            p50[0].2,
+            "µs",
+            "Clover direct (same run)",
+        )
+        .with_target(PASS_THROUGH_P50_RATIO_TARGET, true),
+    );
+    for (i, what) in [(0usize, "read"), (1, "write")] {
+        let pick = |t: &(f64, f64, f64)| if i == 0 { t.0 } else { t.1 };
+        result.comparisons.push(Comparison::new(
+            format!("{what} p99, proxy with every technique ÷ direct"),
+            pick(&p50[2]),
+            pick(&p50[0]),
+            "µs",
+            "Clover direct (same run)",
+        ));
+    }
+    drop(all);
+    drop(pass);
+    drop(server);
+    Ok(vec![output::write_result(out, &result)?])
+}

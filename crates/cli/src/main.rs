@@ -398,8 +398,9 @@ enum BenchCommand {
     /// overhead` (raid4 against raid0 by threads, iperf3 beside), `raid rebuild`
     /// (rebuild rate under load, the load's dip).
     Raid(RaidArgs),
-    /// The middlebox (issue 20): `middlebox cas` — one shared word, CAS direct against
-    /// CAS→WRITE through `camelot proxy`, 1…64 clients.
+    /// The middlebox (issue 20): `cas` — one shared word, CAS direct against CAS→WRITE
+    /// through `camelot proxy`, 1…64 clients; `bandwidth` and `tail` — Clover direct
+    /// against Clover through the proxy.
     #[command(subcommand)]
     Middlebox(proxy::MiddleboxCommand),
     /// Every bench above, then `camelot report`, into one directory.

@@ -489,3 +489,78 @@ fn the_cas_bench_writes_its_result() {
         }
     }
 }
+
+fn run_middlebox_bench(which: &str, dir: &Path) -> serde_json::Value {
+    let out = std::process::Command::new(CAMELOT)
+        .args([
+            "bench",
+            "middlebox",
+            which,
+            "--quick",
+            "--clients",
+            "8",
+            "--seconds",
+            "0.5",
+        ])
+        .arg("--out")
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(dir.join(format!("middlebox-{which}.json"))).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// `bench middlebox bandwidth`: direct and both sides of the proxy each carried bytes
+/// both ways for every operation, and the comparison is against the same run's direct.
+#[test]
+fn the_bandwidth_bench_counts_both_sides_of_the_proxy() {
+    let dir = camelot_testkit::process::ScratchDir::new("middlebox-bandwidth").unwrap();
+    let json = run_middlebox_bench("bandwidth", &dir.path);
+    assert_eq!(json["bench"], "middlebox-bandwidth");
+    let series = json["series"].as_array().unwrap();
+    assert_eq!(series.len(), 3);
+    for s in series {
+        let p = &s["points"][0];
+        assert!(p["extra"]["ops"].as_u64().unwrap() > 0, "{p}");
+        // A Clover operation is at least one request frame and one answer frame.
+        assert!(
+            p["extra"]["bytes_per_op_to_server"].as_f64().unwrap() > 8.0,
+            "{p}"
+        );
+        assert!(
+            p["extra"]["bytes_per_op_from_server"].as_f64().unwrap() > 8.0,
+            "{p}"
+        );
+    }
+    let cmp = json["comparisons"].as_array().unwrap();
+    assert!(cmp[0]["ratio"].as_f64().unwrap() > 0.0, "{cmp:?}");
+}
+
+/// `bench middlebox tail`: three sides, read and write latency each, and the
+/// pass-through p50 comparison carries the 1.3× ceiling.
+#[test]
+fn the_tail_bench_reports_p99_for_every_side() {
+    let dir = camelot_testkit::process::ScratchDir::new("middlebox-tail").unwrap();
+    let json = run_middlebox_bench("tail", &dir.path);
+    assert_eq!(json["bench"], "middlebox-tail");
+    let series = json["series"].as_array().unwrap();
+    assert_eq!(series.len(), 3);
+    for s in series {
+        for p in s["points"].as_array().unwrap() {
+            let l = &p["latency_us"];
+            assert!(
+                l["p99"].as_f64().unwrap() >= l["p50"].as_f64().unwrap(),
+                "{p}"
+            );
+            assert!(p["extra"]["count"].as_u64().unwrap() > 0, "{p}");
+        }
+    }
+    let cmp = &json["comparisons"][0];
+    assert_eq!(cmp["target"].as_f64(), Some(1.3), "{cmp}");
+    assert_eq!(cmp["at_most"], true);
+}

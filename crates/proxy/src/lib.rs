@@ -1,27 +1,28 @@
-//! `camelot proxy`: a middlebox between clients and one memory server, speaking the
+//! `camelot-proxy`: a middlebox between clients and one memory server, speaking the
 //! native protocol on both sides (after SwordBox, which sits in front of Clover).
 //!
 //! - Pass-through (no flags): each client connection gets its own upstream connection.
-//! - `--conn-map N`: every client connection's requests ride N shared upstream
-//!   connections, chosen by region, so all requests to one region leave in one order.
-//! - `--cas-to-write` (needs `--conn-map`): with that order, the proxy knows the value of
-//!   words it has seen written; a CAS it can vouch for becomes a WRITE (or, if it would
+//! - Connection mapping (`conn_map`): every client connection's requests ride N shared
+//!   upstream connections, chosen by region, so all requests to one region leave in one
+//!   order.
+//! - CAS→WRITE (`cas_to_write`, needs mapping): with that order, the proxy knows the value
+//!   of words it has seen written; a CAS it can vouch for becomes a WRITE (or, if it would
 //!   fail, is answered at once). See `words`.
-//! - `--memory BYTES`: the budget for what the proxy knows, split over the lanes.
+//! - `memory_bytes`: the budget for what the proxy knows, split over the lanes.
 //!
 //! The proxy authenticates its clients with the cluster token before it allocates
 //! anything for them (as the server's handshake does) and answers STATS with its own
 //! counters. It acts towards the server as one principal of its own, so through it
 //! clients reach shared regions, not each other's private ones.
 //!
-//! Fail-stop: with `--cas-to-write`, an upstream connection that fails leaves the proxy
-//! unsure what its in-flight WRITEs did, so it exits rather than vouch for anything
-//! again; clients then go to the server directly.
+//! Fail-stop: with `cas_to_write`, an upstream connection that fails leaves the proxy
+//! unsure what its in-flight WRITEs did, so it answers nothing more and `serve` returns
+//! [`ProxyError::FailStop`] (the binary then exits); clients go to the server directly.
+#![forbid(unsafe_code)]
 
 mod cache;
 mod words;
 
-use anyhow::{bail, Context, Result};
 use bytes::{Bytes, BytesMut};
 use cache::ReadCache;
 use camelot_client::{ClientConfig, ClientError, ClusterMap, LoopClient};
@@ -29,145 +30,195 @@ use camelot_proto::{
     decode_frame, encode_frame, ErrorCode, ErrorReply, Frame, FrameDecoder, HelloOk, Op, Reply,
     ResponseBatchEncoder, HELLO_BODY_BYTES_MAX, PROTOCOL_VERSION,
 };
-use clap::{Args, Subcommand};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::{mpsc, Mutex, Notify};
 use words::{CasDecision, Words};
-
-use crate::units::{format_bytes, parse_bytes};
 
 /// Client connections served at once; more are closed at accept.
 pub const CONNECTIONS_MAX: usize = 1024;
-/// Most upstream connections `--conn-map` may ask for.
+/// Most upstream connections connection mapping may ask for.
 pub const CONN_MAP_MAX: usize = 256;
 /// Request frames a client may have in flight through the proxy before it stops reading
 /// that client (back-pressure).
 pub const FRAMES_IN_FLIGHT_MAX: usize = 16;
 /// Time a client has to send its HELLO.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bytes of one read cache's slot table: a lane's cache share must exceed it.
+pub const READ_CACHE_TABLE_BYTES: u64 = cache::SLOTS as u64 * 8;
 const READ_CHUNK_BYTES: usize = 64 << 10;
 
-#[derive(Subcommand)]
-pub enum ProxyCommand {
-    /// Run the proxy until SIGTERM or Ctrl-C.
-    Run(ProxyArgs),
-    /// Print a proxy's counters.
-    Stats(ProxyStatsArgs),
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("invalid proxy configuration: {0}")]
+    InvalidConfig(String),
+    #[error("cannot reach the upstream server {addr}: {source}")]
+    Upstream {
+        addr: SocketAddr,
+        #[source]
+        source: ClientError,
+    },
+    #[error("cannot listen: {0}")]
+    Listen(#[source] std::io::Error),
+    /// With CAS→WRITE on, an upstream connection failed: nothing the proxy knows can be
+    /// trusted any more.
+    #[error("upstream connection failed with CAS→WRITE on; stopped (fail-stop): {0}")]
+    FailStop(String),
 }
 
-#[derive(Args)]
-pub struct ProxyArgs {
-    /// Where clients connect (host:port).
-    #[arg(long)]
-    listen: String,
-    /// The memory server behind the proxy (host:port, its native port).
-    #[arg(long)]
-    upstream: String,
-    /// Cluster token: clients must present it, and the proxy presents it upstream.
-    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
-    token: Option<String>,
+/// What the proxy does; every technique off is plain pass-through.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    pub upstream: SocketAddr,
+    /// Clients must present it, and the proxy presents it upstream.
+    pub token: Option<Vec<u8>>,
     /// Carry every client's requests on N shared upstream connections, by region.
-    #[arg(long, value_name = "N")]
-    conn_map: Option<usize>,
-    /// Turn a CAS the proxy can vouch for into a WRITE (needs --conn-map).
-    #[arg(long)]
-    cas_to_write: bool,
-    /// Answer READs from what earlier READs and WRITEs showed (needs --conn-map).
-    #[arg(long)]
-    read_cache: bool,
-    /// Budget for what the proxy remembers (known words), over all lanes.
-    #[arg(long, value_name = "BYTES", default_value = "64M", value_parser = parse_bytes)]
-    memory: u64,
-    /// Seconds an upstream request may take before its connection is given up (with
-    /// --cas-to-write, the proxy then stops: see `camelot proxy run --help`).
-    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
-    upstream_timeout: f64,
-    /// Worker threads of the proxy's runtime.
-    #[arg(long, default_value_t = 1)]
-    threads: usize,
+    pub conn_map: Option<usize>,
+    pub cas_to_write: bool,
+    pub read_cache: bool,
+    /// One budget for what the proxy remembers, over all lanes.
+    pub memory_bytes: u64,
+    /// How long an upstream request may take before its connection is given up.
+    pub upstream_timeout: Duration,
 }
 
-#[derive(Args)]
-pub struct ProxyStatsArgs {
-    /// The proxy's address (host:port).
-    addr: String,
-    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
-    token: Option<String>,
-}
-
-#[derive(Subcommand)]
-pub enum MiddleboxCommand {
-    /// One shared word, 1…64 clients: CAS direct against CAS→WRITE through the proxy;
-    /// the proxy's operations per CPU-second beside the seed's 2.8 M per core.
-    Cas(MiddleboxCasArgs),
-}
-
-#[derive(Args)]
-pub struct MiddleboxCasArgs {
-    /// Scaled down (4 client counts, 1 s each).
-    #[arg(long)]
-    quick: bool,
-    /// Client counts, comma-separated.
-    #[arg(long, value_delimiter = ',')]
-    clients: Option<Vec<usize>>,
-    /// Seconds per point.
-    #[arg(long)]
-    seconds: Option<f64>,
-    /// Directory for middlebox-cas.json.
-    #[arg(long, default_value = "results")]
-    out: std::path::PathBuf,
-}
-
-pub fn bench(command: MiddleboxCommand) -> Result<()> {
-    match command {
-        MiddleboxCommand::Cas(a) => {
-            let mut cfg = camelot_bench::middlebox::CasConfig::defaults(a.quick);
-            if let Some(c) = a.clients {
-                cfg.clients = c;
+impl ProxyConfig {
+    pub fn validate(&self) -> Result<(), ProxyError> {
+        if (self.cas_to_write || self.read_cache) && self.conn_map.is_none() {
+            return Err(ProxyError::InvalidConfig(
+                "--cas-to-write and --read-cache need --conn-map: only mapped connections keep a region's requests in one order".into(),
+            ));
+        }
+        if let Some(n) = self.conn_map {
+            if n == 0 || n > CONN_MAP_MAX {
+                return Err(ProxyError::InvalidConfig(format!(
+                    "--conn-map takes 1 to {CONN_MAP_MAX} connections"
+                )));
             }
-            if let Some(s) = a.seconds {
-                cfg.seconds_per_point = s;
+        }
+        if self.upstream_timeout.is_zero() {
+            return Err(ProxyError::InvalidConfig(
+                "the upstream timeout must be above 0".into(),
+            ));
+        }
+        if let Some((_, Some(cache_bytes))) = self.lane_budget() {
+            if cache_bytes <= READ_CACHE_TABLE_BYTES {
+                return Err(ProxyError::InvalidConfig(format!(
+                    "--memory leaves each lane's read cache {cache_bytes} bytes, less than its {READ_CACHE_TABLE_BYTES}-byte slot table"
+                )));
             }
-            let binary = std::env::current_exe().context("cannot tell where this program is")?;
-            for path in camelot_bench::middlebox::run_cas(&cfg, &binary, &a.out)? {
-                println!("wrote {}", path.display());
+        }
+        Ok(())
+    }
+
+    /// Each lane's (word table, read cache) bytes, with mapping on.
+    fn lane_budget(&self) -> Option<(u64, Option<u64>)> {
+        let n = self.conn_map? as u64;
+        // One budget: each lane a share; within a lane, with both on, the read cache
+        // takes three quarters (it holds bytes, the word table only words).
+        let per_lane = self.memory_bytes / n.max(1);
+        Some(match (self.cas_to_write, self.read_cache) {
+            (true, true) => (per_lane / 4, Some(per_lane - per_lane / 4)),
+            (false, true) => (0, Some(per_lane)),
+            _ => (per_lane, None),
+        })
+    }
+}
+
+/// A proxy connected to its upstream, ready to serve clients.
+pub struct ProxyServer {
+    proxy: Arc<Proxy>,
+}
+
+impl ProxyServer {
+    /// Checks the configuration and opens the mapped upstream connections.
+    pub async fn connect(config: ProxyConfig) -> Result<ProxyServer, ProxyError> {
+        config.validate()?;
+        let upstream_config = ClientConfig {
+            token: config.token.clone(),
+            connections_per_node: 1,
+            request_timeout: config.upstream_timeout,
+            ..ClientConfig::default()
+        };
+        let mut proxy = Proxy {
+            token: config.token.clone(),
+            upstream: config.upstream,
+            upstream_config,
+            lanes: Vec::new(),
+            cas_to_write: config.cas_to_write,
+            read_cache: config.read_cache,
+            memory_bytes_max: config.memory_bytes,
+            counters: Counters::default(),
+            connections: AtomicUsize::new(0),
+            failed: AtomicBool::new(false),
+            failed_notify: Notify::new(),
+        };
+        if let (Some(n), Some((words_bytes, cache_bytes))) = (config.conn_map, config.lane_budget())
+        {
+            for _ in 0..n {
+                let lane = proxy
+                    .new_lane(words_bytes, cache_bytes)
+                    .await
+                    .map_err(|source| ProxyError::Upstream {
+                        addr: config.upstream,
+                        source,
+                    })?;
+                proxy.lanes.push(lane);
             }
-            Ok(())
+        }
+        Ok(ProxyServer {
+            proxy: Arc::new(proxy),
+        })
+    }
+
+    /// Serves clients from `listener` until `shutdown` completes (`Ok`) or, with
+    /// CAS→WRITE, an upstream connection fails (`FailStop`).
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ProxyError> {
+        let proxy = self.proxy;
+        tokio::pin!(shutdown);
+        loop {
+            let failed = proxy.failed_notify.notified();
+            if proxy.failed.load(Ordering::SeqCst) {
+                return Err(ProxyError::FailStop("an upstream request failed".into()));
+            }
+            tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                _ = failed => {
+                    return Err(ProxyError::FailStop("an upstream request failed".into()));
+                }
+                accepted = listener.accept() => {
+                    let (stream, peer) = match accepted {
+                        Ok(a) => a,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "accept failed");
+                            continue;
+                        }
+                    };
+                    if proxy.connections.fetch_add(1, Ordering::SeqCst) >= CONNECTIONS_MAX {
+                        proxy.connections.fetch_sub(1, Ordering::SeqCst);
+                        drop(stream);
+                        continue;
+                    }
+                    proxy.counters.connections_total.fetch_add(1, Ordering::Relaxed);
+                    let proxy = proxy.clone();
+                    tokio::spawn(async move {
+                        serve(proxy.clone(), stream, peer).await;
+                        proxy.connections.fetch_sub(1, Ordering::SeqCst);
+                    });
+                }
+            }
         }
     }
-}
-
-pub fn run(command: ProxyCommand) -> Result<()> {
-    match command {
-        ProxyCommand::Run(a) => run_proxy(a),
-        ProxyCommand::Stats(a) => stats(a),
-    }
-}
-
-fn stats(a: ProxyStatsArgs) -> Result<()> {
-    let addr = crate::resolve(&a.addr)?;
-    let config = ClientConfig {
-        token: a.token.map(String::into_bytes),
-        connections_per_node: 1,
-        ..ClientConfig::default()
-    };
-    let client = camelot_client::Client::connect(ClusterMap::from_addrs(&[addr]), config)?;
-    println!("proxy {addr}");
-    for (name, value) in client.stats(0)? {
-        if name.ends_with("_bytes") || name.ends_with("_bytes_max") {
-            println!("  {name:<28} {}", format_bytes(value));
-        } else {
-            println!("  {name:<28} {value}");
-        }
-    }
-    Ok(())
 }
 
 /// One upstream connection and what the proxy knows about the bytes behind it.
@@ -201,6 +252,9 @@ struct Proxy {
     memory_bytes_max: u64,
     counters: Counters,
     connections: AtomicUsize,
+    /// Set once, on a fail-stop; from then on nothing is answered.
+    failed: AtomicBool,
+    failed_notify: Notify,
 }
 
 type Answer = Pin<Box<dyn Future<Output = Result<Reply, ErrorReply>> + Send>>;
@@ -245,9 +299,11 @@ impl Proxy {
             return reply;
         }
         if self.cas_to_write {
-            // See the module doc: nothing this proxy knows can be trusted any more.
+            // See the crate doc: nothing this proxy knows can be trusted any more.
             tracing::error!(error = %e, "upstream connection failed; stopping (fail-stop)");
-            std::process::exit(3);
+            self.failed.store(true, Ordering::SeqCst);
+            self.failed_notify.notify_waiters();
+            return ErrorReply::new(ErrorCode::Internal, "proxy stopped (fail-stop)");
         }
         ErrorReply::new(ErrorCode::Internal, format!("proxy upstream: {e}"))
     }
@@ -328,6 +384,12 @@ impl Proxy {
     /// every decision about a lane's bytes is made and queued under that lane's lock.
     async fn dispatch(self: &Arc<Self>, lanes: &[Arc<Lane>], op: Op) -> Answer {
         self.counters.requests.fetch_add(1, Ordering::Relaxed);
+        if self.failed.load(Ordering::SeqCst) {
+            return ready(Err(ErrorReply::new(
+                ErrorCode::Internal,
+                "proxy stopped (fail-stop)",
+            )));
+        }
         if let Op::Stats = op {
             return ready(Ok(Reply::Stats(self.stats_list().await)));
         }
@@ -701,118 +763,4 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
     }
     drop(tx);
     let _ = writer.await;
-}
-
-fn run_proxy(a: ProxyArgs) -> Result<()> {
-    let listen = crate::resolve(&a.listen)?;
-    let upstream = crate::resolve(&a.upstream)?;
-    if (a.cas_to_write || a.read_cache) && a.conn_map.is_none() {
-        bail!("--cas-to-write and --read-cache need --conn-map: only mapped connections keep a region's requests in one order");
-    }
-    if let Some(n) = a.conn_map {
-        if n == 0 || n > CONN_MAP_MAX {
-            bail!("--conn-map takes 1 to {CONN_MAP_MAX} connections");
-        }
-    }
-    if a.threads == 0 {
-        bail!("--threads must be at least 1");
-    }
-    if !(a.upstream_timeout.is_finite() && a.upstream_timeout > 0.0) {
-        bail!("--upstream-timeout must be a number of seconds above 0");
-    }
-    let upstream_timeout = Duration::try_from_secs_f64(a.upstream_timeout)
-        .context("--upstream-timeout is too long")?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .worker_threads(a.threads)
-        .build()
-        .context("cannot start the async runtime")?;
-    rt.block_on(async move {
-        let token = a.token.map(String::into_bytes);
-        let upstream_config = ClientConfig {
-            token: token.clone(),
-            connections_per_node: 1,
-            request_timeout: upstream_timeout,
-            ..ClientConfig::default()
-        };
-        let mut proxy = Proxy {
-            token,
-            upstream,
-            upstream_config,
-            lanes: Vec::new(),
-            cas_to_write: a.cas_to_write,
-            read_cache: a.read_cache,
-            memory_bytes_max: a.memory,
-            counters: Counters::default(),
-            connections: AtomicUsize::new(0),
-        };
-        if let Some(n) = a.conn_map {
-            // One budget: each lane a share; within a lane, with both on, the read cache
-            // takes three quarters (it holds bytes, the word table only words).
-            let per_lane = a.memory / n as u64;
-            let (words_bytes, cache_bytes) = match (a.cas_to_write, a.read_cache) {
-                (true, true) => (per_lane / 4, Some(per_lane - per_lane / 4)),
-                (false, true) => (0, Some(per_lane)),
-                _ => (per_lane, None),
-            };
-            if let Some(b) = cache_bytes {
-                if ReadCache::new(b).is_none() {
-                    bail!(
-                        "--memory leaves each lane's read cache {} bytes, less than its {}-byte slot table",
-                        b,
-                        cache::SLOTS * 8
-                    );
-                }
-            }
-            for _ in 0..n {
-                let lane = proxy
-                    .new_lane(words_bytes, cache_bytes)
-                    .await
-                    .with_context(|| format!("cannot reach the upstream server {upstream}"))?;
-                proxy.lanes.push(lane);
-            }
-        }
-        let proxy = Arc::new(proxy);
-        let listener = TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("cannot listen on {listen}"))?;
-        println!(
-            "camelot proxy listening on {} for {upstream} (conn-map {}, cas-to-write {}, read-cache {}, memory {})",
-            listener.local_addr()?,
-            a.conn_map.map_or("off".to_string(), |n| n.to_string()),
-            if a.cas_to_write { "on" } else { "off" },
-            if a.read_cache { "on" } else { "off" },
-            format_bytes(a.memory),
-        );
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).context("cannot install SIGTERM handler")?;
-        let mut int = signal(SignalKind::interrupt()).context("cannot install Ctrl-C handler")?;
-        loop {
-            tokio::select! {
-                _ = term.recv() => break,
-                _ = int.recv() => break,
-                accepted = listener.accept() => {
-                    let (stream, peer) = match accepted {
-                        Ok(a) => a,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "accept failed");
-                            continue;
-                        }
-                    };
-                    if proxy.connections.fetch_add(1, Ordering::SeqCst) >= CONNECTIONS_MAX {
-                        proxy.connections.fetch_sub(1, Ordering::SeqCst);
-                        drop(stream);
-                        continue;
-                    }
-                    proxy.counters.connections_total.fetch_add(1, Ordering::Relaxed);
-                    let proxy = proxy.clone();
-                    tokio::spawn(async move {
-                        serve(proxy.clone(), stream, peer).await;
-                        proxy.connections.fetch_sub(1, Ordering::SeqCst);
-                    });
-                }
-            }
-        }
-        Ok(())
-    })
 }
