@@ -169,6 +169,50 @@ fn region_operations_pass_through_and_cas_becomes_write() {
     }
 }
 
+#[test]
+fn swap_xor_and_guarded_writes_through_the_proxy_are_never_served_stale() {
+    let s = server();
+    let p = proxy(
+        s.addr(),
+        &["--conn-map", "2", "--cas-to-write", "--read-cache"],
+    );
+    let client = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
+    let r = client
+        .alloc_with(4096, None, camelot_client::AccessMode::Shared)
+        .unwrap();
+    let word = |v: u64| Bytes::copy_from_slice(&v.to_le_bytes());
+    let read = |c: &Client| u64::from_le_bytes(c.read(&r, 0, 8).unwrap()[..].try_into().unwrap());
+    client.write(&r, 0, word(1)).unwrap();
+    // Twice, so the second READ is answered from the cache if the proxy kept it.
+    assert_eq!((read(&client), read(&client)), (1, 1));
+    client.call(r.node, r.swap_op(0, word(2))).unwrap();
+    assert_eq!(
+        read(&client),
+        2,
+        "a SWAP's bytes must not be hidden by the read cache"
+    );
+    client.call(r.node, r.xor_into_op(0, word(1))).unwrap();
+    assert_eq!(
+        read(&client),
+        3,
+        "an XOR_INTO's bytes must not be hidden by the read cache"
+    );
+    client
+        .call(r.node, r.write_if_op(0, word(7), &r, 8, 0))
+        .unwrap();
+    assert_eq!(
+        read(&client),
+        7,
+        "a WRITE_IF's bytes must not be hidden by the read cache"
+    );
+    // And the word table: a CAS from the old value must fail, from the new one succeed.
+    assert_eq!(client.cas(&r, 0, 3, 4).unwrap(), 7);
+    assert_eq!(client.cas(&r, 0, 7, 8).unwrap(), 7);
+    let direct = Client::connect(ClusterMap::from_addrs(&[s.addr()]), config(TOKEN)).unwrap();
+    assert_eq!(read(&direct), 8);
+    client.free(&r).unwrap();
+}
+
 fn enc(v: u64) -> Option<Bytes> {
     (v != 0).then(|| Bytes::copy_from_slice(&v.to_le_bytes()))
 }

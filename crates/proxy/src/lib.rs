@@ -269,6 +269,9 @@ fn region_of(op: &Op) -> Option<u64> {
         | Op::Write { region, .. }
         | Op::Cas { region, .. }
         | Op::FetchAdd { region, .. }
+        | Op::WriteIf { region, .. }
+        | Op::Swap { region, .. }
+        | Op::XorInto { region, .. }
         | Op::Free { region } => Some(*region),
         _ => None,
     }
@@ -542,6 +545,32 @@ impl Proxy {
             Op::FetchAdd { region, offset, .. } | Op::Cas { region, offset, .. } => {
                 let mut st = lane.state.lock().await;
                 st.forget(region, offset, 8);
+                let a = self.forward(&lane, op).await;
+                drop(st);
+                a
+            }
+            // Writes whose effect the proxy cannot know (WRITE_IF depends on a guard word,
+            // XOR_INTO on bytes it may not hold; SWAP it could learn, but nothing here
+            // needs that yet): what they touch is forgotten, never served stale.
+            Op::WriteIf {
+                region,
+                offset,
+                ref data,
+                ..
+            }
+            | Op::Swap {
+                region,
+                offset,
+                ref data,
+            }
+            | Op::XorInto {
+                region,
+                offset,
+                ref data,
+            } => {
+                let len = data.len() as u64;
+                let mut st = lane.state.lock().await;
+                st.forget(region, offset, len);
                 let a = self.forward(&lane, op).await;
                 drop(st);
                 a
