@@ -52,11 +52,13 @@ quick_config!(
     raid::EncodeConfig,
     raid::CompareConfig,
     raid::OverheadConfig,
-    raid::RebuildConfig
+    raid::RebuildConfig,
+    cluster::ThroughputConfig
 );
 
 pub mod all;
 pub mod api;
+pub mod cluster;
 pub mod demo;
 pub mod fault;
 pub mod hw;

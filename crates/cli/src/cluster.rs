@@ -148,6 +148,29 @@ pub struct UpArgs {
     /// Memory cap per server.
     #[arg(long, default_value = "256M", value_parser = parse_bytes)]
     memory: u64,
+    /// How many of the nodes (the highest ids) are slow ones, for a heterogeneous cluster.
+    #[arg(long, default_value_t = 0)]
+    slow_nodes: u32,
+    /// A slow node's executed operations per second (its `--ops-per-sec-max`).
+    #[arg(long, value_name = "N", default_value_t = 5000,
+          value_parser = clap::value_parser!(u64).range(1..=camelot_server::throttle::OPS_PER_SEC_MAX))]
+    slow_ops_per_sec: u64,
+}
+
+/// Why the slow nodes are throttled rather than put under cgroup v2 `cpu.max`: this
+/// command's servers share one process, so a cgroup (which holds processes) cannot slow
+/// one of them alone; and some machines have no cgroup v2 hierarchy at all.
+fn slow_mechanism() -> String {
+    let cgroup2 = std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    format!(
+        "throttle (token bucket on executed ops; cgroup v2 cpu.max {}, and the servers \
+         share one process)",
+        if cgroup2 {
+            "is mounted"
+        } else {
+            "is not mounted here"
+        }
+    )
 }
 
 #[derive(Args)]
@@ -181,6 +204,14 @@ async fn up(a: UpArgs) -> Result<()> {
     if a.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
+    if a.slow_nodes > a.nodes {
+        bail!(
+            "--slow-nodes {} is more than --nodes {}",
+            a.slow_nodes,
+            a.nodes
+        );
+    }
+    let slow_from = a.nodes - a.slow_nodes;
     let mut signals = Signals::install()?;
     // Started here, stopped (killed, its temporary directory removed) when this returns.
     let (own_etcd, endpoint) = match &a.etcd {
@@ -201,7 +232,10 @@ async fn up(a: UpArgs) -> Result<()> {
     let mut members = Vec::new();
     let mut nodes = Vec::new();
     for id in 0..a.nodes {
-        let cfg = ServerConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), a.memory);
+        let mut cfg = ServerConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), a.memory);
+        if id >= slow_from {
+            cfg.ops_per_sec_max = Some(a.slow_ops_per_sec);
+        }
         let handle = ServerHandle::start(cfg)
             .await
             .with_context(|| format!("cannot start server {id}"))?;
@@ -235,11 +269,19 @@ async fn up(a: UpArgs) -> Result<()> {
         a.etcd_prefix
     );
     for (id, s) in servers.iter().enumerate() {
+        let class = if id as u32 >= slow_from {
+            format!("slow, {} ops/s", a.slow_ops_per_sec)
+        } else {
+            "fast".to_string()
+        };
         println!(
-            "  node {id}: {} ({} memory)",
+            "  node {id}: {} ({} memory, {class})",
             s.local_addr(),
             format_bytes(a.memory)
         );
+    }
+    if a.slow_nodes > 0 {
+        println!("slow nodes by: {}", slow_mechanism());
     }
     println!(
         "map epoch {}: {} partitions, replication {}",
@@ -349,6 +391,49 @@ async fn plan(a: SourceArgs) -> Result<()> {
     for (id, count) in &before {
         if !after.contains_key(id) {
             println!("  node {id}: {count} → 0 (gone)");
+        }
+    }
+    Ok(())
+}
+
+/// `camelot bench cluster …`.
+#[derive(Subcommand)]
+pub enum ClusterBenchCommand {
+    /// One `camelot server`'s GET and PUT throughput against value size (1 KiB..1 MiB)
+    /// through the client's KV API, an iperf3 loopback stream beside (seed 004).
+    Throughput(ThroughputArgs),
+}
+
+#[derive(Args)]
+pub struct ThroughputArgs {
+    /// Scaled down to finish in seconds (1 KiB, 64 KiB, 1 MiB; 0.3 s a point).
+    #[arg(long)]
+    quick: bool,
+    /// Client threads, one request in flight each.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Run the server inside this process (labelled) instead of as a `camelot server`.
+    #[arg(long)]
+    in_process: bool,
+    /// Directory for cluster-throughput.json.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
+}
+
+pub fn bench(cmd: ClusterBenchCommand) -> Result<()> {
+    use camelot_bench::cluster::ThroughputConfig;
+    use camelot_bench::QuickConfig;
+    match cmd {
+        ClusterBenchCommand::Throughput(a) => {
+            let mut cfg = ThroughputConfig {
+                in_process: a.in_process,
+                ..ThroughputConfig::defaults(a.quick)
+            };
+            if let Some(t) = a.threads {
+                cfg.threads = t;
+            }
+            let path = camelot_bench::cluster::run_throughput(&cfg, &a.out)?;
+            println!("wrote {}", path.display());
         }
     }
     Ok(())

@@ -289,6 +289,11 @@ struct ServerArgs {
     /// programs want the CPU. 0: sleep at once, as Redis does. At most 10000.
     #[arg(long, value_name = "US", default_value_t = camelot_server::resp::SPIN_IDLE_DEFAULT.as_micros() as u64)]
     resp_poll_us: u64,
+    /// Executed operations per second over both ports together (a token bucket): makes
+    /// this server a slow node, where cgroup v2 `cpu.max` is not available. Unset: no
+    /// limit.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=camelot_server::throttle::OPS_PER_SEC_MAX))]
+    ops_per_sec_max: Option<u64>,
     /// Longest argument (bulk string) the Redis port reads, in bytes: Redis's
     /// `proto-max-bulk-len`, with its default. Longer ones are a protocol error and a
     /// close. Values stored are still capped at 32 MiB (an error reply, not a close).
@@ -403,6 +408,10 @@ enum BenchCommand {
     /// against Clover through the proxy.
     #[command(subcommand)]
     Middlebox(proxy::MiddleboxCommand),
+    /// The cluster (issue 19): `cluster throughput` — one server's GET/PUT throughput
+    /// against value size 1 KiB..1 MiB through the client's KV API, iperf3 beside.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterBenchCommand),
     /// Every bench above, then `camelot report`, into one directory.
     All(AllArgs),
 }
@@ -784,6 +793,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Testbed(a)) => testbed_bench::run(a),
         Command::Proxy(c) => proxy::run(c),
         Command::Bench(BenchCommand::Middlebox(c)) => proxy::bench(c),
+        Command::Bench(BenchCommand::Cluster(c)) => cluster::bench(c),
     }
 }
 
@@ -854,6 +864,7 @@ fn server(a: ServerArgs) -> Result<()> {
         cfg.resp_listen = a.resp_listen.as_deref().map(resolve).transpose()?;
         cfg.resp_threads = a.resp_threads;
         cfg.resp_poll = std::time::Duration::from_micros(a.resp_poll_us);
+        cfg.ops_per_sec_max = a.ops_per_sec_max;
         cfg.proto_max_bulk_len = a.proto_max_bulk_len;
         cfg.require_token = a.require_token;
         if let Some(path) = &a.principal_tokens {

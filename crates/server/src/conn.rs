@@ -642,6 +642,10 @@ impl Conn {
                 }
                 Err(e) => return Err(self.protocol_error(e).await),
             };
+            let wait = self.shared.state.throttle_wait(batch.requests.len() as u64);
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+            }
             let start = self.bufs.out.len();
             let mut enc = ResponseBatchEncoder::begin(&mut self.bufs.out);
             let res = exec(&self.shared.state, &self.principal, &batch, &mut enc)

@@ -16,6 +16,7 @@ pub mod principals;
 pub mod resp;
 pub mod state;
 pub mod store;
+pub mod throttle;
 
 pub use budget::{MemoryBudget, OverBudget, Reservation};
 pub use exec::exec;
@@ -87,6 +88,10 @@ pub struct ServerConfig {
     /// Principals that must present their own token instead of the cluster token (native
     /// port; see [`principals`]). Empty: every name goes with the cluster token.
     pub principal_tokens: principals::PrincipalTokens,
+    /// Executed operations per second, over both ports together (`--ops-per-sec-max`;
+    /// `None`: no limit). A slow node's stand-in where cgroup v2 `cpu.max` is not
+    /// available; see [`throttle`].
+    pub ops_per_sec_max: Option<u64>,
 }
 
 impl ServerConfig {
@@ -109,6 +114,7 @@ impl ServerConfig {
             quota: Quota::UNLIMITED,
             require_token: false,
             principal_tokens: principals::PrincipalTokens::default(),
+            ops_per_sec_max: None,
         }
     }
 }
@@ -301,6 +307,10 @@ impl ServerHandle {
             );
         }
         state.set_exposed_without_token(exposed);
+        if let Some(ops) = config.ops_per_sec_max {
+            state.set_ops_per_sec_max(ops);
+            info!(ops_per_sec_max = ops, "throttling executed operations");
+        }
         info!(
             addr = %local_addr,
             memory_cap_bytes = config.memory_bytes_max,

@@ -170,6 +170,8 @@ pub struct ServerState {
     /// Listening beyond loopback with no token: anyone who can reach the port is served.
     /// Shown in STATS so `camelot stats` can warn long after the start-up log scrolled by.
     exposed_without_token: AtomicBool,
+    /// `--ops-per-sec-max`, set once at start; unset costs one atomic load per batch.
+    throttle: std::sync::OnceLock<parking_lot::Mutex<crate::throttle::TokenBucket>>,
 }
 
 impl ServerState {
@@ -195,11 +197,27 @@ impl ServerState {
             epoch: AtomicU64::new(epoch),
             ownership: parking_lot::RwLock::new(None),
             exposed_without_token: AtomicBool::new(false),
+            throttle: std::sync::OnceLock::new(),
         }
     }
 
     pub fn set_exposed_without_token(&self, exposed: bool) {
         self.exposed_without_token.store(exposed, Ordering::Relaxed);
+    }
+
+    /// Limits executed operations to `ops_per_sec` from now on; a second call is ignored
+    /// (the limit is a start-up setting).
+    pub fn set_ops_per_sec_max(&self, ops_per_sec: u64) {
+        let bucket = crate::throttle::TokenBucket::new(ops_per_sec, std::time::Instant::now());
+        let _ = self.throttle.set(parking_lot::Mutex::new(bucket));
+    }
+
+    /// How long to wait before executing `ops` operations (zero when unthrottled).
+    pub fn throttle_wait(&self, ops: u64) -> std::time::Duration {
+        match self.throttle.get() {
+            None => std::time::Duration::ZERO,
+            Some(bucket) => bucket.lock().take(ops, std::time::Instant::now()),
+        }
     }
 
     pub fn exposed_without_token(&self) -> bool {

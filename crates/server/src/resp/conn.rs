@@ -234,6 +234,11 @@ async fn run_buffered(
                     continue;
                 }
                 commands += 1;
+                let wait = ctx.state.throttle_wait(1);
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
+                    now = Instant::now();
+                }
                 execute(ctx, session, &args, now, &mut bufs.out);
                 if let Err(e) = bufs.settle_out() {
                     break Some(End::OverBudget(e));
