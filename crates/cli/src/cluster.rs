@@ -160,6 +160,7 @@ pub struct UpArgs {
 /// Why the slow nodes are throttled rather than put under cgroup v2 `cpu.max`: this
 /// command's servers share one process, so a cgroup (which holds processes) cannot slow
 /// one of them alone; and some machines have no cgroup v2 hierarchy at all.
+#[cfg(feature = "etcd")]
 fn slow_mechanism() -> String {
     let cgroup2 = std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
     format!(
