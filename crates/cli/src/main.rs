@@ -712,7 +712,9 @@ struct ThreadsArgs {
 fn main() {
     let cli = Cli::parse();
     init_logging(&cli.command);
-    if let Err(e) = run(cli) {
+    let result = run(cli);
+    testbed::exit_if_interrupted();
+    if let Err(e) = result {
         eprintln!("error: {}", error_text(&e));
         std::process::exit(1);
     }

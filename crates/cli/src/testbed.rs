@@ -250,6 +250,10 @@ fn fault(f: FaultCommand) -> Result<()> {
 /// commands that build a testbed for themselves (chaos, bench testbed) clean up after a
 /// Ctrl-C as they do on every other path. (A SIGKILL cannot be caught: `camelot testbed
 /// down --name RUN`, or `--all`, removes what is left.)
+///
+/// The teardown kills the run's servers and workers, so the main thread may see them
+/// fail and head for its own exit while the watcher is still at work; `main` calls
+/// [`exit_if_interrupted`] first so that such a run still ends with 130, not 1.
 pub fn down_on_signal(run: String, run_dir: PathBuf) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -266,6 +270,9 @@ pub fn down_on_signal(run: String, run_dir: PathBuf) -> Result<()> {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = term.recv() => {}
             }
+            // Held until exit: whoever waits on it waits for the 130 below.
+            let _teardown = TEARDOWN.lock();
+            INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
             eprintln!("interrupted: taking testbed {run} down");
             if let Err(e) = Testbed::down(&run, &run_dir) {
                 eprintln!("testbed down: {e}");
@@ -274,4 +281,20 @@ pub fn down_on_signal(run: String, run_dir: PathBuf) -> Result<()> {
         });
     });
     Ok(())
+}
+
+/// Set by the signal watcher before it starts taking a testbed down.
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Held by the signal watcher from the moment it sets [`INTERRUPTED`] until it exits.
+static TEARDOWN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// If a signal watcher is taking a testbed down, waits for it to finish and exit
+/// (130); otherwise returns at once. Anything the main thread saw fail after the
+/// watcher began is the teardown's doing, not the run's.
+pub fn exit_if_interrupted() {
+    if INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+        // The watcher holds the lock until it calls exit, so this never returns.
+        let _wait = TEARDOWN.lock();
+        std::process::exit(130);
+    }
 }
