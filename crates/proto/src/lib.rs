@@ -28,7 +28,7 @@ use std::fmt;
 /// 3: WRITE_IF (a WRITE guarded by an 8-byte word elsewhere, for fencing writers).
 /// 4: SWAP (a WRITE answered with the bytes it replaced) and XOR_INTO (bytes XORed into a
 /// span), so a parity update is two requests instead of four.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// First bytes of a HELLO, so a stray client (HTTP, Redis) is told apart at once.
 pub const HELLO_MAGIC: [u8; 4] = *b"CMLT";
 
@@ -225,6 +225,17 @@ pub enum Op {
         start: Bytes,
         limit: u32,
     },
+    /// A cluster peer's copy of a key at the version its primary gave it (replication,
+    /// partition moves): `Some(value)` stores it, `None` deletes the key. Applied only if
+    /// `version` is above the key's current version, so a resent or reordered copy never
+    /// overwrites a newer one; the server's version clock moves past `version`, so writes
+    /// it takes later (after a promotion) still get larger versions. Answers the key's
+    /// version after the call: `version` if applied, the newer one otherwise.
+    Apply {
+        key: Bytes,
+        version: u64,
+        value: Option<Bytes>,
+    },
 }
 
 /// Operation kinds, as counted in STATS and carried on the wire.
@@ -249,10 +260,11 @@ pub enum OpKind {
     WriteIf = 16,
     Swap = 17,
     XorInto = 18,
+    Apply = 19,
 }
 
 impl OpKind {
-    pub const ALL: [OpKind; 18] = [
+    pub const ALL: [OpKind; 19] = [
         OpKind::Ping,
         OpKind::Stats,
         OpKind::List,
@@ -271,6 +283,7 @@ impl OpKind {
         OpKind::WriteIf,
         OpKind::Swap,
         OpKind::XorInto,
+        OpKind::Apply,
     ];
 
     pub fn from_u8(v: u8) -> Option<OpKind> {
@@ -297,6 +310,7 @@ impl OpKind {
             OpKind::WriteIf => "write_if",
             OpKind::Swap => "swap",
             OpKind::XorInto => "xor_into",
+            OpKind::Apply => "apply",
         }
     }
 }
@@ -322,6 +336,7 @@ impl Op {
             Op::WriteIf { .. } => OpKind::WriteIf,
             Op::Swap { .. } => OpKind::Swap,
             Op::XorInto { .. } => OpKind::XorInto,
+            Op::Apply { .. } => OpKind::Apply,
         }
     }
 
@@ -343,6 +358,7 @@ impl Op {
             Op::Swap { data, .. } => 2 * data.len(),
             Op::Read { len, .. } => *len as usize,
             Op::Put { value, .. } | Op::CasPut { value, .. } => value.len(),
+            Op::Apply { value, .. } => value.as_ref().map_or(0, |v| v.len()),
             _ => 0,
         }
     }

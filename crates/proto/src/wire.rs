@@ -83,6 +83,13 @@ pub(crate) fn request_encoded_len(op: &Op) -> usize {
                 KEY_HEADER_BYTES + key.len() + 8 + VALUE_HEADER_BYTES + value.len()
             }
             Op::Scan { start, .. } => KEY_HEADER_BYTES + start.len() + 4,
+            Op::Apply { key, value, .. } => {
+                KEY_HEADER_BYTES
+                    + key.len()
+                    + 8
+                    + 1
+                    + value.as_ref().map_or(0, |v| VALUE_HEADER_BYTES + v.len())
+            }
         }
 }
 
@@ -101,7 +108,7 @@ pub(crate) fn reply_len_max(op: &Op) -> usize {
             Op::XorInto { .. } => 0,
             Op::Cas { .. } | Op::FetchAdd { .. } | Op::WriteIf { .. } => 8,
             Op::Get { .. } => 8 + VALUE_HEADER_BYTES + VALUE_BYTES_MAX,
-            Op::Put { .. } | Op::CasPut { .. } | Op::Delete { .. } => 8,
+            Op::Put { .. } | Op::CasPut { .. } | Op::Delete { .. } | Op::Apply { .. } => 8,
             // A scan fills at most what is left of the frame; the frame limit bounds it.
             Op::Scan { .. } => RESPONSE_OK_BUDGET_BYTES,
         };
@@ -275,6 +282,23 @@ fn encode_op(buf: &mut BytesMut, op: &Op, payloads: &mut Payloads<'_>) -> Result
             limit("scan limit", *n as usize, SCAN_ITEMS_MAX)?;
             put_key(buf, start, "scan start key")?;
             buf.put_u32_le(*n);
+        }
+        Op::Apply {
+            key,
+            version,
+            value,
+        } => {
+            put_key(buf, key, "key")?;
+            buf.put_u64_le(*version);
+            match value {
+                None => buf.put_u8(0),
+                Some(value) => {
+                    buf.put_u8(1);
+                    limit("value", value.len(), VALUE_BYTES_MAX)?;
+                    buf.put_u32_le(value.len() as u32);
+                    payloads.put(buf, value);
+                }
+            }
         }
     }
     Ok(())
@@ -868,6 +892,20 @@ fn decode_op(c: &mut Cursor) -> Result<Op, DecodeError> {
             let limit = c.u32()?;
             check_limit("scan limit", limit as u64, SCAN_ITEMS_MAX as u64)?;
             Op::Scan { start, limit }
+        }
+        OpKind::Apply => {
+            let key = c.key("key")?;
+            let version = c.u64()?;
+            let value = match c.u8()? {
+                0 => None,
+                1 => Some(c.value()?),
+                _ => return Err(DecodeError::Invalid("apply value flag")),
+            };
+            Op::Apply {
+                key,
+                version,
+                value,
+            }
         }
     })
 }

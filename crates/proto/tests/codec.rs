@@ -28,6 +28,13 @@ fn object_op() -> impl Strategy<Value = Op> {
             }
         }),
         (blob(40), 0..=SCAN_ITEMS_MAX as u32).prop_map(|(start, limit)| Op::Scan { start, limit }),
+        (blob(40), any::<u64>(), proptest::option::of(blob(300))).prop_map(
+            |(key, version, value)| Op::Apply {
+                key,
+                version,
+                value
+            }
+        ),
     ]
 }
 

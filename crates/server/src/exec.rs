@@ -111,6 +111,8 @@ pub fn exec(
 
 /// The key a key-value op is placed by. SCAN is not checked: it walks whatever keys this
 /// server holds from a start key, and the cluster client merges every node's answer.
+/// APPLY is not placed either: a peer sends its copies to servers that are not (or not
+/// yet) the key's primary — backups, a move's target.
 fn op_key(op: &Op) -> Option<&[u8]> {
     match op {
         Op::Get { key } | Op::Put { key, .. } | Op::CasPut { key, .. } | Op::Delete { key } => {
@@ -234,6 +236,14 @@ impl Exec<'_, '_, '_> {
             }),
             Op::Delete { key } => self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
                 o.delete(key, now).map(Reply::Version)
+            }),
+            Op::Apply {
+                key,
+                version,
+                value,
+            } => self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
+                o.apply(key, *version, value.as_deref(), now)
+                    .map(Reply::Version)
             }),
             Op::Scan { start, limit } => {
                 let budget = RESPONSE_OK_BUDGET_BYTES

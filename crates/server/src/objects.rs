@@ -479,7 +479,18 @@ impl VersionClock {
     pub fn next(&self) -> u64 {
         self.0.fetch_add(1, Ordering::Relaxed)
     }
+
+    /// Makes every later [`VersionClock::next`] answer more than `version`.
+    fn advance_past(&self, version: u64) {
+        self.0
+            .fetch_max(version.saturating_add(1), Ordering::Relaxed);
+    }
 }
+
+/// Highest version an APPLY may carry. Versions come from a clock that counts writes, so a
+/// real one is far below this; the bound keeps a hostile or corrupt APPLY from pushing
+/// the clock to where later writes could run out of versions.
+pub const APPLY_VERSION_MAX: u64 = 1 << 56;
 
 /// What a [`ObjectStore::modify`] closure decided about the slot.
 pub enum Change {
@@ -492,6 +503,9 @@ pub enum Change {
     },
     /// Remove the object.
     Remove,
+    /// Create the object at a version chosen by the caller (a copy from a peer), not the
+    /// clock's next; the caller has moved the clock past it.
+    InsertAt { value: Value, version: u64 },
 }
 
 /// One shard's objects: a hash map for point lookups, which every GET, PUT and HGETALL
@@ -778,6 +792,53 @@ impl ObjectStore {
         .map(|(v, inserted)| inserted.unwrap_or(v))
     }
 
+    /// A peer's copy of `key` at `version` (see `Op::Apply`): stored (or, for `None`,
+    /// deleted) only if `version` is above the key's current one. Returns the key's version
+    /// after the call. The clock moves past `version` either way, so this server's own
+    /// later writes always supersede every copy it has taken.
+    pub fn apply(
+        &self,
+        key: &[u8],
+        version: u64,
+        value: Option<&[u8]>,
+        now: Instant,
+    ) -> Result<u64, ErrorReply> {
+        if version == 0 || version > APPLY_VERSION_MAX {
+            return Err(err(
+                ErrorCode::BadRequest,
+                format!("an applied version is 1..={APPLY_VERSION_MAX}, not {version}"),
+            ));
+        }
+        if let Some(v) = value {
+            check_value_len(v.len())?;
+        }
+        let value = value.map(Bytes::copy_from_slice);
+        let cost = value
+            .as_ref()
+            .map_or(0, |v| ENTRY_OVERHEAD_BYTES + (key.len() + v.len()) as u64);
+        let growth = |e: Option<&Entry>| cost.saturating_sub(e.map_or(0, |e| e.charge_bytes));
+        self.clock.advance_past(version);
+        self.modify(key, growth, now, |slot, _| match (slot, value) {
+            (Some(e), _) if e.version >= version => Ok((e.version, Change::Keep)),
+            (Some(e), Some(value)) => {
+                e.value = Value::Str(value);
+                e.expires_at = None;
+                e.version = version;
+                Ok((version, Change::Keep))
+            }
+            (Some(_), None) => Ok((version, Change::Remove)),
+            (None, Some(value)) => Ok((
+                version,
+                Change::InsertAt {
+                    value: Value::Str(value),
+                    version,
+                },
+            )),
+            (None, None) => Ok((version, Change::Keep)),
+        })
+        .map(|(v, _)| v)
+    }
+
     /// Removes the object; returns the version it had.
     pub fn delete(&self, key: &[u8], now: Instant) -> Result<u64, ErrorReply> {
         self.modify(
@@ -864,25 +925,36 @@ impl ObjectStore {
             }
             None => match f(None, &self.clock) {
                 Err(x) => Err(x),
-                Ok((r, Change::Insert { value, expires_at })) if !value.is_empty_collection() => {
-                    let cost = entry_cost(key, &value);
-                    grown_bytes = cost;
-                    let version = self.clock.next();
-                    if expires_at.is_some() {
-                        self.expiring.fetch_add(1, Ordering::Relaxed);
+                Ok((r, change)) => {
+                    // A collection created empty is no object (Redis deletes such keys).
+                    let created = match change {
+                        Change::Insert { value, expires_at } if !value.is_empty_collection() => {
+                            Some((value, expires_at, self.clock.next()))
+                        }
+                        Change::InsertAt { value, version } => Some((value, None, version)),
+                        _ => None,
+                    };
+                    match created {
+                        None => Ok((r, None)),
+                        Some((value, expires_at, version)) => {
+                            let cost = entry_cost(key, &value);
+                            grown_bytes = cost;
+                            if expires_at.is_some() {
+                                self.expiring.fetch_add(1, Ordering::Relaxed);
+                            }
+                            shard.insert(
+                                Bytes::copy_from_slice(key),
+                                Entry {
+                                    version,
+                                    value,
+                                    expires_at,
+                                    charge_bytes: cost,
+                                },
+                            );
+                            Ok((r, Some(version)))
+                        }
                     }
-                    shard.insert(
-                        Bytes::copy_from_slice(key),
-                        Entry {
-                            version,
-                            value,
-                            expires_at,
-                            charge_bytes: cost,
-                        },
-                    );
-                    Ok((r, Some(version)))
                 }
-                Ok((r, _)) => Ok((r, None)),
             },
         };
         drop(shard);
@@ -1095,6 +1167,62 @@ mod tests {
 
     fn code<T: std::fmt::Debug>(r: Result<T, ErrorReply>) -> ErrorCode {
         r.expect_err("expected an error").code
+    }
+
+    #[test]
+    fn apply_keeps_the_newest_copy_and_moves_the_clock_past_it() {
+        let (s, _) = store(1 << 20);
+        let now = Instant::now();
+        assert_eq!(s.apply(b"k", 10, Some(b"ten"), now).unwrap(), 10);
+        assert_eq!(s.get(b"k", now).unwrap(), (10, Bytes::from_static(b"ten")));
+        // An older or repeated copy changes nothing and reports the newer version.
+        assert_eq!(s.apply(b"k", 7, Some(b"seven"), now).unwrap(), 10);
+        assert_eq!(s.apply(b"k", 10, Some(b"again"), now).unwrap(), 10);
+        assert_eq!(s.get(b"k", now).unwrap(), (10, Bytes::from_static(b"ten")));
+        // This server's own next write supersedes every copy it took.
+        let own = s.put(b"other", b"x", now).unwrap();
+        assert!(own > 10, "{own}");
+        assert_eq!(s.apply(b"k", 12, None, now).unwrap(), 12);
+        assert_eq!(code(s.get(b"k", now)), ErrorCode::NoSuchKey);
+        assert_eq!(
+            code(s.apply(b"k", 0, Some(b"x"), now)),
+            ErrorCode::BadRequest
+        );
+        assert_eq!(
+            code(s.apply(b"k", APPLY_VERSION_MAX + 1, Some(b"x"), now)),
+            ErrorCode::BadRequest
+        );
+        // A CAS against the copied version works on the copy, as it did on the primary.
+        s.apply(b"c", 20, Some(b"v"), now).unwrap();
+        let next = s.cas_put(b"c", 20, b"w", now).unwrap();
+        assert!(next > 20);
+    }
+
+    proptest::proptest! {
+        /// Copies of one key's writes, each taken once or twice and in any order, leave
+        /// the newest (puts only: a delete carries no tombstone, so a delete followed by
+        /// an older put is the one order a replica must not see; primaries send in order).
+        #[test]
+        fn applies_in_any_order_converge_to_the_newest(
+            order in proptest::strategy::Strategy::prop_shuffle(
+                proptest::strategy::Just((0..12usize).collect::<Vec<_>>())
+            ),
+            twice in proptest::collection::vec(proptest::bool::ANY, 12),
+        ) {
+            let (s, _) = store(1 << 20);
+            let now = Instant::now();
+            for &i in &order {
+                let v = (i as u64 + 1) * 3;
+                let value = format!("v{v}");
+                s.apply(b"k", v, Some(value.as_bytes()), now).unwrap();
+                if twice[i] {
+                    s.apply(b"k", v, Some(value.as_bytes()), now).unwrap();
+                }
+            }
+            let (v, value) = s.get(b"k", now).unwrap();
+            proptest::prop_assert_eq!(v, 36);
+            proptest::prop_assert_eq!(&value[..], &b"v36"[..]);
+        }
     }
 
     #[test]
