@@ -67,13 +67,38 @@ impl EncodeConfig {
                 "chunk sizes are powers of two from 64 B to 16 MiB".into(),
             ));
         }
-        if !(self.seconds_per_point.is_finite() && self.seconds_per_point > 0.0) {
-            return Err(BenchError::InvalidConfig(
-                "seconds per point must be positive".into(),
-            ));
-        }
+        check_seconds("seconds per point", self.seconds_per_point)?;
         Ok(())
     }
+}
+
+fn check_threads(threads: &[usize]) -> Result<(), BenchError> {
+    if threads.is_empty() || threads.iter().any(|&t| t == 0 || t > THREADS_MAX) {
+        return Err(BenchError::InvalidConfig(format!(
+            "threads must be 1 to {THREADS_MAX}"
+        )));
+    }
+    Ok(())
+}
+
+fn check_seconds(what: &str, seconds: f64) -> Result<(), BenchError> {
+    if !(seconds.is_finite() && seconds > 0.0) {
+        return Err(BenchError::InvalidConfig(format!(
+            "{what} must be positive"
+        )));
+    }
+    Ok(())
+}
+
+/// A volume of fewer than four stripes (of up to four data chunks) leaves a random load
+/// nothing to spread over.
+fn check_holds_stripes(volume_bytes: u64, chunk_bytes: u64) -> Result<(), BenchError> {
+    if volume_bytes < 4 * chunk_bytes * 4 {
+        return Err(BenchError::InvalidConfig(
+            "the volume must hold a few stripes".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The codecs `encode` measures: (label, codec, slots lost for the decode).
@@ -299,22 +324,9 @@ impl CompareConfig {
     }
 
     pub fn validate(&self) -> Result<(), BenchError> {
-        if self.threads == 0 || self.threads > THREADS_MAX {
-            return Err(BenchError::InvalidConfig(format!(
-                "threads must be 1 to {THREADS_MAX}"
-            )));
-        }
-        if !(self.seconds_per_point.is_finite() && self.seconds_per_point > 0.0) {
-            return Err(BenchError::InvalidConfig(
-                "seconds per point must be positive".into(),
-            ));
-        }
-        if self.volume_bytes < 4 * self.chunk_bytes * 4 {
-            return Err(BenchError::InvalidConfig(
-                "the volume must hold a few stripes".into(),
-            ));
-        }
-        Ok(())
+        check_threads(&[self.threads])?;
+        check_seconds("seconds per point", self.seconds_per_point)?;
+        check_holds_stripes(self.volume_bytes, self.chunk_bytes)
     }
 }
 
@@ -684,22 +696,9 @@ impl OverheadConfig {
     }
 
     pub fn validate(&self) -> Result<(), BenchError> {
-        if self.threads.is_empty() || self.threads.iter().any(|&t| t == 0 || t > THREADS_MAX) {
-            return Err(BenchError::InvalidConfig(format!(
-                "threads must be 1 to {THREADS_MAX}"
-            )));
-        }
-        if !(self.seconds_per_point.is_finite() && self.seconds_per_point > 0.0) {
-            return Err(BenchError::InvalidConfig(
-                "seconds per point must be positive".into(),
-            ));
-        }
-        if self.volume_bytes < 4 * self.chunk_bytes * 4 {
-            return Err(BenchError::InvalidConfig(
-                "the volume must hold a few stripes".into(),
-            ));
-        }
-        Ok(())
+        check_threads(&self.threads)?;
+        check_seconds("seconds per point", self.seconds_per_point)?;
+        check_holds_stripes(self.volume_bytes, self.chunk_bytes)
     }
 }
 
@@ -876,22 +875,9 @@ impl RebuildConfig {
     }
 
     pub fn validate(&self) -> Result<(), BenchError> {
-        if self.threads == 0 || self.threads > THREADS_MAX {
-            return Err(BenchError::InvalidConfig(format!(
-                "threads must be 1 to {THREADS_MAX}"
-            )));
-        }
-        if !(self.baseline_seconds.is_finite() && self.baseline_seconds > 0.0) {
-            return Err(BenchError::InvalidConfig(
-                "baseline seconds must be positive".into(),
-            ));
-        }
-        if self.volume_bytes < 4 * self.chunk_bytes * 4 {
-            return Err(BenchError::InvalidConfig(
-                "the volume must hold a few stripes".into(),
-            ));
-        }
-        Ok(())
+        check_threads(&[self.threads])?;
+        check_seconds("baseline seconds", self.baseline_seconds)?;
+        check_holds_stripes(self.volume_bytes, self.chunk_bytes)
     }
 }
 

@@ -1,6 +1,7 @@
-//! `camelot bench testbed`: seed 000's "emulated vs real" — 4 KiB batched reads and
-//! sockperf's TCP round trip, once over loopback and once between two testbed hosts on
-//! a rate-limited link, in one result JSON.
+//! `camelot bench testbed`: seed 000's "emulated vs real" — 4 KiB batched reads, the
+//! threads experiment (4 KiB reads against client threads, one request outstanding per
+//! thread and batched) and sockperf's TCP round trip, once over loopback and once between
+//! two testbed hosts on a rate-limited link, in one result JSON.
 //!
 //! The load generator is the same program on both paths (`camelot
 //! bench-testbed-client`, hidden): run directly for loopback, on host h0 for the
@@ -35,6 +36,13 @@ const DEPTH: usize = 16;
 const LINK_FRACTION_TARGET: f64 = 0.8;
 /// At most this many link rates in one run (a testbed each).
 const RATES_MAX: usize = 8;
+/// The threads experiment's client thread counts, and the ceiling on what --threads takes.
+const THREAD_COUNTS_DEFAULT: &str = "1,4,16";
+const THREAD_COUNTS_MAX: usize = 8;
+const CLIENT_THREADS_MAX: usize = 64;
+/// Each threads-experiment point runs this share of --seconds: there are 2 × counts of
+/// them per path, and the headline 4 KiB figure keeps the full time.
+const THREADS_POINT_SHARE: f64 = 0.5;
 
 #[derive(Args)]
 pub struct BenchTestbedArgs {
@@ -46,6 +54,10 @@ pub struct BenchTestbedArgs {
     /// Testbed link rates, comma-separated: one testbed and one point per rate.
     #[arg(long, value_delimiter = ',', default_value = "1gbit,10gbit")]
     rate: Vec<String>,
+    /// The threads experiment's client thread counts, comma-separated: each is run with
+    /// one request outstanding per thread and with 16 (batched), on every path.
+    #[arg(long, value_delimiter = ',', default_value = THREAD_COUNTS_DEFAULT)]
+    threads: Vec<usize>,
     #[arg(long, default_value = "results")]
     out: PathBuf,
     #[arg(long, env = "CAMELOT_TESTBED_DIR", default_value = DEFAULT_RUN_DIR)]
@@ -58,6 +70,11 @@ pub struct ClientArgs {
     server: SocketAddr,
     #[arg(long)]
     seconds: f64,
+    #[arg(long, default_value_t = THREADS)]
+    threads: usize,
+    /// Requests each thread keeps outstanding (1: unbatched).
+    #[arg(long, default_value_t = DEPTH)]
+    depth: usize,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -70,11 +87,14 @@ struct ClientReport {
 
 /// The hidden client: 4 KiB reads, batched, against one server; one JSON line out.
 pub fn client(a: ClientArgs) -> Result<()> {
+    if !(1..=CLIENT_THREADS_MAX).contains(&a.threads) || !(1..=DEPTH).contains(&a.depth) {
+        bail!("--threads 1..={CLIENT_THREADS_MAX}, --depth 1..={DEPTH}");
+    }
     let client = Client::connect(ClusterMap::from_addrs(&[a.server]), ClientConfig::default())?;
     let regions = regions_on_every_node(&client, REGION_BYTES)?;
     let spec = LoadSpec {
-        threads: THREADS,
-        depth: DEPTH,
+        threads: a.threads,
+        depth: a.depth,
         requests: 1,
         min_duration: Duration::from_secs_f64(a.seconds),
         mix: Mix {
@@ -121,7 +141,8 @@ fn measure(
     server: SocketAddr,
     sockperf: SocketAddr,
     seconds: f64,
-) -> Result<(ClientReport, LatencySummary, String)> {
+    thread_points: &[(usize, usize)],
+) -> Result<Measured> {
     let exe = std::env::current_exe()?;
     let exe = exe.to_string_lossy();
     let mut children = Killed(Vec::new());
@@ -136,15 +157,24 @@ fn measure(
     if !Testbed::wait_listening(pid, server, START) {
         bail!("camelot server did not listen on {server}");
     }
-    let out = client_cmd(&exe)
-        .args(["bench-testbed-client", "--server", &server.to_string()])
-        .args(["--seconds", &seconds.to_string()])
-        .stderr(Stdio::inherit())
-        .output()?;
-    if !out.status.success() {
-        bail!("the read client failed ({})", out.status);
-    }
-    let report: ClientReport = serde_json::from_slice(&out.stdout).context("client report")?;
+    let reads = |threads: usize, depth: usize, seconds: f64| -> Result<ClientReport> {
+        let out = client_cmd(&exe)
+            .args(["bench-testbed-client", "--server", &server.to_string()])
+            .args(["--seconds", &seconds.to_string()])
+            .args(["--threads", &threads.to_string()])
+            .args(["--depth", &depth.to_string()])
+            .stderr(Stdio::inherit())
+            .output()?;
+        if !out.status.success() {
+            bail!("the read client failed ({})", out.status);
+        }
+        serde_json::from_slice(&out.stdout).context("client report")
+    };
+    let report = reads(THREADS, DEPTH, seconds)?;
+    let threads = thread_points
+        .iter()
+        .map(|&(t, d)| reads(t, d, seconds * THREADS_POINT_SHARE))
+        .collect::<Result<Vec<_>>>()?;
 
     let sp = server_cmd("sockperf")
         .args(["server", "--tcp", "-i", &sockperf.ip().to_string()])
@@ -185,7 +215,21 @@ fn measure(
     );
     let rtt = camelot_bench::peers::parse_sockperf_output(&text)
         .map_err(|e| anyhow::anyhow!("sockperf: {e}"))?;
-    Ok((report, rtt, command))
+    Ok(Measured {
+        reads: report,
+        threads,
+        rtt,
+        sockperf_command: command,
+    })
+}
+
+/// One path's figures: the headline 4 KiB reads, the threads experiment's points (in
+/// the order asked) and the round trip.
+struct Measured {
+    reads: ClientReport,
+    threads: Vec<ClientReport>,
+    rtt: LatencySummary,
+    sockperf_command: String,
 }
 
 fn point(label: &str, r: &ClientReport) -> Point {
@@ -217,6 +261,19 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
     if rates.is_empty() || rates.len() > RATES_MAX {
         bail!("--rate: 1 to {RATES_MAX} rates");
     }
+    if a.threads.is_empty()
+        || a.threads.len() > THREAD_COUNTS_MAX
+        || a.threads
+            .iter()
+            .any(|t| !(1..=CLIENT_THREADS_MAX).contains(t))
+    {
+        bail!("--threads: 1 to {THREAD_COUNTS_MAX} counts, each 1..={CLIENT_THREADS_MAX}");
+    }
+    // Unbatched first, then batched, each over every thread count.
+    let thread_points: Vec<(usize, usize)> = [1, DEPTH]
+        .iter()
+        .flat_map(|&d| a.threads.iter().map(move |&t| (t, d)))
+        .collect();
     let started = now_rfc3339();
 
     println!("loopback: 4 KiB reads, {THREADS} threads × {DEPTH}, {seconds} s …");
@@ -229,7 +286,15 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
         free_loopback_port()?,
     ));
     let plain = |p: &str| Command::new(p);
-    let (lo, lo_rtt, sockperf_cmd) = measure(&plain, &plain, lo_server, lo_sockperf, seconds)?;
+    let lo_all = measure(
+        &plain,
+        &plain,
+        lo_server,
+        lo_sockperf,
+        seconds,
+        &thread_points,
+    )?;
+    let (lo, lo_rtt) = (&lo_all.reads, &lo_all.rtt);
     let mbs = |b: f64| b / 1e6;
     println!(
         "  loopback: {:.0} MB/s (p50 {:.0} µs); sockperf RTT p50 {:.1} µs p99 {:.1} µs",
@@ -240,9 +305,24 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
     );
 
     let mut reads = Series::new("4 KiB batched reads");
-    reads.points.push(point("loopback", &lo));
+    reads.points.push(point("loopback", lo));
     let mut rtts = Series::new("sockperf TCP RTT, 64 B");
-    rtts.points.push(rtt_point("loopback", &lo_rtt));
+    rtts.points.push(rtt_point("loopback", lo_rtt));
+    let mut thread_series = vec![
+        Series::new("threads experiment, 4 KiB reads, 1 outstanding per thread"),
+        Series::new(format!(
+            "threads experiment, 4 KiB reads, {DEPTH} outstanding per thread"
+        )),
+    ];
+    let mut add_thread_points = |path: &str, m: &Measured| {
+        for (&(t, d), r) in thread_points.iter().zip(&m.threads) {
+            let series = &mut thread_series[usize::from(d != 1)];
+            series
+                .points
+                .push(point(&format!("{path}, {t} threads"), r));
+        }
+    };
+    add_thread_points("loopback", &lo_all);
     let mut references = Vec::new();
     let mut comparisons = Vec::new();
     let run = format!("bt{}", std::process::id() % 1_000_000);
@@ -263,10 +343,11 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
         let on_h1 = |p: &str| tb.command(1, p);
         let on_h0 = |p: &str| tb.command(0, p);
         // Measured before `?`: the testbed comes down whatever happened.
-        let result = measure(&on_h1, &on_h0, server, sp, seconds);
+        let result = measure(&on_h1, &on_h0, server, sp, seconds, &thread_points);
         let down = Testbed::down(&run, &a.run_dir);
-        let (tbd, tb_rtt, _) = result?;
+        let tb_all = result?;
         down?;
+        let (tbd, tb_rtt) = (&tb_all.reads, &tb_all.rtt);
         let label = format!("testbed {name}");
         let link_bytes_per_s = *bits as f64 / 8.0;
         println!(
@@ -277,8 +358,8 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
             tb_rtt.p50,
             tb_rtt.p99
         );
-        reads.points.push(point(&label, &tbd));
-        rtts.points.push(rtt_point(&label, &tb_rtt));
+        reads.points.push(point(&label, tbd));
+        rtts.points.push(rtt_point(&label, tb_rtt));
         references.push(Reference {
             label: format!("link rate ({name})"),
             metric: "bytes_per_sec".into(),
@@ -301,6 +382,26 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
             "bytes/s",
             "loopback",
         ));
+        add_thread_points(&label, &tb_all);
+        for ((&(t, d), r), l) in thread_points
+            .iter()
+            .zip(&tb_all.threads)
+            .zip(&lo_all.threads)
+        {
+            println!(
+                "  threads experiment, {t} threads × {d}: testbed {:.0} vs loopback {:.0} ops/s ({:.2})",
+                r.ops_per_sec,
+                l.ops_per_sec,
+                r.ops_per_sec / l.ops_per_sec
+            );
+            comparisons.push(Comparison::new(
+                format!("{label} ÷ loopback, threads experiment, {t} threads × {d}"),
+                r.ops_per_sec,
+                l.ops_per_sec,
+                "ops/s",
+                "loopback",
+            ));
+        }
     }
     let config = serde_json::json!({
         "seconds": seconds,
@@ -310,10 +411,17 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
         "region_bytes": REGION_BYTES,
         "link_rates_bits_per_s": rates.iter().map(|(_, b)| *b).collect::<Vec<_>>(),
         "testbed": "two hosts in network namespaces, veth pairs to a bridge, tbf both ways",
-        "sockperf": sockperf_cmd,
+        "sockperf": lo_all.sockperf_command,
+        "threads_experiment": {
+            "threads": a.threads,
+            "depths": [1, DEPTH],
+            "seconds_per_point": seconds * THREADS_POINT_SHARE,
+        },
         "quick": a.quick,
     });
-    let mut result = BenchResult::new("testbed", started, config, vec![reads, rtts]);
+    let mut series = vec![reads, rtts];
+    series.extend(thread_series);
+    let mut result = BenchResult::new("testbed", started, config, series);
     result.references = references;
     result.comparisons = comparisons;
     let path = camelot_results::output::write_result(&a.out, &result)?;

@@ -198,6 +198,8 @@ fn bench_testbed_writes_both_paths_in_the_result_schema() {
         "1",
         "--rate",
         "200mbit",
+        "--threads",
+        "1,4",
         "--out",
         out_dir.to_str().unwrap(),
     ]);
@@ -217,5 +219,33 @@ fn bench_testbed_writes_both_paths_in_the_result_schema() {
     let rtt = &json["series"][1]["points"];
     assert!(rtt[1]["latency_us"]["p99"].as_f64().unwrap() > 0.0);
     assert_eq!(json["comparisons"][0]["target"], 0.8);
+    // The threads experiment: unbatched and batched, each thread count on both paths.
+    for (i, depth) in [(2, "1 outstanding"), (3, "16 outstanding")] {
+        let series = &json["series"][i];
+        assert!(
+            series["label"].as_str().unwrap().contains(depth),
+            "{series}"
+        );
+        let labels: Vec<&str> = series["points"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["x"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            labels,
+            [
+                "loopback, 1 threads",
+                "loopback, 4 threads",
+                "testbed 200mbit, 1 threads",
+                "testbed 200mbit, 4 threads"
+            ]
+        );
+        assert!(series["points"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["ops_per_sec"].as_f64().unwrap() > 0.0));
+    }
     let _ = std::fs::remove_dir_all(&out_dir);
 }
