@@ -103,6 +103,10 @@ pub struct ChaosArgs {
     /// checkers must report FAIL (they are shown able to).
     #[arg(long, hide = true)]
     broken_ack_before_write: bool,
+    /// Test only (raid5): stripe 0's parity is overwritten behind the volume's back just
+    /// before the final scrub, so the scrub checker must report FAIL (it is shown able to).
+    #[arg(long, hide = true)]
+    broken_parity: bool,
 }
 
 #[derive(Args)]
@@ -115,6 +119,8 @@ pub struct WorkerArgs {
     seed: u64,
     #[arg(long)]
     broken_ack_before_write: bool,
+    #[arg(long)]
+    broken_parity: bool,
 }
 
 /// What the worker reports after `stop`.
@@ -282,6 +288,9 @@ pub fn run(a: ChaosArgs) -> Result<()> {
         );
     if a.broken_ack_before_write {
         worker_cmd.arg("--broken-ack-before-write");
+    }
+    if a.broken_parity {
+        worker_cmd.arg("--broken-parity");
     }
     let mut worker = worker_cmd
         .stdin(Stdio::piped())
@@ -603,6 +612,26 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
     Ok(())
 }
 
+/// The `--broken-parity` fault: a few bytes of stripe 0's parity chunk rewritten through
+/// a client of its own, as a write hole or a bit flip would leave them.
+fn overwrite_parity_of_stripe_0(
+    vol: &camelot_blocks::volume::Volume,
+    servers: &[SocketAddr],
+) -> Result<()> {
+    let layout = vol.layout();
+    let member = layout.member_of(0, layout.data_slots());
+    let client = camelot_client::Client::connect(
+        camelot_client::ClusterMap::from_addrs(&[servers[member]]),
+        camelot_client::ClientConfig::default(),
+    )?;
+    let region = client.lookup(&camelot_blocks::volume::region_name(vol.name(), member))?;
+    let base = region.size - layout.member_data_bytes();
+    let old = client.read(&region, base, 8)?;
+    let flipped: Vec<u8> = old.iter().map(|b| !b).collect();
+    client.write(&region, base, flipped)?;
+    Ok(())
+}
+
 /// Drains the control channel: (healed since last look, stop).
 fn poll(control: &mpsc::Receiver<Msg>) -> (bool, bool) {
     let (mut healed, mut stop) = (false, false);
@@ -682,12 +711,19 @@ fn worker_raid5(
     // Healed: rebuild whatever is missing (a member restarted empty may be noticed only
     // now, by the scrub), until a scrub runs over every stripe with nobody missing.
     let mut final_scrub = None;
+    let mut corrupt_parity = a.broken_parity;
     for _ in 0..REPAIR_ROUNDS_MAX {
         if !vol.status().missing.is_empty() {
             if rebuild_missing(&mut rec) {
                 repairs += 1;
             }
             continue;
+        }
+        if std::mem::take(&mut corrupt_parity) {
+            // After every rebuild, so no rebuild can recompute the parity it changes.
+            if let Err(e) = overwrite_parity_of_stripe_0(&vol, &a.servers) {
+                rec.error(format!("broken parity: {e}"));
+            }
         }
         match vol.scrub(false) {
             Ok(r) if vol.status().missing.is_empty() && r.skipped == 0 => {

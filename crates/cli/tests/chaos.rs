@@ -152,6 +152,27 @@ fn acknowledging_before_writing_makes_chaos_fail() {
 }
 
 #[test]
+fn a_parity_chunk_changed_behind_the_volume_makes_the_scrub_checker_fail() {
+    if !is_root() {
+        return;
+    }
+    let (ok, out) = chaos(&[
+        "--seed",
+        "7",
+        "--duration",
+        "4",
+        "--quick",
+        "--face",
+        "raid5",
+        "--broken-parity",
+    ]);
+    assert!(!ok, "{out}");
+    assert!(out.contains("FAIL seed 7"), "{out}");
+    assert!(out.contains("raid5 scrub: mismatches Some(1)"), "{out}");
+    its_namespaces_are_gone(&out);
+}
+
+#[test]
 fn sigterm_mid_run_takes_the_testbed_down() {
     if !is_root() {
         return;
