@@ -45,6 +45,11 @@ const RVM_LOG_BYTES: u64 = 8 << 20;
 /// member does not turn the loop into a spin.
 const ERROR_BACKOFF: Duration = Duration::from_millis(20);
 const REPAIR_ROUNDS_MAX: usize = 10;
+/// How long after a heal the runner waits for the RAID-5 worker to say the volume is
+/// whole again before it counts a failure and goes on with the schedule.
+const WHOLE_WAIT_MAX: Duration = Duration::from_secs(60);
+/// The worker's line that the volume has every member, rebuilt and scrubbed.
+const WHOLE_LINE: &str = "whole";
 /// The worker writes at most this many times a second (unpaced it made 1,500–2,800 on
 /// this machine): faults, not volume, are what a chaos run is for, and the history of a
 /// 30-minute run stays under 2M writes.
@@ -325,17 +330,45 @@ pub fn run(a: ChaosArgs) -> Result<()> {
         );
     }
 
+    // RAID-5 tolerates one lost member, and a member is lost until it is rebuilt, not
+    // only while its fault lasts: the next fault waits until the worker says the volume
+    // is whole again (rebuilt and scrubbed), or it would be a second loss — a promise
+    // RAID-5 does not make (an md array fails the same way). Waiting shifts later faults;
+    // one that would no longer be healed before the end is skipped and counted.
+    let waits_for_whole = a.face == Face::Raid5;
+    let mut whole = true;
+    let mut late_repairs = Vec::new();
+    let mut skipped = 0usize;
     let started = Instant::now();
     for ev in &faults {
         sleep_until(started, ev.start_ms);
+        if waits_for_whole && !whole {
+            let deadline = Instant::now() + WHOLE_WAIT_MAX;
+            whole = wait_for_line(&lines, WHOLE_LINE, deadline);
+            if !whole {
+                late_repairs.push(format!(
+                    "{:.2} s: the volume was not whole {WHOLE_WAIT_MAX:?} after a heal",
+                    started.elapsed().as_secs_f64()
+                ));
+            }
+        }
+        let start_ms = started.elapsed().as_millis() as u64;
+        if start_ms + ev.hold_ms >= duration.as_millis() as u64 {
+            skipped += 1;
+            continue;
+        }
         apply(tb, &mut servers, ev, started)?;
-        sleep_until(started, ev.end_ms());
+        sleep_until(started, start_ms + ev.hold_ms);
         heal(tb, &mut servers, ev, started)?;
         tell(&mut stdin, "healed")?;
+        whole = false;
+    }
+    if skipped > 0 {
+        println!("  {skipped} faults skipped: waiting for repairs left them no time to heal");
     }
     sleep_until(started, duration.as_millis() as u64);
     tell(&mut stdin, "stop")?;
-    let report = lines.recv_timeout(WORKER_REPORT);
+    let report = recv_skipping(&lines, WHOLE_LINE, Instant::now() + WORKER_REPORT);
     let _ = worker.kill();
     let _ = worker.wait();
     let report: Report = match report {
@@ -364,7 +397,7 @@ pub fn run(a: ChaosArgs) -> Result<()> {
             format!(" (first: {})", report.first_errors.join("; "))
         }
     );
-    let mut failed = Vec::new();
+    let mut failed = late_repairs;
     if !violations.is_empty() {
         failed.push(format!(
             "acknowledged writes present: {} violations, e.g. key {}: {}",
@@ -406,6 +439,33 @@ pub fn run(a: ChaosArgs) -> Result<()> {
             logs.display()
         );
         bail!("chaos FAIL, seed {}", a.seed)
+    }
+}
+
+/// Waits until the worker prints `want` (true) or `deadline` passes (false).
+fn wait_for_line(lines: &mpsc::Receiver<String>, want: &str, deadline: Instant) -> bool {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) if line.trim() == want => return true,
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+/// The worker's next line that is not `skip` (its report comes after any number of them).
+fn recv_skipping(
+    lines: &mpsc::Receiver<String>,
+    skip: &str,
+    deadline: Instant,
+) -> std::result::Result<String, mpsc::RecvTimeoutError> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = lines.recv_timeout(left)?;
+        if line.trim() != skip {
+            return Ok(line);
+        }
     }
 }
 
@@ -612,6 +672,38 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
     Ok(())
 }
 
+/// Rebuilds whatever is missing (a member restarted empty may be noticed only by the
+/// scrub) until a scrub runs over every stripe with nobody missing; that scrub's report,
+/// or `None` if the volume is not whole after [`REPAIR_ROUNDS_MAX`] rounds.
+fn repair_until_whole(
+    vol: &camelot_blocks::volume::Volume,
+    rec: &mut Recorder,
+    repairs: &mut u64,
+) -> Option<camelot_blocks::volume::ScrubReport> {
+    for _ in 0..REPAIR_ROUNDS_MAX {
+        let st = vol.status();
+        if !st.missing.is_empty() {
+            let mut all = true;
+            for &m in &st.missing {
+                if let Err(e) = vol.rebuild(m, st.members[m].addr, 0) {
+                    rec.error(format!("rebuild of member {m}: {e}"));
+                    all = false;
+                }
+            }
+            if all {
+                *repairs += 1;
+            }
+            continue;
+        }
+        match vol.scrub(false) {
+            Ok(r) if vol.status().missing.is_empty() && r.skipped == 0 => return Some(r),
+            Ok(_) => {}
+            Err(e) => rec.error(format!("scrub: {e}")),
+        }
+    }
+    None
+}
+
 /// The `--broken-parity` fault: a few bytes of stripe 0's parity chunk rewritten through
 /// a client of its own, as a write hole or a bit flip would leave them.
 fn overwrite_parity_of_stripe_0(
@@ -673,17 +765,6 @@ fn worker_raid5(
     std::io::stdout().flush()?;
     let mut repairs = 0u64;
     let mut repair_pending = false;
-    let rebuild_missing = |rec: &mut Recorder| -> bool {
-        let st = vol.status();
-        let mut all = true;
-        for &m in &st.missing {
-            if let Err(e) = vol.rebuild(m, st.members[m].addr, 0) {
-                rec.error(format!("rebuild of member {m}: {e}"));
-                all = false;
-            }
-        }
-        all
-    };
     loop {
         let (healed, stop) = poll(control);
         if stop {
@@ -693,13 +774,10 @@ fn worker_raid5(
             continue;
         }
         repair_pending |= healed;
-        if repair_pending && !vol.status().missing.is_empty() {
-            if rebuild_missing(&mut rec) {
-                repairs += 1;
-                repair_pending = false;
-            }
-        } else if repair_pending {
+        if repair_pending && repair_until_whole(&vol, &mut rec, &mut repairs).is_some() {
             repair_pending = false;
+            println!("{WHOLE_LINE}");
+            std::io::stdout().flush()?;
         }
         let block = rng.gen_range(0..blocks);
         rec.write(block, |value| {
@@ -708,31 +786,19 @@ fn worker_raid5(
         });
     }
     rec.finish(0);
-    // Healed: rebuild whatever is missing (a member restarted empty may be noticed only
-    // now, by the scrub), until a scrub runs over every stripe with nobody missing.
-    let mut final_scrub = None;
-    let mut corrupt_parity = a.broken_parity;
-    for _ in 0..REPAIR_ROUNDS_MAX {
-        if !vol.status().missing.is_empty() {
-            if rebuild_missing(&mut rec) {
-                repairs += 1;
-            }
-            continue;
+    let mut final_scrub = repair_until_whole(&vol, &mut rec, &mut repairs);
+    if a.broken_parity && final_scrub.is_some() {
+        // After every rebuild, so no rebuild can recompute the parity it changes.
+        if let Err(e) = overwrite_parity_of_stripe_0(&vol, &a.servers) {
+            rec.error(format!("broken parity: {e}"));
         }
-        if std::mem::take(&mut corrupt_parity) {
-            // After every rebuild, so no rebuild can recompute the parity it changes.
-            if let Err(e) = overwrite_parity_of_stripe_0(&vol, &a.servers) {
-                rec.error(format!("broken parity: {e}"));
+        final_scrub = match vol.scrub(false) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                rec.error(format!("scrub: {e}"));
+                None
             }
-        }
-        match vol.scrub(false) {
-            Ok(r) if vol.status().missing.is_empty() && r.skipped == 0 => {
-                final_scrub = Some(r);
-                break;
-            }
-            Ok(_) => {}
-            Err(e) => rec.error(format!("scrub: {e}")),
-        }
+        };
     }
     let mut found = BTreeMap::new();
     let mut buf = vec![0u8; BLOCK_BYTES];
