@@ -73,6 +73,9 @@ enum Command {
     /// The read client of `bench testbed`, run by it on each path.
     #[command(hide = true)]
     BenchTestbedClient(testbed_bench::ClientArgs),
+    /// One host's delay/loss relay, started by `testbed up` in the switch namespace.
+    #[command(hide = true, name = camelot_testbed::RELAY_SUBCOMMAND)]
+    TestbedRelay(testbed::RelayArgs),
     /// A middlebox between clients and one memory server: pass-through, connection
     /// mapping, CAS→WRITE (`camelot proxy run --help`), and its counters.
     #[command(subcommand)]
@@ -792,6 +795,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chaos(a) => chaos::run(a),
         Command::ChaosWorker(a) => chaos::worker(a),
         Command::BenchTestbedClient(a) => testbed_bench::client(a),
+        Command::TestbedRelay(a) => testbed::relay(a),
         Command::Bench(BenchCommand::Testbed(a)) => testbed_bench::run(a),
         Command::Proxy(c) => proxy::run(c),
         Command::Bench(BenchCommand::Middlebox(c)) => proxy::bench(c),

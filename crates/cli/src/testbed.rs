@@ -46,10 +46,11 @@ pub struct UpArgs {
     /// Every host's link rate, each way (tbf): e.g. 1gbit, 100mbit.
     #[arg(long)]
     pub rate: Option<String>,
-    /// One-way delay per link (netem): e.g. 50us. Refused where the kernel has no netem.
+    /// One-way delay per link, each way: e.g. 50us, 2ms. Applied by a user-space relay
+    /// in the switch namespace (this kernel has no netem); it adds its own tens of µs.
     #[arg(long)]
     pub delay: Option<String>,
-    /// Loss per link (netem): e.g. 0.1%. Refused where the kernel has no netem.
+    /// Loss per link, each way: e.g. 0.1% (by the same relay, seeded per host).
     #[arg(long)]
     pub loss: Option<String>,
     /// Test only: pause after every command, so a test can SIGKILL `up` halfway.
@@ -297,4 +298,36 @@ pub fn exit_if_interrupted() {
         let _wait = TEARDOWN.lock();
         std::process::exit(130);
     }
+}
+
+#[derive(Args)]
+pub struct RelayArgs {
+    /// The host's switch port.
+    #[arg(long)]
+    a: String,
+    /// The relay's end of the pair whose other end is in the bridge.
+    #[arg(long)]
+    b: String,
+    #[arg(long, default_value_t = 0)]
+    delay_us: u64,
+    #[arg(long, default_value_t = 0)]
+    loss_ppm: u32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// The relay process: binds, says so, then copies frames until a socket fails.
+pub fn relay(a: RelayArgs) -> Result<()> {
+    use std::io::Write;
+    let imp = camelot_testbed::relay::Impairment {
+        delay_us: a.delay_us.min(camelot_testbed::plan::DELAY_US_MAX),
+        loss_ppm: a.loss_ppm.min(camelot_testbed::plan::LOSS_PPM_MAX),
+    };
+    let failed = camelot_testbed::relay::start(&a.a, &a.b, imp, a.seed)?;
+    println!("{}", camelot_testbed::RELAY_READY);
+    std::io::stdout().flush()?;
+    let e = failed
+        .join()
+        .map_err(|_| anyhow::anyhow!("a relay thread panicked"))?;
+    Err(e.into())
 }

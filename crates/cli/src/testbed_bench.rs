@@ -58,6 +58,10 @@ pub struct BenchTestbedArgs {
     /// one request outstanding per thread and with 16 (batched), on every path.
     #[arg(long, value_delimiter = ',', default_value = THREAD_COUNTS_DEFAULT)]
     threads: Vec<usize>,
+    /// Also run the first rate with this one-way delay per link (the testbed's relay):
+    /// e.g. 50us. A round trip crosses four link ends, so it gains four delays.
+    #[arg(long)]
+    delay: Option<String>,
     #[arg(long, default_value = "results")]
     out: PathBuf,
     #[arg(long, env = "CAMELOT_TESTBED_DIR", default_value = DEFAULT_RUN_DIR)]
@@ -261,6 +265,23 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
     if rates.is_empty() || rates.len() > RATES_MAX {
         bail!("--rate: 1 to {RATES_MAX} rates");
     }
+    let delay_us = a
+        .delay
+        .as_deref()
+        .map(camelot_testbed::plan::parse_delay_us)
+        .transpose()?;
+    // (label, rate, delay) of every testbed path.
+    let mut paths: Vec<(String, u64, Option<u64>)> = rates
+        .iter()
+        .map(|(name, bits)| (name.clone(), *bits, None))
+        .collect();
+    if let (Some(d), Some(delay)) = (delay_us, a.delay.as_ref()) {
+        paths.push((
+            format!("{} + {delay} delay", rates[0].0),
+            rates[0].1,
+            Some(d),
+        ));
+    }
     if a.threads.is_empty()
         || a.threads.len() > THREAD_COUNTS_MAX
         || a.threads
@@ -327,13 +348,14 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
     let mut comparisons = Vec::new();
     let run = format!("bt{}", std::process::id() % 1_000_000);
     crate::testbed::down_on_signal(run.clone(), a.run_dir.clone())?;
-    for (name, bits) in &rates {
+    for (name, bits, delay_us) in &paths {
         println!("testbed at {name}: the same, h0 → h1 …");
         let plan = Plan::new(
             &run,
             2,
             LinkSpec {
                 rate_bits_per_s: Some(*bits),
+                delay_us: *delay_us,
                 ..LinkSpec::default()
             },
         )?;
@@ -410,6 +432,8 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
         "depth": DEPTH,
         "region_bytes": REGION_BYTES,
         "link_rates_bits_per_s": rates.iter().map(|(_, b)| *b).collect::<Vec<_>>(),
+        "delay_us_per_link": delay_us,
+        "delay_by": "user-space relay per host in the switch namespace (no netem here)",
         "testbed": "two hosts in network namespaces, veth pairs to a bridge, tbf both ways",
         "sockperf": lo_all.sockperf_command,
         "threads_experiment": {

@@ -200,6 +200,8 @@ fn bench_testbed_writes_both_paths_in_the_result_schema() {
         "200mbit",
         "--threads",
         "1,4",
+        "--delay",
+        "1ms",
         "--out",
         out_dir.to_str().unwrap(),
     ]);
@@ -218,6 +220,10 @@ fn bench_testbed_writes_both_paths_in_the_result_schema() {
     );
     let rtt = &json["series"][1]["points"];
     assert!(rtt[1]["latency_us"]["p99"].as_f64().unwrap() > 0.0);
+    // The delayed path: four link ends of 1 ms each on every round trip.
+    assert_eq!(reads[2]["x"], "testbed 200mbit + 1ms delay");
+    let delayed_p50 = rtt[2]["latency_us"]["p50"].as_f64().unwrap();
+    assert!(delayed_p50 >= 4_000.0, "{delayed_p50}");
     assert_eq!(json["comparisons"][0]["target"], 0.8);
     // The threads experiment: unbatched and batched, each thread count on both paths.
     for (i, depth) in [(2, "1 outstanding"), (3, "16 outstanding")] {
@@ -238,7 +244,9 @@ fn bench_testbed_writes_both_paths_in_the_result_schema() {
                 "loopback, 1 threads",
                 "loopback, 4 threads",
                 "testbed 200mbit, 1 threads",
-                "testbed 200mbit, 4 threads"
+                "testbed 200mbit, 4 threads",
+                "testbed 200mbit + 1ms delay, 1 threads",
+                "testbed 200mbit + 1ms delay, 4 threads"
             ]
         );
         assert!(series["points"]
@@ -248,4 +256,103 @@ fn bench_testbed_writes_both_paths_in_the_result_schema() {
             .all(|p| p["ops_per_sec"].as_f64().unwrap() > 0.0));
     }
     let _ = std::fs::remove_dir_all(&out_dir);
+}
+
+/// sockperf's TCP round trip from h0 to h1 of testbed `run`: (p50, p99) in µs, or the
+/// error text when no round trip completes.
+fn sockperf_rtt_us(run: &str) -> Result<(f64, f64), String> {
+    let mut server = Command::new(BIN)
+        .args(["testbed", "run", "--name", run, "h1", "--"])
+        .args([
+            "sockperf",
+            "server",
+            "--tcp",
+            "-i",
+            "10.213.0.2",
+            "-p",
+            "11111",
+        ])
+        .env("CAMELOT_TESTBED_DIR", run_dir())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // sockperf retries its connect for a while, so a server still starting is fine.
+    let out = camelot(&[
+        "testbed",
+        "run",
+        "--name",
+        run,
+        "h0",
+        "--",
+        "timeout",
+        "20",
+        "sockperf",
+        "ping-pong",
+        "--tcp",
+        "-i",
+        "10.213.0.2",
+        "-p",
+        "11111",
+        "-m",
+        "64",
+        "-t",
+        "2",
+        "--full-rtt",
+    ]);
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rtt =
+        camelot_bench::peers::parse_sockperf_output(&text).map_err(|e| format!("{e}: {text}"))?;
+    Ok((rtt.p50, rtt.p99))
+}
+
+#[test]
+fn delay_and_loss_go_through_the_relay() {
+    if !is_root() {
+        return;
+    }
+    // 2 ms on every link: h0 → h1 crosses two links each way, so the round trip is
+    // four delays (8 ms) plus the path's own tens of µs.
+    let run = format!("d{}", std::process::id() % 100_000);
+    let _down = Down(run.clone());
+    ok(&camelot(&[
+        "testbed", "up", "--hosts", "2", "--delay", "2ms", "--name", &run,
+    ]));
+    let (p50, p99) = sockperf_rtt_us(&run).unwrap();
+    assert!(
+        (8_000.0..40_000.0).contains(&p50),
+        "RTT p50 {p50} µs with 2 ms a link (p99 {p99})"
+    );
+    ok(&camelot(&["testbed", "down", "--name", &run]));
+    assert!(namespaces(&run).is_empty());
+    // The same path without delay is well under one delay: the relay made the 8 ms.
+    let plain = format!("n{}", std::process::id() % 100_000);
+    let _plain_down = Down(plain.clone());
+    ok(&camelot(&[
+        "testbed", "up", "--hosts", "2", "--name", &plain,
+    ]));
+    let (p50, _) = sockperf_rtt_us(&plain).unwrap();
+    assert!(p50 < 2_000.0, "RTT p50 {p50} µs without delay");
+    ok(&camelot(&["testbed", "down", "--name", &plain]));
+    // 100% loss: nothing gets through, and `down` still removes the relays.
+    let lossy = format!("l{}", std::process::id() % 100_000);
+    let _lossy_down = Down(lossy.clone());
+    ok(&camelot(&[
+        "testbed", "up", "--hosts", "2", "--loss", "100%", "--name", &lossy,
+    ]));
+    assert!(sockperf_rtt_us(&lossy).is_err());
+    // One relay per host, in the switch namespace; `down` kills them with it.
+    let pids = Command::new("ip")
+        .args(["netns", "pids", &format!("cmlt-tb-{lossy}-sw")])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&pids.stdout).lines().count(), 2);
+    ok(&camelot(&["testbed", "down", "--name", &lossy]));
+    assert!(namespaces(&lossy).is_empty());
 }

@@ -6,14 +6,17 @@
 //! tested without root; `net` runs them and keeps the run's state on disk so `down`
 //! cleans up after any crash.
 
-#![forbid(unsafe_code)]
+// The one exception is `packet` (raw frames for the relay), which allows it locally.
+#![deny(unsafe_code)]
 
 pub mod history;
 pub mod net;
+mod packet;
 pub mod plan;
+pub mod relay;
 pub mod schedule;
 
-pub use net::{require_root, Testbed, DEFAULT_RUN_DIR};
+pub use net::{require_root, Testbed, DEFAULT_RUN_DIR, RELAY_READY, RELAY_SUBCOMMAND};
 pub use plan::{LinkSpec, Plan};
 pub use schedule::{FaultEvent, FaultKind, ScheduleSpec};
 
@@ -32,11 +35,8 @@ pub enum TestbedError {
     InvalidArgument(String),
     #[error("`{command}` failed: {stderr}")]
     Command { command: String, stderr: String },
-    #[error(
-        "--delay/--loss need the kernel's netem qdisc and this kernel has none (tc said: \
-         {tc_said}); refused rather than emulated badly — see ARCHITECTURE.md, testbed"
-    )]
-    NetemUnavailable { tc_said: String },
+    #[error("delay/loss relay: {detail}")]
+    Relay { detail: String },
     #[error(
         "testbed {run:?} is already up (state in {dir}); `camelot testbed down --name {run}` first"
     )]

@@ -3,7 +3,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rustix::process::{kill_process, Pid, Signal};
@@ -21,6 +21,12 @@ const KILL_DEADLINE: Duration = Duration::from_secs(5);
 const POLL_INTERVAL: Duration = Duration::from_millis(10);
 /// A state file larger than this is not ours.
 const STATE_BYTES_MAX: u64 = 1 << 20;
+/// The hidden subcommand of the running program that is a relay (see `relay`), and the
+/// line it prints once its sockets are bound.
+pub const RELAY_SUBCOMMAND: &str = "testbed-relay";
+pub const RELAY_READY: &str = "relaying";
+/// How long `up` waits for a relay to bind its sockets.
+const RELAY_START: Duration = Duration::from_secs(10);
 
 /// Fails with a message saying what is missing unless we run as root.
 pub fn require_root() -> Result<(), TestbedError> {
@@ -213,20 +219,70 @@ impl Testbed {
         for cmd in crate::plan::batch(&tb.plan.up_commands(), &tb.plan.switch_ns()) {
             if let Err(e) = run_cmd(&cmd) {
                 let _ = Testbed::down(&tb.plan.run, base);
-                return Err(match e {
-                    TestbedError::Command { stderr, .. }
-                        if cmd.stdin.as_deref().is_some_and(|l| l.contains("netem")) =>
-                    {
-                        TestbedError::NetemUnavailable { tc_said: stderr }
-                    }
-                    e => e,
-                });
+                return Err(e);
             }
             if !step_pause.is_zero() {
                 std::thread::sleep(step_pause);
             }
         }
+        if let Some(imp) = tb.plan.link.impairment() {
+            for h in 0..tb.plan.hosts {
+                if let Err(e) = tb.start_relay(h, imp) {
+                    let _ = Testbed::down(&tb.plan.run, base);
+                    return Err(e);
+                }
+            }
+        }
         Ok(tb)
+    }
+
+    /// Starts host `host`'s relay in the switch namespace and waits until it has bound
+    /// its sockets. The relay is this program's hidden [`RELAY_SUBCOMMAND`] (the `camelot`
+    /// binary has it); it runs until `down` kills it with the namespace's other
+    /// processes. Its errors go to `relay-hN.log` in the run's directory.
+    fn start_relay(&self, host: usize, imp: crate::relay::Impairment) -> Result<(), TestbedError> {
+        use std::io::BufRead;
+        let exe = std::env::current_exe().map_err(io_err(Path::new("/proc/self/exe")))?;
+        let log_path = self.dir.join(format!("relay-h{host}.log"));
+        let log = fs::File::create(&log_path).map_err(io_err(&log_path))?;
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.plan.switch_ns()])
+            .arg(&exe)
+            .arg(RELAY_SUBCOMMAND)
+            .args(["--a", &Plan::switch_port(host)])
+            .args(["--b", &Plan::relay_port(host)])
+            .args(["--delay-us", &imp.delay_us.to_string()])
+            .args(["--loss-ppm", &imp.loss_ppm.to_string()])
+            .args(["--seed", &host.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| TestbedError::Relay {
+                detail: format!("cannot start {}: {e}", exe.display()),
+            })?;
+        let stdout = child.stdout.take().ok_or_else(|| TestbedError::Relay {
+            detail: "no stdout".into(),
+        })?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        match rx.recv_timeout(RELAY_START) {
+            Ok(line) if line.trim() == RELAY_READY => Ok(()),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(TestbedError::Relay {
+                    detail: format!(
+                        "the relay for h{host} did not start in {RELAY_START:?}: {}",
+                        fs::read_to_string(&log_path).unwrap_or_default().trim()
+                    ),
+                })
+            }
+        }
     }
 
     /// The run `run`, from its state file.

@@ -52,9 +52,17 @@ pub struct LinkSpec {
 }
 
 impl LinkSpec {
-    /// Delay or loss: these need netem (or a relay), not just a token bucket.
-    pub fn needs_netem(&self) -> bool {
+    /// Delay or loss: these need the relay (`relay`), not just a token bucket.
+    pub fn needs_relay(&self) -> bool {
         self.delay_us.is_some() || self.loss_ppm.is_some()
+    }
+
+    /// What the relay applies each way, if anything.
+    pub fn impairment(&self) -> Option<crate::relay::Impairment> {
+        self.needs_relay().then(|| crate::relay::Impairment {
+            delay_us: self.delay_us.unwrap_or(0),
+            loss_ppm: self.loss_ppm.unwrap_or(0),
+        })
     }
 }
 
@@ -242,6 +250,16 @@ impl Plan {
         format!("p{host}")
     }
 
+    /// With a relay: the relay's end of the pair that stands in the bridge for host
+    /// `host` (`relay_bridge_port` is the other end, in the bridge).
+    pub fn relay_port(host: usize) -> String {
+        format!("r{host}")
+    }
+
+    pub fn relay_bridge_port(host: usize) -> String {
+        format!("rb{host}")
+    }
+
     pub fn host_addr(&self, host: usize) -> Ipv4Addr {
         host_addr(host)
     }
@@ -283,10 +301,28 @@ impl Plan {
                     "netns", &ns,
                 ],
             ));
-            cmds.push(Cmd::new(
-                "ip",
-                &["-n", &sw, "link", "set", &port, "master", BRIDGE, "up"],
-            ));
+            if self.link.needs_relay() {
+                // The relay copies between the host's port and a pair whose other end
+                // is in the bridge; the port itself stays out of it.
+                let (r, rb) = (Self::relay_port(h), Self::relay_bridge_port(h));
+                cmds.push(Cmd::new(
+                    "ip",
+                    &[
+                        "-n", &sw, "link", "add", &r, "type", "veth", "peer", "name", &rb,
+                    ],
+                ));
+                cmds.push(Cmd::new(
+                    "ip",
+                    &["-n", &sw, "link", "set", &rb, "master", BRIDGE, "up"],
+                ));
+                cmds.push(Cmd::new("ip", &["-n", &sw, "link", "set", &r, "up"]));
+                cmds.push(Cmd::new("ip", &["-n", &sw, "link", "set", &port, "up"]));
+            } else {
+                cmds.push(Cmd::new(
+                    "ip",
+                    &["-n", &sw, "link", "set", &port, "master", BRIDGE, "up"],
+                ));
+            }
             cmds.push(Cmd::new(
                 "ip",
                 &["-n", &ns, "addr", "add", &addr, "dev", HOST_IF],
@@ -311,19 +347,8 @@ impl Plan {
                 .iter()
                 .map(|s| s.to_string())
                 .collect();
-            if link.needs_netem() {
-                // netem delays, drops and (with `rate`) paces in one qdisc.
-                args.push("netem".into());
-                if let Some(d) = link.delay_us {
-                    args.extend(["delay".into(), format!("{d}us")]);
-                }
-                if let Some(l) = link.loss_ppm {
-                    args.extend(["loss".into(), format_loss(l)]);
-                }
-                if let Some(r) = link.rate_bits_per_s {
-                    args.extend(["rate".into(), format!("{r}bit")]);
-                }
-            } else if let Some(r) = link.rate_bits_per_s {
+            // Delay and loss are the relay's (`relay`); qdiscs shape only the rate.
+            if let Some(r) = link.rate_bits_per_s {
                 args.extend([
                     "tbf".into(),
                     "rate".into(),
@@ -432,6 +457,7 @@ fn tbf_burst_bytes(rate_bits_per_s: u64) -> u64 {
     (rate_bits_per_s / 8 / 250).max(TBF_BURST_BYTES_MIN)
 }
 
+#[cfg(test)]
 fn format_loss(ppm: u32) -> String {
     format!("{}.{:04}%", ppm / 10_000, ppm % 10_000)
 }
@@ -644,7 +670,7 @@ mod tests {
     }
 
     #[test]
-    fn netem_carries_delay_loss_and_rate() {
+    fn delay_and_loss_put_a_relay_between_the_port_and_the_bridge() {
         let p = Plan::new(
             "t1",
             1,
@@ -655,10 +681,43 @@ mod tests {
             },
         )
         .unwrap();
+        // The qdiscs shape the rate only; delay and loss are the relay's.
         let c = &p.shape_commands(0, &p.link, "add")[0];
+        assert!(
+            c.line()
+                .starts_with("tc -n cmlt-tb-t1-h0 qdisc add dev eth0 root tbf rate 1000000000bit"),
+            "{}",
+            c.line()
+        );
+        let lines: Vec<String> = p.up_commands().iter().map(|c| c.line()).collect();
+        assert!(
+            lines
+                .iter()
+                .any(|l| l == "ip -n cmlt-tb-t1-sw link add r0 type veth peer name rb0"),
+            "{lines:?}"
+        );
+        assert!(lines
+            .iter()
+            .any(|l| l == "ip -n cmlt-tb-t1-sw link set rb0 master br0 up"));
+        assert!(
+            !lines.iter().any(|l| l.contains("link set p0 master")),
+            "{lines:?}"
+        );
+        let plain = plan(1)
+            .up_commands()
+            .iter()
+            .map(|c| c.line())
+            .collect::<Vec<_>>();
+        assert!(plain
+            .iter()
+            .any(|l| l.contains("link set p0 master br0 up")));
+        assert!(!plain.iter().any(|l| l.contains("rb0")));
         assert_eq!(
-            c.line(),
-            "tc -n cmlt-tb-t1-h0 qdisc add dev eth0 root netem delay 50us loss 0.1000% rate 1000000000bit"
+            p.link.impairment(),
+            Some(crate::relay::Impairment {
+                delay_us: 50,
+                loss_ppm: 1_000
+            })
         );
     }
 
