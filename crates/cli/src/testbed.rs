@@ -319,7 +319,7 @@ pub struct RelayArgs {
 /// The relay process: binds, says so, then copies frames until a socket fails.
 pub fn relay(a: RelayArgs) -> Result<()> {
     use std::io::Write;
-    let imp = camelot_testbed::relay::Impairment {
+    let imp = camelot_testbed::plan::Impairment {
         delay_us: a.delay_us.min(camelot_testbed::plan::DELAY_US_MAX),
         loss_ppm: a.loss_ppm.min(camelot_testbed::plan::LOSS_PPM_MAX),
     };

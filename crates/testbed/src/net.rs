@@ -240,7 +240,7 @@ impl Testbed {
     /// its sockets. The relay is this program's hidden [`RELAY_SUBCOMMAND`] (the `camelot`
     /// binary has it); it runs until `down` kills it with the namespace's other
     /// processes. Its errors go to `relay-hN.log` in the run's directory.
-    fn start_relay(&self, host: usize, imp: crate::relay::Impairment) -> Result<(), TestbedError> {
+    fn start_relay(&self, host: usize, imp: crate::plan::Impairment) -> Result<(), TestbedError> {
         use std::io::BufRead;
         let exe = std::env::current_exe().map_err(io_err(Path::new("/proc/self/exe")))?;
         let log_path = self.dir.join(format!("relay-h{host}.log"));

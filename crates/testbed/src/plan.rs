@@ -43,6 +43,13 @@ const TBF_BURST_BYTES_MIN: u64 = 128 * 1024;
 /// How long a packet may wait in the bucket's queue before tbf drops it.
 const TBF_LATENCY_MS: u64 = 50;
 
+/// What the delay/loss relay (`relay`) does to every frame, each direction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Impairment {
+    pub delay_us: u64,
+    pub loss_ppm: u32,
+}
+
 /// How every host's link is shaped.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LinkSpec {
@@ -58,8 +65,8 @@ impl LinkSpec {
     }
 
     /// What the relay applies each way, if anything.
-    pub fn impairment(&self) -> Option<crate::relay::Impairment> {
-        self.needs_relay().then(|| crate::relay::Impairment {
+    pub fn impairment(&self) -> Option<Impairment> {
+        self.needs_relay().then(|| Impairment {
             delay_us: self.delay_us.unwrap_or(0),
             loss_ppm: self.loss_ppm.unwrap_or(0),
         })
@@ -714,7 +721,7 @@ mod tests {
         assert!(!plain.iter().any(|l| l.contains("rb0")));
         assert_eq!(
             p.link.impairment(),
-            Some(crate::relay::Impairment {
+            Some(crate::plan::Impairment {
                 delay_us: 50,
                 loss_ppm: 1_000
             })

@@ -14,6 +14,7 @@
 //! whole, as netem drops a whole packet buffer.
 
 use crate::packet::{PacketSocket, FRAME_BYTES_MAX};
+pub use crate::plan::Impairment;
 use crate::TestbedError;
 use rand::{Rng, SeedableRng};
 use std::sync::mpsc;
@@ -21,13 +22,6 @@ use std::time::{Duration, Instant};
 
 /// Frames a direction holds at most; past that, arrivals are dropped (a full queue).
 pub const RELAY_QUEUE_FRAMES_MAX: usize = 4096;
-
-/// Delay and loss, each direction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Impairment {
-    pub delay_us: u64,
-    pub loss_ppm: u32,
-}
 
 /// Decides, frame after frame, which are lost: a seeded stream, so a run replays.
 pub struct Dropper {
