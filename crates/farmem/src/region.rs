@@ -256,6 +256,13 @@ impl<S: PageStore + 'static> FarRegion<S> {
     /// Flushes, stops the handler and gives the store back (the mapping is unmapped).
     pub fn into_store(self) -> Result<S, Error> {
         self.flush()?;
+        self.into_store_discarding()
+    }
+
+    /// Stops the handler and gives the store back without writing dirty pages: for a
+    /// region whose bytes are no longer wanted (its store is about to be freed), where a
+    /// flush would only move bytes nobody reads. Fails only if the handler would not stop.
+    pub fn into_store_discarding(self) -> Result<S, Error> {
         let core = self.core.clone();
         // Stops the handler, whose clones go with its thread, and drops ours.
         drop(self);
