@@ -438,3 +438,89 @@ fn the_c_example_uses_far_memory_as_plain_memory_over_a_server_process() {
     assert!(stderr.contains("farmem_open"), "{stderr}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Eight threads faulting at once on a FarRegion over a `camelot server` process, served
+/// by a pool of handlers. With room for every page, each page is read from the server
+/// exactly once however many threads fault on it together, and reads overlap (more than
+/// one in flight); through 64 frames (an eighth of the pages), threads writing their own
+/// slices and then all reading everything lose no byte.
+#[test]
+fn concurrent_faults_on_a_far_region_over_a_server_process() {
+    let srv = server();
+    let pages: u64 = 512;
+    let threads = 8;
+    let data: Vec<u8> = (0..pages as usize * PAGE).map(pattern).collect();
+    let store = RegionStore::alloc(client(vec![srv.addr()]), pages, PAGE, None).expect("region");
+    let batch: Vec<(PageId, &[u8])> = (0..pages).zip(data.chunks(PAGE)).collect();
+    for chunk in batch.chunks(64) {
+        store.write_pages(chunk).expect("fill");
+    }
+    let mut config = CacheConfig::new(pages * PAGE as u64);
+    config.fault_handlers = camelot_farmem::region::FAULT_HANDLERS_MAX;
+    let region = FarRegion::new(store, &config).expect("far region");
+    let bytes = region.bytes();
+    let barrier = std::sync::Barrier::new(threads);
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (barrier, data) = (&barrier, &data);
+            s.spawn(move || {
+                barrier.wait();
+                // Every thread walks every page, from a different starting point, so
+                // threads meet on pages another is bringing in.
+                for k in 0..pages as usize {
+                    let at = ((k + t * 7) % pages as usize) * PAGE + 100;
+                    assert_eq!(bytes[at], data[at], "thread {t}, byte {at}");
+                }
+            });
+        }
+    });
+    let stats = region.stats();
+    assert_eq!(
+        stats.missing_faults, pages,
+        "a page was read more than once: {stats:?}"
+    );
+    assert_eq!(region.traffic_bytes().0, pages * PAGE as u64, "{stats:?}");
+    assert!(
+        stats.reads_in_flight_max > 1,
+        "reads never overlapped: {stats:?}"
+    );
+    drop(region);
+
+    let store = RegionStore::alloc(client(vec![srv.addr()]), pages, PAGE, None).expect("region");
+    let mut config = CacheConfig::new(64 * PAGE as u64);
+    config.policy = "clock".into();
+    config.prefetch = "sequential".into();
+    config.fault_handlers = camelot_farmem::region::FAULT_HANDLERS_MAX;
+    let mut region = FarRegion::new(store, &config).expect("far region");
+    let slices: Vec<&mut [u8]> = region
+        .bytes_mut()
+        .chunks_mut(pages as usize * PAGE / threads)
+        .collect();
+    std::thread::scope(|s| {
+        for (t, slice) in slices.into_iter().enumerate() {
+            let base = t * pages as usize * PAGE / threads;
+            s.spawn(move || {
+                for (i, b) in slice.iter_mut().enumerate().step_by(97) {
+                    *b = pattern(base + i);
+                }
+            });
+        }
+    });
+    let bytes = region.bytes();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            s.spawn(move || {
+                for i in (t..bytes.len()).step_by(97 * threads) {
+                    // Each thread wrote every 97th byte of its own slice.
+                    let in_slice = i % (pages as usize * PAGE / threads);
+                    let want = if in_slice % 97 == 0 { pattern(i) } else { 0 };
+                    assert_eq!(bytes[i], want, "byte {i}");
+                }
+            });
+        }
+    });
+    let stats = region.stats();
+    assert!(region.resident_pages() <= 64, "{}", region.resident_pages());
+    assert!(stats.written_back >= pages - 64, "{stats:?}");
+    assert!(region.failure().is_none());
+}
