@@ -513,7 +513,11 @@ fn concurrent_faults_on_a_far_region_over_a_server_process() {
                 for i in (t..bytes.len()).step_by(97 * threads) {
                     // Each thread wrote every 97th byte of its own slice.
                     let in_slice = i % (pages as usize * PAGE / threads);
-                    let want = if in_slice % 97 == 0 { pattern(i) } else { 0 };
+                    let want = if in_slice.is_multiple_of(97) {
+                        pattern(i)
+                    } else {
+                        0
+                    };
                     assert_eq!(bytes[i], want, "byte {i}");
                 }
             });

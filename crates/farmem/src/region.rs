@@ -237,6 +237,7 @@ impl<S: PageStore + 'static> FarRegion<S> {
         } else {
             uffd::FAULTS_PER_READ_MAX
         };
+        let poll_turn = Arc::new(Mutex::new(()));
         for i in 0..config.fault_handlers {
             let shared = Handler {
                 map: region.map.clone(),
@@ -245,6 +246,7 @@ impl<S: PageStore + 'static> FarRegion<S> {
                 core: region.core.clone(),
                 settled: region.settled.clone(),
                 stop: region.stop.clone(),
+                poll_turn: poll_turn.clone(),
                 per_read,
             };
             let handler = std::thread::Builder::new()
@@ -391,6 +393,11 @@ struct Handler<S> {
     core: Arc<Mutex<Core>>,
     settled: Arc<Condvar>,
     stop: Arc<Stop>,
+    /// Held by the one handler waiting on the userfaultfd. Leader/followers: only the
+    /// holder polls, and it lets go as soon as it has a fault to serve, so the next
+    /// handler takes over the wait. Without it every fault would wake every idle handler
+    /// (measured: a bare fault's p50 rose from ~12.5 µs to ~18 µs with four handlers).
+    poll_turn: Arc<Mutex<()>>,
     /// Fault messages taken per read.
     per_read: usize,
 }
@@ -399,6 +406,8 @@ impl<S: PageStore> Handler<S> {
     fn serve_faults(&self) {
         let mut faults: Vec<Fault> = Vec::with_capacity(self.per_read);
         loop {
+            faults.clear();
+            let turn = self.poll_turn.lock();
             match self.uffd.wait(&self.stop) {
                 Ok(true) => {}
                 Ok(false) => return,
@@ -410,8 +419,9 @@ impl<S: PageStore> Handler<S> {
                     return;
                 }
             }
-            faults.clear();
-            if let Err(e) = self.uffd.read_faults(&self.map, &mut faults, self.per_read) {
+            let read = self.uffd.read_faults(&self.map, &mut faults, self.per_read);
+            drop(turn);
+            if let Err(e) = read {
                 self.core.lock().fail(format!("reading faults: {e}"), &[]);
                 return;
             }
