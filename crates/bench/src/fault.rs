@@ -4,6 +4,10 @@
 //! - a bare FarRegion fault served from local memory (userfaultfd's own cost),
 //! - the remote 4 KiB read alone (its round trip),
 //!
+//! - FarRegion faults from several threads at once (`--threads`), each touching its share
+//!   of the pages, which the region's handler pool (`--fault-handlers`) serves with
+//!   overlapping remote reads,
+//!
 //! each as latency p50/p99 (HdrHistogram) and faults a second. Every touch lands on a
 //! page not present (each page once, in a shuffled order, through a cache of a tenth
 //! of them), so every measured access is a fault/miss.
@@ -29,6 +33,8 @@ use crate::BenchError;
 
 /// Largest far space the bench maps (pages × page size).
 pub const FAULT_BYTES_MAX: u64 = 4 << 30;
+/// Most threads of the concurrent path.
+pub const FAULT_THREADS_MAX: usize = 64;
 
 #[derive(Debug, Clone)]
 pub struct FaultConfig {
@@ -42,6 +48,10 @@ pub struct FaultConfig {
     pub in_process: bool,
     pub token: Option<Vec<u8>>,
     pub quick: bool,
+    /// Threads faulting at once on the concurrent path.
+    pub threads: usize,
+    /// The FarRegions' fault-handler threads.
+    pub fault_handlers: usize,
 }
 
 impl Default for FaultConfig {
@@ -55,6 +65,8 @@ impl Default for FaultConfig {
             in_process: false,
             token: None,
             quick: false,
+            threads: 4,
+            fault_handlers: camelot_farmem::region::FAULT_HANDLERS_DEFAULT,
         }
     }
 }
@@ -74,6 +86,19 @@ impl FaultConfig {
                 self.pages
             )));
         }
+        if !(1..=FAULT_THREADS_MAX).contains(&self.threads) {
+            return Err(BenchError::InvalidConfig(format!(
+                "--threads {}: 1 to {FAULT_THREADS_MAX}",
+                self.threads
+            )));
+        }
+        if !(1..=camelot_farmem::region::FAULT_HANDLERS_MAX).contains(&self.fault_handlers) {
+            return Err(BenchError::InvalidConfig(format!(
+                "--fault-handlers {}: 1 to {}",
+                self.fault_handlers,
+                camelot_farmem::region::FAULT_HANDLERS_MAX
+            )));
+        }
         if self.local_percent == 0 || self.local_percent >= 100 {
             return Err(BenchError::InvalidConfig(
                 "--local is a percentage in 1..=99 (at 100 nothing would fault)".into(),
@@ -84,6 +109,12 @@ impl FaultConfig {
 
     fn local_bytes(&self) -> u64 {
         (self.pages * self.local_percent as u64 / 100).max(2) * self.page_bytes as u64
+    }
+
+    fn cache_config(&self) -> CacheConfig {
+        let mut config = CacheConfig::new(self.local_bytes());
+        config.fault_handlers = self.fault_handlers;
+        config
     }
 }
 
@@ -115,7 +146,7 @@ fn region_faults<S: PageStore + 'static>(
     cfg: &FaultConfig,
     order: &[u64],
 ) -> Result<(PathRun, u64), BenchError> {
-    let region = FarRegion::new(store, &CacheConfig::new(cfg.local_bytes())).map_err(setup)?;
+    let region = FarRegion::new(store, &cfg.cache_config()).map_err(setup)?;
     let bytes = region.bytes();
     let mut latency = LatencyRecorder::new();
     let mut sum = 0u64;
@@ -132,6 +163,56 @@ fn region_faults<S: PageStore + 'static>(
     if let Some(why) = region.failure() {
         return Err(BenchError::Setup(why));
     }
+    Ok((
+        PathRun {
+            latency,
+            seconds,
+            faults: order.len() as u64,
+        },
+        stats.missing_faults,
+    ))
+}
+
+/// `region_faults` from `cfg.threads` threads at once, each touching its share of
+/// `order`; latency is per touch, the rate is all touches over the wall time.
+fn region_faults_threaded<S: PageStore + 'static>(
+    store: S,
+    cfg: &FaultConfig,
+    order: &[u64],
+) -> Result<(PathRun, u64), BenchError> {
+    let region = FarRegion::new(store, &cfg.cache_config()).map_err(setup)?;
+    let bytes = region.bytes();
+    let share = order.len().div_ceil(cfg.threads);
+    let t = Instant::now();
+    let recorders: Vec<LatencyRecorder> = std::thread::scope(|s| {
+        let joins: Vec<_> = order
+            .chunks(share)
+            .map(|pages| {
+                s.spawn(move || {
+                    let mut latency = LatencyRecorder::new();
+                    let mut sum = 0u64;
+                    for &page in pages {
+                        let at = page as usize * cfg.page_bytes;
+                        let started = Instant::now();
+                        sum = sum.wrapping_add(std::hint::black_box(bytes[at]) as u64);
+                        latency.record(started.elapsed());
+                    }
+                    std::hint::black_box(sum);
+                    latency
+                })
+            })
+            .collect();
+        joins.into_iter().filter_map(|j| j.join().ok()).collect()
+    });
+    let seconds = t.elapsed().as_secs_f64();
+    if let Some(why) = region.failure() {
+        return Err(BenchError::Setup(why));
+    }
+    let mut latency = LatencyRecorder::new();
+    for r in &recorders {
+        latency.merge(r);
+    }
+    let stats = region.stats();
     Ok((
         PathRun {
             latency,
@@ -178,6 +259,10 @@ pub fn run(cfg: &FaultConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
     // The transparent path: a FarRegion over the server.
     let (far, far_faults) = region_faults(store, cfg, &order)?;
 
+    // Several threads faulting at once on the same pages, through a new region.
+    let store = RegionStore::new(client.clone(), region.clone(), cfg.page_bytes).map_err(setup)?;
+    let (concurrent, concurrent_faults) = region_faults_threaded(store, cfg, &order)?;
+
     // The explicit path: a FarVec<u8> miss on the same pages.
     let store = RegionStore::new(client.clone(), region.clone(), cfg.page_bytes).map_err(setup)?;
     let cache = PageCache::new(store, &CacheConfig::new(cfg.local_bytes())).map_err(setup)?;
@@ -202,12 +287,15 @@ pub fn run(cfg: &FaultConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
     target.close()?;
 
     let p50 = |r: &PathRun| r.latency.summary().p50;
+    let rate = |r: &PathRun| r.faults as f64 / r.seconds.max(1e-9);
     let mut series = Series::new(label);
+    let concurrent_label = format!("FarRegion faults, remote, {} threads", cfg.threads);
     for (label, run) in [
         ("FarRegion fault, remote", &far),
         ("FarVec miss, remote", &farvec),
         ("FarRegion fault, local store", &bare),
         ("remote 4 KiB read", &rtt),
+        (concurrent_label.as_str(), &concurrent),
     ] {
         series.points.push(run.point(label));
     }
@@ -227,6 +315,13 @@ pub fn run(cfg: &FaultConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
             "µs",
             "FarVec miss (explicit path)",
         ),
+        Comparison::new(
+            format!("FarRegion faults/s, {} threads ÷ 1 thread", cfg.threads),
+            rate(&concurrent),
+            rate(&far),
+            "faults/s",
+            "one thread faulting (same region, same pages)",
+        ),
     ];
     let config = json!({
         "x": "path",
@@ -239,7 +334,9 @@ pub fn run(cfg: &FaultConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "policy": "lru",
         "prefetch": "none",
         "order": "every page once, shuffled",
-        "faults_counted": {"far_region_remote": far_faults, "far_region_local": bare_faults},
+        "faults_counted": {"far_region_remote": far_faults, "far_region_local": bare_faults, "far_region_concurrent": concurrent_faults},
+        "threads": cfg.threads,
+        "fault_handlers": cfg.fault_handlers,
         "process": servers["process"],
         "servers": servers,
         "sides": {

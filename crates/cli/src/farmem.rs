@@ -305,6 +305,12 @@ pub struct FaultArgs {
     local: u32,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Threads faulting at once on the concurrent path (1 to 64).
+    #[arg(long, default_value_t = 4)]
+    threads: usize,
+    /// Fault-handler threads of each FarRegion (1 to 8).
+    #[arg(long, default_value_t = camelot_farmem::region::FAULT_HANDLERS_DEFAULT)]
+    fault_handlers: usize,
     #[command(flatten)]
     target: FarTarget,
     #[command(flatten)]
@@ -319,6 +325,8 @@ pub fn bench_fault(a: FaultArgs) -> Result<()> {
     cfg.page_bytes = a.page_bytes;
     cfg.local_percent = a.local;
     cfg.seed = a.seed;
+    cfg.threads = a.threads;
+    cfg.fault_handlers = a.fault_handlers;
     (cfg.servers, cfg.in_process, cfg.token) = a.target.resolve()?;
     let files = camelot_bench::fault::run(&cfg, &a.output.out)?;
     a.output.report(&files, |result| {

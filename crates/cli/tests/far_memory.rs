@@ -335,3 +335,196 @@ fn a_far_region_whose_server_is_sigkilled_delivers_sigbus() {
 
 /// SIGBUS's number on x86-64 and aarch64 Linux.
 const SIGBUS: i32 = 7;
+
+/// Where cargo put libfarmem_c.so (a dev-dependency, built beside this test in
+/// target/<profile>/deps).
+fn farmem_c_lib_dir() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test path");
+    let deps = exe.parent().expect("deps dir").to_path_buf();
+    match deps.parent() {
+        Some(up) if !deps.join("libfarmem_c.so").exists() => up.to_path_buf(),
+        _ => deps,
+    }
+}
+
+/// Compiles crates/farmem-c/examples/pattern.c (with extra `cc` flags) into `out`.
+fn build_pattern_example(out: &Path, flags: &[&str]) -> std::path::PathBuf {
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../farmem-c");
+    let lib = farmem_c_lib_dir();
+    assert!(
+        lib.join("libfarmem_c.so").exists(),
+        "libfarmem_c.so not in {}",
+        lib.display()
+    );
+    let status = Command::new("cc")
+        .arg(crate_dir.join("examples/pattern.c"))
+        .arg("-I")
+        .arg(crate_dir.join("include"))
+        .args(["-O1", "-Wall", "-Werror"])
+        .args(flags)
+        .arg("-o")
+        .arg(out)
+        .arg(format!("-L{}", lib.display()))
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg("-lfarmem_c")
+        .status()
+        .expect("cc runs");
+    assert!(status.success(), "cc failed on examples/pattern.c");
+    out.to_path_buf()
+}
+
+/// The figures the example prints, by name.
+fn example_figures(stdout: &str) -> std::collections::HashMap<String, u64> {
+    let words: Vec<&str> = stdout.split_whitespace().collect();
+    words
+        .chunks(2)
+        .filter_map(|kv| Some((kv.first()?.to_string(), kv.get(1)?.parse().ok()?)))
+        .collect()
+}
+
+/// The C example over a `camelot server` process: 4 MiB written and read back as plain
+/// memory through 512 KiB of local memory, every word right, with the evictions, write-
+/// backs and server reads that prove the bytes went through the server. The same program
+/// built to check a pattern one word off must fail, so the check is shown able to fail;
+/// a server that is not there is a clear error from farmem_open.
+#[test]
+fn the_c_example_uses_far_memory_as_plain_memory_over_a_server_process() {
+    let dir = std::env::temp_dir().join(format!("camelot-farmem-c-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch");
+    let good = build_pattern_example(&dir.join("pattern"), &[]);
+    let broken = build_pattern_example(&dir.join("pattern-wrong"), &["-DCHECK_WRONG_PATTERN"]);
+    let srv = server();
+    let addr = srv.addr().to_string();
+    let (bytes, local) = (4u64 << 20, 512u64 << 10);
+    let run = |bin: &Path, extra: &[&str]| {
+        let out = Command::new(bin)
+            .arg(&addr)
+            .arg(bytes.to_string())
+            .arg(local.to_string())
+            .args(extra)
+            .output()
+            .expect("runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), stdout, stderr)
+    };
+    for policy in [&["clock", "sequential"][..], &["s3fifo", "none"][..]] {
+        let (code, stdout, stderr) = run(&good, policy);
+        assert_eq!(code, Some(0), "{policy:?}: {stdout} {stderr}");
+        let f = example_figures(&stdout);
+        let pages = bytes / PAGE as u64;
+        let local_pages = local / PAGE as u64;
+        assert_eq!(f["words"], bytes / 8, "{stdout}");
+        assert_eq!(f["wrong"], 0, "{stdout}");
+        assert!(f["evictions"] >= pages - local_pages, "{stdout}");
+        assert!(f["written_back"] >= pages - local_pages, "{stdout}");
+        // Read back from the server: at least the pages not local when the reading began.
+        assert!(
+            f["read_bytes"] >= (pages - local_pages) * PAGE as u64,
+            "{stdout}"
+        );
+    }
+    let (code, stdout, stderr) = run(&broken, &[]);
+    assert_eq!(
+        code,
+        Some(3),
+        "the wrong-pattern check passed: {stdout} {stderr}"
+    );
+    assert_eq!(example_figures(&stdout)["wrong"], 1, "{stdout}");
+
+    drop(srv);
+    let (code, _, stderr) = run(&good, &[]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("farmem_open"), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Eight threads faulting at once on a FarRegion over a `camelot server` process, served
+/// by a pool of handlers. With room for every page, each page is read from the server
+/// exactly once however many threads fault on it together, and reads overlap (more than
+/// one in flight); through 64 frames (an eighth of the pages), threads writing their own
+/// slices and then all reading everything lose no byte.
+#[test]
+fn concurrent_faults_on_a_far_region_over_a_server_process() {
+    let srv = server();
+    let pages: u64 = 512;
+    let threads = 8;
+    let data: Vec<u8> = (0..pages as usize * PAGE).map(pattern).collect();
+    let store = RegionStore::alloc(client(vec![srv.addr()]), pages, PAGE, None).expect("region");
+    let batch: Vec<(PageId, &[u8])> = (0..pages).zip(data.chunks(PAGE)).collect();
+    for chunk in batch.chunks(64) {
+        store.write_pages(chunk).expect("fill");
+    }
+    let mut config = CacheConfig::new(pages * PAGE as u64);
+    config.fault_handlers = camelot_farmem::region::FAULT_HANDLERS_MAX;
+    let region = FarRegion::new(store, &config).expect("far region");
+    let bytes = region.bytes();
+    let barrier = std::sync::Barrier::new(threads);
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (barrier, data) = (&barrier, &data);
+            s.spawn(move || {
+                barrier.wait();
+                // Every thread walks every page, from a different starting point, so
+                // threads meet on pages another is bringing in.
+                for k in 0..pages as usize {
+                    let at = ((k + t * 7) % pages as usize) * PAGE + 100;
+                    assert_eq!(bytes[at], data[at], "thread {t}, byte {at}");
+                }
+            });
+        }
+    });
+    let stats = region.stats();
+    assert_eq!(
+        stats.missing_faults, pages,
+        "a page was read more than once: {stats:?}"
+    );
+    assert_eq!(region.traffic_bytes().0, pages * PAGE as u64, "{stats:?}");
+    assert!(
+        stats.reads_in_flight_max > 1,
+        "reads never overlapped: {stats:?}"
+    );
+    drop(region);
+
+    let store = RegionStore::alloc(client(vec![srv.addr()]), pages, PAGE, None).expect("region");
+    let mut config = CacheConfig::new(64 * PAGE as u64);
+    config.policy = "clock".into();
+    config.prefetch = "sequential".into();
+    config.fault_handlers = camelot_farmem::region::FAULT_HANDLERS_MAX;
+    let mut region = FarRegion::new(store, &config).expect("far region");
+    let slices: Vec<&mut [u8]> = region
+        .bytes_mut()
+        .chunks_mut(pages as usize * PAGE / threads)
+        .collect();
+    std::thread::scope(|s| {
+        for (t, slice) in slices.into_iter().enumerate() {
+            let base = t * pages as usize * PAGE / threads;
+            s.spawn(move || {
+                for (i, b) in slice.iter_mut().enumerate().step_by(97) {
+                    *b = pattern(base + i);
+                }
+            });
+        }
+    });
+    let bytes = region.bytes();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            s.spawn(move || {
+                for i in (t..bytes.len()).step_by(97 * threads) {
+                    // Each thread wrote every 97th byte of its own slice.
+                    let in_slice = i % (pages as usize * PAGE / threads);
+                    let want = if in_slice.is_multiple_of(97) {
+                        pattern(i)
+                    } else {
+                        0
+                    };
+                    assert_eq!(bytes[i], want, "byte {i}");
+                }
+            });
+        }
+    });
+    let stats = region.stats();
+    assert!(region.resident_pages() <= 64, "{}", region.resident_pages());
+    assert!(stats.written_back >= pages - 64, "{stats:?}");
+    assert!(region.failure().is_none());
+}

@@ -21,6 +21,10 @@ pub struct CacheConfig {
     pub prefetch_window_pages: u64,
     /// Seed of the random policy.
     pub seed: u64,
+    /// Threads serving a `FarRegion`'s page faults (1 to
+    /// [`crate::region::FAULT_HANDLERS_MAX`]); faults on different pages overlap their
+    /// remote reads up to this many. The page cache (FarVec) ignores it.
+    pub fault_handlers: usize,
 }
 
 impl CacheConfig {
@@ -31,6 +35,7 @@ impl CacheConfig {
             prefetch: "none".into(),
             prefetch_window_pages: 32,
             seed: 1,
+            fault_handlers: crate::region::FAULT_HANDLERS_DEFAULT,
         }
     }
 }

@@ -252,6 +252,12 @@ impl RegionStore {
         &self.region
     }
 
+    /// Frees the region on its server (its pages are gone).
+    pub fn free(self) -> Result<(), Error> {
+        self.client.free(&self.region)?;
+        Ok(())
+    }
+
     /// The byte offset of a run of `len` bytes from page `first`, checked: whole pages,
     /// inside the region.
     fn check_run(&self, first: PageId, len: usize) -> Result<u64, Error> {

@@ -329,9 +329,12 @@ impl Userfault {
         }
     }
 
-    /// Appends the page faults pending (at most [`FAULTS_PER_READ_MAX`]) to `out`,
-    /// offsets relative to `map`; other events are not subscribed to and are skipped.
-    pub fn read_faults(&self, map: &Mapping, out: &mut Vec<Fault>) -> io::Result<()> {
+    /// Appends the page faults pending (at most `max`, itself at most
+    /// [`FAULTS_PER_READ_MAX`]) to `out`, offsets relative to `map`; other events are not
+    /// subscribed to and are skipped. Several threads may read at once: the kernel hands
+    /// each message to one reader.
+    pub fn read_faults(&self, map: &Mapping, out: &mut Vec<Fault>, max: usize) -> io::Result<()> {
+        let max = max.clamp(1, FAULTS_PER_READ_MAX);
         let mut msgs = [UffdMsg {
             event: 0,
             _reserved1: 0,
@@ -342,13 +345,13 @@ impl Userfault {
             ptid: 0,
             _pad: 0,
         }; FAULTS_PER_READ_MAX];
-        // SAFETY: read(2) writes at most the array's size in bytes into it, and every
-        // bit pattern is a valid `UffdMsg` (plain integers).
+        // SAFETY: read(2) writes at most `max` messages' bytes (≤ the array's size) into
+        // it, and every bit pattern is a valid `UffdMsg` (plain integers).
         let n = unsafe {
             libc::read(
                 self.fd.as_raw_fd(),
                 msgs.as_mut_ptr().cast(),
-                size_of_val(&msgs),
+                max * size_of::<UffdMsg>(),
             )
         };
         if n < 0 {
