@@ -365,6 +365,9 @@ fn build_pattern_example(out: &Path, flags: &[&str]) -> std::path::PathBuf {
         .arg("-o")
         .arg(out)
         .arg(format!("-L{}", lib.display()))
+        // RPATH, not RUNPATH, which `cargo test`'s LD_LIBRARY_PATH would outrank (see
+        // rvm-c's c_example test: a stale uplifted library got loaded that way).
+        .arg("-Wl,--disable-new-dtags")
         .arg(format!("-Wl,-rpath,{}", lib.display()))
         .arg("-lfarmem_c")
         .status()

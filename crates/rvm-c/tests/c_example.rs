@@ -42,6 +42,10 @@ fn build_example(out: &Path) -> PathBuf {
         .arg("-o")
         .arg(&bin)
         .arg(format!("-L{}", lib.display()))
+        // RPATH, not RUNPATH: `cargo test` sets LD_LIBRARY_PATH to target/<profile> too,
+        // which outranks a RUNPATH, and a stale uplifted librvm_c.so there (from an
+        // older plain build) would then be the one loaded.
+        .arg("-Wl,--disable-new-dtags")
         .arg(format!("-Wl,-rpath,{}", lib.display()))
         .arg("-lrvm_c")
         .status()
