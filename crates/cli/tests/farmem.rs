@@ -84,7 +84,7 @@ fn simulate_refuses_nonsense_with_a_reason() {
     }
 }
 
-/// `camelot bench fault --quick` writes the standard result: four paths, each with
+/// `camelot bench fault --quick` writes the standard result: five paths, each with
 /// latency percentiles and a fault rate, and the fault-latency check.
 #[test]
 fn bench_fault_quick_writes_its_result() {
@@ -99,7 +99,10 @@ fn bench_fault_quick_writes_its_result() {
     assert_eq!(json["bench"], "fault");
     assert_eq!(json["config"]["quick"], true);
     let points = json["series"][0]["points"].as_array().expect("points");
-    assert_eq!(points.len(), 4, "{points:?}");
+    // The four one-thread paths, then the same remote faults from 4 threads at once
+    // (the handler pool's case).
+    assert_eq!(points.len(), 5, "{points:?}");
+    assert_eq!(points[4]["x"], "FarRegion faults, remote, 4 threads");
     for p in points {
         let p50 = p["latency_us"]["p50"].as_f64().expect("p50");
         let p99 = p["latency_us"]["p99"].as_f64().expect("p99");
