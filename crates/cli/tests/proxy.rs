@@ -238,6 +238,16 @@ fn clover_load(
     proxies: &mut [ServerProcess],
     kill_after: Option<u64>,
 ) -> Run {
+    clover_load_with(servers, proxies, kill_after, false)
+}
+
+/// `broken_proxy`: operations may fail without a kill (recorded as unknown outcomes).
+fn clover_load_with(
+    servers: &[SocketAddr],
+    proxies: &mut [ServerProcess],
+    kill_after: Option<u64>,
+    broken_proxy: bool,
+) -> Run {
     let via: Vec<SocketAddr> = proxies.iter().map(ServerProcess::addr).collect();
     let direct = ClusterMap::from_addrs(servers);
     let clients: Vec<Client> = (0..5)
@@ -347,6 +357,13 @@ fn clover_load(
                             }
                             Some(o)
                         }
+                        Err(e) if broken_proxy => {
+                            if unknown == 0 {
+                                eprintln!("client {c} through the broken proxy: {e}");
+                            }
+                            unknown += 1;
+                            None
+                        }
                         Err(e) => {
                             // Whether it took effect is unknown: the checker lets it have
                             // or not. Clients move to the servers.
@@ -416,6 +433,7 @@ fn clover_through_proxies_with_every_technique_is_linearizable() {
         "2",
         "--cas-to-write",
         "--read-cache",
+        "--write-cache",
         "--memory",
         "256K",
     ];
@@ -427,18 +445,21 @@ fn clover_through_proxies_with_every_technique_is_linearizable() {
         let mut converted = 0;
         let mut failed_locally = 0;
         let mut hits = 0;
+        let mut relinked = 0;
         for p in &proxies {
             let c = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
             converted += stat(&c, "proxy_cas_converted");
             failed_locally += stat(&c, "proxy_cas_failed_locally");
             assert!(stat(&c, "proxy_state_bytes") <= 256 << 10);
             hits += stat(&c, "proxy_read_hits");
+            relinked += stat(&c, "proxy_write_cache_hits");
         }
         eprintln!(
-            "round {round}: CAS converted {converted}, failed locally {failed_locally}, read hits {hits}"
+            "round {round}: CAS converted {converted}, failed locally {failed_locally}, read hits {hits}, CASes re-aimed {relinked}"
         );
         assert!(hits > 100, "the read cache never answered: {hits}");
         assert!(converted > 100, "CAS→WRITE never happened: {converted}");
+        assert!(relinked > 0, "the write cache never re-aimed a CAS");
     }
 }
 
@@ -446,7 +467,13 @@ fn clover_through_proxies_with_every_technique_is_linearizable() {
 fn proxies_sigkilled_mid_run_leave_a_linearizable_history() {
     let servers = [server(), server()];
     let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
-    let flags = ["--conn-map", "2", "--cas-to-write", "--read-cache"];
+    let flags = [
+        "--conn-map",
+        "2",
+        "--cas-to-write",
+        "--read-cache",
+        "--write-cache",
+    ];
     let total = u64::from(CLIENTS * OPS_PER_CLIENT);
     for round in 0..rounds() {
         let mut proxies: Vec<ServerProcess> = addrs.iter().map(|a| proxy(*a, &flags)).collect();
@@ -463,6 +490,61 @@ fn proxies_sigkilled_mid_run_leave_a_linearizable_history() {
         );
         assert_linearizable(&run);
     }
+}
+
+fn write_cache_stats(proxies: &[ServerProcess]) -> (u64, u64) {
+    let mut hits = 0;
+    let mut lost = 0;
+    for p in proxies {
+        let c = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
+        hits += stat(&c, "proxy_write_cache_hits");
+        lost += stat(&c, "proxy_write_cache_lost");
+    }
+    (hits, lost)
+}
+
+/// The write cache alone (with the mapping it needs): writers' CASes aimed at an old
+/// tail are re-aimed and won, and the history stays linearizable.
+#[test]
+fn clover_through_the_write_cache_is_linearizable() {
+    let servers = [server(), server()];
+    let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
+    let flags = ["--conn-map", "2", "--write-cache", "--memory", "64K"];
+    for round in 0..rounds() {
+        let mut proxies: Vec<ServerProcess> = addrs.iter().map(|a| proxy(*a, &flags)).collect();
+        let run = clover_load(&addrs, &mut proxies, None);
+        assert_eq!(run.unknown, 0);
+        assert_linearizable(&run);
+        let (hits, lost) = write_cache_stats(&proxies);
+        eprintln!("round {round}: CASes re-aimed and won {hits}, re-aimed and lost {lost}");
+        assert!(hits > 0, "the write cache never re-aimed a CAS");
+    }
+}
+
+/// The checks can fail: a proxy whose write cache trusts its tail (answers a re-aimed
+/// CAS as won whatever the server said) loses writes, and the checker (or Clover's own
+/// chain checks, failing operations) catches it.
+#[test]
+fn a_write_cache_trusting_a_stale_tail_is_caught() {
+    let servers = [server(), server()];
+    let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
+    let flags = ["--conn-map", "2", "--write-cache", "--write-cache-fault"];
+    let mut caught = 0;
+    let rounds = 3;
+    for round in 0..rounds {
+        let mut proxies: Vec<ServerProcess> = addrs.iter().map(|a| proxy(*a, &flags)).collect();
+        let run = clover_load_with(&addrs, &mut proxies, None, true);
+        let (hits, lost) = write_cache_stats(&proxies);
+        let report = check(&run.history, &Limits::default());
+        eprintln!(
+            "round {round}: re-aimed {hits} (of which the server refused: lost {lost}), failed operations {}, verdict {:?}",
+            run.unknown, report.verdict
+        );
+        if !matches!(report.verdict, Verdict::Linearizable) || run.unknown > 0 {
+            caught += 1;
+        }
+    }
+    assert_eq!(caught, rounds, "a broken write cache went unnoticed");
 }
 
 /// Every CAS the proxy answered as a success moved the word: a counter incremented by
