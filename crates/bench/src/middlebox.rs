@@ -390,6 +390,16 @@ fn new_histogram() -> Result<hdrhistogram::Histogram<u64>, BenchError> {
 /// writes, keys zipf 0.99. Every key is written once before the clock starts, so every
 /// timed read finds a value; a read that finds none is an error.
 fn clover_side(map: &ClusterMap, cfg: &CloverLoadConfig) -> Result<CloverSide, BenchError> {
+    clover_side_with(map, cfg, &mut || Ok(()))
+}
+
+/// As [`clover_side`], calling `after_preload` once the keys are written and before the
+/// load threads connect (counters read there leave the preload out).
+fn clover_side_with(
+    map: &ClusterMap,
+    cfg: &CloverLoadConfig,
+    after_preload: &mut dyn FnMut() -> Result<(), BenchError>,
+) -> Result<CloverSide, BenchError> {
     use camelot_clover::{Geometry, Meta, MetaConfig, RegionMemory, Store, StoreConfig};
     use rand::{Rng, SeedableRng};
     let setup = |what: &str, e: String| BenchError::Setup(format!("clover {what}: {e}"));
@@ -426,6 +436,7 @@ fn clover_side(map: &ClusterMap, cfg: &CloverLoadConfig) -> Result<CloverSide, B
             }
         }
     }
+    after_preload()?;
     let stop = Arc::new(AtomicBool::new(false));
     let start = Arc::new(Barrier::new(cfg.clients + 2));
     let collector = {
@@ -603,32 +614,42 @@ pub fn run_bandwidth(
     )
     .map_err(|e| BenchError::Setup(format!("connect to the proxy: {e}")))?;
 
-    // Counters are read before and after the timed part only (the preload is excluded
-    // by reading them after clover_side's preload would need a hook; instead both sides
-    // preload the same keys, so both carry the same preload bytes — see config).
-    let s0 = stats(&admin)?;
-    let d = clover_side(&direct, cfg)?;
-    let s1 = stats(&admin)?;
-    let p0 = stats(&proxy_admin)?;
-    let p = clover_side(&ClusterMap::from_addrs(&[proxy.addr()]), cfg)?;
-    let p1 = stats(&proxy_admin)?;
-    let s2 = stats(&admin)?;
+    // Counters are read after each side's preload and after its timed run: the bytes
+    // are the timed operations' only (plus the load threads' handshakes and the STATS
+    // reads, a few hundred bytes).
     let delta = |a: &[(String, u64)], b: &[(String, u64)], n: &str| -> Result<f64, BenchError> {
         Ok(stat_of(b, n)?.saturating_sub(stat_of(a, n)?) as f64)
     };
+    let mut s0 = Vec::new();
+    let d = clover_side_with(&direct, cfg, &mut || {
+        s0 = stats(&admin)?;
+        Ok(())
+    })?;
+    let s1 = stats(&admin)?;
+    let (mut p0, mut s1p) = (Vec::new(), Vec::new());
+    let p = clover_side_with(&ClusterMap::from_addrs(&[proxy.addr()]), cfg, &mut || {
+        s1p = stats(&admin)?;
+        p0 = stats(&proxy_admin)?;
+        Ok(())
+    })?;
+    let p1 = stats(&proxy_admin)?;
+    let s2 = stats(&admin)?;
+    let p_upstream_up = delta(&p0, &p1, "proxy_bytes_to_upstream")? / p.ops as f64;
+    let p_upstream_down = delta(&p0, &p1, "proxy_bytes_from_upstream")? / p.ops as f64;
+
     let d_up = delta(&s0, &s1, "bytes_in")? / d.ops as f64;
     let d_down = delta(&s0, &s1, "bytes_out")? / d.ops as f64;
     let p_client_up = delta(&p0, &p1, "proxy_bytes_from_clients")? / p.ops as f64;
     let p_client_down = delta(&p0, &p1, "proxy_bytes_to_clients")? / p.ops as f64;
-    let p_server_up = delta(&s1, &s2, "bytes_in")? / p.ops as f64;
-    let p_server_down = delta(&s1, &s2, "bytes_out")? / p.ops as f64;
+    let p_server_up = delta(&s1p, &s2, "bytes_in")? / p.ops as f64;
+    let p_server_down = delta(&s1p, &s2, "bytes_out")? / p.ops as f64;
     eprintln!(
         "direct: {} ops, {:.0} B/op to server, {:.0} B/op back",
         d.ops, d_up, d_down
     );
     eprintln!(
-        "proxy:  {} ops, client side {:.0} B/op up / {:.0} back; server side {:.0} B/op up / {:.0} back",
-        p.ops, p_client_up, p_client_down, p_server_up, p_server_down
+        "proxy:  {} ops, client side {:.0} B/op up / {:.0} back; server side {:.0} B/op up / {:.0} back; proxy's upstream count {:.0} / {:.0}",
+        p.ops, p_client_up, p_client_down, p_server_up, p_server_down, p_upstream_up, p_upstream_down
     );
     let point = |label: &str, up: f64, down: f64, ops: u64, elapsed: f64| {
         let mut pt = Point::new(label);
@@ -646,13 +667,22 @@ pub fn run_bandwidth(
         .points
         .push(point("direct", d_up, d_down, d.ops, d.elapsed_s));
     let mut server_side = Series::new("through the proxy: proxy ↔ server");
-    server_side.points.push(point(
+    let mut upstream = point(
         "proxy ↔ server",
         p_server_up,
         p_server_down,
         p.ops,
         p.elapsed_s,
-    ));
+    );
+    upstream.extra.insert(
+        "proxy_counted_bytes_per_op_to_server".into(),
+        json!(p_upstream_up),
+    );
+    upstream.extra.insert(
+        "proxy_counted_bytes_per_op_from_server".into(),
+        json!(p_upstream_down),
+    );
+    server_side.points.push(upstream);
     let mut client_side = Series::new("through the proxy: clients ↔ proxy");
     client_side.points.push(point(
         "clients ↔ proxy",
@@ -666,7 +696,7 @@ pub fn run_bandwidth(
         "bytes on the wire per operation, each way (frames as counted by the server and the proxy)"
     );
     config["proxy"] = json!(format!("camelot proxy run {}", PROXY_ALL_FLAGS.join(" ")));
-    config["counted"] = json!("each side's counters span its preload and its timed run (the same preload both sides), divided by timed operations; the server's side includes the proxy's STATS reads, a few hundred bytes");
+    config["counted"] = json!("counters read after each side's preload and after its timed run, divided by timed operations (the load threads' handshakes and the STATS reads, a few hundred bytes, included); proxy_counted_* are the proxy's own count of its upstream requests and replies (frame headers excluded)");
     let mut result = BenchResult::new(
         "middlebox-bandwidth",
         started,

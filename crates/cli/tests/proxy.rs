@@ -231,6 +231,15 @@ struct Run {
     history: camelot_check::History<u64>,
     unknown: u64,
     after_kill: u64,
+    /// Operations completed through the restarted proxies.
+    after_restart: u64,
+}
+
+/// After the kill, once this many operations have finished in all, new proxy processes
+/// (these flags, empty caches) start and every client returns to them at once.
+struct Restart<'a> {
+    after: u64,
+    flags: &'a [&'a str],
 }
 
 fn clover_load(
@@ -238,7 +247,7 @@ fn clover_load(
     proxies: &mut [ServerProcess],
     kill_after: Option<u64>,
 ) -> Run {
-    clover_load_with(servers, proxies, kill_after, false)
+    clover_load_with(servers, proxies, kill_after, None, false)
 }
 
 /// `broken_proxy`: operations may fail without a kill (recorded as unknown outcomes).
@@ -246,6 +255,7 @@ fn clover_load_with(
     servers: &[SocketAddr],
     proxies: &mut [ServerProcess],
     kill_after: Option<u64>,
+    restart: Option<Restart>,
     broken_proxy: bool,
 ) -> Run {
     let via: Vec<SocketAddr> = proxies.iter().map(ServerProcess::addr).collect();
@@ -267,6 +277,11 @@ fn clover_load_with(
             })
         }
     };
+    // CAS→WRITE is safe only while all traffic to a word goes through one proxy: the
+    // return to restarted proxies waits for every operation in flight (write side) and
+    // moves every client before any operation goes on.
+    let gate = Arc::new(std::sync::RwLock::new(()));
+    let returned = Arc::new(AtomicBool::new(false));
     let geometry = Geometry::new(8, 64).unwrap();
     let mem = RegionMemory::new(clients[4].clone(), geometry);
     let meta_config = MetaConfig {
@@ -277,17 +292,23 @@ fn clover_load_with(
     let meta = Arc::new(Meta::new(mem.clone(), meta_config).unwrap());
     let recorder: Arc<Recorder<u64>> = Arc::new(Recorder::new(0));
     let done = Arc::new(AtomicU64::new(0));
+    let after_restart = Arc::new(AtomicU64::new(0));
     let killed = Arc::new(AtomicBool::new(false));
     let after_kill = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
     let collector = {
         let (meta, stop, fall_back) = (meta.clone(), stop.clone(), fall_back.clone());
+        let gate = gate.clone();
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) && started.elapsed() < DEADLINE {
+                let pass = gate
+                    .read()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 if meta.gc().is_err() {
                     fall_back();
                 }
+                drop(pass);
                 // Pacing, not synchronisation.
                 std::thread::sleep(Duration::from_millis(2));
             }
@@ -298,6 +319,8 @@ fn clover_load_with(
             let mem = mem.with_client(clients[c as usize % 4].clone());
             let (meta, recorder, fall_back) = (meta.clone(), recorder.clone(), fall_back.clone());
             let (done, killed, after_kill) = (done.clone(), killed.clone(), after_kill.clone());
+            let (gate, returned, after_restart) =
+                (gate.clone(), returned.clone(), after_restart.clone());
             std::thread::spawn(move || {
                 let mut store = Store::new(
                     meta,
@@ -321,7 +344,11 @@ fn clover_load_with(
                     let key = x % KEYS;
                     let kb = key.to_le_bytes();
                     let fresh = (u64::from(c) + 1) << 32 | u64::from(i + 1);
+                    let pass = gate
+                        .read()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
                     let was_killed = killed.load(Ordering::SeqCst);
+                    let was_returned = returned.load(Ordering::SeqCst);
                     let invoke = recorder.now();
                     let (op, result) = match (x >> 8) % 10 {
                         0..=4 => (
@@ -355,6 +382,9 @@ fn clover_load_with(
                             if was_killed {
                                 after_kill.fetch_add(1, Ordering::SeqCst);
                             }
+                            if was_returned {
+                                after_restart.fetch_add(1, Ordering::SeqCst);
+                            }
                             Some(o)
                         }
                         Err(e) if broken_proxy => {
@@ -377,6 +407,7 @@ fn clover_load_with(
                         }
                     };
                     recorder.finish(c, key, op, invoke, outcome).unwrap();
+                    drop(pass);
                     done.fetch_add(1, Ordering::SeqCst);
                 }
                 unknown
@@ -392,6 +423,26 @@ fn clover_load_with(
         for p in proxies.iter_mut() {
             p.kill().expect("SIGKILL the proxy");
         }
+        if let Some(r) = &restart {
+            while done.load(Ordering::SeqCst) < r.after && wait_start.elapsed() < DEADLINE {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            for (p, server) in proxies.iter_mut().zip(servers) {
+                *p = proxy(*server, r.flags);
+            }
+            let via = ClusterMap::from_addrs(
+                &proxies.iter().map(ServerProcess::addr).collect::<Vec<_>>(),
+            );
+            // Waits for every operation in flight; none starts until all are moved.
+            let all = gate
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for c in &clients {
+                c.set_map(via.clone());
+            }
+            returned.store(true, Ordering::SeqCst);
+            drop(all);
+        }
     }
     let unknown: u64 = workers.into_iter().map(|w| w.join().expect("worker")).sum();
     stop.store(true, Ordering::Relaxed);
@@ -402,6 +453,7 @@ fn clover_load_with(
         history: recorder.into_history(),
         unknown,
         after_kill: after_kill.load(Ordering::SeqCst),
+        after_restart: after_restart.load(Ordering::SeqCst),
     }
 }
 
@@ -503,6 +555,44 @@ fn write_cache_stats(proxies: &[ServerProcess]) -> (u64, u64) {
     (hits, lost)
 }
 
+/// The proxies are SIGKILLed mid-run, clients go to the servers directly, then new proxy
+/// processes (empty caches) start and all clients return to them at once: linearizable.
+#[test]
+fn proxies_killed_and_restarted_mid_run_leave_a_linearizable_history() {
+    let servers = [server(), server()];
+    let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
+    let flags = [
+        "--conn-map",
+        "2",
+        "--cas-to-write",
+        "--read-cache",
+        "--write-cache",
+    ];
+    let total = u64::from(CLIENTS * OPS_PER_CLIENT);
+    for round in 0..rounds() {
+        let mut proxies: Vec<ServerProcess> = addrs.iter().map(|a| proxy(*a, &flags)).collect();
+        // Killed at 1/5 or 2/5 of the run, back 1/5 later.
+        let at = total * u64::from(round % 2 + 1) / 5;
+        let restart = Restart {
+            after: at + total / 5,
+            flags: &flags,
+        };
+        let run = clover_load_with(&addrs, &mut proxies, Some(at), Some(restart), false);
+        let mut requests = 0;
+        for p in &proxies {
+            let c = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
+            requests += stat(&c, "proxy_requests");
+        }
+        eprintln!(
+            "round {round}: killed after {at}, unknown outcomes {}, completed after the kill {}, through the restarted proxies {} (their requests {requests})",
+            run.unknown, run.after_kill, run.after_restart
+        );
+        assert!(run.after_restart > total / 20, "clients did not return");
+        assert!(requests > 1_000, "the restarted proxies carried nothing");
+        assert_linearizable(&run);
+    }
+}
+
 /// The write cache alone (with the mapping it needs): writers' CASes aimed at an old
 /// tail are re-aimed and won, and the history stays linearizable.
 #[test]
@@ -533,7 +623,7 @@ fn a_write_cache_trusting_a_stale_tail_is_caught() {
     let rounds = 3;
     for round in 0..rounds {
         let mut proxies: Vec<ServerProcess> = addrs.iter().map(|a| proxy(*a, &flags)).collect();
-        let run = clover_load_with(&addrs, &mut proxies, None, true);
+        let run = clover_load_with(&addrs, &mut proxies, None, None, true);
         let (hits, lost) = write_cache_stats(&proxies);
         let report = check(&run.history, &Limits::default());
         eprintln!(
@@ -662,6 +752,14 @@ fn the_bandwidth_bench_counts_both_sides_of_the_proxy() {
             p["extra"]["bytes_per_op_from_server"].as_f64().unwrap() > 8.0,
             "{p}"
         );
+    }
+    // The proxy's own count of its upstream side is beside the server's.
+    let upstream = &series[1]["points"][0]["extra"];
+    for way in ["to", "from"] {
+        let counted = upstream[format!("proxy_counted_bytes_per_op_{way}_server")]
+            .as_f64()
+            .unwrap();
+        assert!(counted > 8.0, "{upstream}");
     }
     let cmp = json["comparisons"].as_array().unwrap();
     assert!(cmp[0]["ratio"].as_f64().unwrap() > 0.0, "{cmp:?}");

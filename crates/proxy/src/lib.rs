@@ -270,6 +270,10 @@ struct Counters {
     requests: AtomicU64,
     bytes_from_clients: AtomicU64,
     bytes_to_clients: AtomicU64,
+    /// Proxy ↔ server, each request and reply as encoded (frame headers, which
+    /// batching shares among requests, not counted).
+    bytes_to_upstream: AtomicU64,
+    bytes_from_upstream: AtomicU64,
     connections_total: AtomicU64,
     refused_auth: AtomicU64,
 }
@@ -312,6 +316,20 @@ fn region_of(op: &Op) -> Option<u64> {
         | Op::Free { region } => Some(*region),
         _ => None,
     }
+}
+
+/// A successful reply's bytes in a RESPONSES frame: request id, status, kind, then the
+/// payload (as the protocol lays it out; `Op::reply_len_max` is the bound with errors).
+fn ok_reply_bytes(op: &Op) -> u64 {
+    const OK_HEADER_BYTES: u64 = 8 + 2 + 1;
+    OK_HEADER_BYTES
+        + match op {
+            Op::Read { len, .. } => 4 + u64::from(*len),
+            Op::Swap { data, .. } => 4 + data.len() as u64,
+            Op::Cas { .. } | Op::FetchAdd { .. } | Op::WriteIf { .. } => 8,
+            Op::Write { .. } | Op::XorInto { .. } | Op::Free { .. } | Op::Ping => 0,
+            other => (other.reply_len_max() as u64).saturating_sub(OK_HEADER_BYTES),
+        }
 }
 
 fn lane_index(region: Option<u64>, lanes: usize) -> usize {
@@ -362,6 +380,14 @@ impl Proxy {
             (
                 "proxy_bytes_to_clients".into(),
                 c.bytes_to_clients.load(Ordering::Relaxed),
+            ),
+            (
+                "proxy_bytes_to_upstream".into(),
+                c.bytes_to_upstream.load(Ordering::Relaxed),
+            ),
+            (
+                "proxy_bytes_from_upstream".into(),
+                c.bytes_from_upstream.load(Ordering::Relaxed),
             ),
             (
                 "proxy_connections_current".into(),
@@ -440,6 +466,17 @@ impl Proxy {
         s
     }
 
+    /// Counts a request about to go upstream, and its reply as a success (for region
+    /// operations its size is fixed by the request; an error reply differs).
+    fn counted(&self, op: Op) -> Op {
+        let c = &self.counters;
+        c.bytes_to_upstream
+            .fetch_add(op.encoded_len() as u64, Ordering::Relaxed);
+        c.bytes_from_upstream
+            .fetch_add(ok_reply_bytes(&op), Ordering::Relaxed);
+        op
+    }
+
     fn with_write_cache<T>(&self, f: impl FnOnce(&mut WriteCache) -> T) -> Option<T> {
         let m = self.write_cache.as_ref()?;
         let mut wc = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -479,7 +516,7 @@ impl Proxy {
                     return ready(Ok(Reply::Data(hit)));
                 }
                 let ticket = cache.ticket(region, offset, len);
-                let sent = lane.client.submit(0, op).await;
+                let sent = lane.client.submit(0, self.counted(op)).await;
                 drop(st);
                 let proxy = self.clone();
                 Box::pin(async move {
@@ -594,7 +631,7 @@ impl Proxy {
                     offset,
                     data: Bytes::copy_from_slice(&bytes),
                 };
-                let sent = lane.client.submit(0, write).await;
+                let sent = lane.client.submit(0, self.counted(write)).await;
                 drop(st);
                 let proxy = self.clone();
                 Box::pin(async move {
@@ -625,7 +662,7 @@ impl Proxy {
                     expected,
                     new,
                 };
-                let sent = lane.client.submit(0, op).await;
+                let sent = lane.client.submit(0, self.counted(op)).await;
                 drop(st);
                 let proxy = self.clone();
                 Box::pin(async move {
@@ -678,7 +715,7 @@ impl Proxy {
             offset,
             data,
         };
-        let sent = lane.client.submit(0, op).await;
+        let sent = lane.client.submit(0, self.counted(op)).await;
         drop(st);
         let proxy = self.clone();
         Box::pin(async move {
@@ -762,7 +799,7 @@ impl Proxy {
     }
 
     async fn forward(self: &Arc<Self>, lane: &Lane, op: Op) -> Answer {
-        let sent = lane.client.submit(0, op).await;
+        let sent = lane.client.submit(0, self.counted(op)).await;
         let proxy = self.clone();
         Box::pin(async move {
             let r = match sent {
