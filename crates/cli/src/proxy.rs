@@ -77,6 +77,11 @@ pub enum MiddleboxCommand {
     /// p50/p99 read and write latency, Clover zipf, 64 clients: direct, proxy
     /// pass-through, proxy with every technique.
     Tail(MiddleboxLoadArgs),
+    /// Clover throughput on YCSB-A, YCSB-B and 100% write (zipf 0.99): direct, each
+    /// technique, all; speed-up ÷ direct.
+    FullSystem(MiddleboxLoadArgs),
+    /// Speed-up ÷ Clover direct (YCSB-A zipf) vs the proxy's --memory budget.
+    Memory(MiddleboxLoadArgs),
 }
 
 #[derive(Args)]
@@ -134,6 +139,29 @@ pub fn bench(command: MiddleboxCommand) -> Result<()> {
             );
             let binary = std::env::current_exe().context("cannot tell where this program is")?;
             for path in camelot_bench::middlebox::run_bandwidth(&cfg, &binary, &a.out)? {
+                println!("wrote {}", path.display());
+            }
+            Ok(())
+        }
+        MiddleboxCommand::FullSystem(a) => {
+            let cfg = load_config(
+                camelot_bench::middlebox::CloverLoadConfig::full_system(a.quick),
+                &a,
+            );
+            let binary = std::env::current_exe().context("cannot tell where this program is")?;
+            for path in camelot_bench::middlebox::run_full_system(&cfg, &binary, &a.out)? {
+                println!("wrote {}", path.display());
+            }
+            Ok(())
+        }
+        MiddleboxCommand::Memory(a) => {
+            let cfg = load_config(
+                camelot_bench::middlebox::CloverLoadConfig::full_system(a.quick),
+                &a,
+            );
+            let budgets = camelot_bench::middlebox::memory_budgets(a.quick);
+            let binary = std::env::current_exe().context("cannot tell where this program is")?;
+            for path in camelot_bench::middlebox::run_memory(&cfg, &budgets, &binary, &a.out)? {
                 println!("wrote {}", path.display());
             }
             Ok(())

@@ -788,3 +788,28 @@ fn the_tail_bench_reports_p99_for_every_side() {
     assert_eq!(cmp["target"].as_f64(), Some(1.3), "{cmp}");
     assert_eq!(cmp["at_most"], true);
 }
+
+/// `bench middlebox full-system`: every workload has the baseline and the five bars, each
+/// with its speed-up and both processes' CPU seconds, and one target comparison each.
+#[test]
+fn the_full_system_bench_reports_every_bar() {
+    let dir = camelot_testkit::process::ScratchDir::new("middlebox-full").unwrap();
+    let json = run_middlebox_bench("full-system", &dir.path);
+    assert_eq!(json["bench"], "middlebox-full-system");
+    let series = json["series"].as_array().unwrap();
+    assert_eq!(series.len(), 3);
+    for s in series {
+        let points = s["points"].as_array().unwrap();
+        assert_eq!(points.len(), 6, "{s}");
+        for p in points {
+            assert!(p["ops_per_sec"].as_f64().unwrap() > 0.0, "{p}");
+            assert!(
+                p["extra"]["speedup_vs_direct"].as_f64().unwrap() > 0.0,
+                "{p}"
+            );
+            assert!(p["extra"]["server_cpu_s"].as_f64().unwrap() > 0.0, "{p}");
+        }
+        assert!(points[5]["extra"]["proxy_cpu_s"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(json["comparisons"].as_array().unwrap().len(), 3);
+}
