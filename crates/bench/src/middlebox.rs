@@ -390,6 +390,16 @@ fn new_histogram() -> Result<hdrhistogram::Histogram<u64>, BenchError> {
 /// writes, keys zipf 0.99. Every key is written once before the clock starts, so every
 /// timed read finds a value; a read that finds none is an error.
 fn clover_side(map: &ClusterMap, cfg: &CloverLoadConfig) -> Result<CloverSide, BenchError> {
+    clover_side_with(map, cfg, &mut || Ok(()))
+}
+
+/// As [`clover_side`], calling `after_preload` once the keys are written and before the
+/// load threads connect (counters read there leave the preload out).
+fn clover_side_with(
+    map: &ClusterMap,
+    cfg: &CloverLoadConfig,
+    after_preload: &mut dyn FnMut() -> Result<(), BenchError>,
+) -> Result<CloverSide, BenchError> {
     use camelot_clover::{Geometry, Meta, MetaConfig, RegionMemory, Store, StoreConfig};
     use rand::{Rng, SeedableRng};
     let setup = |what: &str, e: String| BenchError::Setup(format!("clover {what}: {e}"));
@@ -426,6 +436,7 @@ fn clover_side(map: &ClusterMap, cfg: &CloverLoadConfig) -> Result<CloverSide, B
             }
         }
     }
+    after_preload()?;
     let stop = Arc::new(AtomicBool::new(false));
     let start = Arc::new(Barrier::new(cfg.clients + 2));
     let collector = {
@@ -603,32 +614,42 @@ pub fn run_bandwidth(
     )
     .map_err(|e| BenchError::Setup(format!("connect to the proxy: {e}")))?;
 
-    // Counters are read before and after the timed part only (the preload is excluded
-    // by reading them after clover_side's preload would need a hook; instead both sides
-    // preload the same keys, so both carry the same preload bytes — see config).
-    let s0 = stats(&admin)?;
-    let d = clover_side(&direct, cfg)?;
-    let s1 = stats(&admin)?;
-    let p0 = stats(&proxy_admin)?;
-    let p = clover_side(&ClusterMap::from_addrs(&[proxy.addr()]), cfg)?;
-    let p1 = stats(&proxy_admin)?;
-    let s2 = stats(&admin)?;
+    // Counters are read after each side's preload and after its timed run: the bytes
+    // are the timed operations' only (plus the load threads' handshakes and the STATS
+    // reads, a few hundred bytes).
     let delta = |a: &[(String, u64)], b: &[(String, u64)], n: &str| -> Result<f64, BenchError> {
         Ok(stat_of(b, n)?.saturating_sub(stat_of(a, n)?) as f64)
     };
+    let mut s0 = Vec::new();
+    let d = clover_side_with(&direct, cfg, &mut || {
+        s0 = stats(&admin)?;
+        Ok(())
+    })?;
+    let s1 = stats(&admin)?;
+    let (mut p0, mut s1p) = (Vec::new(), Vec::new());
+    let p = clover_side_with(&ClusterMap::from_addrs(&[proxy.addr()]), cfg, &mut || {
+        s1p = stats(&admin)?;
+        p0 = stats(&proxy_admin)?;
+        Ok(())
+    })?;
+    let p1 = stats(&proxy_admin)?;
+    let s2 = stats(&admin)?;
+    let p_upstream_up = delta(&p0, &p1, "proxy_bytes_to_upstream")? / p.ops as f64;
+    let p_upstream_down = delta(&p0, &p1, "proxy_bytes_from_upstream")? / p.ops as f64;
+
     let d_up = delta(&s0, &s1, "bytes_in")? / d.ops as f64;
     let d_down = delta(&s0, &s1, "bytes_out")? / d.ops as f64;
     let p_client_up = delta(&p0, &p1, "proxy_bytes_from_clients")? / p.ops as f64;
     let p_client_down = delta(&p0, &p1, "proxy_bytes_to_clients")? / p.ops as f64;
-    let p_server_up = delta(&s1, &s2, "bytes_in")? / p.ops as f64;
-    let p_server_down = delta(&s1, &s2, "bytes_out")? / p.ops as f64;
+    let p_server_up = delta(&s1p, &s2, "bytes_in")? / p.ops as f64;
+    let p_server_down = delta(&s1p, &s2, "bytes_out")? / p.ops as f64;
     eprintln!(
         "direct: {} ops, {:.0} B/op to server, {:.0} B/op back",
         d.ops, d_up, d_down
     );
     eprintln!(
-        "proxy:  {} ops, client side {:.0} B/op up / {:.0} back; server side {:.0} B/op up / {:.0} back",
-        p.ops, p_client_up, p_client_down, p_server_up, p_server_down
+        "proxy:  {} ops, client side {:.0} B/op up / {:.0} back; server side {:.0} B/op up / {:.0} back; proxy's upstream count {:.0} / {:.0}",
+        p.ops, p_client_up, p_client_down, p_server_up, p_server_down, p_upstream_up, p_upstream_down
     );
     let point = |label: &str, up: f64, down: f64, ops: u64, elapsed: f64| {
         let mut pt = Point::new(label);
@@ -646,13 +667,22 @@ pub fn run_bandwidth(
         .points
         .push(point("direct", d_up, d_down, d.ops, d.elapsed_s));
     let mut server_side = Series::new("through the proxy: proxy ↔ server");
-    server_side.points.push(point(
+    let mut upstream = point(
         "proxy ↔ server",
         p_server_up,
         p_server_down,
         p.ops,
         p.elapsed_s,
-    ));
+    );
+    upstream.extra.insert(
+        "proxy_counted_bytes_per_op_to_server".into(),
+        json!(p_upstream_up),
+    );
+    upstream.extra.insert(
+        "proxy_counted_bytes_per_op_from_server".into(),
+        json!(p_upstream_down),
+    );
+    server_side.points.push(upstream);
     let mut client_side = Series::new("through the proxy: clients ↔ proxy");
     client_side.points.push(point(
         "clients ↔ proxy",
@@ -666,7 +696,7 @@ pub fn run_bandwidth(
         "bytes on the wire per operation, each way (frames as counted by the server and the proxy)"
     );
     config["proxy"] = json!(format!("camelot proxy run {}", PROXY_ALL_FLAGS.join(" ")));
-    config["counted"] = json!("each side's counters span its preload and its timed run (the same preload both sides), divided by timed operations; the server's side includes the proxy's STATS reads, a few hundred bytes");
+    config["counted"] = json!("counters read after each side's preload and after its timed run, divided by timed operations (the load threads' handshakes and the STATS reads, a few hundred bytes, included); proxy_counted_* are the proxy's own count of its upstream requests and replies (frame headers excluded)");
     let mut result = BenchResult::new(
         "middlebox-bandwidth",
         started,
@@ -778,6 +808,253 @@ pub fn run_tail(
     }
     drop(all);
     drop(pass);
+    drop(server);
+    Ok(vec![output::write_result(out, &result)?])
+}
+
+/// The bars of `bench middlebox full-system`: each technique alone (with the mapping it
+/// needs; `+conn map` is mapping alone), then all. The baseline is Clover direct.
+pub const FULL_SYSTEM_BARS: [(&str, &[&str]); 5] = [
+    ("+read cache", &["--conn-map", "4", "--read-cache"]),
+    ("+write cache", &["--conn-map", "4", "--write-cache"]),
+    ("+conn map", &["--conn-map", "4"]),
+    ("+CAS→write", &["--conn-map", "4", "--cas-to-write"]),
+    (
+        "all",
+        &[
+            "--conn-map",
+            "4",
+            "--read-cache",
+            "--write-cache",
+            "--cas-to-write",
+        ],
+    ),
+];
+/// The workloads of `full-system`: name, share of writes, and the floor for all
+/// techniques ÷ Clover direct.
+pub const FULL_SYSTEM_WORKLOADS: [(&str, f64, f64); 3] = [
+    ("YCSB-A", 0.5, 3.0),
+    ("YCSB-B", 0.05, 1.3),
+    ("100% write", 1.0, 3.0),
+];
+
+impl CloverLoadConfig {
+    /// `full-system` and `memory`: 32 clients (16 quick), short sides.
+    pub fn full_system(quick: bool) -> CloverLoadConfig {
+        CloverLoadConfig {
+            seconds_per_side: if quick { 1.0 } else { 10.0 },
+            ..CloverLoadConfig::bandwidth(quick)
+        }
+    }
+}
+
+/// One side measured with the server's and (if any) the proxy's CPU seconds.
+fn measured_side(
+    server: &CamelotServer,
+    proxy: Option<&ServerProcess>,
+    map: &ClusterMap,
+    cfg: &CloverLoadConfig,
+) -> Result<(CloverSide, f64, f64), BenchError> {
+    let s0 = server.process().cpu_seconds()?;
+    let p0 = proxy.map(ServerProcess::cpu_seconds).transpose()?;
+    let side = clover_side(map, cfg)?;
+    let server_cpu = server.process().cpu_seconds()? - s0;
+    let proxy_cpu = match (proxy, p0) {
+        (Some(p), Some(p0)) => p.cpu_seconds()? - p0,
+        _ => 0.0,
+    };
+    Ok((side, server_cpu, proxy_cpu))
+}
+
+fn speedup_point(
+    label: &str,
+    side: &CloverSide,
+    server_cpu_s: f64,
+    proxy_cpu_s: f64,
+    baseline_ops_per_sec: f64,
+) -> Point {
+    let ops_per_sec = side.ops as f64 / side.elapsed_s;
+    let mut pt = Point::new(label);
+    pt.ops_per_sec = Some(ops_per_sec);
+    pt.extra.insert(
+        "speedup_vs_direct".into(),
+        json!(ops_per_sec / baseline_ops_per_sec),
+    );
+    pt.extra.insert("ops".into(), json!(side.ops));
+    pt.extra.insert("server_cpu_s".into(), json!(server_cpu_s));
+    pt.extra.insert("proxy_cpu_s".into(), json!(proxy_cpu_s));
+    pt
+}
+
+/// `camelot bench middlebox full-system`: Clover throughput on YCSB-A, YCSB-B and 100%
+/// write (zipf 0.99), direct and through a proxy with each technique and with all;
+/// speed-ups ÷ the same run's direct.
+pub fn run_full_system(
+    cfg: &CloverLoadConfig,
+    binary: &Path,
+    out: &Path,
+) -> Result<Vec<PathBuf>, BenchError> {
+    cfg.validate()?;
+    let started = now_rfc3339();
+    let server = start_clover_server(binary)?;
+    let direct = ClusterMap::from_addrs(&[server.addr()]);
+    let mut series = Vec::new();
+    let mut comparisons = Vec::new();
+    for (workload, write_fraction, target) in FULL_SYSTEM_WORKLOADS {
+        let wcfg = CloverLoadConfig {
+            write_fraction,
+            ..cfg.clone()
+        };
+        let mut s = Series::new(workload);
+        let (base, server_cpu, _) = measured_side(&server, None, &direct, &wcfg)?;
+        let base_ops = base.ops as f64 / base.elapsed_s;
+        eprintln!(
+            "{workload:<11} {:<14} {base_ops:>9.0} ops/s",
+            "Clover direct"
+        );
+        s.points.push(speedup_point(
+            "Clover direct",
+            &base,
+            server_cpu,
+            0.0,
+            base_ops,
+        ));
+        let mut all_ops = 0.0;
+        for (bar, flags) in FULL_SYSTEM_BARS {
+            let mut f = flags.to_vec();
+            f.push("--threads=1");
+            let proxy = start_proxy(binary, server.addr(), &f)?;
+            let via = ClusterMap::from_addrs(&[proxy.addr()]);
+            let (side, server_cpu, proxy_cpu) = measured_side(&server, Some(&proxy), &via, &wcfg)?;
+            let ops = side.ops as f64 / side.elapsed_s;
+            eprintln!(
+                "{workload:<11} {bar:<14} {ops:>9.0} ops/s  {:.2}×  (server {server_cpu:.2} CPU-s, proxy {proxy_cpu:.2} CPU-s)",
+                ops / base_ops
+            );
+            s.points
+                .push(speedup_point(bar, &side, server_cpu, proxy_cpu, base_ops));
+            if bar == "all" {
+                all_ops = ops;
+            }
+        }
+        comparisons.push(
+            Comparison::new(
+                format!("{workload}, all techniques ÷ Clover direct (ops/s)"),
+                all_ops,
+                base_ops,
+                "ops/s",
+                "Clover direct (same run)",
+            )
+            .with_target(target, false),
+        );
+        series.push(s);
+    }
+    let mut config = load_config_json(cfg);
+    config["figure"] = json!("Clover throughput per technique ÷ Clover direct, per workload");
+    config["workloads"] = json!(FULL_SYSTEM_WORKLOADS
+        .iter()
+        .map(|(w, f, t)| json!({"name": w, "write_fraction": f, "target_all_vs_direct": t}))
+        .collect::<Vec<_>>());
+    config["bars"] = json!(FULL_SYSTEM_BARS
+        .iter()
+        .map(|(b, f)| json!({"bar": b, "proxy": format!("camelot proxy run {} --threads=1", f.join(" "))}))
+        .collect::<Vec<_>>());
+    config["cpu"] = json!("server_cpu_s and proxy_cpu_s per point: CPU seconds of each process over that side (preload included)");
+    let mut result = BenchResult::new("middlebox-full-system", started, config, series);
+    result.comparisons = comparisons;
+    drop(server);
+    Ok(vec![output::write_result(out, &result)?])
+}
+
+/// Proxy `--memory` budgets of `bench middlebox memory`. The smallest is about the floor
+/// the proxy accepts with every technique on one lane (the read cache's 32 KiB slot
+/// table must fit its share).
+pub fn memory_budgets(quick: bool) -> Vec<u64> {
+    if quick {
+        vec![64 << 10, 256 << 10, 16 << 20]
+    } else {
+        vec![64 << 10, 128 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+    }
+}
+
+/// `camelot bench middlebox memory`: YCSB-A zipf through a proxy with every technique
+/// (one lane), speed-up ÷ Clover direct as the proxy's memory budget grows.
+pub fn run_memory(
+    cfg: &CloverLoadConfig,
+    budgets: &[u64],
+    binary: &Path,
+    out: &Path,
+) -> Result<Vec<PathBuf>, BenchError> {
+    cfg.validate()?;
+    if budgets.is_empty() {
+        return Err(BenchError::InvalidConfig("no memory budgets".into()));
+    }
+    let started = now_rfc3339();
+    let server = start_clover_server(binary)?;
+    let direct = ClusterMap::from_addrs(&[server.addr()]);
+    let (base, server_cpu, _) = measured_side(&server, None, &direct, cfg)?;
+    let base_ops = base.ops as f64 / base.elapsed_s;
+    eprintln!("Clover direct        {base_ops:>9.0} ops/s");
+    let mut direct_series = Series::new("Clover direct");
+    direct_series
+        .points
+        .push(speedup_point("direct", &base, server_cpu, 0.0, base_ops));
+    let mut s = Series::new("proxy, every technique, by --memory");
+    let flags = [
+        "--conn-map",
+        "1",
+        "--read-cache",
+        "--write-cache",
+        "--cas-to-write",
+        "--threads=1",
+    ];
+    let mut last = 0.0;
+    for &budget in budgets {
+        let memory = format!("--memory={budget}");
+        let mut f = flags.to_vec();
+        f.push(&memory);
+        let proxy = start_proxy(binary, server.addr(), &f)?;
+        let via = ClusterMap::from_addrs(&[proxy.addr()]);
+        let (side, server_cpu, proxy_cpu) = measured_side(&server, Some(&proxy), &via, cfg)?;
+        let admin = Client::connect(via.clone(), ClientConfig::default())
+            .map_err(|e| BenchError::Setup(format!("connect to the proxy: {e}")))?;
+        let st = stats(&admin)?;
+        let state_bytes = stat_of(&st, "proxy_state_bytes")?;
+        let ops = side.ops as f64 / side.elapsed_s;
+        eprintln!(
+            "--memory {budget:>9} B {ops:>9.0} ops/s  {:.2}×  (state {state_bytes} B, proxy {proxy_cpu:.2} CPU-s)",
+            ops / base_ops
+        );
+        let mut pt = speedup_point(
+            &format!("{budget} B"),
+            &side,
+            server_cpu,
+            proxy_cpu,
+            base_ops,
+        );
+        pt.x = camelot_results::schema::X::Num(budget as f64);
+        pt.extra.insert("memory_bytes".into(), json!(budget));
+        pt.extra
+            .insert("proxy_state_bytes".into(), json!(state_bytes));
+        s.points.push(pt);
+        last = ops;
+    }
+    let mut config = load_config_json(cfg);
+    config["figure"] =
+        json!("speed-up ÷ Clover direct vs the proxy's --memory budget (YCSB-A zipf)");
+    config["proxy"] = json!(format!(
+        "camelot proxy run {} --memory=BYTES",
+        flags.join(" ")
+    ));
+    config["cpu"] = json!("server_cpu_s and proxy_cpu_s per point: CPU seconds of each process over that side (preload included)");
+    let mut result = BenchResult::new("middlebox-memory", started, config, vec![direct_series, s]);
+    result.comparisons.push(Comparison::new(
+        "YCSB-A, every technique at the largest budget ÷ Clover direct (ops/s)",
+        last,
+        base_ops,
+        "ops/s",
+        "Clover direct (same run)",
+    ));
     drop(server);
     Ok(vec![output::write_result(out, &result)?])
 }

@@ -38,6 +38,14 @@ pub struct ProxyArgs {
     /// Answer READs from what earlier READs and WRITEs showed (needs --conn-map).
     #[arg(long)]
     read_cache: bool,
+    /// Keep each Clover key's tail and re-aim a writer's CAS at it, so the first CAS
+    /// wins (needs --conn-map).
+    #[arg(long)]
+    write_cache: bool,
+    /// Testing only: a deliberately broken write cache that answers a re-aimed CAS as
+    /// won whatever the server said (the history tests show their checks catch it).
+    #[arg(long, hide = true)]
+    write_cache_fault: bool,
     /// Budget for what the proxy remembers (known words), over all lanes.
     #[arg(long, value_name = "BYTES", default_value = "64M", value_parser = parse_bytes)]
     memory: u64,
@@ -69,6 +77,11 @@ pub enum MiddleboxCommand {
     /// p50/p99 read and write latency, Clover zipf, 64 clients: direct, proxy
     /// pass-through, proxy with every technique.
     Tail(MiddleboxLoadArgs),
+    /// Clover throughput on YCSB-A, YCSB-B and 100% write (zipf 0.99): direct, each
+    /// technique, all; speed-up ÷ direct.
+    FullSystem(MiddleboxLoadArgs),
+    /// Speed-up ÷ Clover direct (YCSB-A zipf) vs the proxy's --memory budget.
+    Memory(MiddleboxLoadArgs),
 }
 
 #[derive(Args)]
@@ -126,6 +139,29 @@ pub fn bench(command: MiddleboxCommand) -> Result<()> {
             );
             let binary = std::env::current_exe().context("cannot tell where this program is")?;
             for path in camelot_bench::middlebox::run_bandwidth(&cfg, &binary, &a.out)? {
+                println!("wrote {}", path.display());
+            }
+            Ok(())
+        }
+        MiddleboxCommand::FullSystem(a) => {
+            let cfg = load_config(
+                camelot_bench::middlebox::CloverLoadConfig::full_system(a.quick),
+                &a,
+            );
+            let binary = std::env::current_exe().context("cannot tell where this program is")?;
+            for path in camelot_bench::middlebox::run_full_system(&cfg, &binary, &a.out)? {
+                println!("wrote {}", path.display());
+            }
+            Ok(())
+        }
+        MiddleboxCommand::Memory(a) => {
+            let cfg = load_config(
+                camelot_bench::middlebox::CloverLoadConfig::full_system(a.quick),
+                &a,
+            );
+            let budgets = camelot_bench::middlebox::memory_budgets(a.quick);
+            let binary = std::env::current_exe().context("cannot tell where this program is")?;
+            for path in camelot_bench::middlebox::run_memory(&cfg, &budgets, &binary, &a.out)? {
                 println!("wrote {}", path.display());
             }
             Ok(())
@@ -200,6 +236,8 @@ fn run_proxy(a: ProxyArgs) -> Result<()> {
         conn_map: a.conn_map,
         cas_to_write: a.cas_to_write,
         read_cache: a.read_cache,
+        write_cache: a.write_cache,
+        write_cache_fault: a.write_cache_fault,
         memory_bytes: a.memory,
         upstream_timeout,
     };
@@ -215,11 +253,12 @@ fn run_proxy(a: ProxyArgs) -> Result<()> {
             .await
             .with_context(|| format!("cannot listen on {listen}"))?;
         println!(
-            "camelot proxy listening on {} for {upstream} (conn-map {}, cas-to-write {}, read-cache {}, memory {})",
+            "camelot proxy listening on {} for {upstream} (conn-map {}, cas-to-write {}, read-cache {}, write-cache {}, memory {})",
             listener.local_addr()?,
             a.conn_map.map_or("off".to_string(), |n| n.to_string()),
             if a.cas_to_write { "on" } else { "off" },
             if a.read_cache { "on" } else { "off" },
+            if a.write_cache { "on" } else { "off" },
             format_bytes(a.memory),
         );
         use tokio::signal::unix::{signal, SignalKind};

@@ -231,12 +231,32 @@ struct Run {
     history: camelot_check::History<u64>,
     unknown: u64,
     after_kill: u64,
+    /// Operations completed through the restarted proxies.
+    after_restart: u64,
+}
+
+/// After the kill, once this many operations have finished in all, new proxy processes
+/// (these flags, empty caches) start and every client returns to them at once.
+struct Restart<'a> {
+    after: u64,
+    flags: &'a [&'a str],
 }
 
 fn clover_load(
     servers: &[SocketAddr],
     proxies: &mut [ServerProcess],
     kill_after: Option<u64>,
+) -> Run {
+    clover_load_with(servers, proxies, kill_after, None, false)
+}
+
+/// `broken_proxy`: operations may fail without a kill (recorded as unknown outcomes).
+fn clover_load_with(
+    servers: &[SocketAddr],
+    proxies: &mut [ServerProcess],
+    kill_after: Option<u64>,
+    restart: Option<Restart>,
+    broken_proxy: bool,
 ) -> Run {
     let via: Vec<SocketAddr> = proxies.iter().map(ServerProcess::addr).collect();
     let direct = ClusterMap::from_addrs(servers);
@@ -257,6 +277,11 @@ fn clover_load(
             })
         }
     };
+    // CAS→WRITE is safe only while all traffic to a word goes through one proxy: the
+    // return to restarted proxies waits for every operation in flight (write side) and
+    // moves every client before any operation goes on.
+    let gate = Arc::new(std::sync::RwLock::new(()));
+    let returned = Arc::new(AtomicBool::new(false));
     let geometry = Geometry::new(8, 64).unwrap();
     let mem = RegionMemory::new(clients[4].clone(), geometry);
     let meta_config = MetaConfig {
@@ -267,17 +292,23 @@ fn clover_load(
     let meta = Arc::new(Meta::new(mem.clone(), meta_config).unwrap());
     let recorder: Arc<Recorder<u64>> = Arc::new(Recorder::new(0));
     let done = Arc::new(AtomicU64::new(0));
+    let after_restart = Arc::new(AtomicU64::new(0));
     let killed = Arc::new(AtomicBool::new(false));
     let after_kill = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
     let collector = {
         let (meta, stop, fall_back) = (meta.clone(), stop.clone(), fall_back.clone());
+        let gate = gate.clone();
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) && started.elapsed() < DEADLINE {
+                let pass = gate
+                    .read()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 if meta.gc().is_err() {
                     fall_back();
                 }
+                drop(pass);
                 // Pacing, not synchronisation.
                 std::thread::sleep(Duration::from_millis(2));
             }
@@ -288,6 +319,8 @@ fn clover_load(
             let mem = mem.with_client(clients[c as usize % 4].clone());
             let (meta, recorder, fall_back) = (meta.clone(), recorder.clone(), fall_back.clone());
             let (done, killed, after_kill) = (done.clone(), killed.clone(), after_kill.clone());
+            let (gate, returned, after_restart) =
+                (gate.clone(), returned.clone(), after_restart.clone());
             std::thread::spawn(move || {
                 let mut store = Store::new(
                     meta,
@@ -311,7 +344,11 @@ fn clover_load(
                     let key = x % KEYS;
                     let kb = key.to_le_bytes();
                     let fresh = (u64::from(c) + 1) << 32 | u64::from(i + 1);
+                    let pass = gate
+                        .read()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
                     let was_killed = killed.load(Ordering::SeqCst);
+                    let was_returned = returned.load(Ordering::SeqCst);
                     let invoke = recorder.now();
                     let (op, result) = match (x >> 8) % 10 {
                         0..=4 => (
@@ -345,7 +382,17 @@ fn clover_load(
                             if was_killed {
                                 after_kill.fetch_add(1, Ordering::SeqCst);
                             }
+                            if was_returned {
+                                after_restart.fetch_add(1, Ordering::SeqCst);
+                            }
                             Some(o)
+                        }
+                        Err(e) if broken_proxy => {
+                            if unknown == 0 {
+                                eprintln!("client {c} through the broken proxy: {e}");
+                            }
+                            unknown += 1;
+                            None
                         }
                         Err(e) => {
                             // Whether it took effect is unknown: the checker lets it have
@@ -360,6 +407,7 @@ fn clover_load(
                         }
                     };
                     recorder.finish(c, key, op, invoke, outcome).unwrap();
+                    drop(pass);
                     done.fetch_add(1, Ordering::SeqCst);
                 }
                 unknown
@@ -375,6 +423,26 @@ fn clover_load(
         for p in proxies.iter_mut() {
             p.kill().expect("SIGKILL the proxy");
         }
+        if let Some(r) = &restart {
+            while done.load(Ordering::SeqCst) < r.after && wait_start.elapsed() < DEADLINE {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            for (p, server) in proxies.iter_mut().zip(servers) {
+                *p = proxy(*server, r.flags);
+            }
+            let via = ClusterMap::from_addrs(
+                &proxies.iter().map(ServerProcess::addr).collect::<Vec<_>>(),
+            );
+            // Waits for every operation in flight; none starts until all are moved.
+            let all = gate
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for c in &clients {
+                c.set_map(via.clone());
+            }
+            returned.store(true, Ordering::SeqCst);
+            drop(all);
+        }
     }
     let unknown: u64 = workers.into_iter().map(|w| w.join().expect("worker")).sum();
     stop.store(true, Ordering::Relaxed);
@@ -385,6 +453,7 @@ fn clover_load(
         history: recorder.into_history(),
         unknown,
         after_kill: after_kill.load(Ordering::SeqCst),
+        after_restart: after_restart.load(Ordering::SeqCst),
     }
 }
 
@@ -416,6 +485,7 @@ fn clover_through_proxies_with_every_technique_is_linearizable() {
         "2",
         "--cas-to-write",
         "--read-cache",
+        "--write-cache",
         "--memory",
         "256K",
     ];
@@ -427,18 +497,21 @@ fn clover_through_proxies_with_every_technique_is_linearizable() {
         let mut converted = 0;
         let mut failed_locally = 0;
         let mut hits = 0;
+        let mut relinked = 0;
         for p in &proxies {
             let c = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
             converted += stat(&c, "proxy_cas_converted");
             failed_locally += stat(&c, "proxy_cas_failed_locally");
             assert!(stat(&c, "proxy_state_bytes") <= 256 << 10);
             hits += stat(&c, "proxy_read_hits");
+            relinked += stat(&c, "proxy_write_cache_hits");
         }
         eprintln!(
-            "round {round}: CAS converted {converted}, failed locally {failed_locally}, read hits {hits}"
+            "round {round}: CAS converted {converted}, failed locally {failed_locally}, read hits {hits}, CASes re-aimed {relinked}"
         );
         assert!(hits > 100, "the read cache never answered: {hits}");
         assert!(converted > 100, "CAS→WRITE never happened: {converted}");
+        assert!(relinked > 0, "the write cache never re-aimed a CAS");
     }
 }
 
@@ -446,7 +519,13 @@ fn clover_through_proxies_with_every_technique_is_linearizable() {
 fn proxies_sigkilled_mid_run_leave_a_linearizable_history() {
     let servers = [server(), server()];
     let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
-    let flags = ["--conn-map", "2", "--cas-to-write", "--read-cache"];
+    let flags = [
+        "--conn-map",
+        "2",
+        "--cas-to-write",
+        "--read-cache",
+        "--write-cache",
+    ];
     let total = u64::from(CLIENTS * OPS_PER_CLIENT);
     for round in 0..rounds() {
         let mut proxies: Vec<ServerProcess> = addrs.iter().map(|a| proxy(*a, &flags)).collect();
@@ -463,6 +542,99 @@ fn proxies_sigkilled_mid_run_leave_a_linearizable_history() {
         );
         assert_linearizable(&run);
     }
+}
+
+fn write_cache_stats(proxies: &[ServerProcess]) -> (u64, u64) {
+    let mut hits = 0;
+    let mut lost = 0;
+    for p in proxies {
+        let c = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
+        hits += stat(&c, "proxy_write_cache_hits");
+        lost += stat(&c, "proxy_write_cache_lost");
+    }
+    (hits, lost)
+}
+
+/// The proxies are SIGKILLed mid-run, clients go to the servers directly, then new proxy
+/// processes (empty caches) start and all clients return to them at once: linearizable.
+#[test]
+fn proxies_killed_and_restarted_mid_run_leave_a_linearizable_history() {
+    let servers = [server(), server()];
+    let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
+    let flags = [
+        "--conn-map",
+        "2",
+        "--cas-to-write",
+        "--read-cache",
+        "--write-cache",
+    ];
+    let total = u64::from(CLIENTS * OPS_PER_CLIENT);
+    for round in 0..rounds() {
+        let mut proxies: Vec<ServerProcess> = addrs.iter().map(|a| proxy(*a, &flags)).collect();
+        // Killed at 1/5 or 2/5 of the run, back 1/5 later.
+        let at = total * u64::from(round % 2 + 1) / 5;
+        let restart = Restart {
+            after: at + total / 5,
+            flags: &flags,
+        };
+        let run = clover_load_with(&addrs, &mut proxies, Some(at), Some(restart), false);
+        let mut requests = 0;
+        for p in &proxies {
+            let c = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
+            requests += stat(&c, "proxy_requests");
+        }
+        eprintln!(
+            "round {round}: killed after {at}, unknown outcomes {}, completed after the kill {}, through the restarted proxies {} (their requests {requests})",
+            run.unknown, run.after_kill, run.after_restart
+        );
+        assert!(run.after_restart > total / 20, "clients did not return");
+        assert!(requests > 1_000, "the restarted proxies carried nothing");
+        assert_linearizable(&run);
+    }
+}
+
+/// The write cache alone (with the mapping it needs): writers' CASes aimed at an old
+/// tail are re-aimed and won, and the history stays linearizable.
+#[test]
+fn clover_through_the_write_cache_is_linearizable() {
+    let servers = [server(), server()];
+    let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
+    let flags = ["--conn-map", "2", "--write-cache", "--memory", "64K"];
+    for round in 0..rounds() {
+        let mut proxies: Vec<ServerProcess> = addrs.iter().map(|a| proxy(*a, &flags)).collect();
+        let run = clover_load(&addrs, &mut proxies, None);
+        assert_eq!(run.unknown, 0);
+        assert_linearizable(&run);
+        let (hits, lost) = write_cache_stats(&proxies);
+        eprintln!("round {round}: CASes re-aimed and won {hits}, re-aimed and lost {lost}");
+        assert!(hits > 0, "the write cache never re-aimed a CAS");
+    }
+}
+
+/// The checks can fail: a proxy whose write cache trusts its tail (answers a re-aimed
+/// CAS as won whatever the server said) loses writes, and the checker (or Clover's own
+/// chain checks, failing operations) catches it.
+#[test]
+fn a_write_cache_trusting_a_stale_tail_is_caught() {
+    let servers = [server(), server()];
+    let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
+    let flags = ["--conn-map", "2", "--write-cache", "--write-cache-fault"];
+    let mut caught = 0;
+    let rounds = 3;
+    for round in 0..rounds {
+        let mut proxies: Vec<ServerProcess> = addrs.iter().map(|a| proxy(*a, &flags)).collect();
+        let run = clover_load_with(&addrs, &mut proxies, None, None, true);
+        let (hits, lost) = write_cache_stats(&proxies);
+        let report = check(&run.history, &Limits::default());
+        eprintln!(
+            "round {round}: re-aimed {hits} (of which the server refused: lost {lost}), failed operations {}, verdict {:?}",
+            run.unknown, report.verdict
+        );
+        if !matches!(report.verdict, Verdict::Linearizable) || run.unknown > 0 {
+            caught += 1;
+        }
+    }
+    assert_eq!(caught, rounds, "a broken write cache went unnoticed");
 }
 
 /// Every CAS the proxy answered as a success moved the word: a counter incremented by
@@ -581,6 +753,14 @@ fn the_bandwidth_bench_counts_both_sides_of_the_proxy() {
             "{p}"
         );
     }
+    // The proxy's own count of its upstream side is beside the server's.
+    let upstream = &series[1]["points"][0]["extra"];
+    for way in ["to", "from"] {
+        let counted = upstream[format!("proxy_counted_bytes_per_op_{way}_server")]
+            .as_f64()
+            .unwrap();
+        assert!(counted > 8.0, "{upstream}");
+    }
     let cmp = json["comparisons"].as_array().unwrap();
     assert!(cmp[0]["ratio"].as_f64().unwrap() > 0.0, "{cmp:?}");
 }
@@ -607,4 +787,29 @@ fn the_tail_bench_reports_p99_for_every_side() {
     let cmp = &json["comparisons"][0];
     assert_eq!(cmp["target"].as_f64(), Some(1.3), "{cmp}");
     assert_eq!(cmp["at_most"], true);
+}
+
+/// `bench middlebox full-system`: every workload has the baseline and the five bars, each
+/// with its speed-up and both processes' CPU seconds, and one target comparison each.
+#[test]
+fn the_full_system_bench_reports_every_bar() {
+    let dir = camelot_testkit::process::ScratchDir::new("middlebox-full").unwrap();
+    let json = run_middlebox_bench("full-system", &dir.path);
+    assert_eq!(json["bench"], "middlebox-full-system");
+    let series = json["series"].as_array().unwrap();
+    assert_eq!(series.len(), 3);
+    for s in series {
+        let points = s["points"].as_array().unwrap();
+        assert_eq!(points.len(), 6, "{s}");
+        for p in points {
+            assert!(p["ops_per_sec"].as_f64().unwrap() > 0.0, "{p}");
+            assert!(
+                p["extra"]["speedup_vs_direct"].as_f64().unwrap() > 0.0,
+                "{p}"
+            );
+            assert!(p["extra"]["server_cpu_s"].as_f64().unwrap() > 0.0, "{p}");
+        }
+        assert!(points[5]["extra"]["proxy_cpu_s"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(json["comparisons"].as_array().unwrap().len(), 3);
 }

@@ -83,6 +83,8 @@ pub struct Counters {
     pub hops: u32,
     pub cas_failures: u32,
     pub restarts: u32,
+    /// CASes a middlebox re-aimed at the real tail and won (each a retry saved).
+    pub relinked: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -93,6 +95,8 @@ pub enum ChainError {
     TooManyCasRetries(u32),
     #[error("gave up after {0} restarts from the head")]
     TooManyRestarts(u32),
+    #[error("a middlebox answered a CAS it had no right to re-aim: {0:#x}")]
+    Relinked(u64),
     #[error("answer {0:?} does not fit the access asked for")]
     UnexpectedAnswer(Answer),
     #[error(transparent)]
@@ -317,7 +321,14 @@ impl WriteOp {
         let data = if self.body_written {
             layout::encode_relink(key_id, tail.seq + 1)
         } else {
-            layout::encode_node(&self.geometry, key_id, tail.seq + 1, self.value.as_deref())?
+            layout::encode_node(
+                &self.geometry,
+                self.node,
+                key_id,
+                tail.seq + 1,
+                self.value.as_deref(),
+                self.condition.is_none(),
+            )?
         };
         self.state = WriteState::Writing { tail };
         Ok(Step::Issue(Access::Write {
@@ -354,6 +365,25 @@ impl WriteOp {
                         counters: self.walker.counters,
                     }));
                 }
+                // A middlebox linked the node after the real tail itself (only ever for a
+                // node written relinkable, i.e. without a condition, and only later on).
+                if let Some(seq) = layout::relinked_seq(before) {
+                    if self.condition.is_some() || seq <= tail.seq {
+                        // A middlebox linked a node it must not have: the node may be
+                        // in the chain, so it is neither reused nor linked again.
+                        return Err(ChainError::Relinked(before));
+                    }
+                    self.walker.counters.relinked += 1;
+                    return Ok(Step::Finished(WriteDone {
+                        applied: true,
+                        tail: Hint {
+                            addr: self.node,
+                            seq,
+                        },
+                        found: None,
+                        counters: self.walker.counters,
+                    }));
+                }
                 self.walker.counters.cas_failures += 1;
                 let failures = self.walker.counters.cas_failures;
                 if failures > self.walker.limits.cas_retries_max {
@@ -376,5 +406,73 @@ impl WriteOp {
             }
             (_, other) => Err(ChainError::UnexpectedAnswer(other)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{encode_node, relinked_word};
+
+    fn tail_bytes(g: &Geometry, addr: NodeAddr, key: u64, seq: u64) -> Bytes {
+        encode_node(g, addr, key, seq, Some(b"old"), false).unwrap()
+    }
+
+    /// Drives a write to its CAS (hint = the tail at version 3) and answers that CAS.
+    fn write_answered(condition: Option<Option<Bytes>>, cas_answer: u64) -> Step<WriteDone> {
+        write_answered_result(condition, cas_answer).unwrap()
+    }
+
+    fn write_answered_result(
+        condition: Option<Option<Bytes>>,
+        cas_answer: u64,
+    ) -> Result<Step<WriteDone>, ChainError> {
+        let g = Geometry::new(8, 16).unwrap();
+        let tail = NodeAddr { block: 0, slot: 1 };
+        let node = NodeAddr { block: 0, slot: 2 };
+        let hint = Hint { addr: tail, seq: 3 };
+        let mut op = WriteOp::new(
+            &g,
+            9,
+            hint,
+            node,
+            Some(Bytes::from_static(b"new")),
+            condition,
+            ChainLimits::default(),
+        )
+        .unwrap();
+        assert!(matches!(op.start(), Access::Read { .. }));
+        let Step::Issue(Access::Write { .. }) =
+            op.resume(Answer::Data(tail_bytes(&g, tail, 9, 3))).unwrap()
+        else {
+            panic!("expected the node's WRITE");
+        };
+        let Step::Issue(Access::Cas { expected, .. }) = op.resume(Answer::Done).unwrap() else {
+            panic!("expected the CAS");
+        };
+        assert_eq!(expected, tail_marker(9, 3));
+        op.resume(Answer::Word(cas_answer))
+    }
+
+    #[test]
+    fn a_relinked_answer_finishes_an_unconditional_write_at_that_version() {
+        let Step::Finished(done) = write_answered(None, relinked_word(7)) else {
+            panic!("not finished");
+        };
+        assert!(done.applied);
+        assert_eq!(done.tail.seq, 7);
+        assert_eq!(done.tail.addr, NodeAddr { block: 0, slot: 2 });
+        assert_eq!((done.counters.relinked, done.counters.cas_failures), (1, 0));
+    }
+
+    #[test]
+    fn a_relinked_answer_never_finishes_a_conditional_write() {
+        // Conditional nodes are never written relinkable, so such an answer is a broken
+        // middlebox: an error (the store then never reuses the node).
+        let r = write_answered_result(Some(Some(Bytes::from_static(b"old"))), relinked_word(7));
+        assert_eq!(r.unwrap_err(), ChainError::Relinked(relinked_word(7)));
+        // Nor is a relinked word naming no later version believed.
+        let r = write_answered_result(None, relinked_word(3));
+        assert_eq!(r.unwrap_err(), ChainError::Relinked(relinked_word(3)));
     }
 }

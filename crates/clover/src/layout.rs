@@ -1,18 +1,25 @@
 //! Where things are in memory: node addresses, the next word, a version node's bytes.
 //! Pure; nothing here does I/O.
 //!
-//! A node is `next u64 | key_id u64 | seq u64 | len u32 | flags u32 | value`, all little
-//! endian, `node_bytes` apart in a block (a region), so every node's next word is 8-byte
+//! A node is `next u64 | key_id u64 | seq u64 | len u32 | flags u32 | self u64 | value`,
+//! all little endian, `node_bytes` apart in a block (a region), so every node's next word is 8-byte
 //! aligned for CAS. The next word is either the address of the following version or, in
 //! the chain's tail, a *tail marker* naming the node's own key and sequence number: a
 //! writer's CAS expects the marker, not 0, so a CAS aimed at a node that has since been
 //! reclaimed and reused (for another key, or for a later version) fails instead of
 //! linking a version after a stranger.
+//!
+//! `self` is the node's own address word (what a predecessor's next word would hold) and
+//! the `RELINKABLE` flag says its writer accepts any place at the tail (an unconditional
+//! write). Neither matters to the chain logic; they let a middlebox on the path (the
+//! proxy's write cache) re-aim a writer's CAS at the real tail: from the node's first
+//! WRITE it learns where the node is, so it can rewrite its header itself. A CAS it
+//! re-aimed is answered with a [`relinked_word`], which no memory word ever holds.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
 /// Bytes before the value.
-pub const HEADER_BYTES: u32 = 32;
+pub const HEADER_BYTES: u32 = 40;
 /// The part of the header a retried write rewrites: next, key id, sequence number.
 pub const RELINK_HEADER_BYTES: usize = 24;
 /// Largest value a node can be configured to hold (nodes are fixed-size slots).
@@ -23,7 +30,10 @@ pub const NODES_PER_BLOCK_MAX: u32 = 1 << 24;
 pub const BLOCKS_MAX: u32 = (1 << 30) - 1;
 
 const TAIL_BIT: u64 = 1 << 63;
+const RELINKED_BIT: u64 = 1 << 62;
 const FLAG_ABSENT: u32 = 1;
+/// The writer's node may be linked after whatever the tail is (no condition on the value).
+pub const FLAG_RELINKABLE: u32 = 2;
 
 /// A node's place: which block, which slot in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -70,6 +80,51 @@ impl Next {
 /// node reused for a key 2³¹ ids away at a sequence number 2³² versions away.
 pub fn tail_marker(key_id: u64, seq: u64) -> u64 {
     TAIL_BIT | ((key_id & 0x7fff_ffff) << 32) | (seq & 0xffff_ffff)
+}
+
+/// The answer a middlebox gives to a CAS it re-aimed and won: the node is linked as
+/// version `seq`. Bit 62 set, bit 63 clear: [`Next::decode`] calls it invalid (its block
+/// index is past [`BLOCKS_MAX`]), so no chain word can be mistaken for it.
+pub fn relinked_word(seq: u64) -> u64 {
+    RELINKED_BIT | (seq & (RELINKED_BIT - 1))
+}
+
+/// The version a [`relinked_word`] names.
+pub fn relinked_seq(word: u64) -> Option<u64> {
+    (word & (TAIL_BIT | RELINKED_BIT) == RELINKED_BIT).then_some(word & (RELINKED_BIT - 1))
+}
+
+/// What a middlebox may learn from a WRITE of a whole fresh node: a relinkable node's
+/// key, version and own address word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkableNode {
+    pub key_id: u64,
+    pub seq: u64,
+    pub self_word: u64,
+}
+
+/// `Some` only for the bytes [`encode_node`] makes for a relinkable node (a WRITE at a
+/// node's start); anything else, including a relink header, is `None`.
+pub fn decode_linkable_write(data: &[u8]) -> Option<LinkableNode> {
+    if data.len() < HEADER_BYTES as usize {
+        return None;
+    }
+    let key_id = u64_at(data, 8);
+    let seq = u64_at(data, 16);
+    let flags = u32_at(data, 28);
+    let self_word = u64_at(data, 32);
+    let fresh = u64_at(data, 0) == tail_marker(key_id, seq);
+    (fresh && flags & FLAG_RELINKABLE != 0 && matches!(Next::decode(self_word), Next::Node(_)))
+        .then_some(LinkableNode {
+            key_id,
+            seq,
+            self_word,
+        })
+}
+
+/// The own-address word of a WRITE covering a whole node header, whatever its flags.
+pub fn node_self_word(data: &[u8]) -> Option<u64> {
+    (data.len() >= HEADER_BYTES as usize).then(|| u64_at(data, 32))
 }
 
 /// Node size and block shape, fixed for a store's life.
@@ -176,12 +231,15 @@ pub fn decode_node(bytes: &Bytes) -> Result<(Header, Option<Bytes>), LayoutError
     Ok((header, Some(bytes.slice(h..h + len))))
 }
 
-/// A tail node for version `seq` of `key_id` holding `value` (`None`: absent).
+/// A tail node at `addr` for version `seq` of `key_id` holding `value` (`None`: absent);
+/// `relinkable` for an unconditional write (see the module doc).
 pub fn encode_node(
     geometry: &Geometry,
+    addr: NodeAddr,
     key_id: u64,
     seq: u64,
     value: Option<&[u8]>,
+    relinkable: bool,
 ) -> Result<Bytes, LayoutError> {
     let len = value.map_or(0, <[u8]>::len);
     if len > geometry.value_bytes_max as usize {
@@ -195,7 +253,12 @@ pub fn encode_node(
     b.put_u64_le(key_id);
     b.put_u64_le(seq);
     b.put_u32_le(len as u32);
-    b.put_u32_le(if value.is_none() { FLAG_ABSENT } else { 0 });
+    let mut flags = if value.is_none() { FLAG_ABSENT } else { 0 };
+    if relinkable {
+        flags |= FLAG_RELINKABLE;
+    }
+    b.put_u32_le(flags);
+    b.put_u64_le(addr.encode());
     if let Some(v) = value {
         b.put_slice(v);
     }
@@ -236,7 +299,8 @@ mod tests {
         fn nodes_round_trip(key in any::<u64>(), seq in any::<u64>(),
                             value in prop::option::of(prop::collection::vec(any::<u8>(), 0..64))) {
             let g = Geometry::new(64, 4).unwrap();
-            let node = encode_node(&g, key, seq, value.as_deref()).unwrap();
+            let addr = NodeAddr { block: 3, slot: 2 };
+            let node = encode_node(&g, addr, key, seq, value.as_deref(), true).unwrap();
             // As a read of the whole slot returns it.
             let mut slot = node.to_vec();
             slot.resize(g.node_bytes() as usize, 0xAA);
@@ -246,7 +310,21 @@ mod tests {
             prop_assert_eq!(h.next, tail_marker(key, seq));
             prop_assert_eq!(v.as_deref(), value.as_deref());
             let relink = encode_relink(key, seq + 1);
-            prop_assert_eq!(&relink[..], &encode_node(&g, key, seq + 1, None).unwrap()[..RELINK_HEADER_BYTES]);
+            prop_assert_eq!(&relink[..], &encode_node(&g, addr, key, seq + 1, None, false).unwrap()[..RELINK_HEADER_BYTES]);
+            prop_assert_eq!(decode_linkable_write(&node), Some(LinkableNode { key_id: key, seq, self_word: addr.encode() }));
+            prop_assert_eq!(decode_linkable_write(&relink), None);
+            let fixed = encode_node(&g, addr, key, seq, value.as_deref(), false).unwrap();
+            prop_assert_eq!(decode_linkable_write(&fixed), None);
+        }
+
+        #[test]
+        fn relinked_words_are_never_chain_words(seq in 0..(1u64 << 62), word in any::<u64>()) {
+            let w = relinked_word(seq);
+            prop_assert_eq!(relinked_seq(w), Some(seq));
+            prop_assert_eq!(Next::decode(w), Next::Invalid);
+            if let Next::Node(_) | Next::Tail(_) = Next::decode(word) {
+                prop_assert_eq!(relinked_seq(word), None);
+            }
         }
 
         #[test]
@@ -261,7 +339,15 @@ mod tests {
         let g = Geometry::new(13, 10).unwrap();
         assert_eq!(g.node_bytes() % 8, 0);
         assert_eq!(g.offset(NodeAddr { block: 0, slot: 10 }), None);
-        assert_eq!(g.offset(NodeAddr { block: 0, slot: 2 }), Some(96));
-        assert!(encode_node(&g, 1, 1, Some(&[0; 14])).is_err());
+        assert_eq!(g.offset(NodeAddr { block: 0, slot: 2 }), Some(112));
+        assert!(encode_node(
+            &g,
+            NodeAddr { block: 0, slot: 1 },
+            1,
+            1,
+            Some(&[0; 14]),
+            false
+        )
+        .is_err());
     }
 }

@@ -153,7 +153,7 @@ impl<M: Memory> Meta<M> {
         }
         let node = self.take_nodes(&mut st, 1)?[0];
         let id = st.chains.len() as u64 + 1;
-        let data = encode_node(&self.mem.geometry(), id, 0, None)?;
+        let data = encode_node(&self.mem.geometry(), node, id, 0, None, false)?;
         if let Err(e) = self.mem.write(node, data) {
             st.free.push(node);
             return Err(e);

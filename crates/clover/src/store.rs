@@ -44,6 +44,8 @@ pub struct StoreStats {
     pub cas_failures: u64,
     /// Walks restarted from the head after meeting a reclaimed node.
     pub restarts: u64,
+    /// Writes a middlebox linked at the real tail for us (CAS retries saved).
+    pub relinked: u64,
     pub meta_calls: u64,
 }
 
@@ -52,6 +54,7 @@ impl StoreStats {
         self.hops += u64::from(c.hops);
         self.cas_failures += u64::from(c.cas_failures);
         self.restarts += u64::from(c.restarts);
+        self.relinked += u64::from(c.relinked);
     }
 }
 
@@ -206,6 +209,8 @@ impl<M: Memory> Store<M> {
                 self.remember(key, key_id, done.tail);
                 Ok(done)
             }
+            // A middlebox may have linked the node: never reused (see the next arm).
+            Err(e @ CloverError::Chain(crate::chain::ChainError::Relinked(_))) => Err(e),
             // The machine gives up only while its node is unlinked (a won CAS finishes
             // it), so the node can be reused.
             Err(e @ CloverError::Chain(_)) => {

@@ -8,7 +8,11 @@
 //! - CAS→WRITE (`cas_to_write`, needs mapping): with that order, the proxy knows the value
 //!   of words it has seen written; a CAS it can vouch for becomes a WRITE (or, if it would
 //!   fail, is answered at once). See `words`.
-//! - `memory_bytes`: the budget for what the proxy knows, split over the lanes.
+//! - Write cache (`write_cache`, needs mapping): per Clover key, the tail a writer must
+//!   CAS; a writer's CAS aimed at an older tail is re-aimed at the real one by the proxy,
+//!   so it wins at the first try. See `tails`.
+//! - `memory_bytes`: the budget for what the proxy knows, split over the lanes (and a
+//!   quarter for the write cache, when on).
 //!
 //! The proxy authenticates its clients with the cluster token before it allocates
 //! anything for them (as the server's handshake does) and answers STATS with its own
@@ -21,6 +25,7 @@
 #![forbid(unsafe_code)]
 
 mod cache;
+mod tails;
 mod words;
 
 use bytes::{Bytes, BytesMut};
@@ -36,6 +41,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tails::{Redirect, WriteCache};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Mutex, Notify};
@@ -82,6 +88,11 @@ pub struct ProxyConfig {
     pub conn_map: Option<usize>,
     pub cas_to_write: bool,
     pub read_cache: bool,
+    /// Re-aim Clover writers' CASes at the tail the proxy knows.
+    pub write_cache: bool,
+    /// Test-only: the write cache trusts its tail and answers a re-aimed CAS as won
+    /// whatever the server said (a deliberately broken proxy, to show the checks fail).
+    pub write_cache_fault: bool,
     /// One budget for what the proxy remembers, over all lanes.
     pub memory_bytes: u64,
     /// How long an upstream request may take before its connection is given up.
@@ -90,10 +101,16 @@ pub struct ProxyConfig {
 
 impl ProxyConfig {
     pub fn validate(&self) -> Result<(), ProxyError> {
-        if (self.cas_to_write || self.read_cache) && self.conn_map.is_none() {
+        if (self.cas_to_write || self.read_cache || self.write_cache) && self.conn_map.is_none() {
             return Err(ProxyError::InvalidConfig(
-                "--cas-to-write and --read-cache need --conn-map: only mapped connections keep a region's requests in one order".into(),
+                "--cas-to-write, --read-cache and --write-cache need --conn-map: only mapped connections keep a region's requests in one order".into(),
             ));
+        }
+        if self.write_cache && WriteCache::new(self.write_cache_bytes()).is_none() {
+            return Err(ProxyError::InvalidConfig(format!(
+                "--memory leaves the write cache {} bytes, not room for one tail",
+                self.write_cache_bytes()
+            )));
         }
         if let Some(n) = self.conn_map {
             if n == 0 || n > CONN_MAP_MAX {
@@ -117,12 +134,22 @@ impl ProxyConfig {
         Ok(())
     }
 
+    /// The write cache's share of the budget: a quarter (it holds two small entries per
+    /// hot key), none when it is off.
+    fn write_cache_bytes(&self) -> u64 {
+        if self.write_cache {
+            self.memory_bytes / 4
+        } else {
+            0
+        }
+    }
+
     /// Each lane's (word table, read cache) bytes, with mapping on.
     fn lane_budget(&self) -> Option<(u64, Option<u64>)> {
         let n = self.conn_map? as u64;
         // One budget: each lane a share; within a lane, with both on, the read cache
         // takes three quarters (it holds bytes, the word table only words).
-        let per_lane = self.memory_bytes / n.max(1);
+        let per_lane = (self.memory_bytes - self.write_cache_bytes()) / n.max(1);
         Some(match (self.cas_to_write, self.read_cache) {
             (true, true) => (per_lane / 4, Some(per_lane - per_lane / 4)),
             (false, true) => (0, Some(per_lane)),
@@ -153,6 +180,12 @@ impl ProxyServer {
             lanes: Vec::new(),
             cas_to_write: config.cas_to_write,
             read_cache: config.read_cache,
+            write_cache: if config.write_cache {
+                WriteCache::new(config.write_cache_bytes()).map(std::sync::Mutex::new)
+            } else {
+                None
+            },
+            write_cache_fault: config.write_cache_fault,
             memory_bytes_max: config.memory_bytes,
             counters: Counters::default(),
             connections: AtomicUsize::new(0),
@@ -237,6 +270,10 @@ struct Counters {
     requests: AtomicU64,
     bytes_from_clients: AtomicU64,
     bytes_to_clients: AtomicU64,
+    /// Proxy ↔ server, each request and reply as encoded (frame headers, which
+    /// batching shares among requests, not counted).
+    bytes_to_upstream: AtomicU64,
+    bytes_from_upstream: AtomicU64,
     connections_total: AtomicU64,
     refused_auth: AtomicU64,
 }
@@ -249,6 +286,10 @@ struct Proxy {
     lanes: Vec<Arc<Lane>>,
     cas_to_write: bool,
     read_cache: bool,
+    /// Shared by the lanes: a key's chain spans regions. A plain mutex, held only for
+    /// a table look-up, never across an await.
+    write_cache: Option<std::sync::Mutex<WriteCache>>,
+    write_cache_fault: bool,
     memory_bytes_max: u64,
     counters: Counters,
     connections: AtomicUsize,
@@ -275,6 +316,20 @@ fn region_of(op: &Op) -> Option<u64> {
         | Op::Free { region } => Some(*region),
         _ => None,
     }
+}
+
+/// A successful reply's bytes in a RESPONSES frame: request id, status, kind, then the
+/// payload (as the protocol lays it out; `Op::reply_len_max` is the bound with errors).
+fn ok_reply_bytes(op: &Op) -> u64 {
+    const OK_HEADER_BYTES: u64 = 8 + 2 + 1;
+    OK_HEADER_BYTES
+        + match op {
+            Op::Read { len, .. } => 4 + u64::from(*len),
+            Op::Swap { data, .. } => 4 + data.len() as u64,
+            Op::Cas { .. } | Op::FetchAdd { .. } | Op::WriteIf { .. } => 8,
+            Op::Write { .. } | Op::XorInto { .. } | Op::Free { .. } | Op::Ping => 0,
+            other => (other.reply_len_max() as u64).saturating_sub(OK_HEADER_BYTES),
+        }
 }
 
 fn lane_index(region: Option<u64>, lanes: usize) -> usize {
@@ -327,6 +382,14 @@ impl Proxy {
                 c.bytes_to_clients.load(Ordering::Relaxed),
             ),
             (
+                "proxy_bytes_to_upstream".into(),
+                c.bytes_to_upstream.load(Ordering::Relaxed),
+            ),
+            (
+                "proxy_bytes_from_upstream".into(),
+                c.bytes_from_upstream.load(Ordering::Relaxed),
+            ),
+            (
                 "proxy_connections_current".into(),
                 self.connections.load(Ordering::Relaxed) as u64,
             ),
@@ -377,9 +440,47 @@ impl Proxy {
             ("proxy_read_fills_refused".into(), r.fills_refused),
             ("proxy_read_evictions".into(), r.evictions),
             ("proxy_read_cache_bytes".into(), cache_bytes),
-            ("proxy_state_bytes".into(), words_bytes + cache_bytes),
+        ]);
+        let (t, tails_n, tails_bytes) = match self.write_cache.as_ref() {
+            Some(m) => {
+                let wc = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                (wc.stats, wc.tails() as u64, wc.bytes())
+            }
+            None => Default::default(),
+        };
+        s.extend([
+            // Each a CAS retry (walk, relink, CAS) the writer did not make.
+            ("proxy_write_cache_hits".to_string(), t.redirected),
+            ("proxy_write_cache_lost".into(), t.redirect_lost),
+            ("proxy_write_cache_current".into(), t.current),
+            ("proxy_write_cache_tails".into(), tails_n),
+            ("proxy_write_cache_tails_learned".into(), t.tails_learned),
+            ("proxy_write_cache_nodes_learned".into(), t.nodes_learned),
+            ("proxy_write_cache_resets".into(), t.resets),
+            ("proxy_write_cache_bytes".into(), tails_bytes),
+            (
+                "proxy_state_bytes".into(),
+                words_bytes + cache_bytes + tails_bytes,
+            ),
         ]);
         s
+    }
+
+    /// Counts a request about to go upstream, and its reply as a success (for region
+    /// operations its size is fixed by the request; an error reply differs).
+    fn counted(&self, op: Op) -> Op {
+        let c = &self.counters;
+        c.bytes_to_upstream
+            .fetch_add(op.encoded_len() as u64, Ordering::Relaxed);
+        c.bytes_from_upstream
+            .fetch_add(ok_reply_bytes(&op), Ordering::Relaxed);
+        op
+    }
+
+    fn with_write_cache<T>(&self, f: impl FnOnce(&mut WriteCache) -> T) -> Option<T> {
+        let m = self.write_cache.as_ref()?;
+        let mut wc = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        Some(f(&mut wc))
     }
 
     /// Decides one request and queues it upstream; the answer comes by awaiting what
@@ -397,7 +498,7 @@ impl Proxy {
             return ready(Ok(Reply::Stats(self.stats_list().await)));
         }
         let lane = lanes[lane_index(region_of(&op), lanes.len())].clone();
-        if !(self.cas_to_write || self.read_cache) {
+        if !(self.cas_to_write || self.read_cache || self.write_cache.is_some()) {
             return self.forward(&lane, op).await;
         }
         match op {
@@ -415,7 +516,7 @@ impl Proxy {
                     return ready(Ok(Reply::Data(hit)));
                 }
                 let ticket = cache.ticket(region, offset, len);
-                let sent = lane.client.submit(0, op).await;
+                let sent = lane.client.submit(0, self.counted(op)).await;
                 drop(st);
                 let proxy = self.clone();
                 Box::pin(async move {
@@ -443,105 +544,18 @@ impl Proxy {
                 expected,
                 new,
             } if offset.is_multiple_of(8) => {
-                let mut st = lane.state.lock().await;
-                match st
-                    .words
-                    .cas(region, offset, expected, new, self.cas_to_write)
+                if let Some(Some(r)) =
+                    self.with_write_cache(|wc| wc.redirect(region, offset, expected, new))
                 {
-                    CasDecision::Fail(v) => ready(Ok(Reply::Word(v))),
-                    CasDecision::Convert => {
-                        let bytes = new.to_le_bytes();
-                        if let Some(c) = st.cache.as_mut() {
-                            c.write(region, offset, &bytes);
-                        }
-                        let write = Op::Write {
-                            region,
-                            offset,
-                            data: Bytes::copy_from_slice(&bytes),
-                        };
-                        let sent = lane.client.submit(0, write).await;
-                        drop(st);
-                        let proxy = self.clone();
-                        Box::pin(async move {
-                            let r = match sent {
-                                Ok(p) => p.await,
-                                Err(e) => Err(e),
-                            };
-                            match r {
-                                Ok(Reply::Done) => Ok(Reply::Word(expected)),
-                                Ok(other) => Err(ErrorReply::new(
-                                    ErrorCode::Internal,
-                                    format!("upstream answered a WRITE with {other:?}"),
-                                )),
-                                Err(e) => {
-                                    lane.state.lock().await.forget(region, offset, 8);
-                                    Err(proxy.upstream_error(e))
-                                }
-                            }
-                        })
-                    }
-                    CasDecision::Forward { ticket } => {
-                        if let Some(c) = st.cache.as_mut() {
-                            c.forget(region, offset, 8);
-                        }
-                        let sent = lane.client.submit(0, op).await;
-                        drop(st);
-                        let proxy = self.clone();
-                        Box::pin(async move {
-                            let r = match sent {
-                                Ok(p) => p.await,
-                                Err(e) => Err(e),
-                            };
-                            let mut st = lane.state.lock().await;
-                            match r {
-                                Ok(Reply::Word(before)) => {
-                                    st.words.cas_answered(
-                                        region, offset, ticket, expected, new, before,
-                                    );
-                                    Ok(Reply::Word(before))
-                                }
-                                Ok(other) => {
-                                    st.words.cas_failed(region, offset, ticket);
-                                    Ok(other)
-                                }
-                                Err(e) => {
-                                    st.words.cas_failed(region, offset, ticket);
-                                    drop(st);
-                                    Err(proxy.upstream_error(e))
-                                }
-                            }
-                        })
-                    }
+                    return self.redirect(r, region, offset, expected);
                 }
+                self.cas(lane, region, offset, expected, new).await
             }
             Op::Write {
                 region,
                 offset,
-                ref data,
-            } => {
-                let len = data.len() as u64;
-                let mut st = lane.state.lock().await;
-                st.words.write(region, offset, data);
-                if let Some(c) = st.cache.as_mut() {
-                    c.write(region, offset, data);
-                }
-                let sent = lane.client.submit(0, op).await;
-                drop(st);
-                let proxy = self.clone();
-                Box::pin(async move {
-                    let r = match sent {
-                        Ok(p) => p.await,
-                        Err(e) => Err(e),
-                    };
-                    match r {
-                        Ok(reply) => Ok(reply),
-                        Err(e) => {
-                            lane.state.lock().await.forget(region, offset, len);
-                            Err(proxy.upstream_error(e))
-                        }
-                    }
-                })
-            }
+                data,
+            } => self.write(lane, region, offset, data).await,
             Op::FetchAdd { region, offset, .. } | Op::Cas { region, offset, .. } => {
                 let mut st = lane.state.lock().await;
                 st.forget(region, offset, 8);
@@ -581,6 +595,7 @@ impl Proxy {
                 if let Some(c) = st.cache.as_mut() {
                     c.forget_region(region);
                 }
+                self.with_write_cache(|wc| wc.forget_region(region));
                 let a = self.forward(&lane, op).await;
                 drop(st);
                 a
@@ -589,8 +604,202 @@ impl Proxy {
         }
     }
 
+    /// A CAS on an aligned word of `lane`, through the word table (CAS→WRITE).
+    async fn cas(
+        self: &Arc<Self>,
+        lane: Arc<Lane>,
+        region: u64,
+        offset: u64,
+        expected: u64,
+        new: u64,
+    ) -> Answer {
+        let mut st = lane.state.lock().await;
+        match st
+            .words
+            .cas(region, offset, expected, new, self.cas_to_write)
+        {
+            CasDecision::Fail(v) => ready(Ok(Reply::Word(v))),
+            CasDecision::Convert => {
+                // Won now: the WRITE is queued in order before anything after it.
+                self.with_write_cache(|wc| wc.cas_won(expected, new));
+                let bytes = new.to_le_bytes();
+                if let Some(c) = st.cache.as_mut() {
+                    c.write(region, offset, &bytes);
+                }
+                let write = Op::Write {
+                    region,
+                    offset,
+                    data: Bytes::copy_from_slice(&bytes),
+                };
+                let sent = lane.client.submit(0, self.counted(write)).await;
+                drop(st);
+                let proxy = self.clone();
+                Box::pin(async move {
+                    let r = match sent {
+                        Ok(p) => p.await,
+                        Err(e) => Err(e),
+                    };
+                    match r {
+                        Ok(Reply::Done) => Ok(Reply::Word(expected)),
+                        Ok(other) => Err(ErrorReply::new(
+                            ErrorCode::Internal,
+                            format!("upstream answered a WRITE with {other:?}"),
+                        )),
+                        Err(e) => {
+                            lane.state.lock().await.forget(region, offset, 8);
+                            Err(proxy.upstream_error(e))
+                        }
+                    }
+                })
+            }
+            CasDecision::Forward { ticket } => {
+                if let Some(c) = st.cache.as_mut() {
+                    c.forget(region, offset, 8);
+                }
+                let op = Op::Cas {
+                    region,
+                    offset,
+                    expected,
+                    new,
+                };
+                let sent = lane.client.submit(0, self.counted(op)).await;
+                drop(st);
+                let proxy = self.clone();
+                Box::pin(async move {
+                    let r = match sent {
+                        Ok(p) => p.await,
+                        Err(e) => Err(e),
+                    };
+                    let mut st = lane.state.lock().await;
+                    match r {
+                        Ok(Reply::Word(before)) => {
+                            if before == expected {
+                                proxy.with_write_cache(|wc| wc.cas_won(expected, new));
+                            }
+                            st.words
+                                .cas_answered(region, offset, ticket, expected, new, before);
+                            Ok(Reply::Word(before))
+                        }
+                        Ok(other) => {
+                            st.words.cas_failed(region, offset, ticket);
+                            Ok(other)
+                        }
+                        Err(e) => {
+                            st.words.cas_failed(region, offset, ticket);
+                            drop(st);
+                            Err(proxy.upstream_error(e))
+                        }
+                    }
+                })
+            }
+        }
+    }
+
+    /// A WRITE through `lane`, teaching the word table and the caches its bytes.
+    async fn write(
+        self: &Arc<Self>,
+        lane: Arc<Lane>,
+        region: u64,
+        offset: u64,
+        data: Bytes,
+    ) -> Answer {
+        let len = data.len() as u64;
+        let mut st = lane.state.lock().await;
+        st.words.write(region, offset, &data);
+        if let Some(c) = st.cache.as_mut() {
+            c.write(region, offset, &data);
+        }
+        self.with_write_cache(|wc| wc.write(region, offset, &data));
+        let op = Op::Write {
+            region,
+            offset,
+            data,
+        };
+        let sent = lane.client.submit(0, self.counted(op)).await;
+        drop(st);
+        let proxy = self.clone();
+        Box::pin(async move {
+            let r = match sent {
+                Ok(p) => p.await,
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok(reply) => Ok(reply),
+                Err(e) => {
+                    lane.state.lock().await.forget(region, offset, len);
+                    Err(proxy.upstream_error(e))
+                }
+            }
+        })
+    }
+
+    /// The write cache's re-aimed CAS: the node's header for the version after the known
+    /// tail, then the CAS of that tail; both through the lanes like any request.
+    ///
+    /// If the re-aimed CAS loses (the tail moved on again), the writer's own CAS is sent
+    /// as it came. It must fail too: it expects the marker of a version older than one
+    /// the proxy saw linked, and a key's versions only grow. Its answer (the next word
+    /// of the writer's tail) lets the writer follow on as without a proxy; the header
+    /// rewritten here is rewritten again by the writer before its next CAS.
+    fn redirect(
+        self: &Arc<Self>,
+        r: Redirect,
+        region: u64,
+        offset: u64,
+        original_expected: u64,
+    ) -> Answer {
+        let proxy = self.clone();
+        Box::pin(async move {
+            let lanes = &proxy.lanes;
+            let node_lane = lanes[lane_index(Some(r.node.region), lanes.len())].clone();
+            let relink = camelot_clover::layout::encode_relink(r.node.key_id, r.seq());
+            // The node is the waiting writer's and unlinked: nobody else writes it.
+            match proxy
+                .write(node_lane, r.node.region, r.node.offset, relink)
+                .await
+                .await
+            {
+                Ok(Reply::Done) => {}
+                Ok(other) => {
+                    return Err(ErrorReply::new(
+                        ErrorCode::Internal,
+                        format!("upstream answered a WRITE with {other:?}"),
+                    ))
+                }
+                Err(e) => return Err(e),
+            }
+            let tail_lane = lanes[lane_index(Some(r.tail.region), lanes.len())].clone();
+            let expected = r.expected();
+            let won = proxy
+                .cas(
+                    tail_lane,
+                    r.tail.region,
+                    r.tail.offset,
+                    expected,
+                    r.node_word,
+                )
+                .await
+                .await;
+            match won {
+                Ok(Reply::Word(before)) if before == expected || proxy.write_cache_fault => {
+                    proxy.with_write_cache(|wc| wc.stats.redirected += 1);
+                    Ok(Reply::Word(camelot_clover::layout::relinked_word(r.seq())))
+                }
+                Ok(Reply::Word(_)) => {
+                    proxy.with_write_cache(|wc| wc.stats.redirect_lost += 1);
+                    let lane = lanes[lane_index(Some(region), lanes.len())].clone();
+                    proxy
+                        .cas(lane, region, offset, original_expected, r.node_word)
+                        .await
+                        .await
+                }
+                other => other,
+            }
+        })
+    }
+
     async fn forward(self: &Arc<Self>, lane: &Lane, op: Op) -> Answer {
-        let sent = lane.client.submit(0, op).await;
+        let sent = lane.client.submit(0, self.counted(op)).await;
         let proxy = self.clone();
         Box::pin(async move {
             let r = match sent {
