@@ -137,7 +137,7 @@ pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Mem
     let follower =
         tokio::spawn(camelot_cluster::follow::follow(
             etcd.clone(),
-            move |map| match ownership_of(&map, id) {
+            move |map| match ownership_of(map, id) {
                 Ok(own) => {
                     let count = own.owned_count();
                     if state.set_ownership(own) {

@@ -215,11 +215,11 @@ fn acknowledged_writes_are_on_the_backup_and_backups_refuse_clients() {
             .unwrap();
     }
     let expected = |i: usize| -> Option<Vec<u8>> {
-        if i % 9 == 0 {
+        if i.is_multiple_of(9) {
             Some(value("c", i))
-        } else if i % 3 == 0 {
+        } else if i.is_multiple_of(3) {
             None
-        } else if i % 2 == 0 {
+        } else if i.is_multiple_of(2) {
             Some(value("b", i))
         } else {
             Some(value("a", i))
@@ -273,6 +273,9 @@ enum Acked {
     Deleted(u64),
 }
 
+/// A writer's keys: the last acknowledged state, and the highest seq attempted.
+type Book = Arc<Mutex<HashMap<String, (Acked, u64)>>>;
+
 struct KillReport {
     acked: u64,
     failed: u64,
@@ -294,8 +297,7 @@ fn kill_the_primary_under_load(extra: &[&str]) -> KillReport {
     let t0 = Instant::now();
     let last_ok_on_dead_us = Arc::new(AtomicU64::new(0));
     let dead_parts: Vec<bool> = (0..PARTITIONS).map(|p| map.primary(p) == Some(0)).collect();
-    let books: Vec<Arc<Mutex<HashMap<String, (Acked, u64)>>>> =
-        (0..WRITERS).map(|_| Arc::default()).collect();
+    let books: Vec<Book> = (0..WRITERS).map(|_| Arc::default()).collect();
     let mut threads = Vec::new();
     for (w, book) in books.iter().enumerate() {
         let client = c.client(ClientConfig {
@@ -324,7 +326,7 @@ fn kill_the_primary_under_load(extra: &[&str]) -> KillReport {
             while !stop.load(Ordering::Relaxed) {
                 seq += 1;
                 // Every 7th operation deletes the key last put.
-                let (key, delete) = match (seq % 7 == 0, last_put.take()) {
+                let (key, delete) = match (seq.is_multiple_of(7), last_put.take()) {
                     (true, Some(k)) => (k, true),
                     (_, prev) => {
                         let _ = prev;

@@ -960,7 +960,7 @@ mod tests {
         assert_eq!(own.role(p2 as u32), Role::Backup);
         assert!(st.set_ownership(own));
         let key = |k: &'static str| Bytes::from_static(k.as_bytes());
-        let ops = vec![
+        let ops = [
             Op::Put {
                 key: key("user1"),
                 value: key("v"),
