@@ -254,9 +254,328 @@ pub fn run_throughput(cfg: &ThroughputConfig, out: &Path) -> Result<PathBuf, Ben
     Ok(output::write_result(out, &result)?)
 }
 
+/// `bench cluster replication`: PUT latency with every write copied to one backup (R=2)
+/// against the same cluster with none (R=1), in the same run, rounds alternating which
+/// goes first. The servers run in this process on a runtime of their own (labelled): the
+/// replica sets are installed straight into their ownership, since a `camelot server`
+/// process learns its map only from etcd, which this crate does not link.
+#[derive(Debug, Clone)]
+pub struct ReplicationConfig {
+    pub nodes: u32,
+    /// Client thread counts measured, each thread one request in flight.
+    pub threads: Vec<usize>,
+    pub value_bytes: u64,
+    pub seconds_per_point: f64,
+    /// Rounds per point; the round with the median R=2 ÷ R=1 p50 ratio is kept.
+    pub rounds: usize,
+    pub quick: bool,
+}
+
+/// Partitions of the bench's map (the client's fixed count).
+const REPLICATION_PARTITIONS: u32 = camelot_client::PARTITIONS;
+/// Keys each thread cycles through.
+const REPLICATION_KEYS_PER_THREAD: u64 = 1024;
+/// Rounds a run may ask for.
+pub const ROUNDS_MAX: usize = 20;
+/// The target: R=2 write p50 at most this many times R=1's.
+pub const REPLICATION_P50_RATIO_TARGET: f64 = 1.6;
+
+impl Default for ReplicationConfig {
+    fn default() -> Self {
+        ReplicationConfig {
+            nodes: 3,
+            threads: vec![1, 4, 16],
+            value_bytes: 1 << 10,
+            seconds_per_point: 2.0,
+            rounds: 3,
+            quick: false,
+        }
+    }
+}
+
+impl ReplicationConfig {
+    pub fn apply_quick(&mut self) {
+        self.quick = true;
+        self.threads = vec![1, 8];
+        self.seconds_per_point = 0.5;
+        self.rounds = 3;
+    }
+
+    pub fn validate(&self) -> Result<(), BenchError> {
+        if !(2..=16).contains(&self.nodes) {
+            return Err(BenchError::InvalidConfig("nodes must be 2 to 16".into()));
+        }
+        if self.threads.is_empty() || self.threads.iter().any(|&t| t == 0 || t > THREADS_MAX) {
+            return Err(BenchError::InvalidConfig(format!(
+                "threads must be 1 to {THREADS_MAX}"
+            )));
+        }
+        if self.value_bytes == 0 || self.value_bytes > VALUE_BYTES_MAX {
+            return Err(BenchError::InvalidConfig(format!(
+                "value size must be 1 to {VALUE_BYTES_MAX} bytes"
+            )));
+        }
+        if !(self.seconds_per_point.is_finite() && self.seconds_per_point > 0.0) {
+            return Err(BenchError::InvalidConfig(
+                "seconds per point must be positive".into(),
+            ));
+        }
+        if self.rounds == 0 || self.rounds > ROUNDS_MAX {
+            return Err(BenchError::InvalidConfig(format!(
+                "rounds must be 1 to {ROUNDS_MAX}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Partition `p`'s replicas, primary first: consecutive nodes from `p mod n`.
+fn replica_set(p: u32, nodes: u32, replication: u32) -> Vec<u32> {
+    (0..replication).map(|r| (p + r) % nodes).collect()
+}
+
+/// Node `id`'s ownership under the bench's map.
+fn bench_ownership(
+    id: u32,
+    addrs: &[std::net::SocketAddr],
+    replication: u32,
+    epoch: u64,
+) -> Result<camelot_server::ownership::Ownership, BenchError> {
+    use camelot_server::ownership::{Ownership, Peer};
+    let n = addrs.len() as u32;
+    let sets: Vec<Vec<u32>> = (0..REPLICATION_PARTITIONS)
+        .map(|p| replica_set(p, n, replication))
+        .collect();
+    let owned = sets.iter().map(|s| s[0] == id).collect();
+    let backups = sets
+        .iter()
+        .map(|s| {
+            if s[0] != id {
+                return Vec::new();
+            }
+            s[1..]
+                .iter()
+                .map(|&b| Peer {
+                    id: b,
+                    addr: addrs[b as usize],
+                })
+                .collect()
+        })
+        .collect();
+    let backup_of = sets.iter().map(|s| s[1..].contains(&id)).collect();
+    Ownership::new(epoch, owned)
+        .and_then(|o| o.with_replicas(backups, backup_of))
+        .map_err(|e| BenchError::Setup(format!("ownership: {e}")))
+}
+
+/// PUT latency of `threads` threads, one request in flight each, for `seconds`.
+fn drive_puts(
+    client: &Client,
+    threads: usize,
+    value_bytes: u64,
+    seconds: f64,
+) -> Result<(f64, crate::latency::LatencyRecorder), BenchError> {
+    let value = bytes::Bytes::from(vec![0xa5u8; value_bytes as usize]);
+    let run_for = Duration::from_secs_f64(seconds);
+    let start = Instant::now();
+    let recorders = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let value = value.clone();
+                s.spawn(move || -> Result<crate::latency::LatencyRecorder, String> {
+                    let mut rec = crate::latency::LatencyRecorder::new();
+                    let mut i = 0u64;
+                    while start.elapsed() < run_for {
+                        let k = format!("rp:{t}:{}", i % REPLICATION_KEYS_PER_THREAD);
+                        let began = Instant::now();
+                        client
+                            .put(k.as_bytes(), value.clone())
+                            .map_err(|e| format!("PUT: {e}"))?;
+                        rec.record(began.elapsed());
+                        i += 1;
+                    }
+                    Ok(rec)
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join()
+                    .unwrap_or_else(|_| Err("a client thread panicked".into()))
+            })
+            .collect::<Result<Vec<_>, String>>()
+    })
+    .map_err(BenchError::Setup)?;
+    let secs = start.elapsed().as_secs_f64();
+    let mut all = crate::latency::LatencyRecorder::new();
+    for r in &recorders {
+        all.merge(r);
+    }
+    Ok((all.count() as f64 / secs, all))
+}
+
+/// Runs `bench cluster replication`; writes `cluster-replication.json`.
+pub fn run_replication(cfg: &ReplicationConfig, out: &Path) -> Result<PathBuf, BenchError> {
+    use camelot_client::{NodeInfo, PartitionTable};
+    use camelot_server::{ServerConfig, ServerHandle};
+    cfg.validate()?;
+    let started = now_rfc3339();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| BenchError::Setup(format!("runtime: {e}")))?;
+    let memory = 256u64 << 20;
+    let servers = (0..cfg.nodes)
+        .map(|_| {
+            rt.block_on(ServerHandle::start(ServerConfig::new(
+                std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                memory,
+            )))
+            .map_err(|e| BenchError::Setup(format!("server: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let addrs: Vec<_> = servers.iter().map(|s| s.local_addr()).collect();
+    let mut epoch = 0u64;
+    // (threads, replication) → each round's (ops/s, latency).
+    let mut runs: Vec<Vec<[(f64, crate::latency::LatencyRecorder); 2]>> = Vec::new();
+    for &threads in &cfg.threads {
+        let mut rounds = Vec::new();
+        for round in 0..cfg.rounds {
+            let order: [u32; 2] = if round % 2 == 0 { [1, 2] } else { [2, 1] };
+            let mut got: [Option<(f64, crate::latency::LatencyRecorder)>; 2] = [None, None];
+            for replication in order {
+                epoch += 1;
+                for (id, s) in servers.iter().enumerate() {
+                    let own = bench_ownership(id as u32, &addrs, replication, epoch)?;
+                    if !s.state().set_ownership(own) {
+                        return Err(BenchError::Setup("ownership not installed".into()));
+                    }
+                }
+                let view = ClusterMap {
+                    epoch,
+                    nodes: addrs
+                        .iter()
+                        .enumerate()
+                        .map(|(id, &addr)| NodeInfo {
+                            id: id as u32,
+                            addr,
+                        })
+                        .collect(),
+                };
+                let table = PartitionTable::new(
+                    (0..REPLICATION_PARTITIONS)
+                        .map(|p| replica_set(p, cfg.nodes, 1)[0])
+                        .collect(),
+                )
+                .ok_or_else(|| BenchError::Setup("partition table".into()))?;
+                let client =
+                    Client::connect(ClusterMap::from_addrs(&addrs), ClientConfig::default())
+                        .map_err(|e| BenchError::Setup(format!("cannot connect: {e}")))?;
+                client
+                    .set_cluster(view, table)
+                    .map_err(|e| BenchError::Setup(format!("map: {e}")))?;
+                // A short warm-up so connections (client and replication links) exist.
+                drive_puts(&client, threads, cfg.value_bytes, 0.05)?;
+                got[replication as usize - 1] = Some(drive_puts(
+                    &client,
+                    threads,
+                    cfg.value_bytes,
+                    cfg.seconds_per_point,
+                )?);
+            }
+            let [Some(r1), Some(r2)] = got else {
+                return Err(BenchError::Setup("a round missed a side".into()));
+            };
+            rounds.push([r1, r2]);
+        }
+        runs.push(rounds);
+    }
+    for s in servers {
+        rt.block_on(s.shutdown())
+            .map_err(|e| BenchError::Setup(format!("shutdown: {e}")))?;
+    }
+    let mut series = [
+        Series::new("PUT, R=1 (in-process)"),
+        Series::new("PUT, R=2: every write on one backup first (in-process)"),
+    ];
+    let mut comparisons = Vec::new();
+    let mut per_round = Vec::new();
+    for (&threads, rounds) in cfg.threads.iter().zip(&runs) {
+        let ratio = |r: &[(f64, crate::latency::LatencyRecorder); 2]| {
+            r[1].1.summary().p50 / r[0].1.summary().p50.max(f64::MIN_POSITIVE)
+        };
+        let mut order: Vec<usize> = (0..rounds.len()).collect();
+        order.sort_by(|&a, &b| ratio(&rounds[a]).total_cmp(&ratio(&rounds[b])));
+        let median = &rounds[order[order.len() / 2]];
+        per_round.push(json!({
+            "threads": threads,
+            "p50_ratio_per_round": rounds.iter().map(ratio).collect::<Vec<_>>(),
+        }));
+        for (side, (ops, lat)) in median.iter().enumerate() {
+            let mut p = Point::new(threads as u64);
+            p.ops_per_sec = Some(*ops);
+            p.latency_us = Some(lat.summary());
+            series[side].points.push(p);
+        }
+        comparisons.push(
+            Comparison::new(
+                format!("PUT p50, R=2 ÷ R=1, {threads} thread(s) × 1 in flight"),
+                median[1].1.summary().p50,
+                median[0].1.summary().p50,
+                "µs",
+                "R=1, same run",
+            )
+            .with_target(REPLICATION_P50_RATIO_TARGET, true),
+        );
+    }
+    let config = json!({
+        "x": "client_threads",
+        "nodes": cfg.nodes,
+        "partitions": REPLICATION_PARTITIONS,
+        "threads": cfg.threads,
+        "value_bytes": cfg.value_bytes,
+        "seconds_per_point": cfg.seconds_per_point,
+        "rounds": cfg.rounds,
+        "kept": "the round with the median R=2 ÷ R=1 p50 ratio; rounds alternate which side goes first",
+        "servers": "in-process (one runtime, 2 worker threads, shared by all nodes)",
+        "client": "camelot-client KV API (put), one request in flight per thread, cluster-routed",
+        "per_round": per_round,
+        "quick": cfg.quick,
+    });
+    let [s1, s2] = series;
+    let mut result = BenchResult::new("cluster-replication", started, config, vec![s1, s2]);
+    result.comparisons = comparisons;
+    Ok(output::write_result(out, &result)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bench_ownerships_give_every_partition_one_primary_and_its_backups() {
+        let addrs: Vec<std::net::SocketAddr> = (0..3)
+            .map(|i| std::net::SocketAddr::from(([127, 0, 0, 1], 7000 + i)))
+            .collect();
+        let owns: Vec<_> = (0..3)
+            .map(|id| bench_ownership(id, &addrs, 2, 1).unwrap())
+            .collect();
+        use camelot_server::ownership::Role;
+        for p in 0..REPLICATION_PARTITIONS {
+            let roles: Vec<Role> = owns.iter().map(|o| o.role(p)).collect();
+            assert_eq!(roles.iter().filter(|r| **r == Role::Primary).count(), 1);
+            assert_eq!(roles.iter().filter(|r| **r == Role::Backup).count(), 1);
+            let primary = roles.iter().position(|r| *r == Role::Primary).unwrap();
+            let backup = roles.iter().position(|r| *r == Role::Backup).unwrap();
+            let b: Vec<_> = owns[primary].backups(p).collect();
+            assert_eq!(b.len(), 1);
+            assert_eq!(b[0].addr, addrs[backup]);
+        }
+        let lone = bench_ownership(0, &addrs, 1, 1).unwrap();
+        assert!(!lone.replicates());
+    }
 
     #[test]
     fn key_sets_stay_within_their_bounds() {

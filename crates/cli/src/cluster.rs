@@ -14,8 +14,6 @@ use anyhow::{bail, Result};
 use camelot_cluster::etcd::{EtcdCluster, Registration};
 use camelot_cluster::{ClusterMap, Node, LEASE_TTL_DEFAULT, PARTITIONS_DEFAULT, PREFIX_DEFAULT};
 #[cfg(feature = "etcd")]
-use camelot_server::ownership::Ownership;
-#[cfg(feature = "etcd")]
 use camelot_server::ServerConfig;
 use camelot_server::ServerHandle;
 use clap::{Args, Subcommand};
@@ -44,6 +42,51 @@ pub struct MemberArgs {
     /// Seconds the registration outlives this process (whole seconds, ≥ 1).
     #[arg(long, value_name = "SECONDS", default_value_t = LEASE_TTL_DEFAULT.as_secs())]
     pub lease_ttl: u64,
+    /// Milliseconds a write on a partition with backups waits for all of them before it
+    /// is answered REPLICA_UNAVAILABLE (applied here, not acknowledged: retry it).
+    #[arg(long, value_name = "MS", default_value_t = camelot_server::replicate::REPLICATION_TIMEOUT_DEFAULT.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    pub replication_timeout_ms: u64,
+    /// Deliberately broken: acknowledge writes before the backups have them (copies go
+    /// out afterwards). Exists only so the failover test can show its checker catches
+    /// the writes this loses; never use it.
+    #[arg(long, hide = true)]
+    pub unsafe_ack_before_replication: bool,
+}
+
+/// The member flags that shape the server itself (set before it starts).
+pub fn configure(args: &MemberArgs, cfg: &mut camelot_server::ServerConfig) {
+    cfg.replication_timeout = std::time::Duration::from_millis(args.replication_timeout_ms);
+    cfg.unsafe_ack_before_replication = args.unsafe_ack_before_replication;
+}
+
+/// What node `id` serves under `map`: the partitions it is primary of, their backups
+/// (every replica after the first, with its address), and the partitions it backs up.
+pub fn ownership_of(
+    map: &ClusterMap,
+    id: u32,
+) -> Result<camelot_server::ownership::Ownership, camelot_server::ownership::OwnershipError> {
+    use camelot_server::ownership::{Ownership, Peer};
+    let mut backups = Vec::with_capacity(map.assignment.len());
+    let mut backup_of = Vec::with_capacity(map.assignment.len());
+    for replicas in &map.assignment {
+        let primary = replicas.first() == Some(&id);
+        backups.push(if primary {
+            replicas[1..]
+                .iter()
+                .filter_map(|n| {
+                    map.node(*n).map(|node| Peer {
+                        id: *n,
+                        addr: node.addr,
+                    })
+                })
+                .collect()
+        } else {
+            Vec::new()
+        });
+        backup_of.push(!primary && replicas.contains(&id));
+    }
+    Ownership::new(map.epoch, map.primaries_of(id))?.with_replicas(backups, backup_of)
 }
 
 /// Why this build cannot reach etcd, and how to get one that can.
@@ -94,7 +137,7 @@ pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Mem
     let follower =
         tokio::spawn(camelot_cluster::follow::follow(
             etcd.clone(),
-            move |map| match Ownership::new(map.epoch, map.primaries_of(id)) {
+            move |map| match ownership_of(map, id) {
                 Ok(own) => {
                     let count = own.owned_count();
                     if state.set_ownership(own) {
@@ -246,6 +289,9 @@ async fn up(a: UpArgs) -> Result<()> {
             etcd_prefix: a.etcd_prefix.clone(),
             weight: 1,
             lease_ttl: LEASE_TTL_DEFAULT.as_secs(),
+            replication_timeout_ms: camelot_server::replicate::REPLICATION_TIMEOUT_DEFAULT
+                .as_millis() as u64,
+            unsafe_ack_before_replication: false,
         };
         members.push(join(&handle, &args).await?);
         nodes.push(Node {
@@ -403,6 +449,22 @@ pub enum ClusterBenchCommand {
     /// One `camelot server`'s GET and PUT throughput against value size (1 KiB..1 MiB)
     /// through the client's KV API, an iperf3 loopback stream beside (seed 004).
     Throughput(ThroughputArgs),
+    /// PUT latency with every write copied to a backup first (R=2) against none (R=1),
+    /// same run, rounds alternating; servers in this process (labelled).
+    Replication(ReplicationArgs),
+}
+
+#[derive(Args)]
+pub struct ReplicationArgs {
+    /// Scaled down to finish in seconds (1 and 8 threads, 0.5 s a point, 3 rounds).
+    #[arg(long)]
+    quick: bool,
+    /// Client thread counts, comma-separated (each one request in flight).
+    #[arg(long, value_delimiter = ',')]
+    threads: Option<Vec<usize>>,
+    /// Directory for cluster-replication.json.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -434,6 +496,17 @@ pub fn bench(cmd: ClusterBenchCommand) -> Result<()> {
                 cfg.threads = t;
             }
             let path = camelot_bench::cluster::run_throughput(&cfg, &a.out)?;
+            println!("wrote {}", path.display());
+        }
+        ClusterBenchCommand::Replication(a) => {
+            let mut cfg = camelot_bench::cluster::ReplicationConfig::default();
+            if a.quick {
+                cfg.apply_quick();
+            }
+            if let Some(t) = a.threads {
+                cfg.threads = t;
+            }
+            let path = camelot_bench::cluster::run_replication(&cfg, &a.out)?;
             println!("wrote {}", path.display());
         }
     }

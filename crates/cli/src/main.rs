@@ -873,6 +873,7 @@ fn server(a: ServerArgs) -> Result<()> {
         cfg.ops_per_sec_max = a.ops_per_sec_max;
         cfg.proto_max_bulk_len = a.proto_max_bulk_len;
         cfg.require_token = a.require_token;
+        cluster::configure(&a.cluster, &mut cfg);
         if let Some(path) = &a.principal_tokens {
             cfg.principal_tokens = read_principal_tokens(path)?;
         }

@@ -510,6 +510,12 @@ pub enum ErrorCode {
     /// This server does not own the key's partition at the epoch the client routed with
     /// (the error carries the server's epoch): refresh the map and retry elsewhere.
     Moved,
+    /// A primary could not get a write onto every backup of its partition in time
+    /// (unreachable, refusing, or at another epoch). The write may or may not have taken
+    /// effect — it was applied on the primary but not acknowledged: retry it (a CAS_PUT
+    /// by re-reading first). Which backups serve is the cluster controller's decision,
+    /// never the primary's, so the primary fails the write rather than drop the copy.
+    ReplicaUnavailable,
     Unknown(u16),
 }
 
@@ -540,6 +546,7 @@ impl ErrorCode {
             ErrorCode::QuotaExceeded => 17,
             ErrorCode::Forbidden => 18,
             ErrorCode::Moved => 19,
+            ErrorCode::ReplicaUnavailable => 20,
             ErrorCode::Unknown(c) => c,
         }
     }
@@ -565,6 +572,7 @@ impl ErrorCode {
             17 => ErrorCode::QuotaExceeded,
             18 => ErrorCode::Forbidden,
             19 => ErrorCode::Moved,
+            20 => ErrorCode::ReplicaUnavailable,
             c => ErrorCode::Unknown(c),
         }
     }
@@ -592,6 +600,7 @@ impl fmt::Display for ErrorCode {
             ErrorCode::QuotaExceeded => "QUOTA_EXCEEDED",
             ErrorCode::Forbidden => "FORBIDDEN",
             ErrorCode::Moved => "MOVED",
+            ErrorCode::ReplicaUnavailable => "REPLICA_UNAVAILABLE",
             ErrorCode::Unknown(c) => return write!(f, "UNKNOWN_ERROR_{c}"),
         };
         f.write_str(s)

@@ -1,8 +1,9 @@
 //! One client connection: handshake, then read → execute → answer, in order.
 
 use crate::buffers::ConnBuffers;
-use crate::exec::exec;
+use crate::exec::{exec_logged, WriteLog};
 use crate::principals::PrincipalTokens;
+use crate::replicate::{fail_answers, Replicator};
 use crate::state::{Refusal, ServerState};
 use crate::store::Principal;
 use bytes::{Bytes, BytesMut};
@@ -52,6 +53,8 @@ pub(crate) struct Shared {
     pub principal_tokens: PrincipalTokens,
     pub handshake_timeout: Duration,
     pub idle_timeout: Option<Duration>,
+    /// Copies this server's writes to their partitions' backups before they are answered.
+    pub replicator: Arc<Replicator>,
 }
 
 /// The connections still waiting to authenticate, oldest first, on both ports. When
@@ -287,6 +290,8 @@ pub(crate) struct Conn {
     bufs: ConnBuffers,
     /// Who this connection acts as, from its HELLO: owner of what it allocates.
     principal: Principal,
+    /// The last batch's writes that must reach backups (kept for its allocation).
+    log: WriteLog,
 }
 
 /// Resolves once shutdown is requested, or the handle that could request it is gone.
@@ -434,6 +439,7 @@ impl Conn {
             shutdown,
             bufs,
             principal: Principal::from(PRINCIPAL_DEFAULT),
+            log: WriteLog::default(),
         })
     }
 
@@ -648,14 +654,21 @@ impl Conn {
             }
             let start = self.bufs.out.len();
             let mut enc = ResponseBatchEncoder::begin(&mut self.bufs.out);
-            let res = exec(&self.shared.state, &self.principal, &batch, &mut enc)
-                .and_then(|()| enc.finish());
+            let res = exec_logged(
+                &self.shared.state,
+                &self.principal,
+                &batch,
+                &mut enc,
+                Some(&mut self.log),
+            )
+            .and_then(|()| enc.finish());
             drop(batch);
             if let Err(e) = res {
                 self.bufs.out.truncate(start);
                 warn!(peer = %self.peer, error = %e, "cannot encode a response frame; closing");
                 return Err(self.fatal(ErrorCode::Internal, e.to_string()).await);
             }
+            self.replicate(start).await?;
             if let Err(e) = self.bufs.settle_out() {
                 return Err(self.over_budget(e).await);
             }
@@ -666,6 +679,45 @@ impl Conn {
         // The empty buffer may still own a frame-sized allocation.
         self.bufs.shrink_in(BUF_KEEP_BYTES, READ_CHUNK_BYTES);
         Ok(())
+    }
+
+    /// Holds the answers of the batch just executed (at `start` in the output) until its
+    /// writes are on every backup; those that are not become REPLICA_UNAVAILABLE.
+    async fn replicate(&mut self, start: usize) -> Result<(), End> {
+        let Some(own) = self.log.ownership.take() else {
+            return Ok(());
+        };
+        if self.log.writes.is_empty() {
+            return Ok(());
+        }
+        if self.shared.replicator.acks_before_replication() {
+            let (rep, writes) = (Arc::clone(&self.shared.replicator), self.log.writes.clone());
+            tokio::spawn(async move { rep.replicate(&own, &writes).await });
+            return Ok(());
+        }
+        let result = self
+            .shared
+            .replicator
+            .replicate(&own, &self.log.writes)
+            .await;
+        let Err(e) = result else {
+            self.log.writes.clear();
+            return Ok(());
+        };
+        debug!(peer = %self.peer, error = %e, "writes not acknowledged");
+        let positions: Vec<usize> = self.log.writes.drain(..).map(|(at, _)| at).collect();
+        match fail_answers(&self.bufs.out[start..], &positions, &e.reply()) {
+            Ok(frame) => {
+                self.bufs.out.truncate(start);
+                self.bufs.out.extend_from_slice(&frame);
+                Ok(())
+            }
+            Err(re) => {
+                self.bufs.out.truncate(start);
+                warn!(peer = %self.peer, error = %re, "cannot rewrite a response frame; closing");
+                Err(self.fatal(ErrorCode::Internal, re.to_string()).await)
+            }
+        }
     }
 
     async fn flush(&mut self) -> Result<(), End> {

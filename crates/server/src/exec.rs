@@ -67,13 +67,40 @@ pub fn exec(
     batch: &RequestBatch,
     enc: &mut ResponseBatchEncoder<'_>,
 ) -> Result<(), EncodeError> {
+    exec_logged(state, who, batch, enc, None)
+}
+
+/// The writes of one batch that must reach backups before they are acknowledged: each
+/// successful PUT, CAS_PUT and DELETE on a partition that has backups at the ownership
+/// the batch ran under (whatever epoch the batch was routed with).
+#[derive(Debug, Default)]
+pub struct WriteLog {
+    pub ownership: Option<Arc<Ownership>>,
+    /// (the answer's position in the response frame, the key written)
+    pub writes: Vec<(usize, bytes::Bytes)>,
+}
+
+/// [`exec`], noting in `log` (when given) the writes that must be replicated.
+pub fn exec_logged(
+    state: &ServerState,
+    who: &Principal,
+    batch: &RequestBatch,
+    enc: &mut ResponseBatchEncoder<'_>,
+    mut log: Option<&mut WriteLog>,
+) -> Result<(), EncodeError> {
     // One snapshot per batch: the ownership carries its own epoch, so a map installed
     // mid-batch cannot pair one epoch with another map's partitions.
-    let ownership = if batch.epoch == 0 {
+    let snapshot = if batch.epoch == 0 && log.is_none() {
         None
     } else {
         state.ownership()
     };
+    if let Some(log) = log.as_deref_mut() {
+        log.writes.clear();
+        log.ownership = snapshot.clone().filter(|o| o.replicates());
+    }
+    let log = log.filter(|l| l.ownership.is_some());
+    let ownership = if batch.epoch == 0 { None } else { snapshot };
     let epoch = ownership
         .as_ref()
         .map_or_else(|| state.epoch(), |o| o.epoch());
@@ -100,6 +127,7 @@ pub fn exec(
         too_large: OnceCell::new(),
         now: OnceCell::new(),
         ownership,
+        log,
     };
     let res = batch.requests.iter().try_for_each(|req| {
         ops[kind_index(req.op.kind())] += 1;
@@ -133,6 +161,8 @@ struct Exec<'s, 'e, 'b> {
     // Set only for batches routed with a non-zero epoch equal to the server's: then a
     // key op on a partition this server does not own is answered MOVED, unexecuted.
     ownership: Option<Arc<Ownership>>,
+    // Set when some partition this server is primary of has backups.
+    log: Option<&'e mut WriteLog>,
 }
 
 impl Exec<'_, '_, '_> {
@@ -206,6 +236,29 @@ impl Exec<'_, '_, '_> {
         self.respond(id, result)
     }
 
+    /// A PUT, CAS_PUT or DELETE: like [`Exec::guarded_object`], and noted for the backups
+    /// when it changed something on a partition that has them.
+    fn write_object(
+        &mut self,
+        id: u64,
+        key: &bytes::Bytes,
+        op: impl FnOnce(&ObjectStore, Instant) -> Result<u64, ErrorReply>,
+    ) -> Result<(), EncodeError> {
+        if !self.fits(WORD_REPLY_BYTES) {
+            return self.too_large(id);
+        }
+        let result = op(self.state.objects(), self.now());
+        if let (Ok(_), Some(log)) = (&result, self.log.as_deref_mut()) {
+            if let Some(own) = &log.ownership {
+                let p = camelot_proto::partition_of(key, own.partitions());
+                if own.backups(p).next().is_some() {
+                    log.writes.push((self.enc.count(), key.clone()));
+                }
+            }
+        }
+        self.respond(id, result.map(Reply::Version))
+    }
+
     fn one(&mut self, id: u64, op: &Op) -> Result<(), EncodeError> {
         if let (Some(own), Some(key)) = (&self.ownership, op_key(op)) {
             if !own.owns_key(key) {
@@ -223,20 +276,15 @@ impl Exec<'_, '_, '_> {
         }
         match op {
             Op::Get { key } => self.get(id, key),
-            Op::Put { key, value } => self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
-                o.put(key, value, now).map(Reply::Version)
-            }),
+            Op::Put { key, value } => self.write_object(id, key, |o, now| o.put(key, value, now)),
             Op::CasPut {
                 key,
                 expected_version,
                 value,
-            } => self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
+            } => self.write_object(id, key, |o, now| {
                 o.cas_put(key, *expected_version, value, now)
-                    .map(Reply::Version)
             }),
-            Op::Delete { key } => self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
-                o.delete(key, now).map(Reply::Version)
-            }),
+            Op::Delete { key } => self.write_object(id, key, |o, now| o.delete(key, now)),
             Op::Apply {
                 key,
                 version,
@@ -888,6 +936,99 @@ mod tests {
         // An older map never replaces a newer one.
         assert!(!st.set_ownership(Ownership::new(6, owned).unwrap()));
         assert_eq!(st.epoch(), 7);
+    }
+
+    #[test]
+    fn writes_on_partitions_with_backups_are_logged_and_backups_answer_moved() {
+        use crate::ownership::{Peer, Role};
+        let st = ServerState::new(MemoryBudget::new(1 << 20), 0);
+        // Primary of 726 ("user1") with one backup; backup of "user2"'s partition.
+        let p2 = camelot_proto::partition_of(b"user2", 1024) as usize;
+        let mut owned = vec![false; 1024];
+        owned[726] = true;
+        let mut backups = vec![vec![]; 1024];
+        backups[726] = vec![Peer {
+            id: 9,
+            addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9)),
+        }];
+        let mut backup_of = vec![false; 1024];
+        backup_of[p2] = true;
+        let own = Ownership::new(4, owned)
+            .unwrap()
+            .with_replicas(backups, backup_of)
+            .unwrap();
+        assert_eq!(own.role(p2 as u32), Role::Backup);
+        assert!(st.set_ownership(own));
+        let key = |k: &'static str| Bytes::from_static(k.as_bytes());
+        let ops = [
+            Op::Put {
+                key: key("user1"),
+                value: key("v"),
+            },
+            Op::Get { key: key("user1") },
+            Op::Put {
+                key: key("user2"),
+                value: key("v"),
+            },
+            Op::Delete {
+                key: key("nothing"),
+            },
+            Op::CasPut {
+                key: key("user1"),
+                expected_version: 999,
+                value: key("w"),
+            },
+            Op::Delete { key: key("user1") },
+        ];
+        for epoch in [4, 0] {
+            let batch = RequestBatch {
+                epoch,
+                requests: ops
+                    .iter()
+                    .enumerate()
+                    .map(|(i, op)| Request {
+                        id: i as u64,
+                        op: op.clone(),
+                    })
+                    .collect(),
+            };
+            let mut buf = BytesMut::new();
+            let mut enc = ResponseBatchEncoder::begin(&mut buf);
+            let mut log = WriteLog::default();
+            exec_logged(&st, &Principal::from(ME), &batch, &mut enc, Some(&mut log)).unwrap();
+            enc.finish().unwrap();
+            let Frame::Responses(r) = decode_frame(buf.freeze().slice(4..)).unwrap() else {
+                panic!()
+            };
+            let positions: Vec<usize> = log.writes.iter().map(|(at, _)| *at).collect();
+            if epoch == 4 {
+                // The backup's partition is MOVED (unexecuted, unlogged); the miss and the
+                // CAS conflict changed nothing; the PUT and the DELETE on 726 are logged.
+                assert_eq!(err_of(&r.responses[2]).code, ErrorCode::Moved);
+                assert_eq!(positions, [0, 5]);
+            } else {
+                // Unrouted: not MOVED, but the write on the replicated partition is
+                // still logged (it must reach the backup all the same).
+                assert!(r.responses[2].result.is_ok());
+                assert_eq!(positions, [0, 5]);
+            }
+            assert!(log.ownership.is_some());
+        }
+        // Without backups nothing is logged.
+        let lone = Ownership::new(5, vec![true; 1024]).unwrap();
+        assert!(st.set_ownership(lone));
+        let batch = RequestBatch {
+            epoch: 5,
+            requests: vec![Request {
+                id: 1,
+                op: ops[0].clone(),
+            }],
+        };
+        let mut buf = BytesMut::new();
+        let mut enc = ResponseBatchEncoder::begin(&mut buf);
+        let mut log = WriteLog::default();
+        exec_logged(&st, &Principal::from(ME), &batch, &mut enc, Some(&mut log)).unwrap();
+        assert!(log.writes.is_empty() && log.ownership.is_none());
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod exec;
 pub mod objects;
 pub mod ownership;
 pub mod principals;
+pub mod replicate;
 pub mod resp;
 pub mod state;
 pub mod store;
@@ -92,6 +93,13 @@ pub struct ServerConfig {
     /// `None`: no limit). A slow node's stand-in where cgroup v2 `cpu.max` is not
     /// available; see [`throttle`].
     pub ops_per_sec_max: Option<u64>,
+    /// How long a write on a partition with backups waits for them before it is
+    /// answered REPLICA_UNAVAILABLE (see [`replicate`]).
+    pub replication_timeout: Duration,
+    /// Deliberately broken: answer writes before their backups have them (the copies go
+    /// out afterwards). Only for showing that a failover test's checker catches the
+    /// writes this loses; never set it otherwise.
+    pub unsafe_ack_before_replication: bool,
 }
 
 impl ServerConfig {
@@ -115,6 +123,8 @@ impl ServerConfig {
             require_token: false,
             principal_tokens: principals::PrincipalTokens::default(),
             ops_per_sec_max: None,
+            replication_timeout: replicate::REPLICATION_TIMEOUT_DEFAULT,
+            unsafe_ack_before_replication: false,
         }
     }
 }
@@ -356,10 +366,18 @@ impl ServerHandle {
         let face = Face::Native(Arc::new(Shared {
             state: Arc::clone(&state),
             waiting,
-            token: config.token,
+            token: config.token.clone(),
             principal_tokens: config.principal_tokens,
             handshake_timeout: config.handshake_timeout,
             idle_timeout: config.idle_timeout,
+            replicator: Arc::new(
+                replicate::Replicator::new(
+                    Arc::clone(&state),
+                    config.token.clone(),
+                    config.replication_timeout,
+                )
+                .ack_before_replication(config.unsafe_ack_before_replication),
+            ),
         }));
         let accept = tokio::spawn(accept_loop(listener, face, stop_rx, limits));
         Ok(ServerHandle {

@@ -710,6 +710,12 @@ impl ObjectStore {
         self.len() == 0
     }
 
+    /// A version above every one this store has given or taken so far: what a replica's
+    /// copy of "this key is gone" carries, since a delete takes no version of its own.
+    pub fn next_version(&self) -> u64 {
+        self.clock.next()
+    }
+
     /// Runs `f` on the live entry under `key` (or `None`) under the shard's read lock.
     pub fn read<R>(&self, key: &[u8], now: Instant, f: impl FnOnce(Option<&Entry>) -> R) -> R {
         let _gate = self.gate();

@@ -2,14 +2,48 @@
 //! whatever follows the cluster map (the CLI's etcd watcher); checked per request by
 //! `exec` for batches routed with a non-zero epoch. Pure: no I/O.
 
+use std::net::SocketAddr;
+
 /// Partitions a map may have (the cluster crate's limit; the bitmap is sized by it).
 pub const OWNERSHIP_PARTITIONS_MAX: u32 = 65_536;
+/// Backups one partition may have (the cluster crate's R ≤ 8, less the primary).
+pub const BACKUPS_PER_PARTITION_MAX: usize = 7;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ownership {
     epoch: u64,
     partitions: u32,
     owned: Vec<bool>,
+    /// Empty unless set by [`Ownership::with_replicas`]: no partition has backups.
+    replicas: Replicas,
+}
+
+/// A server this one sends its partitions' copies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Peer {
+    pub id: u32,
+    pub addr: SocketAddr,
+}
+
+/// What this server is for one partition at the ownership's epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Serves clients; every write is copied to the partition's backups before it is
+    /// acknowledged.
+    Primary,
+    /// Takes the primary's copies (APPLY); clients routed here are told MOVED.
+    Backup,
+    /// Holds nothing of it.
+    None,
+}
+
+/// The replica sets as seen from this server: the backups of the partitions it is
+/// primary for (indices into `peers`), and the partitions it is a backup of.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct Replicas {
+    peers: Vec<Peer>,
+    backups: Vec<Vec<u16>>,
+    backup_of: Vec<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -18,6 +52,13 @@ pub enum OwnershipError {
     ZeroEpoch,
     #[error("{0} partitions: must be 1..={OWNERSHIP_PARTITIONS_MAX}")]
     Partitions(usize),
+    #[error("replica lists for {given} partitions, but the ownership has {partitions}")]
+    ReplicaPartitions { given: usize, partitions: u32 },
+    #[error("partition {partition}: {reason}")]
+    Replicas {
+        partition: u32,
+        reason: &'static str,
+    },
 }
 
 impl Ownership {
@@ -33,7 +74,109 @@ impl Ownership {
             epoch,
             partitions: owned.len() as u32,
             owned,
+            replicas: Replicas::default(),
         })
+    }
+
+    /// Adds the replica sets: `backups[p]`, the servers partition `p`'s writes are copied
+    /// to (only for partitions this server owns; at most [`BACKUPS_PER_PARTITION_MAX`],
+    /// distinct), and `backup_of[p]`, whether this server holds a backup of `p` (never
+    /// one it owns).
+    pub fn with_replicas(
+        mut self,
+        backups: Vec<Vec<Peer>>,
+        backup_of: Vec<bool>,
+    ) -> Result<Ownership, OwnershipError> {
+        for given in [backups.len(), backup_of.len()] {
+            if given != self.owned.len() {
+                return Err(OwnershipError::ReplicaPartitions {
+                    given,
+                    partitions: self.partitions,
+                });
+            }
+        }
+        let mut peers: Vec<Peer> = Vec::new();
+        let mut indexed = Vec::with_capacity(backups.len());
+        for (p, set) in backups.into_iter().enumerate() {
+            let bad = |reason| OwnershipError::Replicas {
+                partition: p as u32,
+                reason,
+            };
+            if set.len() > BACKUPS_PER_PARTITION_MAX {
+                return Err(bad("too many backups"));
+            }
+            if !set.is_empty() && !self.owned[p] {
+                return Err(bad(
+                    "backups given for a partition this server is not primary of",
+                ));
+            }
+            if backup_of[p] && self.owned[p] {
+                return Err(bad(
+                    "a server cannot be primary and backup of one partition",
+                ));
+            }
+            let mut idx = Vec::with_capacity(set.len());
+            for peer in set {
+                let i = match peers.iter().position(|q| *q == peer) {
+                    Some(i) => i,
+                    None => {
+                        peers.push(peer);
+                        peers.len() - 1
+                    }
+                };
+                let i = i as u16; // ≤ partitions × 7 distinct peers, far below u16 in practice
+                if idx.contains(&i) {
+                    return Err(bad("the same backup twice"));
+                }
+                idx.push(i);
+            }
+            indexed.push(idx);
+        }
+        if peers.len() > usize::from(u16::MAX) {
+            return Err(OwnershipError::Replicas {
+                partition: 0,
+                reason: "more distinct backup servers than a map may have",
+            });
+        }
+        self.replicas = Replicas {
+            peers,
+            backups: indexed,
+            backup_of,
+        };
+        Ok(self)
+    }
+
+    /// This server's role for partition `p` (`None` past the partition count).
+    pub fn role(&self, p: u32) -> Role {
+        if self.owned.get(p as usize).copied().unwrap_or(false) {
+            Role::Primary
+        } else if self
+            .replicas
+            .backup_of
+            .get(p as usize)
+            .copied()
+            .unwrap_or(false)
+        {
+            Role::Backup
+        } else {
+            Role::None
+        }
+    }
+
+    /// The servers partition `p`'s writes must reach before they are acknowledged
+    /// (empty when this server is not its primary, or it has no backups).
+    pub fn backups(&self, p: u32) -> impl Iterator<Item = Peer> + '_ {
+        self.replicas
+            .backups
+            .get(p as usize)
+            .map_or(&[][..], Vec::as_slice)
+            .iter()
+            .map(|&i| self.replicas.peers[usize::from(i)])
+    }
+
+    /// Whether any partition this server is primary of has a backup.
+    pub fn replicates(&self) -> bool {
+        !self.replicas.peers.is_empty()
     }
 
     pub fn epoch(&self) -> u64 {
@@ -75,5 +218,59 @@ mod tests {
             Ownership::new(1, vec![]),
             Err(OwnershipError::Partitions(0))
         );
+    }
+
+    fn peer(id: u32) -> Peer {
+        Peer {
+            id,
+            addr: SocketAddr::from(([127, 0, 0, 1], 7000 + id as u16)),
+        }
+    }
+
+    #[test]
+    fn roles_and_backups_follow_the_replica_sets() {
+        // Four partitions: primary of 0 (backups 1, 2) and 1 (backup 2), backup of 2.
+        let o = Ownership::new(5, vec![true, true, false, false])
+            .unwrap()
+            .with_replicas(
+                vec![vec![peer(1), peer(2)], vec![peer(2)], vec![], vec![]],
+                vec![false, false, true, false],
+            )
+            .unwrap();
+        assert_eq!(
+            (0..4).map(|p| o.role(p)).collect::<Vec<_>>(),
+            [Role::Primary, Role::Primary, Role::Backup, Role::None]
+        );
+        assert_eq!(o.backups(0).collect::<Vec<_>>(), [peer(1), peer(2)]);
+        assert_eq!(o.backups(1).collect::<Vec<_>>(), [peer(2)]);
+        assert_eq!(o.backups(2).count(), 0);
+        assert_eq!(o.backups(99).count(), 0);
+        assert!(o.replicates());
+        assert!(!Ownership::new(5, vec![true]).unwrap().replicates());
+    }
+
+    #[test]
+    fn inconsistent_replica_sets_are_refused() {
+        let base = || Ownership::new(5, vec![true, false]).unwrap();
+        assert!(matches!(
+            base().with_replicas(vec![vec![]], vec![false, false]),
+            Err(OwnershipError::ReplicaPartitions { given: 1, .. })
+        ));
+        assert!(matches!(
+            base().with_replicas(vec![vec![], vec![peer(1)]], vec![false, false]),
+            Err(OwnershipError::Replicas { partition: 1, .. })
+        ));
+        assert!(matches!(
+            base().with_replicas(vec![vec![peer(1), peer(1)], vec![]], vec![false, false]),
+            Err(OwnershipError::Replicas { partition: 0, .. })
+        ));
+        assert!(matches!(
+            base().with_replicas(vec![vec![], vec![]], vec![true, false]),
+            Err(OwnershipError::Replicas { partition: 0, .. })
+        ));
+        assert!(matches!(
+            base().with_replicas(vec![(1..9).map(peer).collect(), vec![]], vec![false, false]),
+            Err(OwnershipError::Replicas { partition: 0, .. })
+        ));
     }
 }

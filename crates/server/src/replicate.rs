@@ -1,0 +1,590 @@
+//! Primary-backup replication: a primary's writes are copied (APPLY) to every backup of
+//! their partition before the client is answered.
+//!
+//! **What a copy carries.** Not the write as it was made, but the key's state on this
+//! server *when the copy is sent*: its value and version, or — when it is gone — a
+//! deletion at a version newer than any this server has given ([`ObjectStore::next_version`]).
+//! Each backup has one link (one connection, one task) that reads a key's state and sends
+//! it in the same order, so for every key the copies a backup receives are snapshots in
+//! the order they were taken. A copy of an older state can therefore never arrive after a
+//! newer one, and a put cannot resurrect a key deleted after it (the hole a copy of the
+//! write itself would leave, since a delete has no version to keep as a tombstone). A
+//! write is acknowledged once a snapshot taken after it has been applied by every backup:
+//! the backup then holds that write or a later state of the key, which is what a promoted
+//! backup must serve.
+//!
+//! **Failure.** A backup that does not answer within the timeout, refuses the copies (for
+//! one, a backup at another map epoch answers STALE_EPOCH, which also fences a deposed
+//! primary out of the new one) or cannot be reached fails the write with
+//! REPLICA_UNAVAILABLE: it was applied here but not acknowledged. The primary never
+//! drops a backup on its own — that is the controller's decision, published as a map.
+//!
+//! The grouping and the rewriting of an answer frame are pure and tested without sockets.
+
+use crate::objects::{Entry, Value};
+use crate::ownership::{Ownership, Peer};
+use crate::state::ServerState;
+use bytes::{Bytes, BytesMut};
+use camelot_proto::limits::{BATCH_OPS_MAX, FRAME_BYTES_TARGET};
+use camelot_proto::{
+    decode_frame, encode_frame, partition_of, DecodeError, EncodeError, ErrorCode, ErrorReply,
+    Frame, FrameDecoder, Hello, Op, Reply, RequestBatchEncoder, ResponseBatchEncoder,
+    PROTOCOL_VERSION,
+};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, warn};
+
+/// How long a write may wait for its backups unless configured otherwise.
+pub const REPLICATION_TIMEOUT_DEFAULT: Duration = Duration::from_secs(1);
+/// Batches of copies queued for one backup before writers wait for room (each is one
+/// client batch's keys for that backup, at most `BATCH_OPS_MAX`).
+pub const LINK_JOBS_QUEUED_MAX: usize = 1024;
+/// Copies one round of a link takes from its queue before sending (more wait for the
+/// next round, which starts when this one is answered).
+pub const LINK_ROUND_OPS_MAX: usize = 4 * BATCH_OPS_MAX;
+/// Backup servers one primary keeps links to (a map has at most 1,024 nodes).
+pub const LINKS_MAX: usize = 1024;
+/// How long a link waits after failing to connect before it tries again; writes in
+/// between fail at once rather than each paying a connect timeout.
+const RECONNECT_BACKOFF: Duration = Duration::from_millis(50);
+/// The principal a link's HELLO names (regions are not touched; it only shows in logs).
+const LINK_PRINCIPAL: &str = "camelot-replica";
+const READ_CHUNK_BYTES: usize = 64 << 10;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReplicateError {
+    #[error("backup node {node} ({addr}) did not apply the copies within {timeout:?}")]
+    TimedOut {
+        node: u32,
+        addr: std::net::SocketAddr,
+        timeout: Duration,
+    },
+    #[error("backup node {node} ({addr}): {reason}")]
+    Failed {
+        node: u32,
+        addr: std::net::SocketAddr,
+        reason: String,
+    },
+    #[error("more than {LINKS_MAX} backup servers")]
+    TooManyLinks,
+}
+
+impl ReplicateError {
+    /// What the client is told instead of its write's answer.
+    pub fn reply(&self) -> ErrorReply {
+        ErrorReply::new(
+            ErrorCode::ReplicaUnavailable,
+            format!("written here but not acknowledged, retry: {self}"),
+        )
+    }
+}
+
+/// Keys `writes` (request position, key) grouped by the backups they must reach, in the
+/// order given (each backup's list keeps the writes' order).
+pub fn by_backup(own: &Ownership, writes: &[(usize, Bytes)]) -> Vec<(Peer, Vec<Bytes>)> {
+    let mut out: Vec<(Peer, Vec<Bytes>)> = Vec::new();
+    for (_, key) in writes {
+        let p = partition_of(key, own.partitions());
+        for peer in own.backups(p) {
+            match out.iter_mut().find(|(q, _)| *q == peer) {
+                Some((_, keys)) => keys.push(key.clone()),
+                None => out.push((peer, vec![key.clone()])),
+            }
+        }
+    }
+    out
+}
+
+/// Rewrites the response frame `frame` (length prefix included) so that the answers at
+/// `positions` that succeeded become `err`; other answers stay as they were.
+pub fn fail_answers(
+    frame: &[u8],
+    positions: &[usize],
+    err: &ErrorReply,
+) -> Result<BytesMut, RewriteError> {
+    let body = frame.get(4..).ok_or(RewriteError::Short)?;
+    let Frame::Responses(batch) = decode_frame(Bytes::copy_from_slice(body))? else {
+        return Err(RewriteError::NotResponses);
+    };
+    let mut out = BytesMut::with_capacity(frame.len() + positions.len() * 64);
+    let mut enc = ResponseBatchEncoder::begin(&mut out);
+    for (i, r) in batch.responses.iter().enumerate() {
+        match &r.result {
+            Ok(_) if positions.contains(&i) => enc.push_err(r.id, err)?,
+            Ok(reply) => enc.push_ok(r.id, reply)?,
+            Err(e) => enc.push_err(r.id, e)?,
+        }
+    }
+    enc.finish()?;
+    Ok(out)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RewriteError {
+    #[error("frame shorter than its length prefix")]
+    Short,
+    #[error("not a RESPONSES frame")]
+    NotResponses,
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    #[error(transparent)]
+    Encode(#[from] EncodeError),
+}
+
+/// One client batch's keys for one backup, and who waits for them.
+struct Job {
+    epoch: u64,
+    keys: Vec<Bytes>,
+    done: oneshot::Sender<Result<(), String>>,
+}
+
+/// The links from this server to its backups, made on first use.
+pub struct Replicator {
+    state: Arc<ServerState>,
+    token: Option<Vec<u8>>,
+    timeout: Duration,
+    links: parking_lot::Mutex<HashMap<Peer, mpsc::Sender<Job>>>,
+    ack_early: bool,
+}
+
+impl Replicator {
+    pub fn new(state: Arc<ServerState>, token: Option<Vec<u8>>, timeout: Duration) -> Self {
+        Replicator {
+            state,
+            token,
+            timeout,
+            links: parking_lot::Mutex::new(HashMap::new()),
+            ack_early: false,
+        }
+    }
+
+    /// The deliberately broken mode of `ServerConfig::unsafe_ack_before_replication`.
+    pub fn ack_before_replication(mut self, yes: bool) -> Self {
+        self.ack_early = yes;
+        self
+    }
+
+    pub fn acks_before_replication(&self) -> bool {
+        self.ack_early
+    }
+
+    fn link(&self, peer: Peer) -> Result<mpsc::Sender<Job>, ReplicateError> {
+        let mut links = self.links.lock();
+        if let Some(tx) = links.get(&peer) {
+            if !tx.is_closed() {
+                return Ok(tx.clone());
+            }
+        }
+        links.retain(|_, tx| !tx.is_closed());
+        if links.len() >= LINKS_MAX {
+            return Err(ReplicateError::TooManyLinks);
+        }
+        let (tx, rx) = mpsc::channel(LINK_JOBS_QUEUED_MAX);
+        let link = Link {
+            peer,
+            state: Arc::clone(&self.state),
+            token: self.token.clone(),
+            timeout: self.timeout,
+            conn: None,
+            retry_at: None,
+        };
+        tokio::spawn(link.run(rx));
+        links.insert(peer, tx.clone());
+        Ok(tx)
+    }
+
+    /// Copies the keys `writes` names to every backup of their partitions (per `own`),
+    /// returning once all have applied them, or the first failure. Bounded by the
+    /// replication timeout.
+    pub async fn replicate(
+        &self,
+        own: &Ownership,
+        writes: &[(usize, Bytes)],
+    ) -> Result<(), ReplicateError> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let mut waits = Vec::new();
+        for (peer, keys) in by_backup(own, writes) {
+            let (done, answer) = oneshot::channel();
+            let job = Job {
+                epoch: own.epoch(),
+                keys,
+                done,
+            };
+            let tx = self.link(peer)?;
+            let timed_out = || ReplicateError::TimedOut {
+                node: peer.id,
+                addr: peer.addr,
+                timeout: self.timeout,
+            };
+            match tokio::time::timeout_at(deadline, tx.send(job)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => {
+                    return Err(ReplicateError::Failed {
+                        node: peer.id,
+                        addr: peer.addr,
+                        reason: "its link has stopped".into(),
+                    })
+                }
+                Err(_) => return Err(timed_out()),
+            }
+            waits.push((peer, answer));
+        }
+        for (peer, answer) in waits {
+            let failed = |reason: String| ReplicateError::Failed {
+                node: peer.id,
+                addr: peer.addr,
+                reason,
+            };
+            match tokio::time::timeout_at(deadline, answer).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(reason))) => return Err(failed(reason)),
+                Ok(Err(_)) => return Err(failed("its link has stopped".into())),
+                Err(_) => {
+                    return Err(ReplicateError::TimedOut {
+                        node: peer.id,
+                        addr: peer.addr,
+                        timeout: self.timeout,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One backup's connection and the task that feeds it, round by round: take what is
+/// queued, read each key's state, send, wait for every answer, tell the writers.
+struct Link {
+    peer: Peer,
+    state: Arc<ServerState>,
+    token: Option<Vec<u8>>,
+    timeout: Duration,
+    conn: Option<(TcpStream, BytesMut)>,
+    retry_at: Option<Instant>,
+}
+
+impl Link {
+    async fn run(mut self, mut rx: mpsc::Receiver<Job>) {
+        // A job of another epoch than the round's waits here for the next round.
+        let mut held: VecDeque<Job> = VecDeque::new();
+        loop {
+            let first = match held.pop_front() {
+                Some(j) => j,
+                None => match rx.recv().await {
+                    Some(j) => j,
+                    None => return, // the replicator is gone
+                },
+            };
+            let epoch = first.epoch;
+            let mut ops = first.keys.len();
+            let mut round = vec![first];
+            while ops < LINK_ROUND_OPS_MAX {
+                let next = match held.pop_front() {
+                    Some(j) => j,
+                    None => match rx.try_recv() {
+                        Ok(j) => j,
+                        Err(_) => break,
+                    },
+                };
+                if next.epoch != epoch {
+                    held.push_front(next);
+                    break;
+                }
+                ops += next.keys.len();
+                round.push(next);
+            }
+            let results = self.send_round(epoch, &round).await;
+            for (job, result) in round.into_iter().zip(results) {
+                let _ = job.done.send(result);
+            }
+        }
+    }
+
+    /// One result per job. Retries once on a fresh connection when a reused one turns
+    /// out to be broken (the backup may have closed it while idle).
+    async fn send_round(&mut self, epoch: u64, round: &[Job]) -> Vec<Result<(), String>> {
+        let all = |e: String| vec![Err(e); round.len()];
+        let (frames, job_of) = match self.encode_round(epoch, round) {
+            Ok(f) => f,
+            Err(e) => return all(format!("cannot encode copies: {e}")),
+        };
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        for attempt in 0..2 {
+            let reused = self.conn.is_some();
+            if !reused {
+                if let Some(at) = self.retry_at {
+                    if Instant::now() < at {
+                        return all("unreachable (retrying shortly)".into());
+                    }
+                }
+                match tokio::time::timeout_at(deadline, self.connect()).await {
+                    Ok(Ok(c)) => {
+                        self.conn = Some(c);
+                        self.retry_at = None;
+                    }
+                    Ok(Err(e)) => {
+                        self.retry_at = Some(Instant::now() + RECONNECT_BACKOFF);
+                        return all(format!("cannot connect: {e}"));
+                    }
+                    Err(_) => {
+                        self.retry_at = Some(Instant::now() + RECONNECT_BACKOFF);
+                        return all(format!("no connection within {:?}", self.timeout));
+                    }
+                }
+            }
+            match tokio::time::timeout_at(deadline, self.exchange(&frames, &job_of, round)).await {
+                Ok(Ok(results)) => return results,
+                Ok(Err(e)) => {
+                    self.conn = None;
+                    if reused && attempt == 0 {
+                        debug!(peer = %self.peer.addr, error = %e, "replication link broken; reconnecting");
+                        continue;
+                    }
+                    warn!(peer = %self.peer.addr, error = %e, "replication link failed");
+                    return all(e.to_string());
+                }
+                Err(_) => {
+                    // Answers may still come; a fresh connection must not be read as them.
+                    self.conn = None;
+                    return all(format!("no answer within {:?}", self.timeout));
+                }
+            }
+        }
+        all("replication link broken twice".into())
+    }
+
+    /// The round's copies, in frames of at most `BATCH_OPS_MAX` ops and about
+    /// `FRAME_BYTES_TARGET` bytes; each copy is the key's state as of now. Also, for each
+    /// copy, the index of its job.
+    #[allow(clippy::type_complexity)]
+    fn encode_round(
+        &self,
+        epoch: u64,
+        round: &[Job],
+    ) -> Result<(Vec<(BytesMut, usize)>, Vec<usize>), EncodeError> {
+        let objects = self.state.objects();
+        let now = Instant::now();
+        let mut ops = Vec::new();
+        let mut job_of = Vec::new();
+        let keyed = round
+            .iter()
+            .enumerate()
+            .flat_map(|(j, job)| job.keys.iter().map(move |k| (j, k)));
+        for (job, key) in keyed {
+            let state = objects.read(key, now, |e| match e {
+                Some(Entry {
+                    version,
+                    value: Value::Str(v),
+                    ..
+                }) => Some(Some((*version, v.clone()))),
+                // Another type (made on the Redis port, which is not replicated).
+                Some(_) => None,
+                None => Some(None),
+            });
+            ops.push(match state {
+                None => continue,
+                Some(Some((version, value))) => Op::Apply {
+                    key: key.clone(),
+                    version,
+                    value: Some(value),
+                },
+                Some(None) => Op::Apply {
+                    key: key.clone(),
+                    version: objects.next_version(),
+                    value: None,
+                },
+            });
+            job_of.push(job);
+        }
+        let mut frames = Vec::new();
+        let mut rest = &ops[..];
+        let mut id = 0u64;
+        while !rest.is_empty() {
+            let mut buf = BytesMut::new();
+            let mut enc = RequestBatchEncoder::begin(&mut buf, epoch);
+            while let Some(op) = rest.first() {
+                if enc.count() > 0
+                    && (enc.count() >= BATCH_OPS_MAX
+                        || enc.frame_len() + op.encoded_len() > FRAME_BYTES_TARGET)
+                {
+                    break;
+                }
+                enc.push(id, op)?;
+                id += 1;
+                rest = &rest[1..];
+            }
+            let n = enc.count();
+            enc.finish()?;
+            frames.push((buf, n));
+        }
+        Ok((frames, job_of))
+    }
+
+    async fn connect(&self) -> std::io::Result<(TcpStream, BytesMut)> {
+        let mut stream = TcpStream::connect(self.peer.addr).await?;
+        stream.set_nodelay(true)?;
+        let mut out = BytesMut::new();
+        let hello = Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            token: Bytes::from(self.token.clone().unwrap_or_default()),
+            principal: LINK_PRINCIPAL.to_owned(),
+        });
+        encode_frame(&hello, &mut out).map_err(invalid)?;
+        stream.write_all(&out).await?;
+        let mut inbuf = BytesMut::with_capacity(READ_CHUNK_BYTES);
+        match read_frame(&mut stream, &mut inbuf).await? {
+            Frame::HelloOk(_) => Ok((stream, inbuf)),
+            Frame::Fatal(e) => Err(invalid(format!("refused: {} {}", e.code, e.message))),
+            _ => Err(invalid("expected HELLO_OK")),
+        }
+    }
+
+    /// Writes every frame, then reads one answer frame per frame; a job fails if any of
+    /// its copies was refused. `job_of[i]`: the job the i-th copy sent belongs to.
+    async fn exchange(
+        &mut self,
+        frames: &[(BytesMut, usize)],
+        job_of: &[usize],
+        round: &[Job],
+    ) -> std::io::Result<Vec<Result<(), String>>> {
+        let Some((stream, inbuf)) = self.conn.as_mut() else {
+            return Err(invalid("not connected"));
+        };
+        for (f, _) in frames {
+            stream.write_all(f).await?;
+        }
+        let mut refused: Vec<Option<String>> = Vec::new();
+        for (_, count) in frames {
+            let Frame::Responses(batch) = read_frame(stream, inbuf).await? else {
+                return Err(invalid("expected a RESPONSES frame"));
+            };
+            if batch.responses.len() != *count {
+                return Err(invalid("answer count differs from the copies sent"));
+            }
+            for r in batch.responses {
+                refused.push(match r.result {
+                    Ok(Reply::Version(_)) => None,
+                    Ok(other) => Some(format!("unexpected answer {other:?}")),
+                    Err(e) => Some(format!("{} {}", e.code, e.message)),
+                });
+            }
+        }
+        let mut results = vec![Ok(()); round.len()];
+        for (job, refusal) in job_of.iter().zip(refused) {
+            if let (Some(e), Some(slot)) = (refusal, results.get_mut(*job)) {
+                *slot = Err(e);
+            }
+        }
+        Ok(results)
+    }
+}
+
+fn invalid(e: impl ToString) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
+}
+
+async fn read_frame(stream: &mut TcpStream, inbuf: &mut BytesMut) -> std::io::Result<Frame> {
+    loop {
+        if let Some(body) = FrameDecoder::split_frame(inbuf).map_err(invalid)? {
+            return decode_frame(body).map_err(invalid);
+        }
+        if inbuf.capacity() - inbuf.len() < READ_CHUNK_BYTES / 4 {
+            inbuf.reserve(READ_CHUNK_BYTES);
+        }
+        if stream.read_buf(inbuf).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use camelot_proto::{Response, ResponseBatch};
+    use std::net::SocketAddr;
+
+    fn peer(id: u32) -> Peer {
+        Peer {
+            id,
+            addr: SocketAddr::from(([127, 0, 0, 1], 7000 + id as u16)),
+        }
+    }
+
+    #[test]
+    fn writes_are_grouped_by_backup_in_order() {
+        // Two partitions: 0 backed up on 1 and 2, 1 on 2 only.
+        let own = Ownership::new(3, vec![true, true])
+            .unwrap()
+            .with_replicas(vec![vec![peer(1), peer(2)], vec![peer(2)]], vec![false; 2])
+            .unwrap();
+        let key_in = |p: u32, n: usize| {
+            (0..)
+                .map(|i| Bytes::from(format!("k{i}")))
+                .filter(|k| partition_of(k, 2) == p)
+                .nth(n)
+                .unwrap()
+        };
+        let (a, b, c) = (key_in(0, 0), key_in(1, 0), key_in(0, 1));
+        let writes = vec![(0, a.clone()), (1, b.clone()), (2, c.clone())];
+        let groups = by_backup(&own, &writes);
+        assert_eq!(
+            groups,
+            vec![
+                (peer(1), vec![a.clone(), c.clone()]),
+                (peer(2), vec![a, b, c]),
+            ]
+        );
+        let lone = Ownership::new(3, vec![true, true]).unwrap();
+        assert!(by_backup(&lone, &writes).is_empty());
+    }
+
+    #[test]
+    fn failed_answers_are_rewritten_and_the_rest_kept() {
+        let responses = vec![
+            Response {
+                id: 10,
+                result: Ok(Reply::Version(4)),
+            },
+            Response {
+                id: 11,
+                result: Ok(Reply::Object {
+                    version: 2,
+                    value: Bytes::from_static(b"v"),
+                }),
+            },
+            Response {
+                id: 12,
+                result: Err(ErrorReply::new(ErrorCode::NoSuchKey, "gone")),
+            },
+            Response {
+                id: 13,
+                result: Ok(Reply::Version(5)),
+            },
+        ];
+        let mut frame = BytesMut::new();
+        encode_frame(
+            &Frame::Responses(ResponseBatch {
+                responses: responses.clone(),
+            }),
+            &mut frame,
+        )
+        .unwrap();
+        let err = ErrorReply::new(ErrorCode::ReplicaUnavailable, "no backup");
+        // Position 2 already failed: it keeps its own error.
+        let out = fail_answers(&frame, &[0, 2], &err).unwrap();
+        let Frame::Responses(got) = decode_frame(out.freeze().slice(4..)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(got.responses[0].result, Err(err));
+        assert_eq!(got.responses[1..], responses[1..]);
+        assert!(matches!(
+            fail_answers(b"\x01", &[0], &ErrorReply::new(ErrorCode::Internal, "x")),
+            Err(RewriteError::Short)
+        ));
+    }
+}
