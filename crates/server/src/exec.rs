@@ -69,11 +69,10 @@ pub fn exec(
 ) -> Result<(), EncodeError> {
     // One snapshot per batch: the ownership carries its own epoch, so a map installed
     // mid-batch cannot pair one epoch with another map's partitions.
-    let ownership = if batch.epoch == 0 {
-        None
-    } else {
-        state.ownership()
-    };
+    // Held to the end of the batch (see `ServerState::ownership_held`): a new ownership
+    // is installed only between batches, so a fence is complete when its epoch shows.
+    let held = (batch.epoch != 0).then(|| state.ownership_held());
+    let ownership = held.as_ref().and_then(|h| (**h).clone());
     let epoch = ownership
         .as_ref()
         .map_or_else(|| state.epoch(), |o| o.epoch());
