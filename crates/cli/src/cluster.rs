@@ -173,6 +173,9 @@ pub struct MoverArgs {
     /// be killed.
     #[arg(long, hide = true, value_name = "PHASE")]
     hold_at: Option<String>,
+    /// Test hook: how long `--hold-at` holds (milliseconds; default: until killed).
+    #[arg(long, hide = true, value_name = "MS")]
+    hold_ms: Option<u64>,
     /// Test hook, deliberately unsafe: switch without the final copy under the fence
     /// (loses writes; shows the tests' checker can fail).
     #[arg(long, hide = true)]
@@ -278,6 +281,9 @@ fn mover(a: &MoverArgs) -> Result<camelot_cluster::mover::Mover> {
     )
     .with_context(|| format!("cannot reach etcd at {}", a.etcd))?;
     m.hold_at = a.hold_at.clone();
+    if let Some(ms) = a.hold_ms {
+        m.hold_for = Duration::from_millis(ms);
+    }
     m.defects.no_final_copy = a.unsafe_no_final_copy;
     Ok(m)
 }

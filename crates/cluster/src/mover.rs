@@ -44,6 +44,8 @@ pub enum MoverError {
     NoMap,
     #[error("gave up after {0} lost races for the map or the move record")]
     Contended(u32),
+    #[error("the final pass overran the fence limit")]
+    FenceOverrun,
     #[error("cannot start a runtime for etcd: {0}")]
     Runtime(std::io::Error),
 }
@@ -82,6 +84,8 @@ pub struct Mover {
     /// Phase names (`copied`, `fenced`, `final-copied`, `switched`) at which to stop and
     /// wait (to be killed by a test).
     pub hold_at: Option<String>,
+    /// How long a hold lasts (at most [`HOLD_MAX`]).
+    pub hold_for: Duration,
     pub defects: Defects,
 }
 
@@ -143,12 +147,17 @@ fn scan_moving(
     client: &Client,
     node: NodeId,
     mask: &[bool],
+    deadline: Option<Instant>,
     mut each: impl FnMut(Vec<Item>) -> Result<(), MoverError>,
 ) -> Result<u64, MoverError> {
     let partitions = mask.len() as u32;
     let mut start = Bytes::new();
     let mut scanned = 0u64;
     loop {
+        // Checked per page, so a fence overruns its limit by one page at most.
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(MoverError::FenceOverrun);
+        }
         let items = reply::items(client.call(
             node,
             Op::Scan {
@@ -199,6 +208,7 @@ fn copy_pass(
     mask: &[bool],
     log: &mut CopyLog,
     mut source_keys: Option<&mut BTreeSet<Vec<u8>>>,
+    deadline: Option<Instant>,
 ) -> Result<Pass, MoverError> {
     let mut pass = Pass {
         keys: 0,
@@ -206,7 +216,7 @@ fn copy_pass(
         scanned: 0,
     };
     let mut in_flight: Vec<Pending> = Vec::new();
-    pass.scanned = scan_moving(client, rec.from, mask, |items| {
+    pass.scanned = scan_moving(client, rec.from, mask, deadline, |items| {
         let mut ops = Vec::new();
         for item in items {
             if let Some(keys) = source_keys.as_deref_mut() {
@@ -244,9 +254,10 @@ fn delete_moving(
     node: NodeId,
     mask: &[bool],
     keep: Option<&BTreeSet<Vec<u8>>>,
+    deadline: Option<Instant>,
 ) -> Result<u64, MoverError> {
     let mut present = Vec::new();
-    scan_moving(client, node, mask, |items| {
+    scan_moving(client, node, mask, deadline, |items| {
         present.extend(items.into_iter().map(|i| KeyVersion {
             key: i.key.to_vec(),
             version: i.version,
@@ -291,6 +302,7 @@ impl Mover {
             etcd,
             progress,
             hold_at: None,
+            hold_for: HOLD_MAX,
             defects: Defects::default(),
         })
     }
@@ -306,7 +318,7 @@ impl Mover {
     fn hold(&mut self, phase: &str) {
         if self.hold_at.as_deref() == Some(phase) {
             self.say(format!("holding at {phase}"));
-            std::thread::sleep(HOLD_MAX);
+            std::thread::sleep(self.hold_for.min(HOLD_MAX));
         }
     }
 
@@ -427,7 +439,7 @@ impl Mover {
                     let client = raw_client(&map.map, &[rec.from, rec.to])?;
                     let start = Instant::now();
                     for pass_no in 1..=CATCHUP_PASSES_MAX {
-                        let pass = copy_pass(&client, &rec, &mask, &mut log, None)?;
+                        let pass = copy_pass(&client, &rec, &mask, &mut log, None, None)?;
                         report.keys_copied += pass.keys;
                         report.bytes_copied += pass.bytes;
                         report.bytes_scanned += pass.scanned;
@@ -460,17 +472,38 @@ impl Mover {
                     let mut done = wait_epoch(&client, rec.from, fence_epoch, deadline)?;
                     if done && !self.defects.no_final_copy {
                         let mut source_keys = BTreeSet::new();
-                        let pass =
-                            copy_pass(&client, &rec, &mask, &mut log, Some(&mut source_keys))?;
-                        report.keys_copied += pass.keys;
-                        report.bytes_copied += pass.bytes;
-                        report.bytes_scanned += pass.scanned;
-                        let deleted = delete_moving(&client, rec.to, &mask, Some(&source_keys))?;
-                        self.say(format!(
-                            "final pass: {} key(s) copied, {deleted} deleted on the target",
-                            pass.keys
-                        ));
-                        done = Instant::now() < deadline;
+                        let last = copy_pass(
+                            &client,
+                            &rec,
+                            &mask,
+                            &mut log,
+                            Some(&mut source_keys),
+                            Some(deadline),
+                        )
+                        .and_then(|pass| {
+                            let deleted = delete_moving(
+                                &client,
+                                rec.to,
+                                &mask,
+                                Some(&source_keys),
+                                Some(deadline),
+                            )?;
+                            Ok((pass, deleted))
+                        });
+                        match last {
+                            Ok((pass, deleted)) => {
+                                report.keys_copied += pass.keys;
+                                report.bytes_copied += pass.bytes;
+                                report.bytes_scanned += pass.scanned;
+                                self.say(format!(
+                                    "final pass: {} key(s) copied, {deleted} deleted on the target",
+                                    pass.keys
+                                ));
+                                done = Instant::now() < deadline;
+                            }
+                            Err(MoverError::FenceOverrun) => done = false,
+                            Err(e) => return Err(e),
+                        }
                     }
                     self.hold("final-copied");
                     let (next, next_rec, what) = if done {
@@ -507,7 +540,8 @@ impl Mover {
                         Ok(client) => {
                             let deadline = Instant::now() + CLEANUP_WAIT_MAX;
                             if wait_epoch(&client, node, after_epoch, deadline)? {
-                                report.keys_deleted = delete_moving(&client, node, &mask, None)?;
+                                report.keys_deleted =
+                                    delete_moving(&client, node, &mask, None, None)?;
                                 self.say(format!(
                                     "cleanup: {} key(s) deleted on node {node}",
                                     report.keys_deleted
