@@ -136,7 +136,9 @@ impl Cluster {
     fn client(&self) -> Client {
         let client =
             Client::connect(ClientMap::from_addrs(&self.addrs), ClientConfig::default()).unwrap();
-        client.set_map_source(EtcdMapSource::connect(&[self.endpoint.clone()], PREFIX).unwrap());
+        client.set_map_source(
+            EtcdMapSource::connect(std::slice::from_ref(&self.endpoint), PREFIX).unwrap(),
+        );
         assert!(client.refresh_map().unwrap());
         client
     }
@@ -223,12 +225,15 @@ fn lines_of(child: &mut Child) -> mpsc::Receiver<String> {
 /// (no other writer touches the key), so an older value is a violation.
 struct Load {
     stop: Arc<AtomicBool>,
-    acked: Arc<Mutex<BTreeMap<Vec<u8>, Option<Vec<u8>>>>>,
+    acked: Arc<Mutex<Acked>>,
     acked_count: Arc<AtomicU64>,
     failed: Arc<AtomicU64>,
     stale_reads: Arc<Mutex<Vec<String>>>,
     threads: Vec<JoinHandle<()>>,
 }
+
+/// Each key's last acknowledged value (`None`: deleted).
+type Acked = BTreeMap<Vec<u8>, Option<Vec<u8>>>;
 
 fn key(w: usize, i: usize) -> Vec<u8> {
     format!("w{w}-{i:05}").into_bytes()
@@ -258,7 +263,7 @@ impl Load {
                             round += 1;
                             for i in 0..KEYS_PER_WRITER {
                                 let k = key(w, i);
-                                let delete = (round + i as u64) % 11 == 0;
+                                let delete = (round + i as u64).is_multiple_of(11);
                                 let value = if delete {
                                     None
                                 } else {
