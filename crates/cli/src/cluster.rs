@@ -86,7 +86,8 @@ pub fn ownership_of(
         });
         backup_of.push(!primary && replicas.contains(&id));
     }
-    Ownership::new(map.epoch, map.primaries_of(id))?.with_replicas(backups, backup_of)
+    // A fenced partition (a move's fence) is served by nobody until the switch.
+    Ownership::new(map.epoch, map.serving_primaries_of(id))?.with_replicas(backups, backup_of)
 }
 
 /// Why this build cannot reach etcd, and how to get one that can.
@@ -172,6 +173,57 @@ pub enum ClusterCommand {
     /// Print the plan that would rebalance the map over the live nodes (weights from
     /// their registrations); changes nothing.
     Plan(SourceArgs),
+    /// Move partitions (all with one primary) to another node while they serve: copy,
+    /// catch up, fence writes briefly (bounded, measured), final copy, switch the map to
+    /// the new owner at a new epoch, delete the old owner's copies. A move already in
+    /// progress (a mover was killed) is finished first; `--rollback` undoes it instead.
+    /// Every phase is recorded in etcd with the map change it makes, so a killed move is
+    /// resumed or rolled back, never half-applied.
+    Move(MoveArgs),
+    /// Add the live nodes missing from the map, then run `cluster plan`'s plan: one move
+    /// per (old primary, new primary) pair, in turn, with progress.
+    Rebalance(RebalanceArgs),
+}
+
+#[derive(Args)]
+pub struct MoveArgs {
+    /// Partitions to move (their primary must be the same node).
+    #[arg(value_name = "PART", required_unless_present = "rollback")]
+    partitions: Vec<u32>,
+    /// The node to move them to.
+    #[arg(long, value_name = "NODE", required_unless_present = "rollback")]
+    to: Option<u32>,
+    /// Undo the move in progress (found in etcd) instead of finishing it; no new move.
+    #[arg(long, conflicts_with_all = ["partitions", "to"])]
+    rollback: bool,
+    #[command(flatten)]
+    mover: MoverArgs,
+}
+
+#[derive(Args)]
+pub struct RebalanceArgs {
+    #[command(flatten)]
+    mover: MoverArgs,
+}
+
+#[derive(Args)]
+pub struct MoverArgs {
+    /// etcd endpoint of the cluster.
+    #[arg(long, value_name = "URL")]
+    etcd: String,
+    #[arg(long, default_value = PREFIX_DEFAULT)]
+    etcd_prefix: String,
+    /// Test hook: stop at this phase (copied, fenced, final-copied, switched) and wait to
+    /// be killed.
+    #[arg(long, hide = true, value_name = "PHASE")]
+    hold_at: Option<String>,
+    /// Test hook: how long `--hold-at` holds (milliseconds; default: until killed).
+    #[arg(long, hide = true, value_name = "MS")]
+    hold_ms: Option<u64>,
+    /// Test hook, deliberately unsafe: switch without the final copy under the fence
+    /// (loses writes; shows the tests' checker can fail).
+    #[arg(long, hide = true)]
+    unsafe_no_final_copy: bool,
 }
 
 #[derive(Args)]
@@ -235,7 +287,155 @@ pub fn run(cmd: ClusterCommand) -> Result<()> {
         ClusterCommand::Up(a) => rt.block_on(up(a)),
         ClusterCommand::Status(a) => rt.block_on(status(a)),
         ClusterCommand::Plan(a) => rt.block_on(plan(a)),
+        // The mover blocks (its own small runtime for etcd): run off this runtime.
+        ClusterCommand::Move(a) => {
+            drop(rt);
+            move_partitions(a)
+        }
+        ClusterCommand::Rebalance(a) => {
+            drop(rt);
+            rebalance(a)
+        }
     }
+}
+
+#[cfg(not(feature = "etcd"))]
+fn move_partitions(_a: MoveArgs) -> Result<()> {
+    bail!("cluster move: {NO_ETCD}")
+}
+
+#[cfg(not(feature = "etcd"))]
+fn rebalance(_a: RebalanceArgs) -> Result<()> {
+    bail!("cluster rebalance: {NO_ETCD}")
+}
+
+#[cfg(feature = "etcd")]
+fn mover(a: &MoverArgs) -> Result<camelot_cluster::mover::Mover> {
+    use std::io::Write;
+    let start = std::time::Instant::now();
+    let progress = Box::new(move |line: &str| {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "[{:8.3} s] {line}", start.elapsed().as_secs_f64());
+        let _ = out.flush();
+    });
+    let mut m = camelot_cluster::mover::Mover::connect(
+        std::slice::from_ref(&a.etcd),
+        &a.etcd_prefix,
+        progress,
+    )
+    .with_context(|| format!("cannot reach etcd at {}", a.etcd))?;
+    m.hold_at = a.hold_at.clone();
+    if let Some(ms) = a.hold_ms {
+        m.hold_for = Duration::from_millis(ms);
+    }
+    m.defects.no_final_copy = a.unsafe_no_final_copy;
+    Ok(m)
+}
+
+#[cfg(feature = "etcd")]
+fn print_report(r: &camelot_cluster::mover::MoveReport) {
+    let mb_s = if r.copy_secs > 0.0 {
+        r.bytes_copied as f64 / r.copy_secs / 1e6
+    } else {
+        0.0
+    };
+    println!(
+        "{} {} partition(s) node {} → {}: {} key(s) / {} value bytes copied ({} scanned) in {:.3} s ({mb_s:.1} MB/s), fence {}, {} key(s) cleaned up",
+        if r.switched { "moved" } else { "rolled back" },
+        r.partitions,
+        r.from,
+        r.to,
+        r.keys_copied,
+        r.bytes_copied,
+        r.bytes_scanned,
+        r.copy_secs,
+        r.fence_ms.map_or("none".to_string(), |f| format!("{f:.1} ms")),
+        r.keys_deleted
+    );
+}
+
+#[cfg(feature = "etcd")]
+fn move_partitions(a: MoveArgs) -> Result<()> {
+    let mut m = mover(&a.mover)?;
+    if a.rollback {
+        match m.resume(true)? {
+            Some(r) => print_report(&r),
+            None => println!("no move in progress"),
+        }
+        return Ok(());
+    }
+    let Some(to) = a.to else {
+        bail!("--to NODE is required");
+    };
+    let report = m.run(&a.partitions, to)?;
+    print_report(&report);
+    Ok(())
+}
+
+#[cfg(feature = "etcd")]
+fn rebalance(a: RebalanceArgs) -> Result<()> {
+    use std::collections::BTreeMap;
+    let mut m = mover(&a.mover)?;
+    if let Some(r) = m.resume(false)? {
+        print_report(&r);
+    }
+    let live = m.live_nodes()?;
+    let map = m.read_map()?.map;
+    let missing: Vec<Node> = live
+        .iter()
+        .filter(|n| map.node(n.id).is_none())
+        .cloned()
+        .collect();
+    if !missing.is_empty() {
+        let joined = m.update_map(|current| {
+            let mut next = current
+                .cloned()
+                .ok_or_else(|| camelot_cluster::etcd::EtcdError::BadMove("no map".into()))?;
+            for n in &missing {
+                if next.node(n.id).is_none() {
+                    next.nodes.push(n.clone());
+                }
+            }
+            Ok(next)
+        })?;
+        println!(
+            "epoch {}: node(s) {:?} joined the map",
+            joined.map.epoch,
+            missing.iter().map(|n| n.id).collect::<Vec<_>>()
+        );
+    }
+    let map = m.read_map()?.map;
+    if map.replication != 1 {
+        bail!(
+            "rebalance moves primaries only (replication 1); this map has {}",
+            map.replication
+        );
+    }
+    let plan = camelot_cluster::plan(&map)?;
+    // One move per (from, to) pair: each move scans its source once per pass, whatever
+    // share of the source's keys it takes.
+    let mut groups: BTreeMap<(u32, u32), Vec<u32>> = BTreeMap::new();
+    for mv in &plan.moves {
+        let Some(from) = mv.from.or_else(|| map.primary(mv.partition)) else {
+            continue;
+        };
+        groups.entry((from, mv.to)).or_default().push(mv.partition);
+    }
+    let total: usize = groups.values().map(Vec::len).sum();
+    println!(
+        "plan: {total} partition(s) to move in {} move(s)",
+        groups.len()
+    );
+    let mut done = 0;
+    for ((from, to), parts) in groups {
+        for chunk in parts.chunks(camelot_cluster::moves::MOVE_PARTITIONS_MAX) {
+            let r = m.run(chunk, to)?;
+            done += chunk.len();
+            print_report(&r);
+            println!("progress: {done}/{total} partition(s) moved ({from} → {to})");
+        }
+    }
+    Ok(())
 }
 
 #[cfg(not(feature = "etcd"))]
@@ -406,6 +606,34 @@ async fn status(a: SourceArgs) -> Result<()> {
         if map.node(n.id).is_none() {
             println!("  node {} {}: live, not in the map", n.id, n.addr);
         }
+    }
+    if !map.fenced.is_empty() {
+        println!("fenced (no node serves them): {:?}", map.fenced);
+    }
+    if let Some(endpoint) = &a.etcd {
+        print_move(endpoint, &a.etcd_prefix).await?;
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "etcd"))]
+async fn print_move(_endpoint: &str, _prefix: &str) -> Result<()> {
+    Ok(())
+}
+
+#[cfg(feature = "etcd")]
+async fn print_move(endpoint: &str, prefix: &str) -> Result<()> {
+    let etcd = EtcdCluster::connect(&[endpoint.to_owned()], prefix).await?;
+    match etcd.read_move().await? {
+        None => println!("moves in progress: none"),
+        Some(v) => println!(
+            "move in progress: {} partition(s) {:?} node {} → {}, phase {}",
+            v.record.partitions.len(),
+            v.record.partitions,
+            v.record.from,
+            v.record.to,
+            v.record.phase.name()
+        ),
     }
     Ok(())
 }

@@ -50,6 +50,8 @@ pub enum MapError {
     UnknownNode { partition: u32, node: NodeId },
     #[error("partition {partition} names node {node} twice")]
     DuplicateReplica { partition: u32, node: NodeId },
+    #[error("fenced partition {0} is out of range or out of order")]
+    Fenced(u32),
     #[error("cannot plan: {0}")]
     Plan(PlanError),
 }

@@ -57,9 +57,21 @@ pub enum EtcdError {
     BadTtl(Duration),
     #[error("the watch ended: {0}")]
     WatchEnded(String),
+    #[error("the move record in etcd is not valid: {0}")]
+    BadMove(String),
     #[error("gave up after {0} lost races for the map")]
     Contended(u32),
 }
+
+/// The move record together with the etcd revision it was read at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VersionedMove {
+    pub record: crate::moves::MoveRecord,
+    pub mod_revision: i64,
+}
+
+/// A move record lists at most `MOVE_PARTITIONS_MAX` partition numbers.
+const MOVE_VALUE_BYTES_MAX: usize = 64 * 1024;
 
 /// A map together with the etcd revision it was read at: what a writer must name to
 /// replace it.
@@ -231,6 +243,99 @@ impl EtcdCluster {
             lease_id,
             task,
         })
+    }
+
+    /// Where the move in progress is recorded (at most one per cluster).
+    pub fn move_key(&self) -> String {
+        format!("{}/move", self.prefix)
+    }
+
+    /// The move in progress, if any.
+    pub async fn read_move(&self) -> Result<Option<VersionedMove>, EtcdError> {
+        let mut kv = self.client.kv_client();
+        let resp = bounded("get move", kv.get(self.move_key(), None)).await?;
+        let Some(kv) = resp.kvs().first() else {
+            return Ok(None);
+        };
+        if kv.value().len() > MOVE_VALUE_BYTES_MAX {
+            return Err(EtcdError::TooLarge {
+                what: "move record",
+                value: kv.value().len(),
+                max: MOVE_VALUE_BYTES_MAX,
+            });
+        }
+        let record =
+            serde_json::from_slice(kv.value()).map_err(|e| EtcdError::BadMove(e.to_string()))?;
+        Ok(Some(VersionedMove {
+            record,
+            mod_revision: kv.mod_revision(),
+        }))
+    }
+
+    /// One step of a move: writes `record` (`None`: deletes it) and, when given, `map`,
+    /// in one transaction that holds only if the map is still `current_map` (when given)
+    /// and the record still `current_record` (`None`: there is none). So the map change
+    /// of a phase and the record saying it happened are never apart, and of two movers
+    /// racing from the same record one wins. `Lost` (re-read) otherwise.
+    pub async fn commit_move(
+        &self,
+        current_map: Option<&Versioned>,
+        map: Option<&ClusterMap>,
+        current_record: Option<i64>,
+        record: Option<&crate::moves::MoveRecord>,
+    ) -> Result<Publish, EtcdError> {
+        let mut guards = Vec::new();
+        let mut ops = Vec::new();
+        if let Some(cur) = current_map {
+            guards.push(Compare::mod_revision(
+                self.map_key(),
+                CompareOp::Equal,
+                cur.mod_revision,
+            ));
+        }
+        if let Some(map) = map {
+            map.validate()?;
+            let cur = current_map.ok_or(EtcdError::BadMove(
+                "a map change needs the map it replaces".into(),
+            ))?;
+            if map.epoch <= cur.map.epoch {
+                return Err(EtcdError::EpochNotAdvanced {
+                    current: cur.map.epoch,
+                    new: map.epoch,
+                });
+            }
+            let json = map.to_json();
+            if json.len() > ETCD_VALUE_BYTES_MAX {
+                return Err(EtcdError::TooLarge {
+                    what: "map",
+                    value: json.len(),
+                    max: ETCD_VALUE_BYTES_MAX,
+                });
+            }
+            ops.push(TxnOp::put(self.map_key(), json, None));
+        }
+        let key = self.move_key();
+        guards.push(match current_record {
+            Some(rev) => Compare::mod_revision(key.clone(), CompareOp::Equal, rev),
+            None => Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+        });
+        match record {
+            Some(r) => {
+                let json =
+                    serde_json::to_string(r).map_err(|e| EtcdError::BadMove(e.to_string()))?;
+                ops.push(TxnOp::put(key, json, None));
+            }
+            None => ops.push(TxnOp::delete(key, None)),
+        }
+        let txn = Txn::new().when(guards).and_then(ops);
+        let mut kv = self.client.kv_client();
+        let resp = bounded("move transaction", kv.txn(txn)).await?;
+        if !resp.succeeded() {
+            return Ok(Publish::Lost);
+        }
+        Ok(Publish::Won(
+            resp.header().map(|h| h.revision()).unwrap_or_default(),
+        ))
     }
 
     /// The registered (live) nodes, by id.

@@ -9,6 +9,9 @@ pub mod etcd;
 #[cfg(feature = "etcd")]
 pub mod follow;
 pub mod map;
+#[cfg(feature = "etcd")]
+pub mod mover;
+pub mod moves;
 pub mod plan;
 pub mod source;
 

@@ -50,6 +50,11 @@ pub struct ClusterMap {
     pub replication: u32,
     pub nodes: Vec<Node>,
     pub assignment: Vec<Vec<NodeId>>,
+    /// Partitions under a move's write fence, ascending: no node serves them (their
+    /// primary answers MOVED) until a later epoch switches them to the move's target or
+    /// lifts the fence. Absent in maps written before moves existed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fenced: Vec<u32>,
 }
 
 impl ClusterMap {
@@ -87,6 +92,22 @@ impl ClusterMap {
             .iter()
             .map(|r| r.first() == Some(&node))
             .collect()
+    }
+
+    /// The partitions `node` serves: those it is primary of, less the fenced ones. What a
+    /// member installs as its ownership.
+    pub fn serving_primaries_of(&self, node: NodeId) -> Vec<bool> {
+        let mut owned = self.primaries_of(node);
+        for p in &self.fenced {
+            if let Some(o) = owned.get_mut(*p as usize) {
+                *o = false;
+            }
+        }
+        owned
+    }
+
+    pub fn is_fenced(&self, partition: u32) -> bool {
+        self.fenced.binary_search(&partition).is_ok()
     }
 
     /// Replica slots each node holds (nodes holding none included), by node id.
@@ -135,6 +156,12 @@ impl ClusterMap {
                     });
                 }
             }
+        }
+        if let Some(w) = self.fenced.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(MapError::Fenced(w[1]));
+        }
+        if let Some(p) = self.fenced.iter().find(|p| **p >= self.partitions()) {
+            return Err(MapError::Fenced(*p));
         }
         Ok(())
     }

@@ -30,6 +30,7 @@ impl ClusterMap {
             replication,
             nodes,
             assignment: vec![Vec::new(); partitions as usize],
+            fenced: Vec::new(),
         };
         empty.check_nodes()?;
         let plan = plan(&empty).map_err(MapError::Plan)?;
@@ -418,6 +419,7 @@ mod tests {
             } else {
                 assignment
             },
+            fenced: Vec::new(),
         }
     }
 

@@ -90,10 +90,14 @@ pub fn exec_logged(
 ) -> Result<(), EncodeError> {
     // One snapshot per batch: the ownership carries its own epoch, so a map installed
     // mid-batch cannot pair one epoch with another map's partitions.
-    let snapshot = if batch.epoch == 0 && log.is_none() {
-        None
-    } else {
-        state.ownership()
+    // Held to the end of a routed batch (see `ServerState::ownership_held`): a new
+    // ownership is installed only between batches, so a fence is complete when its
+    // epoch shows.
+    let held = (batch.epoch != 0).then(|| state.ownership_held());
+    let snapshot = match &held {
+        Some(h) => (**h).clone(),
+        None if log.is_some() => state.ownership(),
+        None => None,
     };
     if let Some(log) = log.as_deref_mut() {
         log.writes.clear();

@@ -259,6 +259,16 @@ impl ServerState {
         self.ownership.read().clone()
     }
 
+    /// The ownership, held: [`ServerState::set_ownership`] waits until every guard taken
+    /// before it is dropped. `exec` holds one for a whole batch, so once a new ownership
+    /// is installed (and STATS shows its epoch) no batch routed by the old one is still
+    /// running — what lets a partition move fence the old owner and then copy, knowing
+    /// no acknowledged write can land behind the copy. Never take a second one on the same
+    /// thread while holding one (a waiting writer would deadlock it).
+    pub fn ownership_held(&self) -> parking_lot::RwLockReadGuard<'_, Option<Arc<Ownership>>> {
+        self.ownership.read()
+    }
+
     /// Installs the ownership of a newer map (and its epoch). One of an epoch not above
     /// the current one is ignored (a late or repeated watch event must not roll the
     /// server back); false then.

@@ -1,0 +1,567 @@
+//! The mover: drives [`crate::moves`]' state machine over real servers (SCAN from the
+//! old owner, APPLY into the new one, STATS for the epoch a server has installed) and
+//! etcd (the map and the move record, changed together by transaction). Blocking: it
+//! owns a small runtime for its etcd calls, and the client it copies with is the blocking
+//! one; call it from a plain thread, not from inside a runtime.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use camelot_client::{reply, Client, ClientConfig, ClientError, NodeInfo, Pending};
+use camelot_proto::limits::{KEY_BYTES_MAX, SCAN_ITEMS_MAX};
+use camelot_proto::{Item, Op};
+
+use crate::etcd::{EtcdCluster, EtcdError, Publish, Versioned, VersionedMove};
+use crate::map::{ClusterMap, NodeId};
+use crate::moves::{
+    abort, begin, deletions, fence, resume_step, switch, CopyLog, KeyVersion, MoveError,
+    MoveRecord, Step, CATCHUP_PASSES_MAX, CATCHUP_SETTLED_KEYS, FENCE_MAX,
+};
+
+/// How long a node may take to show an epoch before cleanup on it is given up (the keys
+/// stay; `cluster move` run again retries) — a node that does not install maps is dead
+/// or cut off from etcd.
+pub const CLEANUP_WAIT_MAX: Duration = Duration::from_secs(10);
+/// Between two looks at a node's epoch while waiting for it.
+const EPOCH_POLL: Duration = Duration::from_millis(1);
+/// Lost transactions (another writer changed the map or the record) retried per step.
+const COMMIT_ATTEMPTS_MAX: u32 = 16;
+/// Items asked per SCAN page.
+const SCAN_PAGE_ITEMS: u32 = SCAN_ITEMS_MAX as u32;
+/// A hold point (`--hold-at`, for kill tests) holds at most this long, then goes on.
+const HOLD_MAX: Duration = Duration::from_secs(120);
+
+#[derive(Debug, thiserror::Error)]
+pub enum MoverError {
+    #[error(transparent)]
+    Etcd(#[from] EtcdError),
+    #[error(transparent)]
+    Move(#[from] MoveError),
+    #[error("node {node}: {source}")]
+    Client { node: NodeId, source: ClientError },
+    #[error("there is no cluster map in etcd")]
+    NoMap,
+    #[error("gave up after {0} lost races for the map or the move record")]
+    Contended(u32),
+    #[error("the final pass overran the fence limit")]
+    FenceOverrun,
+    #[error("cannot start a runtime for etcd: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// Deliberate defects, only for showing that the tests' checkers can fail.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Defects {
+    /// Switch without the final pass under the fence.
+    pub no_final_copy: bool,
+}
+
+/// What one move did.
+#[derive(Debug, Clone, Default)]
+pub struct MoveReport {
+    pub partitions: usize,
+    pub from: NodeId,
+    pub to: NodeId,
+    /// Completed (switched) or rolled back.
+    pub switched: bool,
+    /// Keys and value bytes copied (APPLY) to the target over every pass.
+    pub keys_copied: u64,
+    pub bytes_copied: u64,
+    /// Bytes read by the source scans (every key of the source, moving or not).
+    pub bytes_scanned: u64,
+    /// From the first scan to the fence.
+    pub copy_secs: f64,
+    /// From the fence's commit to the switch's (or the rollback's).
+    pub fence_ms: Option<f64>,
+    pub keys_deleted: u64,
+}
+
+pub struct Mover {
+    rt: tokio::runtime::Runtime,
+    etcd: EtcdCluster,
+    progress: Box<dyn FnMut(&str) + Send>,
+    /// Phase names (`copied`, `fenced`, `final-copied`, `switched`) at which to stop and
+    /// wait (to be killed by a test).
+    pub hold_at: Option<String>,
+    /// How long a hold lasts (at most [`HOLD_MAX`]).
+    pub hold_for: Duration,
+    pub defects: Defects,
+}
+
+/// A blocking client over `nodes` at epoch 0: its SCAN, APPLY and STATS are never
+/// redirected, whatever the map's epoch.
+fn raw_client(map: &ClusterMap, nodes: &[NodeId]) -> Result<Client, MoverError> {
+    let infos = nodes
+        .iter()
+        .filter_map(|id| map.node(*id))
+        .map(|n| NodeInfo {
+            id: n.id,
+            addr: n.addr,
+        })
+        .collect();
+    Client::connect(
+        camelot_client::ClusterMap {
+            epoch: 0,
+            nodes: infos,
+        },
+        ClientConfig::default(),
+    )
+    .map_err(|source| MoverError::Client {
+        node: nodes.first().copied().unwrap_or_default(),
+        source,
+    })
+}
+
+fn node_epoch(client: &Client, node: NodeId) -> Result<u64, MoverError> {
+    let stats = client
+        .stats(node)
+        .map_err(|source| MoverError::Client { node, source })?;
+    Ok(stats
+        .into_iter()
+        .find(|(k, _)| k == "epoch")
+        .map_or(0, |(_, v)| v))
+}
+
+/// Waits until `node` shows `epoch` or later; false at `deadline`.
+fn wait_epoch(
+    client: &Client,
+    node: NodeId,
+    epoch: u64,
+    deadline: Instant,
+) -> Result<bool, MoverError> {
+    loop {
+        if node_epoch(client, node)? >= epoch {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(EPOCH_POLL);
+    }
+}
+
+/// The keys of `node` in the partitions of `mask`, page by page: `each` gets every page's
+/// moving items. Returns the bytes scanned in all.
+fn scan_moving(
+    client: &Client,
+    node: NodeId,
+    mask: &[bool],
+    deadline: Option<Instant>,
+    mut each: impl FnMut(Vec<Item>) -> Result<(), MoverError>,
+) -> Result<u64, MoverError> {
+    let partitions = mask.len() as u32;
+    let mut start = Bytes::new();
+    let mut scanned = 0u64;
+    loop {
+        // Checked per page, so a fence overruns its limit by one page at most.
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(MoverError::FenceOverrun);
+        }
+        let items = reply::items(client.call(
+            node,
+            Op::Scan {
+                start: start.clone(),
+                limit: SCAN_PAGE_ITEMS,
+            },
+        ))
+        .map_err(|source| MoverError::Client { node, source })?;
+        let Some(last) = items.last() else {
+            return Ok(scanned);
+        };
+        let mut next = last.key.to_vec();
+        next.push(0);
+        scanned += items
+            .iter()
+            .map(|i| (i.key.len() + i.value.len()) as u64)
+            .sum::<u64>();
+        let moving = items
+            .into_iter()
+            .filter(|i| mask[camelot_proto::partition_of(&i.key, partitions) as usize])
+            .collect();
+        each(moving)?;
+        if next.len() > KEY_BYTES_MAX {
+            return Ok(scanned);
+        }
+        start = Bytes::from(next);
+    }
+}
+
+fn wait_applied(pending: Vec<Pending>, node: NodeId) -> Result<(), MoverError> {
+    for p in pending {
+        reply::version(p.wait()).map_err(|source| MoverError::Client { node, source })?;
+    }
+    Ok(())
+}
+
+struct Pass {
+    keys: u64,
+    bytes: u64,
+    scanned: u64,
+}
+
+/// One pass: every moving key of `from` whose version `log` has not sent is APPLYed to
+/// `to`; the applies of one page are in flight while the next page is scanned.
+fn copy_pass(
+    client: &Client,
+    rec: &MoveRecord,
+    mask: &[bool],
+    log: &mut CopyLog,
+    mut source_keys: Option<&mut BTreeSet<Vec<u8>>>,
+    deadline: Option<Instant>,
+) -> Result<Pass, MoverError> {
+    let mut pass = Pass {
+        keys: 0,
+        bytes: 0,
+        scanned: 0,
+    };
+    let mut in_flight: Vec<Pending> = Vec::new();
+    pass.scanned = scan_moving(client, rec.from, mask, deadline, |items| {
+        let mut ops = Vec::new();
+        for item in items {
+            if let Some(keys) = source_keys.as_deref_mut() {
+                keys.insert(item.key.to_vec());
+            }
+            if log.must_send(&item.key, item.version)? {
+                pass.keys += 1;
+                pass.bytes += item.value.len() as u64;
+                ops.push((
+                    rec.to,
+                    Op::Apply {
+                        key: item.key,
+                        version: item.version,
+                        value: Some(item.value),
+                    },
+                ));
+            }
+        }
+        let sent = client
+            .submit_many(ops)
+            .map_err(|source| MoverError::Client {
+                node: rec.to,
+                source,
+            })?;
+        wait_applied(std::mem::replace(&mut in_flight, sent), rec.to)
+    })?;
+    wait_applied(in_flight, rec.to)?;
+    Ok(pass)
+}
+
+/// Deletes on `node` the moving keys `keep` does not name (all of them when `keep` is
+/// `None`), each by an APPLY one version above the node's. Returns how many.
+fn delete_moving(
+    client: &Client,
+    node: NodeId,
+    mask: &[bool],
+    keep: Option<&BTreeSet<Vec<u8>>>,
+    deadline: Option<Instant>,
+) -> Result<u64, MoverError> {
+    let mut present = Vec::new();
+    scan_moving(client, node, mask, deadline, |items| {
+        present.extend(items.into_iter().map(|i| KeyVersion {
+            key: i.key.to_vec(),
+            version: i.version,
+        }));
+        Ok(())
+    })?;
+    let empty = BTreeSet::new();
+    let gone = deletions(keep.unwrap_or(&empty), &present);
+    let count = gone.len() as u64;
+    for chunk in gone.chunks(SCAN_ITEMS_MAX) {
+        let ops = chunk.iter().map(|d| {
+            (
+                node,
+                Op::Apply {
+                    key: Bytes::copy_from_slice(&d.key),
+                    version: d.version,
+                    value: None,
+                },
+            )
+        });
+        let sent = client
+            .submit_many(ops)
+            .map_err(|source| MoverError::Client { node, source })?;
+        wait_applied(sent, node)?;
+    }
+    Ok(count)
+}
+
+impl Mover {
+    pub fn connect(
+        endpoints: &[String],
+        prefix: &str,
+        progress: Box<dyn FnMut(&str) + Send>,
+    ) -> Result<Mover, MoverError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(MoverError::Runtime)?;
+        let etcd = rt.block_on(EtcdCluster::connect(endpoints, prefix))?;
+        Ok(Mover {
+            rt,
+            etcd,
+            progress,
+            hold_at: None,
+            hold_for: HOLD_MAX,
+            defects: Defects::default(),
+        })
+    }
+
+    pub fn etcd(&self) -> &EtcdCluster {
+        &self.etcd
+    }
+
+    fn say(&mut self, line: String) {
+        (self.progress)(&line);
+    }
+
+    fn hold(&mut self, phase: &str) {
+        if self.hold_at.as_deref() == Some(phase) {
+            self.say(format!("holding at {phase}"));
+            std::thread::sleep(self.hold_for.min(HOLD_MAX));
+        }
+    }
+
+    pub fn read_map(&self) -> Result<Versioned, MoverError> {
+        self.rt
+            .block_on(self.etcd.read_map())?
+            .ok_or(MoverError::NoMap)
+    }
+
+    pub fn read_move(&self) -> Result<Option<VersionedMove>, MoverError> {
+        Ok(self.rt.block_on(self.etcd.read_move())?)
+    }
+
+    pub fn live_nodes(&self) -> Result<Vec<crate::map::Node>, MoverError> {
+        Ok(self.rt.block_on(self.etcd.live_nodes())?)
+    }
+
+    /// Publishes a map change not tied to a move (new nodes joining the map).
+    pub fn update_map(
+        &self,
+        change: impl FnMut(Option<&ClusterMap>) -> Result<ClusterMap, EtcdError>,
+    ) -> Result<Versioned, MoverError> {
+        Ok(self
+            .rt
+            .block_on(self.etcd.update_map(COMMIT_ATTEMPTS_MAX, change))?)
+    }
+
+    /// A transition of the record (and the map with it); `None` when it lost a race.
+    fn commit(
+        &self,
+        map: Option<(&Versioned, Option<&ClusterMap>)>,
+        current: Option<i64>,
+        record: Option<&MoveRecord>,
+    ) -> Result<bool, MoverError> {
+        let (cur, next) = match map {
+            Some((cur, next)) => (Some(cur), next),
+            None => (None, None),
+        };
+        let won = self
+            .rt
+            .block_on(self.etcd.commit_move(cur, next, current, record))?;
+        Ok(matches!(won, Publish::Won(_)))
+    }
+
+    /// Moves `partitions` (all with one primary) to `to`. A move already in progress is
+    /// finished first (or rolled back, if it was fenced when found); then this one runs.
+    pub fn run(&mut self, partitions: &[u32], to: NodeId) -> Result<MoveReport, MoverError> {
+        let mut resumed = None;
+        if self.read_move()?.is_some() {
+            self.say("a move is in progress: finishing it first".into());
+            resumed = Some(self.drive(true, false)?);
+        }
+        for _ in 0..COMMIT_ATTEMPTS_MAX {
+            let map = self.read_map()?;
+            let rec = match begin(&map.map, partitions, to) {
+                // The move found was this one, and it is done.
+                Err(MoveError::AlreadyThere { .. })
+                    if resumed.as_ref().is_some_and(|r| r.switched) =>
+                {
+                    return Ok(resumed.unwrap_or_default());
+                }
+                r => r?,
+            };
+            if self.commit(Some((&map, None)), None, Some(&rec))? {
+                self.say(format!(
+                    "move of {} partition(s) from node {} to node {}: copying",
+                    rec.partitions.len(),
+                    rec.from,
+                    rec.to
+                ));
+                let report = self.drive(false, false)?;
+                if report.switched {
+                    return Ok(report);
+                }
+                // Rolled back (the final pass overran the fence): start over.
+                self.say("the move was rolled back; starting it again".into());
+                continue;
+            }
+        }
+        Err(MoverError::Contended(COMMIT_ATTEMPTS_MAX))
+    }
+
+    /// Finishes the move in progress (`rollback`: undoes it instead). `None` when there
+    /// is none.
+    pub fn resume(&mut self, rollback: bool) -> Result<Option<MoveReport>, MoverError> {
+        if self.read_move()?.is_none() {
+            return Ok(None);
+        }
+        self.drive(true, rollback).map(Some)
+    }
+
+    /// Runs the recorded move through its phases until its record is gone.
+    fn drive(&mut self, mut resuming: bool, rollback: bool) -> Result<MoveReport, MoverError> {
+        let mut report = MoveReport::default();
+        let mut log = CopyLog::default();
+        let mut fence_started: Option<Instant> = None;
+        let mut lost = 0;
+        loop {
+            if lost > COMMIT_ATTEMPTS_MAX {
+                return Err(MoverError::Contended(lost));
+            }
+            let Some(VersionedMove {
+                record: rec,
+                mod_revision: rev,
+            }) = self.read_move()?
+            else {
+                return Ok(report);
+            };
+            report.partitions = rec.partitions.len();
+            report.from = rec.from;
+            report.to = rec.to;
+            let map = self.read_map()?;
+            let mask = rec.mask(map.map.partitions());
+            let step = resume_step(&rec, resuming, rollback);
+            resuming = false;
+            match step {
+                Step::Copy => {
+                    let client = raw_client(&map.map, &[rec.from, rec.to])?;
+                    let start = Instant::now();
+                    for pass_no in 1..=CATCHUP_PASSES_MAX {
+                        let pass = copy_pass(&client, &rec, &mask, &mut log, None, None)?;
+                        report.keys_copied += pass.keys;
+                        report.bytes_copied += pass.bytes;
+                        report.bytes_scanned += pass.scanned;
+                        self.say(format!(
+                            "pass {pass_no}: {} key(s), {} value bytes copied ({} bytes scanned) at {:.3} s",
+                            pass.keys,
+                            pass.bytes,
+                            pass.scanned,
+                            start.elapsed().as_secs_f64()
+                        ));
+                        if pass.keys as usize <= CATCHUP_SETTLED_KEYS {
+                            break;
+                        }
+                    }
+                    report.copy_secs = start.elapsed().as_secs_f64();
+                    self.hold("copied");
+                    let (next, next_rec) = fence(&map.map, &rec)?;
+                    if self.commit(Some((&map, Some(&next))), Some(rev), Some(&next_rec))? {
+                        fence_started = Some(Instant::now());
+                        self.say(format!("fenced at epoch {}", next.epoch));
+                        self.hold("fenced");
+                    } else {
+                        lost += 1;
+                    }
+                }
+                Step::FinalCopy { fence_epoch } => {
+                    let started = *fence_started.get_or_insert_with(Instant::now);
+                    let deadline = started + FENCE_MAX;
+                    let client = raw_client(&map.map, &[rec.from, rec.to])?;
+                    let mut done = wait_epoch(&client, rec.from, fence_epoch, deadline)?;
+                    if done && !self.defects.no_final_copy {
+                        let mut source_keys = BTreeSet::new();
+                        let last = copy_pass(
+                            &client,
+                            &rec,
+                            &mask,
+                            &mut log,
+                            Some(&mut source_keys),
+                            Some(deadline),
+                        )
+                        .and_then(|pass| {
+                            let deleted = delete_moving(
+                                &client,
+                                rec.to,
+                                &mask,
+                                Some(&source_keys),
+                                Some(deadline),
+                            )?;
+                            Ok((pass, deleted))
+                        });
+                        match last {
+                            Ok((pass, deleted)) => {
+                                report.keys_copied += pass.keys;
+                                report.bytes_copied += pass.bytes;
+                                report.bytes_scanned += pass.scanned;
+                                self.say(format!(
+                                    "final pass: {} key(s) copied, {deleted} deleted on the target",
+                                    pass.keys
+                                ));
+                                done = Instant::now() < deadline;
+                            }
+                            Err(MoverError::FenceOverrun) => done = false,
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    self.hold("final-copied");
+                    let (next, next_rec, what) = if done {
+                        let (m, r) = switch(&map.map, &rec)?;
+                        (Some(m), r, "switched")
+                    } else {
+                        let (m, r) = abort(&map.map, &rec)?;
+                        (m, r, "fence overran its limit: rolled back")
+                    };
+                    if self.commit(Some((&map, next.as_ref())), Some(rev), Some(&next_rec))? {
+                        let fence_ms = started.elapsed().as_secs_f64() * 1e3;
+                        report.fence_ms = Some(fence_ms);
+                        report.switched = done;
+                        self.say(format!(
+                            "{what} at epoch {} (fence held {fence_ms:.1} ms)",
+                            next.as_ref().map_or(map.map.epoch, |m| m.epoch)
+                        ));
+                        self.hold("switched");
+                    } else {
+                        lost += 1;
+                    }
+                }
+                Step::Abort => {
+                    let (next, next_rec) = abort(&map.map, &rec)?;
+                    if self.commit(Some((&map, next.as_ref())), Some(rev), Some(&next_rec))? {
+                        self.say("rolled back: the partitions stay where they were".into());
+                    } else {
+                        lost += 1;
+                    }
+                }
+                Step::Cleanup { node, after_epoch } => {
+                    report.switched = matches!(rec.phase, crate::moves::Phase::Switched { .. });
+                    match raw_client(&map.map, &[node]) {
+                        Ok(client) => {
+                            let deadline = Instant::now() + CLEANUP_WAIT_MAX;
+                            if wait_epoch(&client, node, after_epoch, deadline)? {
+                                report.keys_deleted =
+                                    delete_moving(&client, node, &mask, None, None)?;
+                                self.say(format!(
+                                    "cleanup: {} key(s) deleted on node {node}",
+                                    report.keys_deleted
+                                ));
+                            } else {
+                                self.say(format!(
+                                    "cleanup: node {node} did not reach epoch {after_epoch}; its copies stay"
+                                ));
+                            }
+                        }
+                        // A node that cannot be reached holds nothing anyone can read.
+                        Err(e) => self.say(format!("cleanup: node {node} unreachable ({e})")),
+                    }
+                    if self.commit(None, Some(rev), None)? {
+                        self.say("done".into());
+                    } else {
+                        lost += 1;
+                    }
+                }
+            }
+        }
+    }
+}
