@@ -3,7 +3,7 @@
 #![cfg(feature = "etcd")]
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -13,29 +13,11 @@ use camelot_cluster::etcd::EtcdCluster;
 use camelot_cluster::follow::{client_view, EtcdMapSource};
 use camelot_cluster::ClusterMap;
 use camelot_proto::ErrorCode;
-use camelot_testkit::{CamelotServer, CamelotServerOptions, EtcdServer};
 
-const PREFIX: &str = "/camelot";
 const KEYS: usize = 200;
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_camelot"))
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+mod support;
+use support::{bin, rt, wait_for, PREFIX};
 
 /// A client that has fetched the current map from etcd and refreshes it on redirects.
 fn cluster_client(endpoint: &str, addrs: &[std::net::SocketAddr]) -> Client {
@@ -89,35 +71,14 @@ fn swapped(map: &ClusterMap) -> ClusterMap {
 
 #[test]
 fn a_stale_client_is_redirected_and_never_reads_an_older_value() {
-    let etcd_server = EtcdServer::start().unwrap();
-    let endpoint = etcd_server.endpoint();
-    let mut servers: Vec<CamelotServer> = (0..2)
-        .map(|id| {
-            let options = CamelotServerOptions {
-                resp: false,
-                args: vec![
-                    "--memory".into(),
-                    "64M".into(),
-                    "--etcd".into(),
-                    endpoint.clone(),
-                    "--node-id".into(),
-                    id.to_string(),
-                ],
-            };
-            CamelotServer::start(bin(), &options).unwrap()
-        })
-        .collect();
-    let addrs: Vec<_> = servers.iter().map(CamelotServer::addr).collect();
-    let rt = rt();
-    let etcd = rt
-        .block_on(EtcdCluster::connect(
-            std::slice::from_ref(&endpoint),
-            PREFIX,
-        ))
-        .unwrap();
-    wait_for("both servers registered", Duration::from_secs(10), || {
-        rt.block_on(etcd.live_nodes()).unwrap().len() == 2
-    });
+    let support::EtcdServers {
+        etcd_server: _etcd_server,
+        endpoint,
+        mut servers,
+        addrs,
+        rt,
+        etcd,
+    } = support::start(2, "64M", &[]);
     let live = rt.block_on(etcd.live_nodes()).unwrap();
     assert_eq!(
         live.iter().map(|n| n.addr).collect::<Vec<_>>(),

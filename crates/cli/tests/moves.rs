@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -19,33 +19,16 @@ use camelot_cluster::etcd::EtcdCluster;
 use camelot_cluster::follow::EtcdMapSource;
 use camelot_cluster::ClusterMap;
 use camelot_proto::Op;
-use camelot_testkit::{CamelotServer, CamelotServerOptions, EtcdServer};
+use camelot_testkit::{CamelotServer, EtcdServer};
 
-const PREFIX: &str = "/camelot";
 const PARTITIONS: u32 = 8;
 const WRITERS: usize = 2;
 const KEYS_PER_WRITER: usize = 300;
 const VALUE_BYTES: usize = 256;
 const MOVE_TIMEOUT: Duration = Duration::from_secs(60);
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_camelot"))
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+mod support;
+use support::{bin, wait_for, PREFIX};
 
 struct Cluster {
     _etcd_server: EtcdServer,
@@ -60,35 +43,14 @@ struct Cluster {
 impl Cluster {
     /// Two servers on etcd, a map of [`PARTITIONS`] over both, both at its epoch.
     fn start() -> Cluster {
-        let etcd_server = EtcdServer::start().unwrap();
-        let endpoint = etcd_server.endpoint();
-        let servers: Vec<CamelotServer> = (0..2)
-            .map(|id| {
-                let options = CamelotServerOptions {
-                    resp: false,
-                    args: vec![
-                        "--memory".into(),
-                        "128M".into(),
-                        "--etcd".into(),
-                        endpoint.clone(),
-                        "--node-id".into(),
-                        id.to_string(),
-                    ],
-                };
-                CamelotServer::start(bin(), &options).unwrap()
-            })
-            .collect();
-        let addrs: Vec<_> = servers.iter().map(CamelotServer::addr).collect();
-        let rt = rt();
-        let etcd = rt
-            .block_on(EtcdCluster::connect(
-                std::slice::from_ref(&endpoint),
-                PREFIX,
-            ))
-            .unwrap();
-        wait_for("both servers registered", Duration::from_secs(10), || {
-            rt.block_on(etcd.live_nodes()).unwrap().len() == 2
-        });
+        let support::EtcdServers {
+            etcd_server,
+            endpoint,
+            servers,
+            addrs,
+            rt,
+            etcd,
+        } = support::start(2, "128M", &[]);
         let live = rt.block_on(etcd.live_nodes()).unwrap();
         let first = ClusterMap::initial(live, PARTITIONS, 1).unwrap();
         rt.block_on(etcd.update_map(3, move |_| Ok(first.clone())))

@@ -4,7 +4,7 @@
 #![cfg(feature = "etcd")]
 
 use std::collections::HashMap;
-use std::path::Path;
+
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,29 +15,12 @@ use camelot_cluster::etcd::EtcdCluster;
 use camelot_cluster::follow::{client_view, EtcdMapSource};
 use camelot_cluster::ClusterMap;
 use camelot_proto::ErrorCode;
-use camelot_testkit::{CamelotServer, CamelotServerOptions, EtcdServer};
+use camelot_testkit::{CamelotServer, EtcdServer};
 
-const PREFIX: &str = "/camelot";
 const PARTITIONS: u32 = 64;
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_camelot"))
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+mod support;
+use support::{wait_for, PREFIX};
 
 struct Cluster {
     _etcd_server: EtcdServer,
@@ -53,39 +36,16 @@ struct Cluster {
 impl Cluster {
     /// `n` servers registered in a fresh etcd, and a map with `replication` published.
     fn start(n: u32, replication: u32, extra: &[&str]) -> (Cluster, ClusterMap) {
-        let etcd_server = EtcdServer::start().unwrap();
-        let endpoint = etcd_server.endpoint();
-        let servers: Vec<CamelotServer> = (0..n)
-            .map(|id| {
-                let mut args: Vec<String> = [
-                    "--memory",
-                    "64M",
-                    "--etcd",
-                    &endpoint,
-                    "--node-id",
-                    &id.to_string(),
-                    "--replication-timeout-ms",
-                    "500",
-                ]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-                args.extend(extra.iter().map(|s| s.to_string()));
-                let options = CamelotServerOptions { resp: false, args };
-                CamelotServer::start(bin(), &options).unwrap()
-            })
-            .collect();
-        let addrs: Vec<_> = servers.iter().map(CamelotServer::addr).collect();
-        let rt = rt();
-        let etcd = rt
-            .block_on(EtcdCluster::connect(
-                std::slice::from_ref(&endpoint),
-                PREFIX,
-            ))
-            .unwrap();
-        wait_for("servers registered", Duration::from_secs(10), || {
-            rt.block_on(etcd.live_nodes()).unwrap().len() == n as usize
-        });
+        let mut args = vec!["--replication-timeout-ms", "500"];
+        args.extend_from_slice(extra);
+        let support::EtcdServers {
+            etcd_server,
+            endpoint,
+            servers,
+            addrs,
+            rt,
+            etcd,
+        } = support::start(n, "64M", &args);
         let live = rt.block_on(etcd.live_nodes()).unwrap();
         let map = ClusterMap::initial(live, PARTITIONS, replication).unwrap();
         let c = Cluster {
