@@ -628,6 +628,9 @@ impl Recorder {
 
     fn error(&mut self, e: String) {
         self.errors += 1;
+        // Every error also goes to the worker's log (its stderr), with the run's clock:
+        // the report keeps only the first few, and a failed run is read from the log.
+        eprintln!("{:>10.3} s  error: {e}", self.now_us() as f64 / 1e6);
         if self.first_errors.len() < FIRST_ERRORS_MAX {
             self.first_errors.push(e);
         }
