@@ -274,9 +274,12 @@ pub fn down_on_signal(run: String, run_dir: PathBuf) -> Result<()> {
             // Held until exit: whoever waits on it waits for the 130 below.
             let _teardown = TEARDOWN.lock();
             INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
-            eprintln!("interrupted: taking testbed {run} down");
+            // Not eprintln!: with stderr gone (the parent shell killed first) it panics,
+            // this thread dies, and nothing takes the testbed down or exits.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "interrupted: taking testbed {run} down");
             if let Err(e) = Testbed::down(&run, &run_dir) {
-                eprintln!("testbed down: {e}");
+                let _ = writeln!(std::io::stderr(), "testbed down: {e}");
             }
             std::process::exit(130);
         });
