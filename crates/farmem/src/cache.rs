@@ -8,6 +8,12 @@ use crate::prefetch::{prefetcher_by_name, Prefetcher};
 use crate::store::{PageStore, PendingRead};
 use crate::{Error, PageId, PageMap, PageSet};
 
+/// Most fault-handler threads a FarRegion may have.
+pub const FAULT_HANDLERS_MAX: usize = 8;
+/// Handlers a FarRegion gets unless its config says otherwise: enough to overlap a few
+/// threads' remote reads without a herd of idle threads waking on every fault.
+pub const FAULT_HANDLERS_DEFAULT: usize = 4;
+
 /// How a cache is set up.
 #[derive(Debug, Clone)]
 pub struct CacheConfig {
@@ -22,7 +28,7 @@ pub struct CacheConfig {
     /// Seed of the random policy.
     pub seed: u64,
     /// Threads serving a `FarRegion`'s page faults (1 to
-    /// [`crate::region::FAULT_HANDLERS_MAX`]); faults on different pages overlap their
+    /// [`FAULT_HANDLERS_MAX`]); faults on different pages overlap their
     /// remote reads up to this many. The page cache (FarVec) ignores it.
     pub fault_handlers: usize,
 }
@@ -35,7 +41,7 @@ impl CacheConfig {
             prefetch: "none".into(),
             prefetch_window_pages: 32,
             seed: 1,
-            fault_handlers: crate::region::FAULT_HANDLERS_DEFAULT,
+            fault_handlers: FAULT_HANDLERS_DEFAULT,
         }
     }
 }

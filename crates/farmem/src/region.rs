@@ -43,11 +43,9 @@ use crate::{Error, PageId, PageMap, PageSet};
 
 /// Dirty pages written back per store call by [`FarRegion::flush`].
 const FLUSH_BATCH_PAGES_MAX: usize = 256;
-/// Most fault-handler threads a region may have.
-pub const FAULT_HANDLERS_MAX: usize = 8;
-/// Handlers a region gets unless its config says otherwise: enough to overlap a few
-/// threads' remote reads without a herd of idle threads waking on every fault.
-pub const FAULT_HANDLERS_DEFAULT: usize = 4;
+// Defined beside `CacheConfig::fault_handlers`, which they bound; named here too, where
+// the handlers are.
+pub use crate::cache::{FAULT_HANDLERS_DEFAULT, FAULT_HANDLERS_MAX};
 /// Faults parked on one moving page (further ones are woken at once to fault again,
 /// which costs a retry, not correctness).
 const PARKED_PER_PAGE_MAX: usize = 64;
