@@ -3,6 +3,7 @@
 //! threads on one client), value sizes 1 KiB..1 MiB, with an iperf3 loopback stream in the
 //! same run beside, since at 1 MiB the seed's server was bound by the network.
 
+use crate::checks::{check_seconds, check_threads};
 use crate::side::{CamelotNodes, CamelotSpec, Placement};
 use crate::BenchError;
 use camelot_client::{Client, ClientConfig, ClusterMap};
@@ -68,16 +69,8 @@ impl ThroughputConfig {
                 "value sizes must be 1 to {VALUE_BYTES_MAX} bytes"
             )));
         }
-        if self.threads == 0 || self.threads > THREADS_MAX {
-            return Err(BenchError::InvalidConfig(format!(
-                "threads must be 1 to {THREADS_MAX}"
-            )));
-        }
-        if !(self.seconds_per_point.is_finite() && self.seconds_per_point > 0.0) {
-            return Err(BenchError::InvalidConfig(
-                "seconds per point must be positive".into(),
-            ));
-        }
+        check_threads(&[self.threads], THREADS_MAX)?;
+        check_seconds("seconds per point", self.seconds_per_point)?;
         Ok(())
     }
 }
@@ -305,21 +298,13 @@ impl ReplicationConfig {
         if !(2..=16).contains(&self.nodes) {
             return Err(BenchError::InvalidConfig("nodes must be 2 to 16".into()));
         }
-        if self.threads.is_empty() || self.threads.iter().any(|&t| t == 0 || t > THREADS_MAX) {
-            return Err(BenchError::InvalidConfig(format!(
-                "threads must be 1 to {THREADS_MAX}"
-            )));
-        }
+        check_threads(&self.threads, THREADS_MAX)?;
         if self.value_bytes == 0 || self.value_bytes > VALUE_BYTES_MAX {
             return Err(BenchError::InvalidConfig(format!(
                 "value size must be 1 to {VALUE_BYTES_MAX} bytes"
             )));
         }
-        if !(self.seconds_per_point.is_finite() && self.seconds_per_point > 0.0) {
-            return Err(BenchError::InvalidConfig(
-                "seconds per point must be positive".into(),
-            ));
-        }
+        check_seconds("seconds per point", self.seconds_per_point)?;
         if self.rounds == 0 || self.rounds > ROUNDS_MAX {
             return Err(BenchError::InvalidConfig(format!(
                 "rounds must be 1 to {ROUNDS_MAX}"

@@ -58,6 +58,7 @@ quick_config!(
 
 pub mod all;
 pub mod api;
+mod checks;
 pub mod cluster;
 pub mod demo;
 pub mod fault;

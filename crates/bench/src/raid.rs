@@ -9,6 +9,7 @@
 //!   ratios against raid0 (and against the normal read) in `comparisons`. Every member is
 //!   a server of its own, so one can be killed; every read is checked.
 
+use crate::checks::{check_seconds, check_threads};
 use crate::hw::{best_of, compiled_simd};
 use crate::side::{CamelotNodes, CamelotSpec, Placement};
 use crate::BenchError;
@@ -70,24 +71,6 @@ impl EncodeConfig {
         check_seconds("seconds per point", self.seconds_per_point)?;
         Ok(())
     }
-}
-
-fn check_threads(threads: &[usize]) -> Result<(), BenchError> {
-    if threads.is_empty() || threads.iter().any(|&t| t == 0 || t > THREADS_MAX) {
-        return Err(BenchError::InvalidConfig(format!(
-            "threads must be 1 to {THREADS_MAX}"
-        )));
-    }
-    Ok(())
-}
-
-fn check_seconds(what: &str, seconds: f64) -> Result<(), BenchError> {
-    if !(seconds.is_finite() && seconds > 0.0) {
-        return Err(BenchError::InvalidConfig(format!(
-            "{what} must be positive"
-        )));
-    }
-    Ok(())
 }
 
 /// A volume of fewer than four stripes (of up to four data chunks) leaves a random load
@@ -324,7 +307,7 @@ impl CompareConfig {
     }
 
     pub fn validate(&self) -> Result<(), BenchError> {
-        check_threads(&[self.threads])?;
+        check_threads(&[self.threads], THREADS_MAX)?;
         check_seconds("seconds per point", self.seconds_per_point)?;
         check_holds_stripes(self.volume_bytes, self.chunk_bytes)
     }
@@ -696,7 +679,7 @@ impl OverheadConfig {
     }
 
     pub fn validate(&self) -> Result<(), BenchError> {
-        check_threads(&self.threads)?;
+        check_threads(&self.threads, THREADS_MAX)?;
         check_seconds("seconds per point", self.seconds_per_point)?;
         check_holds_stripes(self.volume_bytes, self.chunk_bytes)
     }
@@ -875,7 +858,7 @@ impl RebuildConfig {
     }
 
     pub fn validate(&self) -> Result<(), BenchError> {
-        check_threads(&[self.threads])?;
+        check_threads(&[self.threads], THREADS_MAX)?;
         check_seconds("baseline seconds", self.baseline_seconds)?;
         check_holds_stripes(self.volume_bytes, self.chunk_bytes)
     }
