@@ -278,7 +278,7 @@ struct ServerArgs {
     /// to match a peer's thread budget.
     #[arg(long, default_value_t = 0)]
     threads: usize,
-    /// Also serve the Redis protocol (RESP2) on this address, over the same objects, so
+    /// Also serve the Redis protocol (RESP2, RESP3 after HELLO 3) on this address, over the same objects, so
     /// redis-cli, redis-benchmark and Redis client libraries work unchanged. With a
     /// token, clients must AUTH with it.
     #[arg(long, value_name = "ADDR")]

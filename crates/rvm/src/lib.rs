@@ -346,31 +346,32 @@ impl Segment {
 struct LogState {
     next_seq: u64,
     next_seg: u64,
-    /// Segments as of the last record appended to the backend's log.
-    durable: BTreeMap<u64, SegMeta>,
+    /// Segments as of the last record appended to (acknowledged by) the backend's log.
+    logged: BTreeMap<u64, SegMeta>,
     /// Records in the backend's log, not yet applied to the homes.
     pending: Vec<Record>,
     pending_bytes: u64,
     /// Committed with `commit_lazy`, not yet appended.
     lazy: Vec<(u64, Bytes, Record)>,
-    /// Homes of segments freed since the last truncation: dropped once a catalog
-    /// without them is durable.
+    /// Homes of segments freed since the last truncation: dropped once the backend has
+    /// acknowledged a catalog without them.
     freed_homes: Vec<(u64, u64)>,
     /// Catalog slot holding the newest catalog; the next goes to the other one.
     catalog_slot: usize,
 }
 
 impl LogState {
-    /// `rec` is now in the backend's log: its allocations and frees are durable, and it
+    /// `rec` is now in the backend's log (acknowledged, which per backend means what the
+    /// crate docs' "What committed means" says): its allocations and frees hold, and it
     /// waits to be applied to the homes.
     fn note_appended(&mut self, rec: Record) {
         for op in &rec.ops {
             match op {
                 LogOp::Alloc(m) => {
-                    self.durable.insert(m.seg, m.clone());
+                    self.logged.insert(m.seg, m.clone());
                 }
                 LogOp::Free { seg } => {
-                    if let Some(m) = self.durable.remove(seg) {
+                    if let Some(m) = self.logged.remove(seg) {
                         self.freed_homes.push((m.seg, m.len));
                     }
                 }
@@ -701,7 +702,7 @@ impl Rvm {
             log: Mutex::new(LogState {
                 next_seq: replayed.last_seq + 1,
                 next_seg: replayed.next_seg,
-                durable: BTreeMap::new(),
+                logged: BTreeMap::new(),
                 pending: Vec::new(),
                 pending_bytes: 0,
                 lazy: Vec::new(),
@@ -929,7 +930,7 @@ impl Inner {
                 })),
             );
         }
-        log.durable = r.segs;
+        log.logged = r.segs;
         log.pending = r.records;
         log.pending_bytes = bytes;
         drop(live);
@@ -971,7 +972,7 @@ impl Inner {
         let catalog = Catalog {
             applied_seq,
             next_seg: log.next_seg,
-            segs: log.durable.values().cloned().collect(),
+            segs: log.logged.values().cloned().collect(),
         };
         let slot = 1 - log.catalog_slot;
         self.backend
@@ -991,7 +992,7 @@ impl Inner {
         let mut log = self.log.lock();
         log.freed_homes
             .extend(r.segs.values().map(|m| (m.seg, m.len)));
-        log.durable.clear();
+        log.logged.clear();
         self.write_catalog_and_reset(&mut log)
     }
 
@@ -1047,7 +1048,8 @@ impl Inner {
     }
 
     /// Appends the lazy records and `own`, after truncating when they would not fit.
-    /// Any failure leaves this instance failed: the records may or may not be durable.
+    /// Any failure leaves this instance failed: the records may or may not be in the
+    /// backend's log.
     fn append_locked(&self, log: &mut LogState, own: Option<(u64, Bytes, Record)>) -> Result<()> {
         if let Some(o) = own {
             log.lazy.push(o);
@@ -1103,7 +1105,7 @@ impl Inner {
         for rec in &log.pending {
             for op in &rec.ops {
                 match op {
-                    LogOp::Write { seg, offset, data } if log.durable.contains_key(seg) => {
+                    LogOp::Write { seg, offset, data } if log.logged.contains_key(seg) => {
                         writes.push(HomeWrite {
                             seg: *seg,
                             offset: *offset,
@@ -1117,7 +1119,7 @@ impl Inner {
                         offset,
                         len,
                         log_offset,
-                    } if log.durable.contains_key(seg) => {
+                    } if log.logged.contains_key(seg) => {
                         match self.backend.read_log(*log_offset, *len) {
                             Ok(data) => writes.push(HomeWrite {
                                 seg: *seg,

@@ -55,7 +55,9 @@ pub struct SegMeta {
     pub tag: String,
 }
 
-/// One commit: everything in it becomes durable together or not at all.
+/// One commit: the backend holds all of it or none of it ("held" is per backend what the
+/// crate docs' "What committed means" says: server memory, Redis's acknowledgement, or
+/// `fdatasync`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
     pub seq: u64,
@@ -361,7 +363,7 @@ fn decode_meta(r: &mut Reader<'_>) -> Result<SegMeta, DecodeError> {
     })
 }
 
-/// The durable table of segments as of `applied_seq`: what the homes hold once every
+/// The committed table of segments as of `applied_seq`: what the homes hold once every
 /// record up to it has been applied.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Catalog {

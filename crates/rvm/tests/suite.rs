@@ -266,7 +266,7 @@ fn lazy_commits_flush(f: &Fixture) {
     assert_eq!(
         read("lazy"),
         [10, 77, 0, 0, 0],
-        "flush did not make the lazy commits durable"
+        "flush did not put the lazy commits in the backend's log"
     );
     run("lazy", "commit");
     assert_eq!(
@@ -556,6 +556,6 @@ macro_rules! suite {
 
 suite!(pool => "pool", pool_mirrored => "pool-mirrored", redis => "redis", file => "file");
 
-// The redis backend against Camelot's own Redis port: the same suite. It needs SETRANGE
-// (truncation writes homes with it), which the RESP port gains on the `resp` branch.
+// The redis backend against Camelot's own Redis port: the same suite, with the port's
+// SETRANGE (truncation writes homes with it) and MULTI/EXEC (the guarded writes).
 suite!(camelot_resp => "camelot-resp");

@@ -1,4 +1,4 @@
-//! The Redis backend (the seed's RAMCloud backend): every log record is one key, every page
+//! The Redis backend (in the role RAMCloud plays for RVM over remote memory): every log record is one key, every page
 //! of a segment's home is one key, the two catalog slots are two keys. Everything a call
 //! needs is pipelined on one connection: a commit is one round trip however many records
 //! it flushes, a truncation is one round trip of SETRANGEs.
@@ -22,10 +22,11 @@
 //!   (sequence numbers are never reused); a key the newer owner finds taken is that
 //!   fenced batch's, and is replaced (`append_log`) in a guarded transaction.
 //!
-//! A server without transactions (Camelot's own RESP port answers MULTI with an error;
-//! probed at open) gets the weaker form for guarded writes too: the writes, then the
-//! fencing GET in the same pipeline. There, a writer paused across a takeover can land
-//! one batch of home or catalog writes; the open logs a warning saying so.
+//! A server without transactions (probed at open: MULTI then DISCARD; real Redis and
+//! Camelot's own RESP port both have them, a Redis-protocol proxy may not) gets the
+//! weaker form for guarded writes too: the writes, then the fencing GET in the same
+//! pipeline. There, a writer paused across a takeover can land one batch of home or
+//! catalog writes; the open logs a warning saying so.
 
 use super::resp::{Conn, Reply};
 use super::{Backend, HomeWrite};
@@ -52,7 +53,7 @@ pub struct RedisBackend {
     epoch: u64,
     wait_replicas: u32,
     conn: Mutex<Conn>,
-    /// The server runs WATCH/MULTI/EXEC (real Redis does; Camelot's RESP port does not).
+    /// The server runs WATCH/MULTI/EXEC (real Redis and Camelot's RESP port do).
     transactions: bool,
     hooks: crate::Hooks,
     /// Sequence numbers of the records now in the log: first..next.
