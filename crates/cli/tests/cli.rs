@@ -396,6 +396,18 @@ fn bench_threads_quick_writes_schema_json_and_figure() {
         .expect("command");
     assert!(command.contains(" server --listen 127.0.0.1:"), "{command}");
     assert_eq!(json["config"]["min_point_seconds"], 1.0);
+    // The side as it ran: process, threads, version, flags.
+    let side = &json["config"]["sides"]["camelot"];
+    assert_eq!(side["process"], "separate", "{side}");
+    assert!(side["version"]
+        .as_str()
+        .is_some_and(|v| v.starts_with("camelot ")));
+    assert!(
+        side["flags"].as_array().is_some_and(|f| !f.is_empty()),
+        "{side}"
+    );
+    finite_positive(&side["server_threads"], "server threads");
+    assert_eq!(side["client_threads"], 64, "{side}");
     finite_positive(&json["machine"]["cores"], "cores");
     let series = json["series"].as_array().expect("series");
     let labels: Vec<&str> = series.iter().filter_map(|s| s["label"].as_str()).collect();
@@ -983,4 +995,97 @@ fn bench_ycsb_reaches_a_tokened_server_by_url_or_flag() {
     server.signal("-TERM");
     assert!(server.wait(Duration::from_secs(30)).success());
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A server started with `args` (no token), then `camelot stats` through 127.0.0.1 and
+/// SIGTERM: (stats output, the server's stderr). The server may listen on 0.0.0.0, but
+/// this test only ever connects to loopback.
+fn stats_and_stderr_of_a_tokenless_server(args: &[&str]) -> (String, String) {
+    let mut server = Proc::spawn(args);
+    let line = server.line_with("listening on", Duration::from_secs(30));
+    let port = line
+        .split_whitespace()
+        .find_map(|w| w.parse::<SocketAddr>().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .port();
+    let via_loopback = SocketAddr::from(([127, 0, 0, 1], port)).to_string();
+    let (status, out, err) = run(&["stats", &via_loopback], Duration::from_secs(30));
+    assert!(status.success(), "{err}");
+    server.signal("-TERM");
+    assert!(server.wait(Duration::from_secs(30)).success());
+    (out, server.stderr())
+}
+
+#[test]
+fn a_tokenless_server_beyond_loopback_warns_at_start_and_in_stats() {
+    const START_WARNING: &str = "WARNING: listening beyond loopback without a token";
+    const STATS_WARNING: &str = "WARNING     serving beyond loopback without a token";
+    // Every interface (0.0.0.0) on the native port, and on the Redis port alone.
+    for args in [
+        &["server", "--listen", "0.0.0.0:0", "--memory", "64M"][..],
+        &[
+            "server",
+            "--listen",
+            "127.0.0.1:0",
+            "--resp-listen",
+            "0.0.0.0:0",
+            "--memory",
+            "64M",
+        ][..],
+    ] {
+        let (out, err) = stats_and_stderr_of_a_tokenless_server(args);
+        assert_eq!(occurrences(&err, START_WARNING), 1, "{args:?}:\n{err}");
+        assert!(out.contains(STATS_WARNING), "{args:?}:\n{out}");
+        assert!(out.contains("exposed_without_token 1"), "{args:?}:\n{out}");
+    }
+    // The control: loopback only, no token — nothing to warn about.
+    let (out, err) = stats_and_stderr_of_a_tokenless_server(&["server", "--listen", "127.0.0.1:0"]);
+    assert!(!err.contains("WARNING"), "{err}");
+    assert!(!out.contains("WARNING"), "{out}");
+    assert!(out.contains("exposed_without_token 0"), "{out}");
+}
+
+#[test]
+fn protocol_errors_are_logged_with_the_peer_address_at_most_ten_a_window() {
+    const LOGGED: &str = "RESP connection closed after a protocol error";
+    let mut server = Proc::spawn(&[
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--resp-listen",
+        "127.0.0.1:0",
+        "--memory",
+        "64M",
+    ]);
+    let line = server.line_with("speaking the Redis protocol on", Duration::from_secs(30));
+    let resp: SocketAddr = line
+        .split_whitespace()
+        .find_map(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    // 15 clients each send a malformed multibulk header, well inside one 10 s window.
+    let mut peers = Vec::new();
+    for _ in 0..15 {
+        let mut s = TcpStream::connect(resp).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        peers.push(s.local_addr().expect("local addr").to_string());
+        s.write_all(b"*abc\r\n").expect("send");
+        let mut reply = String::new();
+        s.read_to_string(&mut reply)
+            .expect("the server answers, then closes");
+        assert_eq!(reply, "-ERR Protocol error: invalid multibulk length\r\n");
+    }
+    server.signal("-TERM");
+    assert!(server.wait(Duration::from_secs(30)).success());
+    let err = server.stderr();
+    let logged: Vec<&str> = err.lines().filter(|l| l.contains(LOGGED)).collect();
+    assert_eq!(
+        logged.len(),
+        10,
+        "the rate limit lets 10 lines a window:\n{err}"
+    );
+    for (line, peer) in logged.iter().zip(&peers) {
+        assert!(line.contains(peer.as_str()), "{peer} not named in {line:?}");
+        assert!(line.contains("invalid multibulk length"), "{line:?}");
+    }
 }
