@@ -146,34 +146,160 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// Module → modules it names through `crate::…` outside its tests, resolved to the
-/// longest module path that exists.
+/// Every path a `use`-style tree names, from just after its prefix (`crate::`, `super::`):
+/// `a::b::{c, d::{e, f}}` → `a::b::c`, `a::b::d::e`, `a::b::d::f`; a path that is not a
+/// group ends at the first character that cannot be part of it.
+fn expand_tree(text: &str) -> Vec<Vec<String>> {
+    fn tree(chars: &[char], at: &mut usize) -> Vec<Vec<String>> {
+        let mut segments = Vec::new();
+        loop {
+            let start = *at;
+            while *at < chars.len() && (chars[*at].is_alphanumeric() || chars[*at] == '_') {
+                *at += 1;
+            }
+            if *at > start {
+                segments.push(chars[start..*at].iter().collect::<String>());
+            }
+            if chars[*at..].starts_with(&[':', ':']) {
+                *at += 2;
+                continue;
+            }
+            while *at < chars.len() && chars[*at].is_whitespace() {
+                *at += 1;
+            }
+            if chars.get(*at) != Some(&'{') {
+                return vec![segments];
+            }
+            *at += 1;
+            let mut out = Vec::new();
+            loop {
+                while *at < chars.len() && (chars[*at].is_whitespace() || chars[*at] == ',') {
+                    *at += 1;
+                }
+                if *at >= chars.len() || chars[*at] == '}' {
+                    *at += 1;
+                    return out;
+                }
+                let before = *at;
+                for item in tree(chars, at) {
+                    let mut path = segments.clone();
+                    path.extend(item);
+                    out.push(path);
+                }
+                // `x as y`, or anything unparsed: skip to the next item.
+                while *at < chars.len() && chars[*at] != ',' && chars[*at] != '}' {
+                    *at += 1;
+                }
+                if *at == before {
+                    *at += 1;
+                }
+            }
+        }
+    }
+    let chars: Vec<char> = text.chars().take(4096).collect();
+    tree(&chars, &mut 0)
+}
+
+/// The code of a source file that is not a test (everything before `#[cfg(test)]`),
+/// without `//` comments.
+fn code_of(text: &str) -> String {
+    without_comments(text.split("#[cfg(test)]").next().unwrap_or(""))
+}
+
+fn without_comments(text: &str) -> String {
+    text.lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Items the crate root re-exports (`pub use error::BenchError;`), by the name they are
+/// known under at the root, mapped to the module that defines them.
+fn root_reexports(root_code: &str, modules: &BTreeSet<String>) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for (at, _) in root_code.match_indices("pub use ") {
+        let rest = &root_code[at + "pub use ".len()..];
+        let rest = rest.strip_prefix("crate::").unwrap_or(rest);
+        let rest = rest.strip_prefix("self::").unwrap_or(rest);
+        for path in expand_tree(rest) {
+            let module = (1..path.len())
+                .rev()
+                .map(|n| path[..n].join("::"))
+                .find(|m| modules.contains(m));
+            if let (Some(module), Some(name)) = (module, path.last()) {
+                out.insert(name.clone(), module);
+            }
+        }
+    }
+    out
+}
+
+/// Module → modules it imports outside its tests: every `crate::…` path (groups
+/// expanded, root re-exports followed to the module defining the item) and every
+/// `super::…` path, resolved to the longest module path that exists. A module naming
+/// itself, an ancestor or a descendant does not count: parents declare and re-export
+/// their children.
 fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
     let mut files = Vec::new();
     rust_files(src, &mut files);
     let modules: BTreeSet<String> = files.iter().map(|f| module_of(src, f)).collect();
+    let root_code = ["lib.rs", "main.rs"]
+        .iter()
+        .find_map(|r| std::fs::read_to_string(src.join(r)).ok())
+        .map(|t| code_of(&t))
+        .unwrap_or_default();
+    let reexports = root_reexports(&root_code, &modules);
     let mut graph = BTreeMap::new();
     for file in &files {
         let module = module_of(src, file);
-        let text = std::fs::read_to_string(file).expect("source");
-        let code = text.split("#[cfg(test)]").next().unwrap_or("");
-        let mut targets = BTreeSet::new();
+        let code = code_of(&std::fs::read_to_string(file).expect("source"));
+        // `super` is this module's path less its last segment (a file `a/b.rs` or
+        // `a/b/mod.rs` is module `a::b`, whose `super` is `a`).
+        let own: Vec<String> = module
+            .split("::")
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect();
+        let mut paths: Vec<Vec<String>> = Vec::new();
         for (at, _) in code.match_indices("crate::") {
-            let path: String = code[at + "crate::".len()..]
-                .chars()
-                .take_while(|c| {
-                    c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_' || *c == ':'
-                })
-                .collect();
-            let segments: Vec<&str> = path.split("::").filter(|s| !s.is_empty()).collect();
+            // `$crate::` in a macro, or `camelot_crate::`: not this crate's root.
+            let before = code[..at].chars().last();
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '$') {
+                continue;
+            }
+            paths.extend(expand_tree(&code[at + "crate::".len()..]));
+        }
+        for (at, _) in code.match_indices("super::") {
+            let before = code[..at].chars().last();
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+                continue;
+            }
+            let mut rest = &code[at..];
+            let mut up = 0;
+            while let Some(r) = rest.strip_prefix("super::") {
+                rest = r;
+                up += 1;
+            }
+            if up > own.len() {
+                continue;
+            }
+            for tail in expand_tree(rest) {
+                let mut path = own[..own.len() - up].to_vec();
+                path.extend(tail);
+                paths.push(path);
+            }
+        }
+        let mut targets = BTreeSet::new();
+        for segments in paths {
             let target = (1..=segments.len())
                 .rev()
                 .map(|n| segments[..n].join("::"))
-                .find(|m| modules.contains(m));
+                .find(|m| modules.contains(m))
+                .or_else(|| segments.first().and_then(|s| reexports.get(s)).cloned());
             if let Some(target) = target {
-                // A parent module declaring or re-exporting its child is not an import.
-                let is_self_or_ancestor =
-                    module == target || module.starts_with(&format!("{target}::"));
+                let is_self_or_ancestor = module == target
+                    || module.starts_with(&format!("{target}::"))
+                    || target.is_empty();
                 let is_child = target.starts_with(&format!("{module}::")) || module.is_empty();
                 if !is_self_or_ancestor && !is_child {
                     targets.insert(target);
@@ -207,4 +333,188 @@ fn the_cycle_finder_finds_a_circle() {
         find_cycle(&g),
         Some(vec!["a".into(), "b".into(), "c".into(), "a".into()])
     );
+}
+
+#[test]
+fn the_tree_expander_follows_groups_and_the_checker_follows_super_and_reexports() {
+    let paths = expand_tree("a::b::{c, d::{e, f as g}, self};\nfn x() {}");
+    let joined: Vec<String> = paths.iter().map(|p| p.join("::")).collect();
+    assert_eq!(
+        joined,
+        ["a::b::c", "a::b::d::e", "a::b::d::f", "a::b::self"]
+    );
+    assert_eq!(
+        expand_tree("error::BenchError;")[0].join("::"),
+        "error::BenchError"
+    );
+
+    // A crate whose `a` names `b` through a root re-export and `b` names `a` through
+    // `super::`: a circle only these two rules can see.
+    let dir = std::env::temp_dir().join(format!("camelot-layering-{}", std::process::id()));
+    let src = dir.join("src");
+    std::fs::create_dir_all(&src).expect("dir");
+    std::fs::write(src.join("lib.rs"), "mod a;\nmod b;\npub use b::Thing;\n").expect("lib");
+    std::fs::write(src.join("a.rs"), "use crate::{Thing};\n").expect("a");
+    std::fs::write(
+        src.join("b.rs"),
+        "pub struct Thing;\nfn f() { super::a::g() }\n",
+    )
+    .expect("b");
+    let graph = module_graph(&src);
+    assert_eq!(graph["a"], BTreeSet::from(["b".to_string()]));
+    assert_eq!(graph["b"], BTreeSet::from(["a".to_string()]));
+    assert!(find_cycle(&graph).is_some());
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
+/// Whether `code` (comments stripped) uses `unsafe` itself: a block, fn, impl, trait or
+/// extern block — not the word in a lint name or a string.
+fn uses_unsafe(code: &str) -> bool {
+    code.match_indices("unsafe").any(|(at, _)| {
+        let before = code[..at].chars().last();
+        let after = code[at + "unsafe".len()..].trim_start();
+        !before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '"')
+            && ["{", "fn ", "impl", "trait ", "extern "]
+                .iter()
+                .any(|k| after.starts_with(k))
+    })
+}
+
+/// Every crate root (a package's `lib.rs` or `main.rs`, and each `src/bin/*.rs`) that
+/// needs no `unsafe` and does not say `#![forbid(unsafe_code)]`, as `crate dir: root`.
+fn roots_without_forbid(crate_dir: &Path) -> Vec<String> {
+    let src = crate_dir.join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    // Tests count too: a forbid at the root would forbid unsafe in them as well.
+    let package_unsafe = files.iter().any(|f| {
+        uses_unsafe(&without_comments(
+            &std::fs::read_to_string(f).expect("source"),
+        ))
+    });
+    let mut missing = Vec::new();
+    let mut check = |root: PathBuf, needs_unsafe: bool| {
+        let Ok(text) = std::fs::read_to_string(&root) else {
+            return;
+        };
+        if !needs_unsafe && !text.contains("#![forbid(unsafe_code)]") {
+            missing.push(format!("{}: {}", crate_dir.display(), root.display()));
+        }
+    };
+    // The library or main module tree is the package's files outside src/bin.
+    check(src.join("lib.rs"), package_unsafe);
+    check(src.join("main.rs"), package_unsafe);
+    if let Ok(bins) = std::fs::read_dir(src.join("bin")) {
+        for bin in bins.flatten() {
+            let path = bin.path();
+            if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).expect("bin source");
+                check(path, uses_unsafe(&without_comments(&text)));
+            }
+        }
+    }
+    missing
+}
+
+#[test]
+fn every_crate_without_unsafe_forbids_it() {
+    let missing: Vec<String> = crate_dirs()
+        .iter()
+        .flat_map(|(_, dir)| roots_without_forbid(dir))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "these crate roots need no unsafe; add #![forbid(unsafe_code)]: {missing:?}"
+    );
+}
+
+#[test]
+fn the_forbid_checker_sees_a_root_that_lacks_it() {
+    assert!(uses_unsafe("fn f() { unsafe { g() } }"));
+    assert!(uses_unsafe("unsafe impl Send for X {}"));
+    assert!(!uses_unsafe(
+        "#![forbid(unsafe_code)]\nlet s = \"unsafe {\";"
+    ));
+    let dir = std::env::temp_dir().join(format!("camelot-forbid-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("src/bin")).expect("dir");
+    std::fs::write(dir.join("src/lib.rs"), "pub fn f() {}\n").expect("lib");
+    std::fs::write(
+        dir.join("src/bin/tool.rs"),
+        "#![forbid(unsafe_code)]\nfn main() {}\n",
+    )
+    .expect("bin");
+    assert_eq!(roots_without_forbid(&dir).len(), 1, "lib.rs lacks it");
+    std::fs::write(
+        dir.join("src/lib.rs"),
+        "#![forbid(unsafe_code)]\npub fn f() {}\n",
+    )
+    .expect("lib");
+    assert!(roots_without_forbid(&dir).is_empty());
+    // A package with unsafe code is not asked to forbid it.
+    std::fs::write(dir.join("src/lib.rs"), "pub fn f() { unsafe { g() } }\n").expect("lib");
+    assert!(roots_without_forbid(&dir).is_empty());
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
+/// Every crate's Camelot dependencies and, inside each crate, every module's imports of
+/// its sibling modules, with the verdict on circles: the listing ARCHITECTURE.md's layering
+/// rests on (what `cargo modules` would draw, read from the sources).
+fn module_listing() -> String {
+    let mut out = String::from("# Camelot crates and their modules' imports (layering.rs)\n");
+    out.push_str("\n## crates → the camelot-* crates they depend on ([dependencies])\n");
+    let crates = crate_dirs();
+    let mut crate_graph = BTreeMap::new();
+    for (name, dir) in &crates {
+        let (deps, _) = camelot_deps(dir);
+        out.push_str(&format!("{name} → {}\n", list(&deps)));
+        crate_graph.insert(name.clone(), deps);
+    }
+    out.push_str(&format!(
+        "crate circles: {}\n",
+        find_cycle(&crate_graph).map_or("none".into(), |c| c.join(" → "))
+    ));
+    for (name, dir) in &crates {
+        let graph = module_graph(&dir.join("src"));
+        out.push_str(&format!(
+            "\n## {name} (modules → the sibling modules they import)\n"
+        ));
+        for (module, targets) in &graph {
+            let module = if module.is_empty() { "(root)" } else { module };
+            out.push_str(&format!("{module} → {}\n", list(targets)));
+        }
+        out.push_str(&format!(
+            "import circles: {}\n",
+            find_cycle(&graph).map_or("none".into(), |c| c.join(" → "))
+        ));
+    }
+    out
+}
+
+fn list(items: &BTreeSet<String>) -> String {
+    if items.is_empty() {
+        "—".into()
+    } else {
+        items.iter().cloned().collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// `CAMELOT_MODULES_OUT=FILE cargo test -p camelot --test layering module_listing` writes
+/// the listing to FILE.
+#[test]
+fn module_listing_names_every_crate_and_no_circle() {
+    let listing = module_listing();
+    for (name, _) in crate_dirs() {
+        assert!(
+            listing.contains(&format!("\n## {name} (")),
+            "{name} missing"
+        );
+    }
+    assert_eq!(
+        listing.matches("circles: none").count(),
+        crate_dirs().len() + 1,
+        "{listing}"
+    );
+    if let Some(path) = std::env::var_os("CAMELOT_MODULES_OUT") {
+        std::fs::write(&path, &listing).expect("write the listing");
+    }
 }

@@ -5,6 +5,8 @@
 //!
 //! Usage: volume-crash-writer ADDR NAME SEED [--no-intent]
 
+#![forbid(unsafe_code)]
+
 use camelot_blocks::{Volume, VolumeConfig};
 use rand::{Rng, SeedableRng};
 use std::io::Write;
