@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 23] = [
+pub const BENCHES: [&str; 18] = [
     "cpu",
     "mem",
     "net",
@@ -31,11 +31,6 @@ pub const BENCHES: [&str; 23] = [
     "raid-overhead",
     "raid-rebuild",
     "fault",
-    "middlebox-cas",
-    "middlebox-full-system",
-    "middlebox-memory",
-    "middlebox-bandwidth",
-    "middlebox-tail",
 ];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
@@ -156,35 +151,6 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
     })?);
     written.extend(timed("fault", &|| {
         crate::fault::run(&crate::fault::FaultConfig::defaults(quick), out)
-    })?);
-    // Clover direct against Clover through `camelot proxy` processes (each bench starts
-    // its own server and proxies from this binary).
-    let middlebox = |run: &dyn Fn(&Path) -> Result<Vec<PathBuf>, BenchError>| {
-        match crate::side::Placement::choose(false)? {
-            crate::side::Placement::Separate { binary } => run(&binary),
-            crate::side::Placement::InProcess => Err(BenchError::InvalidConfig(
-                "the middlebox benches need the camelot binary".into(),
-            )),
-        }
-    };
-    use crate::middlebox as mb;
-    written.extend(timed("middlebox-cas", &|| {
-        middlebox(&|bin| mb::run_cas(&mb::CasConfig::defaults(quick), bin, out))
-    })?);
-    written.extend(timed("middlebox-full-system", &|| {
-        middlebox(&|bin| mb::run_full_system(&mb::CloverLoadConfig::full_system(quick), bin, out))
-    })?);
-    written.extend(timed("middlebox-memory", &|| {
-        middlebox(&|bin| {
-            let cfg = mb::CloverLoadConfig::full_system(quick);
-            mb::run_memory(&cfg, &mb::memory_budgets(quick), bin, out)
-        })
-    })?);
-    written.extend(timed("middlebox-bandwidth", &|| {
-        middlebox(&|bin| mb::run_bandwidth(&mb::CloverLoadConfig::bandwidth(quick), bin, out))
-    })?);
-    written.extend(timed("middlebox-tail", &|| {
-        middlebox(&|bin| mb::run_tail(&mb::CloverLoadConfig::tail(quick), bin, out))
     })?);
     written.push(report::write_report(
         out,

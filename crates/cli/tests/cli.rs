@@ -598,11 +598,6 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
         "raid-overhead",
         "raid-rebuild",
         "fault",
-        "middlebox-cas",
-        "middlebox-full-system",
-        "middlebox-memory",
-        "middlebox-bandwidth",
-        "middlebox-tail",
     ] {
         assert!(err.contains(&format!("bench {bench}: done")), "{err}");
         let json: serde_json::Value = serde_json::from_slice(
