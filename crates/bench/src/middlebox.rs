@@ -420,6 +420,7 @@ fn clover_side_with(
                 blocks_max: 1024,
                 keys_max: cfg.keys as usize + 16,
                 versions_kept: 2,
+                ..MetaConfig::default()
             },
         )
         .map_err(|e| setup("meta", e.to_string()))?,
@@ -569,11 +570,12 @@ fn stats(client: &Client) -> Result<Vec<(String, u64)>, BenchError> {
 }
 
 /// Every technique the proxy has, for the "with the proxy" side.
-pub const PROXY_ALL_FLAGS: [&str; 5] = [
+pub const PROXY_ALL_FLAGS: [&str; 6] = [
     "--conn-map",
     "4",
     "--cas-to-write",
     "--read-cache",
+    "--write-cache",
     "--threads=1",
 ];
 
@@ -966,14 +968,22 @@ pub fn run_full_system(
     Ok(vec![output::write_result(out, &result)?])
 }
 
-/// Proxy `--memory` budgets of `bench middlebox memory`. The smallest is about the floor
-/// the proxy accepts with every technique on one lane (the read cache's 32 KiB slot
-/// table must fit its share).
+/// Proxy `--memory` budgets of `bench middlebox memory`, from a few KiB (a dozen write
+/// cache tails, a few read cache entries behind a 64-slot table) to right-sized (every
+/// hot key's tail and node cached).
 pub fn memory_budgets(quick: bool) -> Vec<u64> {
     if quick {
-        vec![64 << 10, 256 << 10, 16 << 20]
+        vec![4 << 10, 64 << 10, 16 << 20]
     } else {
-        vec![64 << 10, 128 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+        vec![
+            4 << 10,
+            16 << 10,
+            64 << 10,
+            256 << 10,
+            1 << 20,
+            4 << 20,
+            16 << 20,
+        ]
     }
 }
 

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod chaos;
+mod clover;
 mod cluster;
 mod farmem;
 mod proxy;
@@ -80,6 +81,10 @@ enum Command {
     /// mapping, CAS→WRITE (`camelot proxy run --help`), and its counters.
     #[command(subcommand)]
     Proxy(proxy::ProxyCommand),
+    /// Clover, the one-sided key-value store: its metadata service (`meta`) and a store
+    /// client (`put`, `get`, `delete`, `stats`).
+    #[command(subcommand)]
+    Clover(clover::CloverCommand),
 }
 
 #[derive(Subcommand)]
@@ -798,6 +803,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::TestbedRelay(a) => testbed::relay(a),
         Command::Bench(BenchCommand::Testbed(a)) => testbed_bench::run(a),
         Command::Proxy(c) => proxy::run(c),
+        Command::Clover(c) => clover::run(c),
         Command::Bench(BenchCommand::Middlebox(c)) => proxy::bench(c),
         Command::Bench(BenchCommand::Cluster(c)) => cluster::bench(c),
     }

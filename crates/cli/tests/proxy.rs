@@ -498,6 +498,7 @@ fn clover_through_proxies_with_every_technique_is_linearizable() {
         let mut failed_locally = 0;
         let mut hits = 0;
         let mut relinked = 0;
+        let mut redirects = 0;
         for p in &proxies {
             let c = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
             converted += stat(&c, "proxy_cas_converted");
@@ -505,9 +506,14 @@ fn clover_through_proxies_with_every_technique_is_linearizable() {
             assert!(stat(&c, "proxy_state_bytes") <= 256 << 10);
             hits += stat(&c, "proxy_read_hits");
             relinked += stat(&c, "proxy_write_cache_hits");
+            redirects += stat(&c, "proxy_read_redirects");
         }
         eprintln!(
-            "round {round}: CAS converted {converted}, failed locally {failed_locally}, read hits {hits}, CASes re-aimed {relinked}"
+            "round {round}: CAS converted {converted}, failed locally {failed_locally}, read hits {hits}, READs sent to the tail {redirects}, CASes re-aimed {relinked}"
+        );
+        assert!(
+            redirects > 0,
+            "the read cache never sent a READ to a newer tail"
         );
         assert!(hits > 100, "the read cache never answered: {hits}");
         assert!(converted > 100, "CAS→WRITE never happened: {converted}");
@@ -679,6 +685,7 @@ fn the_cas_bench_writes_its_result() {
             "bench",
             "middlebox",
             "cas",
+            "--quick",
             "--clients",
             "1,4",
             "--seconds",
@@ -696,6 +703,7 @@ fn the_cas_bench_writes_its_result() {
     let text = std::fs::read_to_string(dir.path.join("middlebox-cas.json")).unwrap();
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(json["bench"], "middlebox-cas");
+    assert_eq!(json["config"]["quick"], true);
     let series = json["series"].as_array().unwrap();
     assert_eq!(series.len(), 2);
     for s in series {
@@ -812,4 +820,34 @@ fn the_full_system_bench_reports_every_bar() {
         assert!(points[5]["extra"]["proxy_cpu_s"].as_f64().unwrap() > 0.0);
     }
     assert_eq!(json["comparisons"].as_array().unwrap().len(), 3);
+}
+
+/// `bench middlebox memory`: Clover direct, then one proxy with every technique per
+/// `--memory` budget from a few KiB up; the proxy never holds more than its budget.
+#[test]
+fn the_memory_bench_keeps_every_proxy_within_its_budget() {
+    let dir = camelot_testkit::process::ScratchDir::new("middlebox-memory").unwrap();
+    let json = run_middlebox_bench("memory", &dir.path);
+    assert_eq!(json["bench"], "middlebox-memory");
+    assert_eq!(json["config"]["quick"], true);
+    let series = json["series"].as_array().unwrap();
+    assert_eq!(series.len(), 2);
+    assert!(series[0]["points"][0]["ops_per_sec"].as_f64().unwrap() > 0.0);
+    let points = series[1]["points"].as_array().unwrap();
+    assert_eq!(points.len(), 3, "{points:?}");
+    let mut budgets = Vec::new();
+    for p in points {
+        let budget = p["extra"]["memory_bytes"].as_u64().unwrap();
+        let held = p["extra"]["proxy_state_bytes"].as_u64().unwrap();
+        assert!(held <= budget, "{held} B held under a {budget} B budget");
+        assert!(p["ops_per_sec"].as_f64().unwrap() > 0.0, "{p}");
+        assert!(p["extra"]["proxy_cpu_s"].as_f64().unwrap() > 0.0, "{p}");
+        budgets.push(budget);
+    }
+    assert!(
+        budgets[0] <= 8 << 10,
+        "the smallest budget is a few KiB: {budgets:?}"
+    );
+    assert!(budgets.windows(2).all(|w| w[0] < w[1]), "{budgets:?}");
+    assert!(json["comparisons"][0]["ratio"].as_f64().unwrap() > 0.0);
 }

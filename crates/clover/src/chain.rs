@@ -16,6 +16,12 @@
 //!   a CAS expects a marker naming key and sequence number. A node reused since cannot
 //!   pass either (a key's sequence numbers only grow), so the walk restarts from the head
 //!   the metadata service keeps.
+//! - A middlebox may answer a READ of an old version with the bytes of the newest linked
+//!   version it knows, marked `FLAG_REDIRECTED` (see `layout`). The walk takes such an
+//!   answer only for its own key at a newer version, and goes on from the node its own
+//!   address word names: that is a later node of the same chain, so the walk reaches
+//!   the same tail, sooner. The mark is the middlebox's word that the node is linked (an
+//!   unmarked node with a newer version may be a writer's, not yet linked, and restarts).
 
 use crate::layout::{self, decode_node, tail_marker, Geometry, Next, NodeAddr, HEADER_BYTES};
 use bytes::Bytes;
@@ -81,6 +87,8 @@ pub enum Answer {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counters {
     pub hops: u32,
+    /// Walks a middlebox sent straight to a newer version (hops saved).
+    pub jumps: u32,
     pub cas_failures: u32,
     pub restarts: u32,
     /// CASes a middlebox re-aimed at the real tail and won (each a retry saved).
@@ -163,6 +171,19 @@ impl Walker {
                     // Reuse by a larger value's writer can leave any bytes here.
                     return self.restart();
                 };
+                if header.flags & layout::FLAG_REDIRECTED != 0
+                    && header.key_id == self.key_id
+                    && header.seq > self.cur.seq
+                {
+                    let Next::Node(addr) = Next::decode(header.self_word) else {
+                        return self.restart();
+                    };
+                    self.counters.jumps += 1;
+                    self.cur = Hint {
+                        addr,
+                        seq: header.seq,
+                    };
+                }
                 if header.key_id != self.key_id || header.seq != self.cur.seq {
                     return self.restart();
                 }
@@ -474,5 +495,54 @@ mod tests {
         // Nor is a relinked word naming no later version believed.
         let r = write_answered_result(None, relinked_word(3));
         assert_eq!(r.unwrap_err(), ChainError::Relinked(relinked_word(3)));
+    }
+
+    fn marked(g: &Geometry, addr: NodeAddr, key: u64, seq: u64, redirected: bool) -> Bytes {
+        let mut b = encode_node(g, addr, key, seq, Some(b"new"), true)
+            .unwrap()
+            .to_vec();
+        if redirected {
+            let flags = u32::from_le_bytes(b[28..32].try_into().unwrap()) | layout::FLAG_REDIRECTED;
+            b[28..32].copy_from_slice(&flags.to_le_bytes());
+        }
+        Bytes::from(b)
+    }
+
+    fn read_answered(answer: Bytes) -> Step<ReadDone> {
+        let g = Geometry::new(8, 16).unwrap();
+        let hint = Hint {
+            addr: NodeAddr { block: 0, slot: 1 },
+            seq: 3,
+        };
+        let mut op = ReadOp::new(&g, 9, hint, ChainLimits::default());
+        op.start();
+        op.resume(Answer::Data(answer)).unwrap()
+    }
+
+    #[test]
+    fn a_redirected_answer_jumps_only_forward_on_its_own_key() {
+        let g = Geometry::new(8, 16).unwrap();
+        let tail = NodeAddr { block: 2, slot: 7 };
+        // Marked, same key, newer: the read ends there, at that node.
+        let Step::Finished(done) = read_answered(marked(&g, tail, 9, 8, true)) else {
+            panic!("not finished");
+        };
+        assert_eq!(done.tail, Hint { addr: tail, seq: 8 });
+        assert_eq!(done.value.as_deref(), Some(&b"new"[..]));
+        assert_eq!((done.counters.jumps, done.counters.restarts), (1, 0));
+        // Unmarked newer version (a reused node, perhaps not linked): restart.
+        assert!(matches!(
+            read_answered(marked(&g, tail, 9, 8, false)),
+            Step::Issue(Access::Head)
+        ));
+        // Marked but older, or another key's: restart.
+        assert!(matches!(
+            read_answered(marked(&g, tail, 9, 2, true)),
+            Step::Issue(Access::Head)
+        ));
+        assert!(matches!(
+            read_answered(marked(&g, tail, 10, 8, true)),
+            Step::Issue(Access::Head)
+        ));
     }
 }

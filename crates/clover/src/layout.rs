@@ -34,6 +34,12 @@ const RELINKED_BIT: u64 = 1 << 62;
 const FLAG_ABSENT: u32 = 1;
 /// The writer's node may be linked after whatever the tail is (no condition on the value).
 pub const FLAG_RELINKABLE: u32 = 2;
+/// Set only in a middlebox's answer to a READ, never in memory: these bytes are the
+/// linked version `seq` of the key, read at the node the header's own address word
+/// names, in place of the node the READ asked for (the proxy's read cache sends a READ
+/// of an old version to the newest it knows). A walk accepts it only for its own key at
+/// a version newer than the one it asked for.
+pub const FLAG_REDIRECTED: u32 = 4;
 
 /// A node's place: which block, which slot in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -94,17 +100,19 @@ pub fn relinked_seq(word: u64) -> Option<u64> {
     (word & (TAIL_BIT | RELINKED_BIT) == RELINKED_BIT).then_some(word & (RELINKED_BIT - 1))
 }
 
-/// What a middlebox may learn from a WRITE of a whole fresh node: a relinkable node's
-/// key, version and own address word.
+/// What a middlebox may learn from a WRITE of a whole fresh node: its key, version, own
+/// address word and flags (`FLAG_RELINKABLE`: an unconditional writer's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LinkableNode {
     pub key_id: u64,
     pub seq: u64,
     pub self_word: u64,
+    pub flags: u32,
 }
 
-/// `Some` only for the bytes [`encode_node`] makes for a relinkable node (a WRITE at a
-/// node's start); anything else, including a relink header, is `None`.
+/// `Some` only for the bytes [`encode_node`] makes (a WRITE of a whole node, at its
+/// start): the next word is the tail marker of the header's own key and version and the
+/// own address word is an address. Anything else, including a relink header, is `None`.
 pub fn decode_linkable_write(data: &[u8]) -> Option<LinkableNode> {
     if data.len() < HEADER_BYTES as usize {
         return None;
@@ -114,12 +122,23 @@ pub fn decode_linkable_write(data: &[u8]) -> Option<LinkableNode> {
     let flags = u32_at(data, 28);
     let self_word = u64_at(data, 32);
     let fresh = u64_at(data, 0) == tail_marker(key_id, seq);
-    (fresh && flags & FLAG_RELINKABLE != 0 && matches!(Next::decode(self_word), Next::Node(_)))
+    (fresh && flags & FLAG_REDIRECTED == 0 && matches!(Next::decode(self_word), Next::Node(_)))
         .then_some(LinkableNode {
             key_id,
             seq,
             self_word,
+            flags,
         })
+}
+
+/// The next word, key id and version of a node header's first 24 bytes (zeros for what
+/// `data` does not hold).
+pub fn node_header_fields(data: &[u8]) -> (u64, u64, u64) {
+    let word = |at: usize| {
+        data.get(at..at + 8)
+            .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+    };
+    (word(0), word(8), word(16))
 }
 
 /// The own-address word of a WRITE covering a whole node header, whatever its flags.
@@ -176,6 +195,8 @@ pub struct Header {
     pub seq: u64,
     pub len: u32,
     pub flags: u32,
+    /// The node's own address word.
+    pub self_word: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -216,6 +237,7 @@ pub fn decode_node(bytes: &Bytes) -> Result<(Header, Option<Bytes>), LayoutError
         seq: u64_at(bytes, 16),
         len: u32_at(bytes, 24),
         flags: u32_at(bytes, 28),
+        self_word: u64_at(bytes, 32),
     };
     if header.flags & FLAG_ABSENT != 0 || bytes.len() == h {
         return Ok((header, None));
@@ -311,10 +333,13 @@ mod tests {
             prop_assert_eq!(v.as_deref(), value.as_deref());
             let relink = encode_relink(key, seq + 1);
             prop_assert_eq!(&relink[..], &encode_node(&g, addr, key, seq + 1, None, false).unwrap()[..RELINK_HEADER_BYTES]);
-            prop_assert_eq!(decode_linkable_write(&node), Some(LinkableNode { key_id: key, seq, self_word: addr.encode() }));
+            let flags = if value.is_none() { FLAG_ABSENT } else { 0 };
+            prop_assert_eq!(decode_linkable_write(&node), Some(LinkableNode { key_id: key, seq, self_word: addr.encode(), flags: flags | FLAG_RELINKABLE }));
             prop_assert_eq!(decode_linkable_write(&relink), None);
+            prop_assert_eq!(node_header_fields(&relink), (tail_marker(key, seq + 1), key, seq + 1));
             let fixed = encode_node(&g, addr, key, seq, value.as_deref(), false).unwrap();
-            prop_assert_eq!(decode_linkable_write(&fixed), None);
+            prop_assert_eq!(decode_linkable_write(&fixed).map(|n| n.flags), Some(flags));
+            prop_assert_eq!(h.self_word, addr.encode());
         }
 
         #[test]

@@ -12,8 +12,9 @@
 //! The chain logic is a set of pure state machines (`chain`), run against the network
 //! by [`Store`] and against [`SimMemory`] by tests that interleave them at will.
 //!
-//! Today the metadata service is a library object shared by the stores of one process;
-//! only the data path goes over the network.
+//! The metadata service runs in the stores' process ([`Meta`], shared by its threads) or
+//! as a server of its own ([`server::MetaServer`], `camelot clover meta`) that stores in
+//! any process reach through [`remote::RemoteMeta`] (`remote::open`).
 //!
 //! ```no_run
 //! # use camelot_clover::*;
@@ -34,12 +35,17 @@ pub mod chain;
 pub mod layout;
 pub mod memory;
 pub mod meta;
+pub mod remote;
+pub mod server;
 pub mod store;
+pub mod wire;
 
 pub use chain::{ChainError, ChainLimits, Hint};
 pub use layout::{Geometry, LayoutError, NodeAddr};
-pub use memory::{Memory, RegionMemory, SimMemory};
-pub use meta::{Meta, MetaConfig, MetaStats};
+pub use memory::{BlockSource, Memory, RegionMemory, SimMemory};
+pub use meta::{Meta, MetaApi, MetaConfig, MetaStats};
+pub use remote::{RemoteConfig, RemoteMeta};
+pub use server::{MetaServer, MetaServerConfig};
 pub use store::{Store, StoreConfig, StoreStats};
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -62,4 +68,10 @@ pub enum CloverError {
     Corrupt(String),
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The metadata server could not be reached or answered out of protocol.
+    #[error("{0}")]
+    Meta(String),
+    /// The metadata server refused the connection (token, version).
+    #[error("metadata server refused: {0}")]
+    Refused(String),
 }

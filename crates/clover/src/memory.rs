@@ -3,6 +3,7 @@
 //! ([`SimMemory`]).
 
 use crate::layout::{Geometry, NodeAddr, BLOCKS_MAX};
+use crate::wire::BlockRef;
 use crate::CloverError;
 use bytes::Bytes;
 use camelot_client::{AccessMode, Client, Region};
@@ -23,6 +24,12 @@ pub trait Memory: Send + Sync {
     fn blocks(&self) -> u32;
 }
 
+/// Where a store that does not make its blocks learns them: the metadata server.
+pub trait BlockSource: Send + Sync {
+    /// The blocks from index `from` on (possibly only some of them; none past the end).
+    fn blocks_from(&self, from: u32) -> Result<Vec<BlockRef>, CloverError>;
+}
+
 /// Blocks are shared regions on the cluster's memory servers, placed round-robin; nodes
 /// are read, written and CASed with the request API's READ, WRITE and CAS only.
 #[derive(Clone)]
@@ -31,6 +38,9 @@ pub struct RegionMemory {
     geometry: Geometry,
     blocks: Arc<RwLock<Vec<Region>>>,
     next_server: Arc<AtomicUsize>,
+    /// Set for a store whose blocks the metadata server makes: an unknown block index
+    /// is looked up there (block `i` of the client's map is server `i` of the service's).
+    source: Option<Arc<dyn BlockSource>>,
 }
 
 impl RegionMemory {
@@ -40,6 +50,84 @@ impl RegionMemory {
             geometry,
             blocks: Arc::new(RwLock::new(Vec::new())),
             next_server: Arc::new(AtomicUsize::new(0)),
+            source: None,
+        }
+    }
+
+    /// Memory whose blocks `source` makes and names; the client's map lists the same
+    /// servers in the same order as the source's (or proxies in front of them).
+    pub fn remote(
+        client: Client,
+        geometry: Geometry,
+        source: Arc<dyn BlockSource>,
+    ) -> RegionMemory {
+        RegionMemory {
+            source: Some(source),
+            ..RegionMemory::new(client, geometry)
+        }
+    }
+
+    /// Blocks from `from` on, at most `max`, as the metadata server names them.
+    pub fn block_refs(&self, from: u32, max: usize) -> Vec<BlockRef> {
+        let map = self.client.map();
+        self.blocks
+            .read()
+            .iter()
+            .skip(from as usize)
+            .take(max)
+            .map(|r| BlockRef {
+                server: map
+                    .nodes
+                    .iter()
+                    .position(|n| n.id == r.node)
+                    .map_or(u32::MAX, |i| i as u32),
+                region: r.id,
+                size: r.size,
+            })
+            .collect()
+    }
+
+    /// Learns blocks from the source until `block` is known (or the source has no more).
+    fn learn(&self, block: u32) -> Result<(), CloverError> {
+        let Some(source) = &self.source else {
+            return Ok(());
+        };
+        let map = self.client.map();
+        loop {
+            let have = self.blocks.read().len() as u32;
+            if block < have {
+                return Ok(());
+            }
+            let refs = source.blocks_from(have)?;
+            if refs.is_empty() {
+                return Ok(());
+            }
+            let mut blocks = self.blocks.write();
+            // Another thread may have learned them meanwhile.
+            if blocks.len() as u32 != have {
+                continue;
+            }
+            for r in refs {
+                let node = map.nodes.get(r.server as usize).ok_or_else(|| {
+                    CloverError::InvalidArgument(format!(
+                        "block on server {} of the metadata service, but this client knows {} servers",
+                        r.server,
+                        map.nodes.len()
+                    ))
+                })?;
+                if blocks.len() >= BLOCKS_MAX as usize {
+                    return Err(CloverError::OutOfMemory {
+                        blocks_max: BLOCKS_MAX,
+                    });
+                }
+                blocks.push(Region {
+                    node: node.id,
+                    id: r.region,
+                    size: r.size,
+                    name: None,
+                    mode: AccessMode::Shared,
+                });
+            }
         }
     }
 
@@ -57,12 +145,18 @@ impl RegionMemory {
 
     /// The region holding a node and the node's offset in it.
     fn place(&self, addr: NodeAddr) -> Result<(Region, u64), CloverError> {
-        let region = self
-            .blocks
-            .read()
-            .get(addr.block as usize)
-            .cloned()
-            .ok_or(CloverError::BadAddress(addr))?;
+        let known = self.blocks.read().get(addr.block as usize).cloned();
+        let region = match known {
+            Some(r) => r,
+            None => {
+                self.learn(addr.block)?;
+                self.blocks
+                    .read()
+                    .get(addr.block as usize)
+                    .cloned()
+                    .ok_or(CloverError::BadAddress(addr))?
+            }
+        };
         let offset = self
             .geometry
             .offset(addr)
@@ -92,6 +186,11 @@ impl Memory for RegionMemory {
     }
 
     fn add_block(&self) -> Result<u32, CloverError> {
+        if self.source.is_some() {
+            return Err(CloverError::InvalidArgument(
+                "only the metadata service makes blocks".into(),
+            ));
+        }
         let map = self.client.map();
         if map.nodes.is_empty() {
             return Err(CloverError::Client(camelot_client::ClientError::EmptyMap));

@@ -9,20 +9,49 @@
 //! walks in flight keep intact nodes under their feet. Cached hints held between
 //! operations are not protected; the walk's (key id, sequence number) check catches a
 //! reused node and restarts from the head (see `chain`).
+//!
+//! Stores in other processes (through the metadata server, `server`) cannot announce
+//! epochs without a round trip per operation, so for them a retired node also waits
+//! `reuse_grace` before it is free: long enough for any walk in flight to end, so reuse
+//! under a walker stays rare. Correctness never rests on either wait (see above).
+//!
+//! Key ids carry a random 32-bit salt in their upper half (the lower half numbers keys
+//! from 1), so two stores behind one middlebox do not share key ids, which the proxy's
+//! caches use to tell nodes of one key from another's.
 
 use crate::chain::Hint;
-use crate::layout::{decode_node, encode_node, Next, NodeAddr, HEADER_BYTES};
+use crate::layout::{encode_node, node_header_fields, Next, NodeAddr, RELINK_HEADER_BYTES};
 use crate::memory::Memory;
 use crate::CloverError;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 /// Most keys a metadata service tracks by default.
 pub const KEYS_MAX_DEFAULT: usize = 1 << 20;
 /// Most nodes one collection pass reads along one chain; the rest wait for the next.
 pub const GC_HOPS_PER_CHAIN_MAX: usize = 65_536;
+/// Most nodes one grant hands out.
+pub const GRANT_NODES_MAX: usize = 1024;
+
+/// What a store needs of its metadata service: the in-process [`Meta`], or the metadata
+/// server reached over the network (`remote::RemoteMeta`).
+pub trait MetaApi: Send + Sync {
+    /// The key's id and head, making the key if it is new.
+    fn key(&self, key: &[u8]) -> Result<(u64, Hint), CloverError>;
+    fn head(&self, key_id: u64) -> Result<Hint, CloverError>;
+    /// Up to `n` free nodes (at least one) for a writer to own.
+    fn grant(&self, n: usize) -> Result<Vec<NodeAddr>, CloverError>;
+    /// Nodes a writer owned and never linked.
+    fn give_back(&self, nodes: Vec<NodeAddr>);
+    fn blocks_max(&self) -> u32;
+    /// A new store's announcement slot.
+    fn register(&self) -> Arc<AtomicU64>;
+    /// Announces an operation starting on `slot` (until the slot is set to `u64::MAX`).
+    fn announce(&self, slot: &AtomicU64);
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetaConfig {
@@ -31,6 +60,12 @@ pub struct MetaConfig {
     pub keys_max: usize,
     /// Versions of each key kept behind the head (at least 1: the current one).
     pub versions_kept: usize,
+    /// How long a retired node waits before it is free, beyond the epochs of in-process
+    /// stores (see the module doc); zero for a service whose stores all announce.
+    pub reuse_grace: Duration,
+    /// Test-only: a deliberately broken service that hands every granted node out a
+    /// second time, to the next store that asks (the history tests show it is caught).
+    pub fault_double_grant: bool,
 }
 
 impl Default for MetaConfig {
@@ -39,6 +74,8 @@ impl Default for MetaConfig {
             blocks_max: 64,
             keys_max: KEYS_MAX_DEFAULT,
             versions_kept: 2,
+            reuse_grace: Duration::ZERO,
+            fault_double_grant: false,
         }
     }
 }
@@ -65,14 +102,16 @@ struct State {
     /// Index key id − 1.
     chains: Vec<Chain>,
     free: Vec<NodeAddr>,
-    /// Retired nodes and the epoch they were retired in, oldest first.
-    limbo: VecDeque<(NodeAddr, u64)>,
+    /// Retired nodes, the epoch they were retired in and when, oldest first.
+    limbo: VecDeque<(NodeAddr, u64, Instant)>,
     stats: MetaStats,
 }
 
 pub struct Meta<M: Memory> {
     mem: M,
     config: MetaConfig,
+    /// The upper half of every key id this service makes.
+    salt: u64,
     state: Mutex<State>,
     epoch: AtomicU64,
     /// Each store's announcement: the epoch its running operation started in, or
@@ -101,6 +140,7 @@ impl<M: Memory> Meta<M> {
         Ok(Meta {
             mem,
             config,
+            salt: random_salt(),
             state: Mutex::new(State {
                 keys: HashMap::new(),
                 chains: Vec::new(),
@@ -133,11 +173,16 @@ impl<M: Memory> Meta<M> {
     /// Announces an operation starting. The epoch is re-read after the announcement so a
     /// pass that advanced it in between cannot miss us.
     pub fn pin<'a>(&self, slot: &'a AtomicU64) -> Pin<'a> {
+        self.announce_epoch(slot);
+        Pin { slot }
+    }
+
+    fn announce_epoch(&self, slot: &AtomicU64) {
         loop {
             let e = self.epoch.load(Ordering::SeqCst);
             slot.store(e, Ordering::SeqCst);
             if self.epoch.load(Ordering::SeqCst) == e {
-                return Pin { slot };
+                return;
             }
         }
     }
@@ -146,13 +191,13 @@ impl<M: Memory> Meta<M> {
     pub fn key(&self, key: &[u8]) -> Result<(u64, Hint), CloverError> {
         let mut st = self.state.lock();
         if let Some(&id) = st.keys.get(key) {
-            return Ok((id, head_of(&st, id)?));
+            return Ok((id, head_of(&st, self.index(id)?, id)?));
         }
         if st.keys.len() >= self.config.keys_max {
             return Err(CloverError::TooManyKeys(self.config.keys_max));
         }
         let node = self.take_nodes(&mut st, 1)?[0];
-        let id = st.chains.len() as u64 + 1;
+        let id = self.salt << 32 | (st.chains.len() as u64 + 1);
         let data = encode_node(&self.mem.geometry(), node, id, 0, None, false)?;
         if let Err(e) = self.mem.write(node, data) {
             st.free.push(node);
@@ -168,14 +213,27 @@ impl<M: Memory> Meta<M> {
     }
 
     pub fn head(&self, key_id: u64) -> Result<Hint, CloverError> {
-        head_of(&self.state.lock(), key_id)
+        head_of(&self.state.lock(), self.index(key_id)?, key_id)
+    }
+
+    /// A key id's place in the chain table, if this service made it.
+    fn index(&self, key_id: u64) -> Result<usize, CloverError> {
+        let n = key_id & 0xffff_ffff;
+        if key_id >> 32 != self.salt || n == 0 {
+            return Err(CloverError::UnknownKey(key_id));
+        }
+        Ok((n - 1) as usize)
     }
 
     /// Up to `n` (at least one) free nodes for a writer to own. Reclaims, collects and
     /// makes blocks, in that order, when the pool runs short.
     pub fn grant(&self, n: usize) -> Result<Vec<NodeAddr>, CloverError> {
         let mut st = self.state.lock();
-        self.take_nodes(&mut st, n.max(1))
+        let nodes = self.take_nodes(&mut st, n.clamp(1, GRANT_NODES_MAX))?;
+        if self.config.fault_double_grant {
+            st.free.extend(nodes.iter().copied());
+        }
+        Ok(nodes)
     }
 
     /// Nodes a writer owned and never linked.
@@ -235,22 +293,25 @@ impl<M: Memory> Meta<M> {
             stats,
             ..
         } = st;
+        let now = Instant::now();
         for (i, chain) in chains.iter_mut().enumerate() {
-            let key_id = i as u64 + 1;
+            let key_id = self.salt << 32 | (i as u64 + 1);
             for _ in 0..GC_HOPS_PER_CHAIN_MAX {
                 let Some(&last) = chain.known.back() else {
                     break;
                 };
-                let bytes = self.mem.read(last.addr, HEADER_BYTES)?;
-                let (h, _) = decode_node(&bytes)?;
-                if h.key_id != key_id || h.seq != last.seq {
+                // The first 24 bytes only: a middlebox redirects READs of whole headers
+                // (see `layout::FLAG_REDIRECTED`), and collection must see this node.
+                let bytes = self.mem.read(last.addr, RELINK_HEADER_BYTES as u32)?;
+                let (next, h_key, h_seq) = node_header_fields(&bytes);
+                if bytes.len() < RELINK_HEADER_BYTES || h_key != key_id || h_seq != last.seq {
                     // A node the pass knows as linked is never reused.
                     return Err(CloverError::Corrupt(format!(
-                        "key {key_id}: node {:?} holds key {} version {}, expected version {}",
-                        last.addr, h.key_id, h.seq, last.seq
+                        "key {key_id}: node {:?} holds key {h_key} version {h_seq}, expected version {}",
+                        last.addr, last.seq
                     )));
                 }
-                match Next::decode(h.next) {
+                match Next::decode(next) {
                     Next::Node(a) => chain.known.push_back(Hint {
                         addr: a,
                         seq: last.seq + 1,
@@ -260,7 +321,7 @@ impl<M: Memory> Meta<M> {
             }
             while chain.known.len() > self.config.versions_kept {
                 if let Some(old) = chain.known.pop_front() {
-                    limbo.push_back((old.addr, epoch));
+                    limbo.push_back((old.addr, epoch, now));
                     stats.nodes_retired += 1;
                 }
             }
@@ -283,8 +344,9 @@ impl<M: Memory> Meta<M> {
                 .min()
                 .unwrap_or(u64::MAX)
         };
-        while let Some(&(addr, retired)) = st.limbo.front() {
-            if retired >= oldest_running {
+        let now = Instant::now();
+        while let Some(&(addr, retired, at)) = st.limbo.front() {
+            if retired >= oldest_running || now.duration_since(at) < self.config.reuse_grace {
                 break;
             }
             st.limbo.pop_front();
@@ -294,10 +356,46 @@ impl<M: Memory> Meta<M> {
     }
 }
 
-fn head_of(st: &State, key_id: u64) -> Result<Hint, CloverError> {
-    key_id
-        .checked_sub(1)
-        .and_then(|i| st.chains.get(i as usize))
+fn head_of(st: &State, index: usize, key_id: u64) -> Result<Hint, CloverError> {
+    st.chains
+        .get(index)
         .and_then(|c| c.known.front().copied())
         .ok_or(CloverError::UnknownKey(key_id))
+}
+
+/// A nonzero 31-bit salt from the standard library's per-process random hash keys (no
+/// cryptographic need: it only has to differ between stores).
+fn random_salt() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+    );
+    (h.finish() & 0x7fff_ffff).max(1)
+}
+
+impl<M: Memory> MetaApi for Meta<M> {
+    fn key(&self, key: &[u8]) -> Result<(u64, Hint), CloverError> {
+        Meta::key(self, key)
+    }
+    fn head(&self, key_id: u64) -> Result<Hint, CloverError> {
+        Meta::head(self, key_id)
+    }
+    fn grant(&self, n: usize) -> Result<Vec<NodeAddr>, CloverError> {
+        Meta::grant(self, n)
+    }
+    fn give_back(&self, nodes: Vec<NodeAddr>) {
+        Meta::give_back(self, nodes)
+    }
+    fn blocks_max(&self) -> u32 {
+        self.config.blocks_max
+    }
+    fn register(&self) -> Arc<AtomicU64> {
+        Meta::register(self)
+    }
+    fn announce(&self, slot: &AtomicU64) {
+        self.announce_epoch(slot);
+    }
 }

@@ -5,7 +5,7 @@
 use crate::chain::{Access, Answer, ChainLimits, Counters, Hint, ReadOp, Step, WriteDone, WriteOp};
 use crate::layout::NodeAddr;
 use crate::memory::Memory;
-use crate::meta::Meta;
+use crate::meta::MetaApi;
 use crate::CloverError;
 use bytes::Bytes;
 use std::collections::HashMap;
@@ -40,6 +40,8 @@ pub struct StoreStats {
     pub writes: u64,
     /// Nodes followed past the cached hint.
     pub hops: u64,
+    /// Walks a middlebox sent straight to a newer version.
+    pub jumps: u64,
     /// CASes lost to another writer (each followed by a retry).
     pub cas_failures: u64,
     /// Walks restarted from the head after meeting a reclaimed node.
@@ -52,6 +54,7 @@ pub struct StoreStats {
 impl StoreStats {
     fn add(&mut self, c: Counters) {
         self.hops += u64::from(c.hops);
+        self.jumps += u64::from(c.jumps);
         self.cas_failures += u64::from(c.cas_failures);
         self.restarts += u64::from(c.restarts);
         self.relinked += u64::from(c.relinked);
@@ -59,7 +62,7 @@ impl StoreStats {
 }
 
 pub struct Store<M: Memory> {
-    meta: Arc<Meta<M>>,
+    meta: Arc<dyn MetaApi>,
     mem: M,
     slot: Arc<AtomicU64>,
     config: StoreConfig,
@@ -70,7 +73,8 @@ pub struct Store<M: Memory> {
 
 impl<M: Memory> Store<M> {
     /// A store using `mem` (its own connections) for data and `meta` for metadata.
-    pub fn new(meta: Arc<Meta<M>>, mem: M, config: StoreConfig) -> Store<M> {
+    pub fn new<S: MetaApi + 'static>(meta: Arc<S>, mem: M, config: StoreConfig) -> Store<M> {
+        let meta: Arc<dyn MetaApi> = meta;
         let slot = meta.register();
         Store {
             meta,
@@ -141,9 +145,8 @@ impl<M: Memory> Store<M> {
     /// The key's current value; `None` if it was never written or was deleted.
     pub fn get(&mut self, key: &[u8]) -> Result<Option<Bytes>, CloverError> {
         let (key_id, hint) = self.key(key)?;
-        let meta = Arc::clone(&self.meta);
         let slot = Arc::clone(&self.slot);
-        let _pin = meta.pin(&slot);
+        let _pin = Announced::new(self.meta.as_ref(), &slot);
         let mut op = ReadOp::new(&self.mem.geometry(), key_id, hint, self.config.limits);
         let first = op.start();
         let done = self.drive(key_id, first, |a| op.resume(a))?;
@@ -184,11 +187,10 @@ impl<M: Memory> Store<M> {
             self.free = self.meta.grant(self.config.grant_nodes)?;
         }
         let node = self.free.pop().ok_or(CloverError::OutOfMemory {
-            blocks_max: self.meta.config().blocks_max,
+            blocks_max: self.meta.blocks_max(),
         })?;
-        let meta = Arc::clone(&self.meta);
         let slot = Arc::clone(&self.slot);
-        let _pin = meta.pin(&slot);
+        let _pin = Announced::new(self.meta.as_ref(), &slot);
         let mut op = WriteOp::new(
             &self.mem.geometry(),
             key_id,
@@ -221,6 +223,25 @@ impl<M: Memory> Store<M> {
             // so it is never reused (one node lost per such failure; see the crate doc).
             Err(e) => Err(e),
         }
+    }
+}
+
+/// A store operation announced as running (see `meta`) until dropped.
+struct Announced<'a> {
+    slot: &'a AtomicU64,
+}
+
+impl<'a> Announced<'a> {
+    fn new(meta: &dyn MetaApi, slot: &'a AtomicU64) -> Announced<'a> {
+        meta.announce(slot);
+        Announced { slot }
+    }
+}
+
+impl Drop for Announced<'_> {
+    fn drop(&mut self) {
+        self.slot
+            .store(u64::MAX, std::sync::atomic::Ordering::SeqCst);
     }
 }
 

@@ -5,6 +5,7 @@
 use bytes::Bytes;
 use camelot_check::{check, History, Limits, Op, Outcome, Verdict};
 use camelot_clover::chain::{Access, Answer, ReadOp, Step, WriteOp};
+use camelot_clover::layout::{decode_node, tail_marker, Next, FLAG_REDIRECTED, HEADER_BYTES};
 use camelot_clover::{
     ChainLimits, Geometry, Hint, Memory, Meta, MetaConfig, NodeAddr, SimMemory, Store, StoreConfig,
 };
@@ -149,6 +150,16 @@ enum Reader {
     TrustsCache,
 }
 
+/// A simulated middlebox on the read path, as the proxy's read cache is: none, one that
+/// sends a READ of an old version to the key's newest *linked* version (correct), or a
+/// broken one that sends it to the newest version *written* (perhaps not yet linked).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Middlebox {
+    None,
+    RedirectsToLinked,
+    RedirectsToWritten,
+}
+
 struct World {
     mem: SimMemory,
     meta: Arc<Meta<SimMemory>>,
@@ -157,6 +168,71 @@ struct World {
     fresh: u64,
     history: History<u8>,
     reader: Reader,
+    middlebox: Middlebox,
+    redirects: u64,
+}
+
+impl World {
+    /// The node a middlebox answers a READ of `addr` with, if it redirects it.
+    fn redirect(&self, addr: NodeAddr) -> Option<NodeAddr> {
+        let (h, _) = decode_node(&self.mem.read(addr, HEADER_BYTES).ok()?).ok()?;
+        let target = match self.middlebox {
+            Middlebox::None => return None,
+            Middlebox::RedirectsToLinked => {
+                // The chain as it is now, from the head: its last node.
+                let mut cur = self.meta.head(h.key_id).ok()?;
+                for _ in 0..10_000 {
+                    let (n, _) = decode_node(&self.mem.read(cur.addr, HEADER_BYTES).ok()?).ok()?;
+                    if n.key_id != h.key_id || n.seq != cur.seq {
+                        return None;
+                    }
+                    match Next::decode(n.next) {
+                        Next::Node(a) => {
+                            cur = Hint {
+                                addr: a,
+                                seq: cur.seq + 1,
+                            }
+                        }
+                        _ => break,
+                    }
+                }
+                cur
+            }
+            Middlebox::RedirectsToWritten => {
+                let mut best: Option<Hint> = None;
+                for block in 0..self.mem.blocks() {
+                    for slot in 0..self.geometry.nodes_per_block {
+                        let a = NodeAddr { block, slot };
+                        let Ok((n, _)) = decode_node(&self.mem.read(a, HEADER_BYTES).ok()?) else {
+                            continue;
+                        };
+                        if n.key_id == h.key_id
+                            && n.next == tail_marker(n.key_id, n.seq)
+                            && best.is_none_or(|b| n.seq > b.seq)
+                        {
+                            best = Some(Hint {
+                                addr: a,
+                                seq: n.seq,
+                            });
+                        }
+                    }
+                }
+                best?
+            }
+        };
+        (target.seq > h.seq && target.addr != addr).then_some(target.addr)
+    }
+
+    fn read_through_middlebox(&mut self, addr: NodeAddr, len: u32) -> Bytes {
+        let Some(to) = self.redirect(addr) else {
+            return self.mem.read(addr, len).unwrap();
+        };
+        self.redirects += 1;
+        let mut b = self.mem.read(to, len).unwrap().to_vec();
+        let flags = u32::from_le_bytes(b[28..32].try_into().unwrap()) | FLAG_REDIRECTED;
+        b[28..32].copy_from_slice(&flags.to_le_bytes());
+        Bytes::from(b)
+    }
 }
 
 impl World {
@@ -167,7 +243,7 @@ impl World {
             return;
         };
         let answer = match &run.access {
-            Access::Read { addr, len } => Answer::Data(self.mem.read(*addr, *len).unwrap()),
+            Access::Read { addr, len } => Answer::Data(self.read_through_middlebox(*addr, *len)),
             Access::Write { addr, data } => {
                 self.mem.write(*addr, data.clone()).unwrap();
                 Answer::Done
@@ -312,6 +388,18 @@ fn run(
     schedule: &[u8],
     reader: Reader,
 ) -> (History<u8>, camelot_clover::MetaStats) {
+    let (h, stats, _) = run_with(scripts, schedule, reader, Middlebox::None);
+    (h, stats)
+}
+
+/// As [`run`], with a middlebox on the read path; also returns how many READs it
+/// redirected.
+fn run_with(
+    scripts: Vec<Vec<Planned>>,
+    schedule: &[u8],
+    reader: Reader,
+    middlebox: Middlebox,
+) -> (History<u8>, camelot_clover::MetaStats, u64) {
     let geometry = Geometry::new(8, 8).unwrap();
     let mem = SimMemory::new(geometry);
     let config = MetaConfig {
@@ -328,6 +416,8 @@ fn run(
         fresh: 0,
         history: History::new(0),
         reader,
+        middlebox,
+        redirects: 0,
     };
     let mut clients: Vec<SimClient> = scripts
         .into_iter()
@@ -365,7 +455,7 @@ fn run(
             meta.gc().unwrap();
         }
     }
-    (world.history, meta.stats())
+    (world.history, meta.stats(), world.redirects)
 }
 
 fn schedule() -> impl Strategy<Value = Vec<u8>> {
@@ -426,4 +516,66 @@ fn reuse_really_happens_in_the_interleavings() {
     let (h, stats) = run(scripts, &schedule, Reader::Correct);
     assert!(stats.nodes_reclaimed >= 20, "{stats:?}");
     assert!(check(&h, &Limits::default()).is_linearizable());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(150))]
+
+    /// A middlebox that sends READs of old versions to the newest linked one (what the
+    /// proxy's read cache does, marking the answer) keeps every history linearizable.
+    #[test]
+    fn reads_redirected_to_the_linked_tail_are_linearizable(
+        scripts in prop::collection::vec(prop::collection::vec(planned(), 0..25), 1..5),
+        schedule in schedule(),
+    ) {
+        let (h, _, _) = run_with(scripts, &schedule, Reader::Correct, Middlebox::RedirectsToLinked);
+        let report = check(&h, &Limits::default());
+        prop_assert!(report.is_linearizable(), "{:?}\n{:?}", report.verdict, h);
+    }
+}
+
+/// The redirect rule can fail: a middlebox that sends READs to the newest version
+/// written (a writer's node before its CAS) is caught, while the correct one passes the
+/// same scripts and schedules, and redirects for real.
+#[test]
+fn reads_redirected_to_unlinked_versions_are_caught() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(21);
+    let (mut caught, mut redirected) = (0, 0);
+    for _ in 0..60 {
+        let scripts: Vec<Vec<Planned>> = (0..4)
+            .map(|_| {
+                (0..20)
+                    .map(|_| match rng.gen_range(0..2) {
+                        0 => Planned::Write(0),
+                        _ => Planned::Read(0),
+                    })
+                    .collect()
+            })
+            .collect();
+        let schedule: Vec<u8> = (0..300).map(|_| rng.gen_range(0..4)).collect();
+        let (h, _, _) = run_with(
+            scripts.clone(),
+            &schedule,
+            Reader::Correct,
+            Middlebox::RedirectsToWritten,
+        );
+        if !check(&h, &Limits::default()).is_linearizable() {
+            caught += 1;
+        }
+        let (h, _, n) = run_with(
+            scripts,
+            &schedule,
+            Reader::Correct,
+            Middlebox::RedirectsToLinked,
+        );
+        redirected += n;
+        assert!(check(&h, &Limits::default()).is_linearizable());
+    }
+    eprintln!("broken middlebox caught in {caught} of 60 runs; the correct one redirected {redirected} READs");
+    assert!(
+        redirected > 100,
+        "the correct middlebox redirected only {redirected} READs"
+    );
+    assert!(caught >= 30, "only {caught} of 60 broken runs caught");
 }

@@ -11,7 +11,8 @@
 //! Slots are a fixed table, so a collision costs a fill, never a wrong answer.
 //!
 //! Bounded by a byte budget (entries' bytes plus a fixed overhead each, and the slot
-//! table); past it the oldest entries go.
+//! table, which takes at most a quarter of it: a few-KiB budget gets a small table, whose
+//! collisions cost fills, never answers); past it the oldest entries go.
 
 use bytes::Bytes;
 use std::collections::{BTreeMap, VecDeque};
@@ -23,8 +24,12 @@ pub type RegionId = u64;
 pub const CACHED_READ_BYTES_MAX: u64 = 4096;
 /// What an entry costs beyond its bytes, as the budget counts it.
 pub const ENTRY_OVERHEAD_BYTES: u64 = 128;
-/// Generation slots; the table costs `SLOTS * 8` bytes of the budget.
-pub const SLOTS: usize = 4096;
+/// Most generation slots; each costs 8 bytes of the budget.
+pub const SLOTS_MAX: usize = 4096;
+/// Fewest generation slots a cache is made with.
+pub const SLOTS_MIN: usize = 16;
+/// The smallest budget a cache is made with: the smallest table and room for an entry.
+pub const CACHE_BYTES_MIN: u64 = (SLOTS_MIN * 8) as u64 * 4;
 /// Bytes one generation slot covers.
 const SLOT_SPAN_BYTES: u64 = 256;
 
@@ -62,9 +67,20 @@ pub struct ReadCache {
     pub stats: CacheStats,
 }
 
-fn slot(region: RegionId, span: u64) -> usize {
+fn slot(region: RegionId, span: u64, slots: usize) -> usize {
     let h = (region ^ span.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    (h >> 40) as usize % SLOTS
+    (h >> 40) as usize % slots
+}
+
+/// The slot table for a budget: the largest power of two of at most [`SLOTS_MAX`] slots
+/// whose bytes fit a quarter of it.
+fn slots_for(bytes_max: u64) -> usize {
+    let fit = usize::try_from(bytes_max / 4 / 8).unwrap_or(usize::MAX);
+    let mut slots = SLOTS_MIN;
+    while slots * 2 <= fit.min(SLOTS_MAX) {
+        slots *= 2;
+    }
+    slots
 }
 
 fn spans(offset: u64, len: u64) -> std::ops::RangeInclusive<u64> {
@@ -73,13 +89,14 @@ fn spans(offset: u64, len: u64) -> std::ops::RangeInclusive<u64> {
 }
 
 impl ReadCache {
-    /// `None` when the budget cannot even hold the slot table.
+    /// `None` below [`CACHE_BYTES_MIN`].
     pub fn new(bytes_max: u64) -> Option<ReadCache> {
-        let table = (SLOTS * 8) as u64;
-        (bytes_max > table).then(|| ReadCache {
+        let slots = slots_for(bytes_max);
+        let table = (slots * 8) as u64;
+        (bytes_max >= CACHE_BYTES_MIN).then(|| ReadCache {
             map: BTreeMap::new(),
             order: VecDeque::new(),
-            gens: vec![0; SLOTS],
+            gens: vec![0; slots],
             bytes: table,
             bytes_max,
             next_stamp: 1,
@@ -128,7 +145,7 @@ impl ReadCache {
         }
         let gens = spans(offset, len)
             .map(|s| {
-                let i = slot(region, s);
+                let i = slot(region, s, self.gens.len());
                 (i, self.gens[i])
             })
             .collect();
@@ -146,7 +163,7 @@ impl ReadCache {
             return;
         }
         let cost = data.len() as u64 + ENTRY_OVERHEAD_BYTES;
-        if cost > self.bytes_max.saturating_sub((SLOTS * 8) as u64) {
+        if cost > self.bytes_max.saturating_sub(self.table_bytes()) {
             return;
         }
         let key = (ticket.region, ticket.offset);
@@ -194,9 +211,13 @@ impl ReadCache {
         }
     }
 
+    fn table_bytes(&self) -> u64 {
+        (self.gens.len() * 8) as u64
+    }
+
     fn bump(&mut self, region: RegionId, offset: u64, len: u64) {
         for s in spans(offset, len) {
-            let i = slot(region, s);
+            let i = slot(region, s, self.gens.len());
             self.gens[i] = self.gens[i].wrapping_add(1);
         }
     }
@@ -288,7 +309,7 @@ mod tests {
 
     #[test]
     fn the_budget_holds() {
-        let max = (SLOTS * 8) as u64 + 10 * (40 + ENTRY_OVERHEAD_BYTES);
+        let max = (SLOTS_MAX * 8) as u64 + 10 * (40 + ENTRY_OVERHEAD_BYTES);
         let mut c = ReadCache::new(max).unwrap();
         for i in 0..1_000u64 {
             let t = c.ticket(i % 7, i * 64, 40).unwrap();
@@ -296,7 +317,18 @@ mod tests {
             assert!(c.bytes() <= max);
         }
         assert!(c.stats.evictions > 0);
-        assert!(ReadCache::new(100).is_none());
+        assert!(ReadCache::new(CACHE_BYTES_MIN - 1).is_none());
+        // A few KiB: a small table, and entries still fit.
+        let mut small = ReadCache::new(4 << 10).unwrap();
+        assert!(small.table_bytes() <= 1 << 10);
+        for i in 0..100u64 {
+            let t = small.ticket(1, i * 64, 40).unwrap();
+            small.fill(t, &[1; 40]);
+            assert!(small.bytes() <= 4 << 10);
+        }
+        assert!(small.stats.fills > 0 && small.get(1, 99 * 64, 8).is_some());
+        assert_eq!(slots_for(1 << 30), SLOTS_MAX);
+        assert_eq!(slots_for(CACHE_BYTES_MIN), SLOTS_MIN);
     }
 
     #[derive(Debug, Clone)]
@@ -318,10 +350,10 @@ mod tests {
                 (0u8..60).prop_map(Act::Forget),
                 Just(Act::Answer),
             ], 0..200),
-            // From 1: a budget no larger than the slot table makes no cache at all.
-            budget in 1u64..2_000,
+            // From the floor up: small budgets mean small tables and many collisions.
+            budget in CACHE_BYTES_MIN..40_000,
         ) {
-            let mut c = ReadCache::new((SLOTS * 8) as u64 + budget).unwrap();
+            let mut c = ReadCache::new(budget).unwrap();
             let mut mem = [0u8; 128];
             let mut in_flight: VecDeque<(FillTicket, Vec<u8>)> = VecDeque::new();
             for act in acts {

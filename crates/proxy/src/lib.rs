@@ -11,8 +11,12 @@
 //! - Write cache (`write_cache`, needs mapping): per Clover key, the tail a writer must
 //!   CAS; a writer's CAS aimed at an older tail is re-aimed at the real one by the proxy,
 //!   so it wins at the first try. See `tails`.
+//! - Read cache (`read_cache`, needs mapping): a READ of an old version of a Clover key
+//!   whose newer tail the proxy knows goes to that tail instead (the reader skips its
+//!   walk; see `tails`), and READ answers are kept and answered again while nothing
+//!   changed their bytes (see `cache`).
 //! - `memory_bytes`: the budget for what the proxy knows, split over the lanes (and a
-//!   quarter for the write cache, when on).
+//!   quarter for the chain table that both Clover caches use, when either is on).
 //!
 //! The proxy authenticates its clients with the cluster token before it allocates
 //! anything for them (as the server's handshake does) and answers STATS with its own
@@ -41,7 +45,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tails::{Redirect, WriteCache};
+use tails::{ChainCache, Redirect, Tail};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Mutex, Notify};
@@ -56,8 +60,8 @@ pub const CONN_MAP_MAX: usize = 256;
 pub const FRAMES_IN_FLIGHT_MAX: usize = 16;
 /// Time a client has to send its HELLO.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Bytes of one read cache's slot table: a lane's cache share must exceed it.
-pub const READ_CACHE_TABLE_BYTES: u64 = cache::SLOTS as u64 * 8;
+/// The least a lane's read cache share may be (its smallest slot table and an entry).
+pub const READ_CACHE_BYTES_MIN: u64 = cache::CACHE_BYTES_MIN;
 const READ_CHUNK_BYTES: usize = 64 << 10;
 
 #[derive(Debug, thiserror::Error)]
@@ -106,10 +110,12 @@ impl ProxyConfig {
                 "--cas-to-write, --read-cache and --write-cache need --conn-map: only mapped connections keep a region's requests in one order".into(),
             ));
         }
-        if self.write_cache && WriteCache::new(self.write_cache_bytes()).is_none() {
+        if (self.write_cache || self.read_cache)
+            && ChainCache::new(self.chain_cache_bytes()).is_none()
+        {
             return Err(ProxyError::InvalidConfig(format!(
-                "--memory leaves the write cache {} bytes, not room for one tail",
-                self.write_cache_bytes()
+                "--memory leaves the chain table {} bytes, not room for two nodes and a tail",
+                self.chain_cache_bytes()
             )));
         }
         if let Some(n) = self.conn_map {
@@ -125,19 +131,19 @@ impl ProxyConfig {
             ));
         }
         if let Some((_, Some(cache_bytes))) = self.lane_budget() {
-            if cache_bytes <= READ_CACHE_TABLE_BYTES {
+            if cache_bytes < READ_CACHE_BYTES_MIN {
                 return Err(ProxyError::InvalidConfig(format!(
-                    "--memory leaves each lane's read cache {cache_bytes} bytes, less than its {READ_CACHE_TABLE_BYTES}-byte slot table"
+                    "--memory leaves each lane's read cache {cache_bytes} bytes, less than its {READ_CACHE_BYTES_MIN}-byte floor"
                 )));
             }
         }
         Ok(())
     }
 
-    /// The write cache's share of the budget: a quarter (it holds two small entries per
-    /// hot key), none when it is off.
-    fn write_cache_bytes(&self) -> u64 {
-        if self.write_cache {
+    /// The chain table's share of the budget (for the write cache and the read cache's
+    /// redirects): a quarter, none when both are off.
+    fn chain_cache_bytes(&self) -> u64 {
+        if self.write_cache || self.read_cache {
             self.memory_bytes / 4
         } else {
             0
@@ -149,7 +155,7 @@ impl ProxyConfig {
         let n = self.conn_map? as u64;
         // One budget: each lane a share; within a lane, with both on, the read cache
         // takes three quarters (it holds bytes, the word table only words).
-        let per_lane = (self.memory_bytes - self.write_cache_bytes()) / n.max(1);
+        let per_lane = (self.memory_bytes - self.chain_cache_bytes()) / n.max(1);
         Some(match (self.cas_to_write, self.read_cache) {
             (true, true) => (per_lane / 4, Some(per_lane - per_lane / 4)),
             (false, true) => (0, Some(per_lane)),
@@ -180,11 +186,12 @@ impl ProxyServer {
             lanes: Vec::new(),
             cas_to_write: config.cas_to_write,
             read_cache: config.read_cache,
-            write_cache: if config.write_cache {
-                WriteCache::new(config.write_cache_bytes()).map(std::sync::Mutex::new)
+            chains: if config.write_cache || config.read_cache {
+                ChainCache::new(config.chain_cache_bytes()).map(std::sync::Mutex::new)
             } else {
                 None
             },
+            write_cache: config.write_cache,
             write_cache_fault: config.write_cache_fault,
             memory_bytes_max: config.memory_bytes,
             counters: Counters::default(),
@@ -288,7 +295,8 @@ struct Proxy {
     read_cache: bool,
     /// Shared by the lanes: a key's chain spans regions. A plain mutex, held only for
     /// a table look-up, never across an await.
-    write_cache: Option<std::sync::Mutex<WriteCache>>,
+    chains: Option<std::sync::Mutex<ChainCache>>,
+    write_cache: bool,
     write_cache_fault: bool,
     memory_bytes_max: u64,
     counters: Counters,
@@ -441,10 +449,10 @@ impl Proxy {
             ("proxy_read_evictions".into(), r.evictions),
             ("proxy_read_cache_bytes".into(), cache_bytes),
         ]);
-        let (t, tails_n, tails_bytes) = match self.write_cache.as_ref() {
+        let (t, tails_n, nodes_n, tails_bytes) = match self.chains.as_ref() {
             Some(m) => {
                 let wc = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                (wc.stats, wc.tails() as u64, wc.bytes())
+                (wc.stats, wc.tails() as u64, wc.nodes() as u64, wc.bytes())
             }
             None => Default::default(),
         };
@@ -453,11 +461,16 @@ impl Proxy {
             ("proxy_write_cache_hits".to_string(), t.redirected),
             ("proxy_write_cache_lost".into(), t.redirect_lost),
             ("proxy_write_cache_current".into(), t.current),
-            ("proxy_write_cache_tails".into(), tails_n),
-            ("proxy_write_cache_tails_learned".into(), t.tails_learned),
-            ("proxy_write_cache_nodes_learned".into(), t.nodes_learned),
-            ("proxy_write_cache_resets".into(), t.resets),
-            ("proxy_write_cache_bytes".into(), tails_bytes),
+            // Each a walk the reader did not make.
+            ("proxy_read_redirects".into(), t.reads_redirected),
+            ("proxy_read_redirects_stale".into(), t.reads_redirect_stale),
+            ("proxy_chain_tails".into(), tails_n),
+            ("proxy_chain_nodes".into(), nodes_n),
+            ("proxy_chain_tails_learned".into(), t.tails_learned),
+            ("proxy_chain_nodes_learned".into(), t.nodes_learned),
+            ("proxy_chain_nodes_evicted".into(), t.nodes_evicted),
+            ("proxy_chain_resets".into(), t.resets),
+            ("proxy_chain_bytes".into(), tails_bytes),
             (
                 "proxy_state_bytes".into(),
                 words_bytes + cache_bytes + tails_bytes,
@@ -477,8 +490,8 @@ impl Proxy {
         op
     }
 
-    fn with_write_cache<T>(&self, f: impl FnOnce(&mut WriteCache) -> T) -> Option<T> {
-        let m = self.write_cache.as_ref()?;
+    fn with_chains<T>(&self, f: impl FnOnce(&mut ChainCache) -> T) -> Option<T> {
+        let m = self.chains.as_ref()?;
         let mut wc = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         Some(f(&mut wc))
     }
@@ -498,7 +511,7 @@ impl Proxy {
             return ready(Ok(Reply::Stats(self.stats_list().await)));
         }
         let lane = lanes[lane_index(region_of(&op), lanes.len())].clone();
-        if !(self.cas_to_write || self.read_cache || self.write_cache.is_some()) {
+        if !(self.cas_to_write || self.read_cache || self.write_cache) {
             return self.forward(&lane, op).await;
         }
         match op {
@@ -507,36 +520,13 @@ impl Proxy {
                 offset,
                 len,
             } if self.read_cache => {
-                let mut st = lane.state.lock().await;
-                let Some(cache) = st.cache.as_mut() else {
-                    drop(st);
-                    return self.forward(&lane, op).await;
-                };
-                if let Some(hit) = cache.get(region, offset, len) {
-                    return ready(Ok(Reply::Data(hit)));
+                if let Some(Some(tail)) = self.with_chains(|c| c.redirect_read(region, offset, len))
+                {
+                    return self
+                        .redirected_read(lanes, tail, lane, region, offset, len)
+                        .await;
                 }
-                let ticket = cache.ticket(region, offset, len);
-                let sent = lane.client.submit(0, self.counted(op)).await;
-                drop(st);
-                let proxy = self.clone();
-                Box::pin(async move {
-                    let r = match sent {
-                        Ok(p) => p.await,
-                        Err(e) => Err(e),
-                    };
-                    match r {
-                        Ok(Reply::Data(d)) => {
-                            if let Some(t) = ticket {
-                                if let Some(c) = lane.state.lock().await.cache.as_mut() {
-                                    c.fill(t, &d);
-                                }
-                            }
-                            Ok(Reply::Data(d))
-                        }
-                        Ok(other) => Ok(other),
-                        Err(e) => Err(proxy.upstream_error(e)),
-                    }
-                })
+                self.cached_read(lane, region, offset, len).await
             }
             Op::Cas {
                 region,
@@ -544,11 +534,14 @@ impl Proxy {
                 expected,
                 new,
             } if offset.is_multiple_of(8) => {
-                if let Some(Some(r)) =
-                    self.with_write_cache(|wc| wc.redirect(region, offset, expected, new))
-                {
-                    return self.redirect(r, region, offset, expected);
+                if self.write_cache {
+                    if let Some(Some(r)) =
+                        self.with_chains(|wc| wc.redirect_cas(region, offset, expected, new))
+                    {
+                        return self.redirect(r, region, offset, expected);
+                    }
                 }
+                self.with_chains(|c| c.cas_seen(region, offset));
                 self.cas(lane, region, offset, expected, new).await
             }
             Op::Write {
@@ -557,6 +550,7 @@ impl Proxy {
                 data,
             } => self.write(lane, region, offset, data).await,
             Op::FetchAdd { region, offset, .. } | Op::Cas { region, offset, .. } => {
+                self.with_chains(|c| c.forget(region, offset, 8));
                 let mut st = lane.state.lock().await;
                 st.forget(region, offset, 8);
                 let a = self.forward(&lane, op).await;
@@ -583,6 +577,7 @@ impl Proxy {
                 ref data,
             } => {
                 let len = data.len() as u64;
+                self.with_chains(|c| c.forget(region, offset, len));
                 let mut st = lane.state.lock().await;
                 st.forget(region, offset, len);
                 let a = self.forward(&lane, op).await;
@@ -595,7 +590,7 @@ impl Proxy {
                 if let Some(c) = st.cache.as_mut() {
                     c.forget_region(region);
                 }
-                self.with_write_cache(|wc| wc.forget_region(region));
+                self.with_chains(|wc| wc.forget_region(region));
                 let a = self.forward(&lane, op).await;
                 drop(st);
                 a
@@ -621,7 +616,7 @@ impl Proxy {
             CasDecision::Fail(v) => ready(Ok(Reply::Word(v))),
             CasDecision::Convert => {
                 // Won now: the WRITE is queued in order before anything after it.
-                self.with_write_cache(|wc| wc.cas_won(expected, new));
+                self.with_chains(|wc| wc.cas_won(region, offset, expected, new));
                 let bytes = new.to_le_bytes();
                 if let Some(c) = st.cache.as_mut() {
                     c.write(region, offset, &bytes);
@@ -674,7 +669,7 @@ impl Proxy {
                     match r {
                         Ok(Reply::Word(before)) => {
                             if before == expected {
-                                proxy.with_write_cache(|wc| wc.cas_won(expected, new));
+                                proxy.with_chains(|wc| wc.cas_won(region, offset, expected, new));
                             }
                             st.words
                                 .cas_answered(region, offset, ticket, expected, new, before);
@@ -709,7 +704,7 @@ impl Proxy {
         if let Some(c) = st.cache.as_mut() {
             c.write(region, offset, &data);
         }
-        self.with_write_cache(|wc| wc.write(region, offset, &data));
+        self.with_chains(|wc| wc.write(region, offset, &data));
         let op = Op::Write {
             region,
             offset,
@@ -751,11 +746,11 @@ impl Proxy {
         let proxy = self.clone();
         Box::pin(async move {
             let lanes = &proxy.lanes;
-            let node_lane = lanes[lane_index(Some(r.node.region), lanes.len())].clone();
-            let relink = camelot_clover::layout::encode_relink(r.node.key_id, r.seq());
+            let node_lane = lanes[lane_index(Some(r.node_region), lanes.len())].clone();
+            let relink = camelot_clover::layout::encode_relink(r.key_id, r.seq());
             // The node is the waiting writer's and unlinked: nobody else writes it.
             match proxy
-                .write(node_lane, r.node.region, r.node.offset, relink)
+                .write(node_lane, r.node_region, r.node_offset, relink)
                 .await
                 .await
             {
@@ -782,11 +777,11 @@ impl Proxy {
                 .await;
             match won {
                 Ok(Reply::Word(before)) if before == expected || proxy.write_cache_fault => {
-                    proxy.with_write_cache(|wc| wc.stats.redirected += 1);
+                    proxy.with_chains(|wc| wc.stats.redirected += 1);
                     Ok(Reply::Word(camelot_clover::layout::relinked_word(r.seq())))
                 }
                 Ok(Reply::Word(_)) => {
-                    proxy.with_write_cache(|wc| wc.stats.redirect_lost += 1);
+                    proxy.with_chains(|wc| wc.stats.redirect_lost += 1);
                     let lane = lanes[lane_index(Some(region), lanes.len())].clone();
                     proxy
                         .cas(lane, region, offset, original_expected, r.node_word)
@@ -795,6 +790,80 @@ impl Proxy {
                 }
                 other => other,
             }
+        })
+    }
+
+    /// A READ through `lane`'s read cache: answered from it, or sent and (if nothing
+    /// changed its bytes meanwhile) kept.
+    async fn cached_read(
+        self: &Arc<Self>,
+        lane: Arc<Lane>,
+        region: u64,
+        offset: u64,
+        len: u32,
+    ) -> Answer {
+        let op = Op::Read {
+            region,
+            offset,
+            len,
+        };
+        let mut st = lane.state.lock().await;
+        let Some(cache) = st.cache.as_mut() else {
+            drop(st);
+            return self.forward(&lane, op).await;
+        };
+        if let Some(hit) = cache.get(region, offset, len) {
+            return ready(Ok(Reply::Data(hit)));
+        }
+        let ticket = cache.ticket(region, offset, len);
+        let sent = lane.client.submit(0, self.counted(op)).await;
+        drop(st);
+        let proxy = self.clone();
+        Box::pin(async move {
+            let r = match sent {
+                Ok(p) => p.await,
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok(Reply::Data(d)) => {
+                    if let Some(t) = ticket {
+                        if let Some(c) = lane.state.lock().await.cache.as_mut() {
+                            c.fill(t, &d);
+                        }
+                    }
+                    Ok(Reply::Data(d))
+                }
+                Ok(other) => Ok(other),
+                Err(e) => Err(proxy.upstream_error(e)),
+            }
+        })
+    }
+
+    /// A READ of an old version sent to the key's newer tail instead (see `tails`): the
+    /// tail's bytes, marked, if they are still that version; else the READ as it came.
+    async fn redirected_read(
+        self: &Arc<Self>,
+        lanes: &[Arc<Lane>],
+        tail: Tail,
+        lane: Arc<Lane>,
+        region: u64,
+        offset: u64,
+        len: u32,
+    ) -> Answer {
+        let tail_lane = lanes[lane_index(Some(tail.region), lanes.len())].clone();
+        let answer = self
+            .cached_read(tail_lane, tail.region, tail.offset, len)
+            .await;
+        let proxy = self.clone();
+        Box::pin(async move {
+            if let Ok(Reply::Data(d)) = answer.await {
+                if let Some(Some(marked)) = proxy.with_chains(|c| c.redirected_answer(&tail, &d)) {
+                    return Ok(Reply::Data(Bytes::from(marked)));
+                }
+            } else {
+                proxy.with_chains(|c| c.redirected_answer(&tail, &[]));
+            }
+            proxy.cached_read(lane, region, offset, len).await.await
         })
     }
 
