@@ -10,7 +10,9 @@
 //!
 //! each as latency p50/p99 (HdrHistogram) and faults a second. Every touch lands on a
 //! page not present (each page once, in a shuffled order, through a cache of a tenth
-//! of them), so every measured access is a fault/miss.
+//! of them), so every measured access is a fault/miss. Every path over the server also
+//! records the server's CPU seconds (a separate `camelot server` process by default) and
+//! faults per server CPU-second, and `config["sides"]` records how each side ran.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -27,7 +29,7 @@ use rand::SeedableRng;
 use serde_json::json;
 
 use crate::latency::LatencyRecorder;
-use crate::side::CamelotSpec;
+use crate::side::{cpu_extra, sides_json, CamelotSpec, ClientSide, Side};
 use crate::workload::Target;
 use crate::BenchError;
 
@@ -123,6 +125,9 @@ struct PathRun {
     latency: LatencyRecorder,
     seconds: f64,
     faults: u64,
+    /// CPU seconds of the memory server over the path (none for the local store, nor
+    /// when the server is not a process of this run's).
+    server_cpu_seconds: Option<f64>,
 }
 
 impl PathRun {
@@ -132,6 +137,9 @@ impl PathRun {
         p.ops_per_sec = Some(self.faults as f64 / self.seconds.max(1e-9));
         p.extra.insert("faults".into(), json!(self.faults));
         p.extra.insert("seconds".into(), json!(self.seconds));
+        for (k, v) in cpu_extra(self.faults as f64, self.server_cpu_seconds) {
+            p.extra.insert(k.into(), v);
+        }
         p
     }
 }
@@ -168,6 +176,7 @@ fn region_faults<S: PageStore + 'static>(
             latency,
             seconds,
             faults: order.len() as u64,
+            server_cpu_seconds: None,
         },
         stats.missing_faults,
     ))
@@ -218,6 +227,7 @@ fn region_faults_threaded<S: PageStore + 'static>(
             latency,
             seconds,
             faults: order.len() as u64,
+            server_cpu_seconds: None,
         },
         stats.missing_faults,
     ))
@@ -242,6 +252,7 @@ pub fn run(cfg: &FaultConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
 
     // The remote read alone: one page, one request, the same pages in the same order.
     let store = RegionStore::new(client.clone(), region.clone(), cfg.page_bytes).map_err(setup)?;
+    let meter = target.cpu_meter();
     let mut rtt = LatencyRecorder::new();
     let mut buf = vec![vec![0u8; cfg.page_bytes].into_boxed_slice()];
     let t = Instant::now();
@@ -254,19 +265,25 @@ pub fn run(cfg: &FaultConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         latency: rtt,
         seconds: t.elapsed().as_secs_f64(),
         faults: order.len() as u64,
+        server_cpu_seconds: meter.seconds(),
     };
 
     // The transparent path: a FarRegion over the server.
-    let (far, far_faults) = region_faults(store, cfg, &order)?;
+    let meter = target.cpu_meter();
+    let (mut far, far_faults) = region_faults(store, cfg, &order)?;
+    far.server_cpu_seconds = meter.seconds();
 
     // Several threads faulting at once on the same pages, through a new region.
     let store = RegionStore::new(client.clone(), region.clone(), cfg.page_bytes).map_err(setup)?;
-    let (concurrent, concurrent_faults) = region_faults_threaded(store, cfg, &order)?;
+    let meter = target.cpu_meter();
+    let (mut concurrent, concurrent_faults) = region_faults_threaded(store, cfg, &order)?;
+    concurrent.server_cpu_seconds = meter.seconds();
 
     // The explicit path: a FarVec<u8> miss on the same pages.
     let store = RegionStore::new(client.clone(), region.clone(), cfg.page_bytes).map_err(setup)?;
     let cache = PageCache::new(store, &CacheConfig::new(cfg.local_bytes())).map_err(setup)?;
     let v: FarVec<u8, _> = FarVec::new(cache, bytes).map_err(setup)?;
+    let meter = target.cpu_meter();
     let mut latency = LatencyRecorder::new();
     let mut sum = 0u64;
     let t = Instant::now();
@@ -280,9 +297,63 @@ pub fn run(cfg: &FaultConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         latency,
         seconds: t.elapsed().as_secs_f64(),
         faults: v.stats().misses,
+        server_cpu_seconds: meter.seconds(),
     };
     client.free(&region)?;
     let servers = target.describe();
+    let one_page = format!("one byte read per {} B page", cfg.page_bytes);
+    let sides = [
+        target.side(
+            "camelot",
+            ClientSide {
+                client: "camelot-farmem FarRegion (userfaultfd) and FarVec over RegionStore".into(),
+                client_threads: 1,
+                depth: 1,
+                data_model: one_page.clone(),
+                resp_face: false,
+            },
+        ),
+        target.side(
+            &format!("camelot, {} threads", cfg.threads),
+            ClientSide {
+                client: format!(
+                    "camelot-farmem FarRegion, {} fault-handler threads",
+                    cfg.fault_handlers
+                ),
+                client_threads: cfg.threads,
+                depth: 1,
+                data_model: one_page.clone(),
+                resp_face: false,
+            },
+        ),
+        target.side(
+            "remote read",
+            ClientSide {
+                client: "camelot-farmem RegionStore::read_pages, one page a request".into(),
+                client_threads: 1,
+                depth: 1,
+                data_model: format!("{} B region READs", cfg.page_bytes),
+                resp_face: false,
+            },
+        ),
+        Side {
+            label: "bare".into(),
+            server: "none: LocalStore, pages from the bench's own memory".into(),
+            process: "in-process".into(),
+            server_threads: None,
+            nodes: 0,
+            version: format!("camelot {}", env!("CARGO_PKG_VERSION")),
+            flags: Vec::new(),
+            command: String::new(),
+            client: ClientSide {
+                client: "camelot-farmem FarRegion over LocalStore".into(),
+                client_threads: 1,
+                depth: 1,
+                data_model: one_page,
+                resp_face: false,
+            },
+        },
+    ];
     let label = target.label("one byte read per page, every touch a fault");
     target.close()?;
 
@@ -339,11 +410,7 @@ pub fn run(cfg: &FaultConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "fault_handlers": cfg.fault_handlers,
         "process": servers["process"],
         "servers": servers,
-        "sides": {
-            "camelot": {"process": servers["process"], "client": "camelot-farmem FarRegion (userfaultfd) and FarVec over RegionStore, one thread", "data_model": "one byte read per page"},
-            "bare": {"process": "in-process", "client": "FarRegion over LocalStore", "data_model": "the same touches"},
-            "remote read": {"process": servers["process"], "client": "RegionStore::read_pages, one page a request", "data_model": "4 KiB reads"}
-        },
+        "sides": sides_json(&sides),
         "quick": cfg.quick,
     });
     let mut result = BenchResult::new("fault", started, config, vec![series]);

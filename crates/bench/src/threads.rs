@@ -3,7 +3,7 @@
 
 use crate::hw::limits::{Against, Limits};
 use crate::progress::Progress;
-use crate::side::CamelotSpec;
+use crate::side::{sides_json, CamelotSpec, ClientSide};
 use crate::workload::{self, LoadSpec, Mix, Target, DEPTH_MAX, THREADS_MAX};
 use crate::BenchError;
 use camelot_results::output;
@@ -196,6 +196,27 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
     }
     progress.finish();
     let servers = target.describe();
+    let side = target.side(
+        "camelot",
+        ClientSide {
+            client: format!(
+                "camelot-client ({})",
+                cfg.modes
+                    .iter()
+                    .map(|b| mode_label(*b))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            // The x axis: each point has its own count; the side records the largest.
+            client_threads: cfg.threads.iter().copied().max().unwrap_or(1),
+            depth: cfg.depth,
+            data_model: format!(
+                "{} B region READ/WRITE, {}% reads",
+                cfg.size_bytes, cfg.reads_percent
+            ),
+            resp_face: false,
+        },
+    );
     target.close()?;
 
     let config = json!({
@@ -211,6 +232,7 @@ pub fn run(cfg: &ThreadsConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> 
         "modes": cfg.modes.iter().map(|b| mode_label(*b)).collect::<Vec<_>>(),
         "process": servers["process"],
         "servers": servers,
+        "sides": sides_json(&[side]),
         "region_bytes": cfg.region_bytes,
         "quick": cfg.quick,
     });

@@ -3,7 +3,7 @@
 
 use crate::latency::LatencyRecorder;
 use crate::progress::Progress;
-use crate::side::{CamelotNodes, CamelotSpec, CpuMeter, Placement};
+use crate::side::{CamelotNodes, CamelotSpec, ClientSide, CpuMeter, Placement, Side};
 use crate::BenchError;
 use bytes::Bytes;
 use camelot_client::proto::{Op, Reply};
@@ -167,6 +167,31 @@ impl Target {
                 }
                 d
             }
+        }
+    }
+
+    /// The record of this side for `config["sides"]`: the servers started for the run
+    /// as they ran, or, for servers given with `--servers`, their addresses (what they
+    /// are and how they run is not this bench's to know).
+    pub fn side(&self, label: &str, client: ClientSide) -> Side {
+        match &self.nodes {
+            Some(n) => n.side(label, client),
+            None => Side {
+                label: label.to_string(),
+                server: "camelot".into(),
+                process: "given".into(),
+                server_threads: None,
+                nodes: self.addrs.len(),
+                version: "unknown (servers given with --servers)".into(),
+                flags: Vec::new(),
+                command: self
+                    .addrs
+                    .iter()
+                    .map(|a| a.to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
+                client,
+            },
         }
     }
 

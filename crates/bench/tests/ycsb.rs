@@ -4,7 +4,7 @@
 //! binary to start); the CLI's tests run the same bench with separate processes.
 
 use camelot_bench::ycsb::targets::{clear, TargetKind};
-use camelot_bench::ycsb::{run, Workload, YcsbConfig};
+use camelot_bench::ycsb::{run, run_one, RunOutcome, RunTarget, Workload, YcsbConfig};
 use camelot_client::{Client, ClientConfig, ClusterMap};
 use camelot_results::output::read_result;
 use camelot_server::dev::{DevCluster, DevClusterConfig};
@@ -173,6 +173,52 @@ fn clear_empties_a_camelot_store_so_the_next_load_starts_empty() {
     assert!(err.contains("FLUSHALL"), "{err}");
     let _: () = redis::cmd("FLUSHALL").query(&mut con).expect("flushall");
     clear(&kind).expect("empty again");
+
+    // A second load after a clear starts empty, on both faces: a run over 3,000 records,
+    // then one over 500 (workload C inserts nothing), must leave exactly 500 records — a
+    // clear that did nothing would leave the first run's 3,000.
+    let objects = || -> u64 {
+        (0..2)
+            .map(|node| {
+                let stats = client.stats(node).expect("stats");
+                stats
+                    .iter()
+                    .find(|(name, _)| name == "objects")
+                    .map_or(0, |(_, v)| *v)
+            })
+            .sum()
+    };
+    for target in [kind.clone(), TargetKind::Resp(resp)] {
+        for records in [3_000, 500] {
+            let cfg = YcsbConfig {
+                workloads: vec![Workload::C],
+                records,
+                operations: 200,
+                threads: 2,
+                ..YcsbConfig::default()
+            };
+            let run_target = RunTarget {
+                label: "camelot".into(),
+                kind: target.clone(),
+                pids: Vec::new(),
+            };
+            match run_one(&run_target, Workload::C, &cfg).expect("load and run") {
+                RunOutcome::Done(r) => assert_eq!((r.errors, r.mismatches), (0, 0)),
+                RunOutcome::Skipped(why) => panic!("skipped: {why}"),
+            }
+            // Through the Redis port, YCSB's Redis binding also keeps one sorted set,
+            // `_indices`, of every key (what its SCAN reads).
+            let index = u64::from(matches!(target, TargetKind::Resp(_)));
+            assert_eq!(
+                objects(),
+                records + index,
+                "{target:?} after a load of {records}"
+            );
+        }
+        // The Redis-port run leaves hashes the native clear refuses; FLUSHALL them.
+        clear(&target).expect("clear between faces");
+        assert_eq!(objects(), 0);
+    }
     cluster.shutdown().expect("shutdown");
 }
 

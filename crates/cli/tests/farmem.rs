@@ -112,6 +112,36 @@ fn bench_fault_quick_writes_its_result() {
     // Every touch was a fault: the handler counted one per page on both regions.
     assert_eq!(json["config"]["faults_counted"]["far_region_remote"], 512);
     assert_eq!(json["config"]["faults_counted"]["far_region_local"], 512);
+    // Each side as it ran, and the server's CPU on every path that used it.
+    let sides = &json["config"]["sides"];
+    for label in ["camelot", "camelot, 4 threads", "remote read"] {
+        let side = &sides[label];
+        assert_eq!(side["process"], "separate", "{label}: {side}");
+        assert!(side["version"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("camelot ")));
+        assert!(side["command"]
+            .as_str()
+            .is_some_and(|c| c.contains(" server --listen ")));
+        assert!(
+            side["flags"].as_array().is_some_and(|f| !f.is_empty()),
+            "{side}"
+        );
+        assert!(
+            side["server_threads"].as_u64().is_some_and(|t| t > 0),
+            "{side}"
+        );
+    }
+    assert_eq!(sides["camelot, 4 threads"]["client_threads"], 4);
+    assert_eq!(sides["bare"]["process"], "in-process");
+    for (i, p) in points.iter().enumerate() {
+        let cpu = &p["extra"]["server_cpu_seconds"];
+        if p["x"] == "FarRegion fault, local store" {
+            assert!(cpu.is_null(), "the local store has no server: {p}");
+        } else {
+            assert!(cpu.as_f64().is_some_and(|c| c >= 0.0), "point {i}: {p}");
+        }
+    }
     let checks = json["comparisons"].as_array().expect("comparisons");
     assert!(checks[0]["name"]
         .as_str()
