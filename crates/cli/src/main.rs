@@ -4,6 +4,7 @@
 
 mod chaos;
 mod cluster;
+mod cluster_bench;
 mod farmem;
 mod proxy;
 mod testbed;
