@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 18] = [
+pub const BENCHES: [&str; 22] = [
     "cpu",
     "mem",
     "net",
@@ -31,7 +31,15 @@ pub const BENCHES: [&str; 18] = [
     "raid-overhead",
     "raid-rebuild",
     "fault",
+    "cluster-throughput",
+    "cluster-replication",
+    "cluster-percentiles",
+    "cluster-expand",
 ];
+
+/// The benches of [`BENCHES`] that need a cluster on etcd: a build without the `etcd`
+/// feature leaves them out (and says so as it runs).
+pub const NEED_ETCD: [&str; 2] = ["cluster-percentiles", "cluster-expand"];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
 /// `out/index.html`. `log` hears one line as each bench starts and ends.
@@ -152,6 +160,35 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
     written.extend(timed("fault", &|| {
         crate::fault::run(&crate::fault::FaultConfig::defaults(quick), out)
     })?);
+    // The cluster (issue 19): one server against value size with iperf3 beside, then
+    // R=2 against R=1 on the same servers.
+    written.extend(timed("cluster-throughput", &|| {
+        crate::cluster::run_throughput(&crate::cluster::ThroughputConfig::defaults(quick), out)
+            .map(|p| vec![p])
+    })?);
+    written.extend(timed("cluster-replication", &|| {
+        crate::cluster::run_replication(&crate::cluster::ReplicationConfig::defaults(quick), out)
+            .map(|p| vec![p])
+    })?);
+    // A cluster on etcd: percentiles on heterogeneous nodes, then expansion under load.
+    if cfg!(feature = "etcd") {
+        written.extend(timed("cluster-percentiles", &|| {
+            crate::cluster_percentiles::run(
+                &crate::cluster_percentiles::PercentilesConfig::defaults(quick),
+                out,
+            )
+        })?);
+        written.extend(timed("cluster-expand", &|| {
+            crate::cluster_expand::run(&crate::cluster_expand::ExpandConfig::defaults(quick), out)
+        })?);
+    } else {
+        for name in NEED_ETCD {
+            log(&format!(
+                "bench {name}: skipped ({})",
+                crate::cluster::NO_ETCD
+            ));
+        }
+    }
     written.push(report::write_report(
         out,
         &[crate::hw::limits::LIMITS_FILE_NAME],

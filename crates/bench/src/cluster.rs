@@ -4,7 +4,7 @@
 //! same run beside, since at 1 MiB the seed's server was bound by the network.
 
 use crate::checks::{check_seconds, check_threads};
-use crate::side::{CamelotNodes, CamelotSpec, Placement};
+use crate::side::{cpu_extra, sides_json, CamelotNodes, CamelotSpec, ClientSide, Placement, Side};
 use crate::BenchError;
 use camelot_client::{Client, ClientConfig, ClusterMap};
 use camelot_results::output;
@@ -12,6 +12,11 @@ use camelot_results::schema::{now_rfc3339, BenchResult, Comparison, Point, Refer
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+/// Why a cluster bench on etcd cannot run in this build, and how to get one that can.
+pub const NO_ETCD: &str = "this camelot was built without etcd support, which the cluster \
+     benches on etcd (percentiles, expand) need: rebuild with `cargo build --release -p \
+     camelot --features etcd` (its build needs protoc, which scripts/setup.sh installs)";
 
 /// Largest value size measured: the client's and server's value limit is far above, but
 /// the seed stopped at 1 MB.
@@ -180,17 +185,26 @@ pub fn run_throughput(cfg: &ThroughputConfig, out: &Path) -> Result<PathBuf, Ben
                 .put(&key(size, i), value.clone())
                 .map_err(|e| BenchError::Setup(format!("fill: {e}")))?;
         }
+        // Server CPU seconds per phase, metered from /proc (none in process).
+        let meter = node.cpu_meter();
         let (put_ops, put_bytes) =
             drive(&client, Op::Put, size, cfg.threads, cfg.seconds_per_point)?;
+        let put_cpu = meter.seconds();
+        let meter = node.cpu_meter();
         let (get_ops, get_bytes) =
             drive(&client, Op::Get, size, cfg.threads, cfg.seconds_per_point)?;
-        for (series, ops, bytes) in [
-            (&mut puts, put_ops, put_bytes),
-            (&mut gets, get_ops, get_bytes),
+        let get_cpu = meter.seconds();
+        for (series, ops, bytes, cpu) in [
+            (&mut puts, put_ops, put_bytes, put_cpu),
+            (&mut gets, get_ops, get_bytes, get_cpu),
         ] {
             let mut p = Point::new(size);
             p.ops_per_sec = Some(ops);
             p.bytes_per_sec = Some(bytes);
+            // CPU seconds of the whole phase, so ops/CPU-s is ops_per_sec × seconds ÷ CPU.
+            for (k, v) in cpu_extra(ops * cfg.seconds_per_point, cpu) {
+                p.extra.insert(k.to_string(), v);
+            }
             series.points.push(p);
         }
         if size == largest {
@@ -205,6 +219,16 @@ pub fn run_throughput(cfg: &ThroughputConfig, out: &Path) -> Result<PathBuf, Ben
         }
     }
     drop(client);
+    let camelot = node.side(
+        &placement.label("camelot"),
+        ClientSide {
+            client: "camelot-client KV API (get/put)".into(),
+            client_threads: cfg.threads,
+            depth: 1,
+            data_model: "one value per key, value size = x".into(),
+            resp_face: false,
+        },
+    );
     node.stop()?;
     let iperf = if cfg.peer_seconds > 0 {
         Some(crate::peers::iperf3_tcp_stream(Duration::from_secs(
@@ -213,8 +237,13 @@ pub fn run_throughput(cfg: &ThroughputConfig, out: &Path) -> Result<PathBuf, Ben
     } else {
         None
     };
+    let mut sides = vec![camelot];
+    if let Some(i) = &iperf {
+        sides.push(iperf3_side(i)?);
+    }
     let config = json!({
         "x": "value_bytes",
+        "sides": sides_json(&sides),
         "value_bytes": cfg.value_bytes,
         "threads": cfg.threads,
         "client": "camelot-client KV API (get/put), one request in flight per thread",
@@ -244,7 +273,46 @@ pub fn run_throughput(cfg: &ThroughputConfig, out: &Path) -> Result<PathBuf, Ben
             ));
         }
     }
-    Ok(output::write_result(out, &result)?)
+    write_with_standard_figure(out, &result)
+}
+
+/// Writes `result` and its standard figure; the path of the JSON.
+pub(crate) fn write_with_standard_figure(
+    out: &Path,
+    result: &BenchResult,
+) -> Result<PathBuf, BenchError> {
+    let figure = camelot_results::plot::standard_figure(result);
+    let files = output::write_result_with_figure(out, result, &figure)?;
+    files
+        .into_iter()
+        .find(|f| f.extension().is_some_and(|e| e == "json"))
+        .ok_or_else(|| BenchError::Setup("no JSON written".into()))
+}
+
+/// The iperf3 stream's record for `config["sides"]`: one stream over loopback, its
+/// server started and stopped by the bench like every peer.
+fn iperf3_side(stream: &crate::peers::PeerStream) -> Result<Side, BenchError> {
+    let version = camelot_testkit::process::program_version(
+        &camelot_testkit::servers::IPERF3,
+        &["--version"],
+    )?;
+    Ok(Side {
+        label: "iperf3".into(),
+        server: "iperf3".into(),
+        process: "separate".into(),
+        server_threads: Some(1),
+        nodes: 1,
+        version,
+        flags: vec!["-s".into(), "-1".into()],
+        command: stream.command.clone(),
+        client: ClientSide {
+            client: "iperf3 -c (one TCP stream)".into(),
+            client_threads: 1,
+            depth: 1,
+            data_model: "a byte stream".into(),
+            resp_face: false,
+        },
+    })
 }
 
 /// `bench cluster replication`: PUT latency with every write copied to one backup (R=2)
@@ -532,7 +600,7 @@ pub fn run_replication(cfg: &ReplicationConfig, out: &Path) -> Result<PathBuf, B
     let [s1, s2] = series;
     let mut result = BenchResult::new("cluster-replication", started, config, vec![s1, s2]);
     result.comparisons = comparisons;
-    Ok(output::write_result(out, &result)?)
+    write_with_standard_figure(out, &result)
 }
 
 #[cfg(test)]

@@ -53,13 +53,21 @@ quick_config!(
     raid::CompareConfig,
     raid::OverheadConfig,
     raid::RebuildConfig,
-    cluster::ThroughputConfig
+    cluster::ThroughputConfig,
+    cluster::ReplicationConfig,
+    cluster_percentiles::PercentilesConfig,
+    cluster_expand::ExpandConfig
 );
 
 pub mod all;
 pub mod api;
 mod checks;
 pub mod cluster;
+#[cfg(feature = "etcd")]
+pub mod cluster_etcd;
+pub mod cluster_expand;
+pub mod cluster_load;
+pub mod cluster_percentiles;
 pub mod demo;
 pub mod fault;
 pub mod hw;

@@ -680,6 +680,8 @@ pub enum ClusterBenchCommand {
     /// PUT latency with every write copied to a backup first (R=2) against none (R=1),
     /// same run, rounds alternating; servers in this process (labelled).
     Replication(ReplicationArgs),
+    #[command(flatten)]
+    OnEtcd(crate::cluster_bench::EtcdBenchCommand),
 }
 
 #[derive(Args)]
@@ -737,6 +739,7 @@ pub fn bench(cmd: ClusterBenchCommand) -> Result<()> {
             let path = camelot_bench::cluster::run_replication(&cfg, &a.out)?;
             println!("wrote {}", path.display());
         }
+        ClusterBenchCommand::OnEtcd(c) => crate::cluster_bench::run(c)?,
     }
     Ok(())
 }

@@ -5,6 +5,7 @@
 mod chaos;
 mod clover;
 mod cluster;
+mod cluster_bench;
 mod farmem;
 mod proxy;
 mod testbed;

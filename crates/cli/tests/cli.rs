@@ -590,7 +590,7 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
     let d = dir.to_str().expect("utf-8 path");
     let (status, out, err) = run(
         &["bench", "all", "--quick", "--out", d],
-        Duration::from_secs(300),
+        Duration::from_secs(420),
     );
     assert!(status.success(), "{err}");
     for bench in [
@@ -610,6 +610,12 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
         "raid-overhead",
         "raid-rebuild",
         "fault",
+        "cluster-throughput",
+        "cluster-replication",
+        #[cfg(feature = "etcd")]
+        "cluster-percentiles",
+        #[cfg(feature = "etcd")]
+        "cluster-expand",
     ] {
         assert!(err.contains(&format!("bench {bench}: done")), "{err}");
         let json: serde_json::Value = serde_json::from_slice(

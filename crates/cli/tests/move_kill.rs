@@ -1,0 +1,225 @@
+//! A partition move whose *source* or *target* server is SIGKILLed mid-way, on a real
+//! etcd and real `camelot server` processes: the mover fails, and `camelot cluster move
+//! --rollback` leaves the map as before the move — partitions on the source, unfenced,
+//! no move record — never half-applied. With the target killed, every write acknowledged
+//! on the source is still there. (With the source killed and R = 1 its data died with it;
+//! what is checked then is the map and that the target kept no scratch copies.)
+#![cfg(feature = "etcd")]
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use camelot_client::{reply, Client, ClientConfig, ClusterMap as ClientMap};
+use camelot_cluster::follow::EtcdMapSource;
+use camelot_cluster::ClusterMap;
+use camelot_proto::Op;
+
+mod support;
+use support::{bin, wait_for, PREFIX};
+
+const PARTITIONS: u32 = 8;
+const KEYS: usize = 300;
+const MOVER_TIME_MAX: Duration = Duration::from_secs(60);
+
+/// Runs `camelot cluster move ARGS` to its end; (success, stdout + stderr).
+fn mover(endpoint: &str, args: &[&str], on_hold: impl FnOnce()) -> (bool, String) {
+    let mut child = Command::new(bin())
+        .args(["cluster", "move", "--etcd", endpoint])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let mut on_hold = Some(on_hold);
+    let start = Instant::now();
+    let status = loop {
+        while let Ok(line) = lines.try_recv() {
+            if line.contains("holding at") {
+                if let Some(f) = on_hold.take() {
+                    f();
+                }
+            }
+            seen.push(line);
+        }
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < MOVER_TIME_MAX,
+            "the mover did not end:\n{seen:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    seen.extend(lines.iter());
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    (status.success(), format!("{}\n{err}", seen.join("\n")))
+}
+
+/// Kills `victim` (0: the source, 1: the target) while the mover holds after its copy
+/// passes; the mover goes on, fails, and is rolled back.
+fn kill_mid_move(victim: usize) {
+    let mut c = support::start(2, "64M", &[]);
+    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
+    let first = ClusterMap::initial(live, PARTITIONS, 1).unwrap();
+    let before =
+        c.rt.block_on(c.etcd.update_map(3, move |_| Ok(first.clone())))
+            .unwrap()
+            .map;
+    let parts: Vec<String> = (0..PARTITIONS)
+        .filter(|p| before.primary(*p) == Some(0))
+        .map(|p| p.to_string())
+        .collect();
+    assert!(!parts.is_empty());
+    // The servers at the map's epoch before anyone writes.
+    let raw = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
+    for n in 0..2 {
+        wait_for(
+            "servers at the first epoch",
+            Duration::from_secs(10),
+            || {
+                raw.stats(n)
+                    .unwrap()
+                    .into_iter()
+                    .any(|(k, v)| k == "epoch" && v >= before.epoch)
+            },
+        );
+    }
+
+    // One writer on node 0's keys (the source's), last acknowledged value per key.
+    let writer = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
+    writer.set_map_source(EtcdMapSource::connect(&[c.endpoint.clone()], PREFIX).unwrap());
+    assert!(writer.refresh_map().unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked: Arc<Mutex<BTreeMap<String, String>>> = Arc::default();
+    let count = Arc::new(AtomicU64::new(0));
+    let thread = {
+        let (stop, acked, count) = (stop.clone(), acked.clone(), count.clone());
+        std::thread::spawn(move || {
+            let mut round = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                round += 1;
+                for i in 0..KEYS {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let k = format!("k{i:04}");
+                    let v = format!("{k}-{round}");
+                    if writer.put(k.as_bytes(), v.clone()).is_ok() {
+                        acked.lock().unwrap().insert(k, v);
+                        count.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        acked.lock().unwrap().remove(&k);
+                    }
+                }
+            }
+        })
+    };
+    wait_for("writes acknowledged", Duration::from_secs(30), || {
+        count.load(Ordering::Relaxed) >= 1_000
+    });
+
+    let mut args: Vec<&str> = parts.iter().map(String::as_str).collect();
+    args.extend(["--to", "1", "--hold-at", "copied", "--hold-ms", "300"]);
+    let server = &mut c.servers[victim];
+    let (ok, out) = mover(&c.endpoint, &args, || {
+        server.process_mut().kill().unwrap(); // SIGKILL
+    });
+    assert!(!ok, "the mover succeeded with node {victim} killed:\n{out}");
+    stop.store(true, Ordering::Relaxed);
+    thread.join().unwrap();
+    let rec = c.rt.block_on(c.etcd.read_move()).unwrap();
+    assert!(rec.is_some(), "the failed move left its record:\n{out}");
+
+    let (ok, rollback) = mover(&c.endpoint, &["--rollback"], || {});
+    assert!(ok, "rollback failed:\n{rollback}");
+    let after = c.rt.block_on(c.etcd.read_map()).unwrap().unwrap().map;
+    assert!(c.rt.block_on(c.etcd.read_move()).unwrap().is_none());
+    assert!(after.fenced.is_empty(), "still fenced:\n{out}\n{rollback}");
+    for p in 0..PARTITIONS {
+        assert_eq!(
+            after.primary(p),
+            before.primary(p),
+            "partition {p}:\n{out}\n{rollback}"
+        );
+    }
+    if victim == 1 {
+        // The source lived: every acknowledged write is still read there.
+        let reader = Client::connect(
+            ClientMap::from_addrs(&c.addrs[..1]),
+            ClientConfig::default(),
+        )
+        .unwrap();
+        let acked = acked.lock().unwrap();
+        // About half the keys are the source's; the target's failed once it died and were
+        // dropped from the book (their outcome unknown).
+        assert!(acked.len() > KEYS / 4, "{} keys checked", acked.len());
+        let lost: Vec<&String> = acked
+            .iter()
+            .filter(|(k, v)| {
+                reader.get(k.as_bytes()).unwrap().map(|x| x.value.to_vec())
+                    != Some(v.as_bytes().to_vec())
+            })
+            .map(|(k, _)| k)
+            .collect();
+        assert!(
+            lost.is_empty(),
+            "{} lost: {:?}",
+            lost.len(),
+            &lost[..lost.len().min(5)]
+        );
+    } else {
+        // The target lived: the rollback deleted its scratch copies.
+        let raw1 = Client::connect(
+            ClientMap::from_addrs(&c.addrs[1..]),
+            ClientConfig::default(),
+        )
+        .unwrap();
+        let items = reply::items(raw1.call(
+            0,
+            Op::Scan {
+                start: Bytes::new(),
+                limit: 4096,
+            },
+        ))
+        .unwrap();
+        let kept: Vec<_> = items
+            .iter()
+            .filter(|i| {
+                parts.contains(&camelot_proto::partition_of(&i.key, PARTITIONS).to_string())
+            })
+            .collect();
+        assert!(
+            kept.is_empty(),
+            "{} scratch copies left on the target",
+            kept.len()
+        );
+    }
+    println!("node {victim} killed:\n{out}\nrollback:\n{rollback}");
+}
+
+#[test]
+fn a_target_killed_mid_move_is_rolled_back_with_no_acknowledged_write_lost() {
+    kill_mid_move(1);
+}
+
+#[test]
+fn a_source_killed_mid_move_is_rolled_back_not_half_applied() {
+    kill_mid_move(0);
+}
