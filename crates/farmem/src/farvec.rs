@@ -151,7 +151,7 @@ impl<T: Pod, S: PageStore> FarVec<T, S> {
         let start_byte = self.offset(range.start, count)?;
         let mut cache = self.cache.lock();
         let page_bytes = cache.page_bytes() as u64;
-        if size == 0 || page_bytes % size != 0 {
+        if size == 0 || !page_bytes.is_multiple_of(size) {
             return Err(Error::Invalid(format!(
                 "views need elements that tile a page: {size} B does not divide {page_bytes} B"
             )));
