@@ -45,6 +45,8 @@ pub struct FaultConfig {
     pub page_bytes: usize,
     /// Local memory as a percentage of the pages.
     pub local_percent: u32,
+    /// Local memory in bytes (`--local-memory`): when set, it replaces `local_percent`.
+    pub local_memory_bytes: Option<u64>,
     pub seed: u64,
     pub servers: Vec<std::net::SocketAddr>,
     pub in_process: bool,
@@ -62,6 +64,7 @@ impl Default for FaultConfig {
             pages: 65_536, // 256 MiB of 4 KiB pages
             page_bytes: 4096,
             local_percent: 10,
+            local_memory_bytes: None,
             seed: 1,
             servers: Vec::new(),
             in_process: false,
@@ -106,11 +109,24 @@ impl FaultConfig {
                 "--local is a percentage in 1..=99 (at 100 nothing would fault)".into(),
             ));
         }
+        if let Some(b) = self.local_memory_bytes {
+            let data = self.pages * self.page_bytes as u64;
+            if b < 2 * self.page_bytes as u64 || b >= data {
+                return Err(BenchError::InvalidConfig(format!(
+                    "--local-memory {b}: two pages ({} B) up to less than the {data} B \
+                     touched (else nothing would fault)",
+                    2 * self.page_bytes
+                )));
+            }
+        }
         Ok(())
     }
 
     fn local_bytes(&self) -> u64 {
-        (self.pages * self.local_percent as u64 / 100).max(2) * self.page_bytes as u64
+        match self.local_memory_bytes {
+            Some(b) => b / self.page_bytes as u64 * self.page_bytes as u64,
+            None => (self.pages * self.local_percent as u64 / 100).max(2) * self.page_bytes as u64,
+        }
     }
 
     fn cache_config(&self) -> CacheConfig {
@@ -399,7 +415,7 @@ pub fn run(cfg: &FaultConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "pages": cfg.pages,
         "page_bytes": cfg.page_bytes,
         "data_bytes": bytes,
-        "local_percent": cfg.local_percent,
+        "local_percent": cfg.local_memory_bytes.is_none().then_some(cfg.local_percent),
         "local_bytes": cfg.local_bytes(),
         "seed": cfg.seed,
         "policy": "lru",
@@ -448,9 +464,9 @@ pub fn run(cfg: &FaultConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         .map(|(i, p)| (i as f64, p.latency_us.as_ref().map_or(0.0, |l| l.p99)))
         .collect();
     let figure = Figure::new(&format!(
-        "One far page, {} KiB, with {}% local memory",
+        "One far page, {} KiB, with {} KiB of local memory",
         cfg.page_bytes >> 10,
-        cfg.local_percent
+        cfg.local_bytes() >> 10
     ))
     .panel(
         Panel::new("latency per fault", "path", "µs")

@@ -25,6 +25,8 @@ pub struct PrefetchConfig {
     pub pages: u64,
     pub page_bytes: usize,
     pub local_percent: u32,
+    /// Local memory in bytes (`--local-memory`): when set, it replaces `local_percent`.
+    pub local_memory_bytes: Option<u64>,
     pub window_pages: u64,
     pub prefetchers: Vec<String>,
     pub iperf3_seconds: u64,
@@ -40,6 +42,7 @@ impl Default for PrefetchConfig {
             pages: 65_536, // 256 MiB
             page_bytes: 4096,
             local_percent: 10,
+            local_memory_bytes: None,
             window_pages: 64,
             prefetchers: PREFETCHER_NAMES.iter().map(|s| s.to_string()).collect(),
             iperf3_seconds: 3,
@@ -75,6 +78,15 @@ impl PrefetchConfig {
                 "--local is a percentage in 1..=100".into(),
             ));
         }
+        if self
+            .local_memory_bytes
+            .is_some_and(|b| b < 2 * self.page_bytes as u64)
+        {
+            return Err(BenchError::InvalidConfig(format!(
+                "--local-memory holds at least two pages ({} B)",
+                2 * self.page_bytes
+            )));
+        }
         for p in &self.prefetchers {
             camelot_farmem::prefetcher_by_name(p, self.window_pages)
                 .map_err(|e| BenchError::InvalidConfig(e.to_string()))?;
@@ -92,7 +104,10 @@ pub fn run(cfg: &PrefetchConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError>
     let target = Target::open(&cfg.servers, &spec, cfg.in_process)?;
     let client = target.connect(true)?;
     let region = client.alloc(bytes, None)?;
-    let frames = (cfg.pages * cfg.local_percent as u64 / 100).max(2);
+    let frames = match cfg.local_memory_bytes {
+        Some(b) => b / cfg.page_bytes as u64,
+        None => (cfg.pages * cfg.local_percent as u64 / 100).max(2),
+    };
     let mut series = Series::new(target.label("sequential scan, 64 B reads"));
     let mut rates = Vec::new();
     for name in &cfg.prefetchers {
@@ -170,8 +185,9 @@ pub fn run(cfg: &PrefetchConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError>
         "page_bytes": cfg.page_bytes,
         "data_bytes": bytes,
         "access_bytes": ACCESS_BYTES,
-        "local_percent": cfg.local_percent,
+        "local_percent": cfg.local_memory_bytes.is_none().then_some(cfg.local_percent),
         "local_pages": frames,
+        "local_bytes": frames * cfg.page_bytes as u64,
         "window_pages": cfg.window_pages,
         "process": servers["process"],
         "servers": servers,
@@ -195,9 +211,9 @@ pub fn run(cfg: &PrefetchConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError>
         .map(|(i, (_, r))| (i as f64, r / 1e6))
         .collect();
     let figure = Figure::new(&format!(
-        "Sequential scan of {} MiB with {}% local memory",
+        "Sequential scan of {} MiB with {} MiB of local memory",
         bytes >> 20,
-        cfg.local_percent
+        (frames * cfg.page_bytes as u64) >> 20
     ))
     .panel(
         Panel::new("scan throughput", "prefetcher", "MB/s")

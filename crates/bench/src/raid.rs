@@ -11,7 +11,9 @@
 
 use crate::checks::{check_seconds, check_threads};
 use crate::hw::{best_of, compiled_simd};
-use crate::side::{CamelotNodes, CamelotSpec, Placement};
+use crate::side::{
+    camelot_side, cpu_extra, CamelotNodes, CamelotSpec, ClientSide, CpuMeter, Placement,
+};
 use crate::BenchError;
 use camelot_blocks::layout::Code;
 use camelot_blocks::parity::Codec;
@@ -281,6 +283,8 @@ pub struct CompareConfig {
     /// Volume size (data bytes).
     pub volume_bytes: u64,
     pub seconds_per_point: f64,
+    /// Seconds iperf3 streams beside the volumes (0: no iperf3).
+    pub peer_seconds: u64,
     pub in_process: bool,
     pub quick: bool,
 }
@@ -292,6 +296,7 @@ impl Default for CompareConfig {
             chunk_bytes: 64 << 10,
             volume_bytes: 256 << 20,
             seconds_per_point: 2.0,
+            peer_seconds: 2,
             in_process: false,
             quick: false,
         }
@@ -304,6 +309,7 @@ impl CompareConfig {
         self.volume_bytes = 16 << 20;
         self.seconds_per_point = 0.3;
         self.threads = self.threads.min(2);
+        self.peer_seconds = self.peer_seconds.min(1);
     }
 
     pub fn validate(&self) -> Result<(), BenchError> {
@@ -511,12 +517,40 @@ pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, Benc
     let mut series: Vec<Series> = metrics.iter().map(|(m, _)| Series::new(*m)).collect();
     let mut overhead = Series::new("memory overhead ×");
     let mut figures: std::collections::BTreeMap<(String, usize), f64> = Default::default();
+    let mut sides = serde_json::Map::new();
     for (level, n) in &levels {
         // A server per member, each its own process, so one can be killed.
         let memory = cfg.volume_bytes * 2 / (*n as u64).max(1) + (64 << 20);
+        let spec = CamelotSpec::new(1, memory);
         let mut nodes: Vec<Option<CamelotNodes>> = (0..*n)
-            .map(|_| CamelotNodes::start(&CamelotSpec::new(1, memory), &placement).map(Some))
+            .map(|_| CamelotNodes::start(&spec, &placement).map(Some))
             .collect::<Result<_, _>>()?;
+        let mut side = camelot_side(
+            &spec,
+            &placement,
+            &level.name(),
+            ClientSide {
+                client: "camelot-blocks Volume over camelot-client, in the bench process".into(),
+                client_threads: cfg.threads,
+                depth: 1,
+                data_model: format!(
+                    "{} over {n} servers, {} B chunks; closed loop, one call in flight a thread",
+                    level.name(),
+                    cfg.chunk_bytes
+                ),
+                resp_face: false,
+            },
+        );
+        side.nodes = *n;
+        sides.insert(level.name(), side.to_json());
+        // Every member's server process, for the CPU they spend on each load.
+        let pids = |nodes: &[Option<CamelotNodes>]| -> Vec<u32> {
+            nodes
+                .iter()
+                .flatten()
+                .flat_map(|c| c.processes().into_iter().map(|p| p.pid()))
+                .collect()
+        };
         let addrs: Vec<_> = nodes.iter().flatten().map(|c| c.addrs()[0]).collect();
         let vol = Arc::new(
             Volume::create(
@@ -537,11 +571,17 @@ pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, Benc
             Load::RandomRead4k,
         ];
         for (i, load) in loads.into_iter().enumerate() {
+            let meter = CpuMeter::start(pids(&nodes));
+            let t = Instant::now();
             let (ops, bytes) = drive(&vol, load, cfg.threads, cfg.seconds_per_point)?;
+            let ops_done = ops * t.elapsed().as_secs_f64();
             let mut p = Point::new(x);
             p.ops_per_sec = Some(ops);
             p.bytes_per_sec = Some(bytes);
             p.extra.insert("level".into(), json!(level.name()));
+            for (k, v) in cpu_extra(ops_done, meter.seconds()) {
+                p.extra.insert(k.into(), v);
+            }
             series[i].points.push(p);
             figures.insert((level.name(), i), if i == 0 { bytes } else { ops });
         }
@@ -550,7 +590,10 @@ pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, Benc
             if let Some(node) = nodes[1].take() {
                 node.stop()?;
             }
+            let meter = CpuMeter::start(pids(&nodes));
+            let t = Instant::now();
             let (ops, bytes) = drive(&vol, Load::RandomRead4k, cfg.threads, cfg.seconds_per_point)?;
+            let ops_done = ops * t.elapsed().as_secs_f64();
             if !vol.status().degraded() {
                 return Err(BenchError::Check(format!(
                     "{}: a member was killed but the volume is not degraded",
@@ -561,6 +604,9 @@ pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, Benc
             p.ops_per_sec = Some(ops);
             p.bytes_per_sec = Some(bytes);
             p.extra.insert("level".into(), json!(level.name()));
+            for (k, v) in cpu_extra(ops_done, meter.seconds()) {
+                p.extra.insert(k.into(), v);
+            }
             series[3].points.push(p);
             figures.insert((level.name(), 3), ops);
         }
@@ -577,6 +623,29 @@ pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, Benc
         }
     }
     series.push(overhead);
+    // After the volumes, so the stream has the machine to itself, as each level had.
+    let iperf = if cfg.peer_seconds > 0 {
+        Some(crate::peers::iperf3_tcp_stream(Duration::from_secs(
+            cfg.peer_seconds,
+        ))?)
+    } else {
+        None
+    };
+    if let Some(i) = &iperf {
+        sides.insert(
+            "iperf3".into(),
+            json!({
+                "label": "iperf3",
+                "server": "iperf3",
+                "process": "separate",
+                "nodes": 1,
+                "command": i.command,
+                "client": "iperf3 -c (one TCP stream, client sends)",
+                "client_threads": 1,
+                "data_model": "a byte stream: the wire's ceiling for what a write moves",
+            }),
+        );
+    }
     let config = json!({
         "x": "level",
         "levels": levels.iter().map(|(l, n)| json!({"level": l.name(), "members": n})).collect::<Vec<_>>(),
@@ -587,9 +656,19 @@ pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, Benc
         "servers": placement.name(),
         "server_per_member": true,
         "degraded": "member 1's server stopped (killed when separate), reads reconstruct",
+        "server_cpu_seconds": "per point: every member server's CPU seconds during it (separate processes only)",
+        "sides": serde_json::Value::Object(sides),
+        "iperf3": iperf.as_ref().map(|i| i.command.clone()),
         "quick": cfg.quick,
     });
     let mut result = BenchResult::new("raid-compare", started, config, series);
+    if let Some(i) = &iperf {
+        result.references.push(camelot_results::schema::Reference {
+            label: "iperf3 stream (loopback)".into(),
+            metric: "bytes_per_sec".into(),
+            value: i.bytes_per_sec,
+        });
+    }
     let get = |l: &str, i: usize| figures.get(&(l.to_string(), i)).copied();
     let mut compare =
         |name: &str, a: Option<f64>, b: Option<f64>, unit: &str, peer: &str, target: f64| {
@@ -639,6 +718,16 @@ pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, Benc
         "rs:4+2 normal read",
         0.6,
     );
+    if let (Some(i), Some(raid0)) = (&iperf, get("raid0", 0)) {
+        // Context, no target: how close a raid0 full-stripe write comes to the wire.
+        result.comparisons.push(Comparison::new(
+            "raid0 full-stripe write",
+            raid0,
+            i.bytes_per_sec,
+            "B/s",
+            "iperf3 stream (loopback)",
+        ));
+    }
     let fig = compare_figure(&result, &names);
     Ok(output::write_result_with_figure(out, &result, &fig)?)
 }
@@ -1029,12 +1118,15 @@ fn compare_figure(result: &BenchResult, names: &[String]) -> Figure {
         )
     };
     Figure::new("Block volumes: RAID levels and Reed–Solomon (seed 000's RaidComparison)")
-        .panel(bars(
-            "full-stripe write",
-            "GB/s",
-            &|p| p.bytes_per_sec.map(|v| v / 1e9),
-            &[0],
-        ))
+        .panel(
+            bars(
+                "full-stripe write",
+                "GB/s",
+                &|p| p.bytes_per_sec.map(|v| v / 1e9),
+                &[0],
+            )
+            .references_from(result, "bytes_per_sec", 1e-9),
+        )
         .panel(bars(
             "4 KiB random I/O",
             "ops/s",
@@ -1077,6 +1169,7 @@ mod tests {
         let cfg = CompareConfig {
             in_process: true,
             seconds_per_point: 0.1,
+            peer_seconds: 0,
             ..CompareConfig::defaults_quick()
         };
         let files = run_compare(&cfg, &dir)?;

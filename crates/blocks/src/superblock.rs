@@ -181,6 +181,90 @@ impl Superblock {
     }
 }
 
+/// Bytes of the rebuild progress record, kept in the last bytes of each member's reserved
+/// superblock space (a superblock encodes to at most ~1 KiB: `fits_its_reserved_space`).
+pub const PROGRESS_BYTES: u64 = 64;
+/// Where the progress record starts in a member region.
+pub const PROGRESS_OFFSET: u64 = SUPERBLOCK_BYTES - PROGRESS_BYTES;
+pub const PROGRESS_MAGIC: [u8; 8] = *b"CMLTRBLD";
+const PROGRESS_BODY_BYTES: usize = 8 + 8 * 6;
+const _: () = assert!(PROGRESS_BODY_BYTES + 4 <= PROGRESS_BYTES as usize);
+
+/// How far a rebuild has come, written by the rebuilding process to every present member
+/// at a bounded rate, so another process (`camelot volume status`) can read it. It
+/// describes the rebuild of `member` onto region `region`; it is current only while the
+/// superblock still lists that member as missing on that region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RebuildProgress {
+    pub member: usize,
+    /// The replacement's region id: a record of an earlier, abandoned rebuild names
+    /// another region.
+    pub region: u64,
+    pub stripes_done: u64,
+    pub stripes_total: u64,
+    /// The rebuild's rate limit (0: unlimited).
+    pub rate_bytes_per_s: u64,
+    /// When it was written (Unix time, milliseconds).
+    pub updated_unix_ms: u64,
+}
+
+impl RebuildProgress {
+    /// Layout (little-endian): magic | member u64 | region | done | total | rate |
+    /// updated | crc32 of the preceding bytes | zero padding to `PROGRESS_BYTES`.
+    pub fn encode(&self) -> [u8; PROGRESS_BYTES as usize] {
+        let mut out = [0u8; PROGRESS_BYTES as usize];
+        out[..8].copy_from_slice(&PROGRESS_MAGIC);
+        let fields = [
+            self.member as u64,
+            self.region,
+            self.stripes_done,
+            self.stripes_total,
+            self.rate_bytes_per_s,
+            self.updated_unix_ms,
+        ];
+        for (i, f) in fields.iter().enumerate() {
+            out[8 + 8 * i..16 + 8 * i].copy_from_slice(&f.to_le_bytes());
+        }
+        let crc = crc32fast::hash(&out[..PROGRESS_BODY_BYTES]);
+        out[PROGRESS_BODY_BYTES..PROGRESS_BODY_BYTES + 4].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// `Ok(None)` for a cleared record (all zeros); an error for anything else that is not
+    /// a well-formed record. Never panics (the bytes come from a server).
+    pub fn decode(bytes: &[u8]) -> Result<Option<RebuildProgress>, BlocksError> {
+        let bad = |why: &str| BlocksError::BadSuperblock(format!("rebuild progress: {why}"));
+        let mut r = Reader { bytes, at: 0 };
+        let magic: [u8; 8] = r.array()?;
+        if magic == [0u8; 8] {
+            return Ok(None);
+        }
+        if magic != PROGRESS_MAGIC {
+            return Err(bad("bad magic"));
+        }
+        let mut f = [0u64; 6];
+        for v in f.iter_mut() {
+            *v = u64::from_le_bytes(r.array()?);
+        }
+        let crc = u32::from_le_bytes(r.array()?);
+        if crc32fast::hash(&bytes[..PROGRESS_BODY_BYTES]) != crc {
+            return Err(bad("checksum mismatch"));
+        }
+        let [member, region, stripes_done, stripes_total, rate_bytes_per_s, updated_unix_ms] = f;
+        if member >= MEMBERS_MAX as u64 || stripes_done > stripes_total {
+            return Err(bad("fields out of range"));
+        }
+        Ok(Some(RebuildProgress {
+            member: member as usize,
+            region,
+            stripes_done,
+            stripes_total,
+            rate_bytes_per_s,
+            updated_unix_ms,
+        }))
+    }
+}
+
 /// Reads fixed-size fields off a byte slice, failing (never panicking) past its end.
 struct Reader<'a> {
     bytes: &'a [u8],
@@ -243,7 +327,8 @@ mod tests {
         sb.members.iter_mut().for_each(|m| {
             m.addr = "[::1]:1".parse().unwrap();
         });
-        assert!(sb.encode().len() as u64 <= SUPERBLOCK_BYTES);
+        // The progress record lives in the reserved space's last bytes.
+        assert!(sb.encode().len() as u64 <= PROGRESS_OFFSET);
     }
 
     #[test]
@@ -254,6 +339,26 @@ mod tests {
             b[i] ^= 0x01;
             assert!(Superblock::decode(&b).is_err(), "byte {i}");
         }
+    }
+
+    #[test]
+    fn a_cleared_progress_record_is_none_and_a_flipped_byte_is_caught() {
+        assert_eq!(RebuildProgress::decode(&[0u8; 64]).unwrap(), None);
+        let p = RebuildProgress {
+            member: 3,
+            region: 77,
+            stripes_done: 10,
+            stripes_total: 20,
+            rate_bytes_per_s: 1 << 20,
+            updated_unix_ms: 1_700_000_000_000,
+        };
+        let bytes = p.encode();
+        for i in 0..PROGRESS_BODY_BYTES + 4 {
+            let mut b = bytes;
+            b[i] ^= 0x10;
+            assert!(RebuildProgress::decode(&b).is_err(), "byte {i}");
+        }
+        assert!(RebuildProgress::decode(&bytes[..40]).is_err(), "truncated");
     }
 
     proptest! {
@@ -283,6 +388,28 @@ mod tests {
             bytes.extend_from_slice(&VERSION.to_le_bytes());
             bytes.extend_from_slice(&tail);
             let _ = Superblock::decode(&bytes);
+        }
+
+        #[test]
+        fn progress_round_trips(member in 0usize..MEMBERS_MAX, region: u64, total: u64,
+                                done_part in 0u64..=1000, rate: u64, updated: u64) {
+            let p = RebuildProgress {
+                member,
+                region,
+                stripes_done: (total as u128 * done_part as u128 / 1000) as u64,
+                stripes_total: total,
+                rate_bytes_per_s: rate,
+                updated_unix_ms: updated,
+            };
+            prop_assert_eq!(RebuildProgress::decode(&p.encode()).unwrap(), Some(p));
+        }
+
+        #[test]
+        fn progress_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..100)) {
+            let _ = RebuildProgress::decode(&bytes);
+            let mut b = PROGRESS_MAGIC.to_vec();
+            b.extend_from_slice(&bytes);
+            let _ = RebuildProgress::decode(&b);
         }
 
         #[test]

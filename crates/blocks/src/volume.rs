@@ -32,7 +32,9 @@
 use crate::layout::{Code, Layout, Level};
 use crate::parity::{xor_into, Codec, RS_ALIGN};
 use crate::plan::{self, StripeSpan};
-use crate::superblock::{check_name, Member, MemberState, Superblock, SUPERBLOCK_BYTES};
+use crate::superblock::{
+    check_name, Member, MemberState, RebuildProgress, Superblock, PROGRESS_OFFSET, SUPERBLOCK_BYTES,
+};
 use crate::BlocksError;
 use bytes::Bytes;
 use camelot_client::{reply, Client, ClientConfig, ClientError, ClusterMap, NodeId, NodeInfo};
@@ -59,6 +61,10 @@ pub const INTENT_ZONE_STRIPES: u64 = 64;
 const MARKED_ZONES_MAX: usize = 256;
 /// A zone not written to for this long is cleared at the next write or drop.
 const MARK_IDLE: Duration = Duration::from_secs(1);
+/// A rebuild writes its progress record (one small WRITE to each present member) at most
+/// this often, and once at its start: what another process's `status` sees is at most
+/// this old while the rebuild runs.
+pub const REBUILD_PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
 
 /// How to reach the members.
 #[derive(Debug, Clone)]
@@ -96,6 +102,12 @@ pub struct VolumeStatus {
     pub missing: Vec<usize>,
     /// (member, stripes rebuilt, stripes in all) while a rebuild runs.
     pub rebuild: Option<(usize, u64, u64)>,
+    /// When the rebuild runs in another process (seen by [`Volume::inspect`] in its
+    /// progress record): how long ago that process last wrote its progress.
+    pub rebuild_reported_ago: Option<Duration>,
+    /// Members [`Volume::inspect`] could not reach just now (their superblock may still
+    /// call them active: nobody has written to the volume since they went).
+    pub unreachable: Vec<usize>,
 }
 
 impl VolumeStatus {
@@ -438,7 +450,91 @@ impl Volume {
                     self.layout.stripes,
                 )
             }),
+            rebuild_reported_ago: None,
+            unreachable: Vec::new(),
         }
+    }
+
+    /// The status of a volume without opening it: reads every reachable member's
+    /// superblock (the highest generation wins) and rebuild progress record, and writes
+    /// nothing — no resync, no member marked missing — so it is safe to run while another
+    /// process serves or rebuilds the volume. Needs one reachable member.
+    pub fn inspect(
+        seed: SocketAddr,
+        name: &str,
+        config: &VolumeConfig,
+    ) -> Result<VolumeStatus, BlocksError> {
+        check_name(name)?;
+        let (first, first_progress) = read_superblock_and_progress_at(seed, name, &config.client)?;
+        let client = lazy_client(&first.members, &config.client)?;
+        let mut best = first;
+        let mut progress = vec![first_progress];
+        let mut unreachable = Vec::new();
+        for (i, m) in best.members.clone().iter().enumerate() {
+            if m.addr == seed {
+                continue;
+            }
+            match read_member_block(&client, i, m.region) {
+                Ok(bytes) => {
+                    if let Ok(sb) = Superblock::decode(&bytes) {
+                        if sb.name == best.name && sb.generation > best.generation {
+                            best = sb;
+                        }
+                    }
+                    progress.push(progress_of(&bytes));
+                }
+                Err(_) => unreachable.push(i),
+            }
+        }
+        let now_ms = unix_ms();
+        // The freshest record that describes a rebuild the superblock still has under way.
+        let current = progress
+            .into_iter()
+            .flatten()
+            .filter(|p| {
+                best.members
+                    .get(p.member)
+                    .is_some_and(|m| m.state == MemberState::Missing && m.region == p.region)
+            })
+            .max_by_key(|p| p.updated_unix_ms);
+        let missing: Vec<usize> = (0..best.members.len())
+            .filter(|&i| best.members[i].state != MemberState::Active || unreachable.contains(&i))
+            .collect();
+        Ok(VolumeStatus {
+            name: best.name.clone(),
+            layout: best.layout,
+            generation: best.generation,
+            members: best.members.clone(),
+            missing,
+            rebuild: current.map(|p| (p.member, p.stripes_done, p.stripes_total)),
+            rebuild_reported_ago: current
+                .map(|p| Duration::from_millis(now_ms.saturating_sub(p.updated_unix_ms))),
+            unreachable,
+        })
+    }
+
+    /// Writes the rebuild progress record (`None`: clears it) to every present member.
+    /// A member that fails is left to the rebuild's next round to notice.
+    fn write_progress(&self, progress: Option<RebuildProgress>) {
+        let bytes = Bytes::copy_from_slice(&match progress {
+            Some(p) => p.encode(),
+            None => [0u8; crate::superblock::PROGRESS_BYTES as usize],
+        });
+        let st = self.state.read().clone();
+        let ops = (0..st.members.len())
+            .filter(|&m| st.members[m].state == MemberState::Active)
+            .map(|m| {
+                (
+                    m,
+                    Op::Write {
+                        region: st.members[m].region,
+                        offset: PROGRESS_OFFSET,
+                        data: bytes.clone(),
+                    },
+                )
+            })
+            .collect();
+        let _ = self.exchange(ops);
     }
 
     /// Writes the superblock to every present member. `all` makes any failure an error
@@ -1305,6 +1401,16 @@ impl Volume {
         }
         self.write_superblock(false)?;
         self.rebuild_done.store(0, Ordering::Relaxed);
+        let progress = |done: u64| RebuildProgress {
+            member,
+            region: region.id,
+            stripes_done: done,
+            stripes_total: self.layout.stripes,
+            rate_bytes_per_s,
+            updated_unix_ms: unix_ms(),
+        };
+        self.write_progress(Some(progress(0)));
+        let mut progress_written = Instant::now();
         let started = Instant::now();
         let mut bytes_done = 0u64;
         let chunk = self.layout.chunk_bytes;
@@ -1372,13 +1478,26 @@ impl Volume {
             }
             self.rebuild_done.store(last, Ordering::Relaxed);
             drop(locks);
+            if progress_written.elapsed() >= REBUILD_PROGRESS_INTERVAL {
+                self.write_progress(Some(progress(last)));
+                progress_written = Instant::now();
+            }
             bytes_done += chunk * (last - first);
             first = last;
             if rate_bytes_per_s > 0 {
-                // Rate limit: sleeping until the budget allows the bytes done so far.
+                // Rate limit: sleeping until the budget allows the bytes done so far, in
+                // steps no longer than the progress interval, so the record stays fresh
+                // however slow the rate.
                 let due = Duration::from_secs_f64(bytes_done as f64 / rate_bytes_per_s as f64);
-                if let Some(wait) = due.checked_sub(started.elapsed()) {
-                    std::thread::sleep(wait);
+                while let Some(wait) = due.checked_sub(started.elapsed()) {
+                    if wait.is_zero() {
+                        break;
+                    }
+                    std::thread::sleep(wait.min(REBUILD_PROGRESS_INTERVAL));
+                    if progress_written.elapsed() >= REBUILD_PROGRESS_INTERVAL {
+                        self.write_progress(Some(progress(last)));
+                        progress_written = Instant::now();
+                    }
                 }
             }
         }
@@ -1389,6 +1508,7 @@ impl Volume {
             st.generation += 1;
         }
         self.write_superblock(false)?;
+        self.write_progress(None);
         Ok(())
     }
 }
@@ -1402,20 +1522,40 @@ impl Drop for Volume {
     }
 }
 
-fn read_member_superblock(
-    client: &Client,
-    member: usize,
-    region: u64,
-) -> Result<Superblock, BlocksError> {
-    let bytes = reply::data(client.call(
+/// A member's reserved block: its superblock, then (at its end) the rebuild progress.
+fn read_member_block(client: &Client, member: usize, region: u64) -> Result<Bytes, BlocksError> {
+    Ok(reply::data(client.call(
         member as NodeId,
         Op::Read {
             region,
             offset: 0,
             len: SUPERBLOCK_BYTES as u32,
         },
-    ))?;
-    Superblock::decode(&bytes)
+    ))?)
+}
+
+fn read_member_superblock(
+    client: &Client,
+    member: usize,
+    region: u64,
+) -> Result<Superblock, BlocksError> {
+    Superblock::decode(&read_member_block(client, member, region)?)
+}
+
+/// The progress record at the end of a member's reserved block; a damaged one is
+/// ignored (it only ever informs `status`).
+fn progress_of(block: &[u8]) -> Option<RebuildProgress> {
+    let at = PROGRESS_OFFSET as usize;
+    block
+        .get(at..)
+        .and_then(|b| RebuildProgress::decode(b).ok())
+        .flatten()
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Finds the volume's region on one server by its name and reads its superblock.
@@ -1424,6 +1564,15 @@ fn read_superblock_at(
     name: &str,
     config: &ClientConfig,
 ) -> Result<Superblock, BlocksError> {
+    Ok(read_superblock_and_progress_at(addr, name, config)?.0)
+}
+
+/// [`read_superblock_at`], with the progress record the same read brought back.
+fn read_superblock_and_progress_at(
+    addr: SocketAddr,
+    name: &str,
+    config: &ClientConfig,
+) -> Result<(Superblock, Option<RebuildProgress>), BlocksError> {
     let client = Client::connect(ClusterMap::from_addrs(&[addr]), config.clone())?;
     let prefix = format!("camelot-vol.{name}.");
     let region = client
@@ -1431,12 +1580,13 @@ fn read_superblock_at(
         .into_iter()
         .find(|r| r.name.as_deref().is_some_and(|n| n.starts_with(&prefix)))
         .ok_or_else(|| BlocksError::NotFound(name.to_string()))?;
-    let sb = read_member_superblock(&client, 0, region.id)?;
+    let block = read_member_block(&client, 0, region.id)?;
+    let sb = Superblock::decode(&block)?;
     if sb.name != name {
         return Err(BlocksError::BadSuperblock(format!(
             "region {prefix}… holds volume {:?}",
             sb.name
         )));
     }
-    Ok(sb)
+    Ok((sb, progress_of(&block)))
 }

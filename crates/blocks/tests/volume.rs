@@ -443,3 +443,270 @@ fn writes_during_an_unlimited_rebuild_reach_the_new_member() {
     );
     drop(fresh);
 }
+
+/// (READ, WRITE, SWAP, XOR_INTO, batches) one server has counted.
+fn counters(server: &DevCluster) -> [u64; 5] {
+    let stats = server.stats();
+    let get = |name: &str| {
+        stats
+            .iter()
+            .flatten()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| *v)
+            .sum::<u64>()
+    };
+    [
+        get("ops_read"),
+        get("ops_write"),
+        get("ops_swap"),
+        get("ops_xor_into"),
+        get("batches"),
+    ]
+}
+
+/// A full-stripe write computes parity from the new data: no member is read (no READ,
+/// no SWAP, no XOR_INTO), every member gets one WRITE per stripe, and each member's share
+/// of the call arrives as one batch (one frame), not one per chunk.
+#[test]
+fn a_full_stripe_write_reads_nothing_and_sends_one_batch_per_member() {
+    const STRIPES: u64 = 3;
+    for (level, n) in [
+        (Level::Raid4, 4),
+        (Level::Raid5, 4),
+        (Level::Rs { k: 4, m: 2 }, 6),
+    ] {
+        let (servers, addrs) = servers(n);
+        let name = format!("full{n}{level:?}").replace(|c: char| !c.is_alphanumeric(), "");
+        let vol = Volume::create(
+            &name,
+            level,
+            &addrs,
+            CHUNK,
+            256 << 10,
+            &VolumeConfig::default(),
+        )
+        .expect("create");
+        let stripe = vol.layout().stripe_data_bytes();
+        // The zone's intent mark goes out with the first write; count the next one.
+        vol.write(0, &vec![1u8; stripe as usize])
+            .expect("first write");
+        let before: Vec<[u64; 5]> = servers.iter().map(counters).collect();
+        let data: Vec<u8> = (0..STRIPES * stripe).map(|i| (i % 251) as u8).collect();
+        vol.write(stripe, &data).expect("full-stripe write");
+        let after: Vec<[u64; 5]> = servers.iter().map(counters).collect();
+        for (m, (a, b)) in after.iter().zip(&before).enumerate() {
+            let d: Vec<u64> = a.iter().zip(b).map(|(a, b)| a - b).collect();
+            assert_eq!(
+                d,
+                vec![0, STRIPES, 0, 0, 1],
+                "{level:?} member {m}: read, write, swap, xor_into, batches"
+            );
+        }
+        let mut back = vec![0u8; data.len()];
+        vol.read(stripe, &mut back).expect("read");
+        assert!(back == data, "{level:?}: read back differs");
+        assert_eq!(vol.scrub(false).expect("scrub").mismatches, 0, "{level:?}");
+    }
+}
+
+/// A TCP relay on loopback that holds every byte the server sends for `delay` before
+/// passing it on (in arrival order), so each request/answer exchange through it costs at
+/// least `delay`: how many exchanges a call waits for one after another shows in its
+/// wall time.
+struct DelayProxy {
+    addr: SocketAddr,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Answer chunks one direction of a relay holds at most before the reader waits.
+const PROXY_QUEUE_CHUNKS_MAX: usize = 1024;
+
+impl DelayProxy {
+    fn start(upstream: SocketAddr, delay: std::time::Duration) -> DelayProxy {
+        use std::io::{Read, Write};
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        let listener = TcpListener::bind("127.0.0.1:0").expect("proxy listens");
+        let addr = listener.local_addr().expect("proxy address");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopping = stop.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(client) = client else { continue };
+                let Ok(server) = TcpStream::connect(upstream) else {
+                    continue;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                let (Ok(mut client_in), Ok(mut server_out)) =
+                    (client.try_clone(), server.try_clone())
+                else {
+                    continue;
+                };
+                // Requests go straight through.
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut client_in, &mut server_out);
+                    let _ = server_out.shutdown(Shutdown::Write);
+                });
+                // Answers wait `delay` from when they arrived.
+                let (tx, rx) = std::sync::mpsc::sync_channel::<(std::time::Instant, Vec<u8>)>(
+                    PROXY_QUEUE_CHUNKS_MAX,
+                );
+                let mut server_in = server;
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 << 10];
+                    while let Ok(n) = server_in.read(&mut buf) {
+                        if n == 0
+                            || tx
+                                .send((std::time::Instant::now() + delay, buf[..n].to_vec()))
+                                .is_err()
+                        {
+                            break;
+                        }
+                    }
+                });
+                let mut client_out = client;
+                std::thread::spawn(move || {
+                    for (due, bytes) in rx {
+                        // The relay's job is to hold bytes this long: this sleep is the
+                        // simulated wire, not a wait for another thread.
+                        std::thread::sleep(
+                            due.saturating_duration_since(std::time::Instant::now()),
+                        );
+                        if client_out.write_all(&bytes).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = client_out.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        DelayProxy { addr, stop }
+    }
+}
+
+impl Drop for DelayProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        // Wakes the accept loop so it sees the flag.
+        let _ = std::net::TcpStream::connect(self.addr);
+    }
+}
+
+/// One call's chunk I/O leaves at once to every member it touches: through relays that
+/// delay every answer by `DELAY`, a two-stripe write or read over four members takes one
+/// delay (members one after another would take four, chunks one after another eight),
+/// and a sub-chunk parity write takes two (SWAP, then XOR_INTO).
+#[test]
+fn one_call_waits_one_round_trip_for_all_its_members_at_once() {
+    const DELAY: std::time::Duration = std::time::Duration::from_millis(150);
+    let (_servers, addrs) = servers(4);
+    let proxies: Vec<DelayProxy> = addrs.iter().map(|a| DelayProxy::start(*a, DELAY)).collect();
+    let via: Vec<SocketAddr> = proxies.iter().map(|p| p.addr).collect();
+    let vol = Volume::create(
+        "rtt",
+        Level::Raid5,
+        &via,
+        CHUNK,
+        256 << 10,
+        &VolumeConfig::default(),
+    )
+    .expect("create");
+    let stripe = vol.layout().stripe_data_bytes() as usize;
+    // Marks zone 0 and opens a connection to every member.
+    vol.write(0, &vec![1u8; stripe]).expect("first write");
+    let data: Vec<u8> = (0..2 * stripe).map(|i| (i % 253) as u8).collect();
+    let timed = |f: &dyn Fn()| {
+        let t = std::time::Instant::now();
+        f();
+        t.elapsed()
+    };
+    let full = timed(&|| vol.write(stripe as u64, &data).expect("full-stripe write"));
+    let read = timed(&|| {
+        let mut back = vec![0u8; data.len()];
+        vol.read(stripe as u64, &mut back).expect("read");
+        assert!(back == data, "read back differs");
+    });
+    let small = timed(&|| {
+        vol.write(stripe as u64 + 100, &[9u8; 200])
+            .expect("small write")
+    });
+    for (what, took, trips) in [
+        ("two-stripe write", full, 1),
+        ("two-stripe read", read, 1),
+        ("sub-chunk write", small, 2),
+    ] {
+        assert!(
+            took >= DELAY * trips && took < DELAY * (trips + 1),
+            "{what} took {took:?}: want {trips} round trip(s) of {DELAY:?} \
+             (each member in turn would take {:?})",
+            DELAY * 4 * trips
+        );
+    }
+    assert_eq!(vol.scrub(false).expect("scrub").mismatches, 0);
+}
+
+/// A rate-limited rebuild never gets ahead of its budget: at any moment it has rebuilt
+/// at most `rate × elapsed` plus the round under way, so it takes at least the member's
+/// bytes ÷ the rate.
+#[test]
+fn a_rebuild_keeps_to_its_rate_limit() {
+    const RATE: u64 = 1 << 20;
+    /// Stripes a rebuild round handles (the volume's `STRIPES_PER_ROUND`).
+    const ROUND_STRIPES: u64 = 16;
+    let (mut servers, addrs) = servers(4);
+    let vol = std::sync::Arc::new(
+        Volume::create(
+            "rate",
+            Level::Raid5,
+            &addrs,
+            CHUNK,
+            1 << 20,
+            &VolumeConfig::default(),
+        )
+        .expect("create"),
+    );
+    let mut shadow = vec![0u8; vol.capacity_bytes() as usize];
+    let mut rng = SmallRng::seed_from_u64(31);
+    exercise(&vol, &mut shadow, &mut rng, 30);
+    servers.remove(1).shutdown().expect("stop");
+    assert_eq!(read_all(&vol), shadow);
+    assert_eq!(vol.status().missing, vec![1]);
+    let fresh = server();
+    let target = fresh.addrs()[0];
+    let member_bytes = vol.layout().member_data_bytes();
+    let started = std::time::Instant::now();
+    let rebuilder = {
+        let vol = vol.clone();
+        std::thread::spawn(move || vol.rebuild(1, target, RATE))
+    };
+    let mut samples = 0;
+    while !rebuilder.is_finished() {
+        if let Some((_, done, _)) = vol.status().rebuild {
+            // Read after the status, so the allowance is if anything generous.
+            let allowed =
+                RATE as f64 * started.elapsed().as_secs_f64() + (ROUND_STRIPES * CHUNK) as f64;
+            assert!(
+                (done * CHUNK) as f64 <= allowed,
+                "{done} stripes rebuilt after {:?}: more than {RATE} B/s allows",
+                started.elapsed()
+            );
+            samples += 1;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    rebuilder.join().expect("rebuild thread").expect("rebuild");
+    let took = started.elapsed();
+    let floor = std::time::Duration::from_secs_f64(member_bytes as f64 / RATE as f64);
+    assert!(
+        took >= floor,
+        "rebuilt {member_bytes} B in {took:?}: faster than {RATE} B/s ({floor:?})"
+    );
+    assert!(samples > 0, "never saw the rebuild under way");
+    assert!(!vol.status().degraded());
+    assert_eq!(read_all(&vol), shadow);
+    assert_eq!(vol.scrub(false).expect("scrub").mismatches, 0);
+    drop(fresh);
+}

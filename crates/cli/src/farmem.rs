@@ -265,6 +265,9 @@ pub struct PrefetchArgs {
     /// Local memory as a percentage of the scanned bytes.
     #[arg(long, default_value_t = 10)]
     local: u32,
+    /// Local memory as a byte budget for the page cache (e.g. 256MiB), instead of --local.
+    #[arg(long, value_parser = crate::parse_bytes, conflicts_with = "local")]
+    local_memory: Option<u64>,
     /// Most pages one access may prefetch.
     #[arg(long, default_value_t = 64)]
     window: u64,
@@ -283,6 +286,7 @@ pub fn bench_prefetch(a: PrefetchArgs) -> Result<()> {
         cfg.pages = p;
     }
     cfg.local_percent = a.local;
+    cfg.local_memory_bytes = a.local_memory;
     cfg.window_pages = a.window;
     cfg.prefetchers = a.prefetch;
     (cfg.servers, cfg.in_process, cfg.token) = a.target.resolve()?;
@@ -303,6 +307,10 @@ pub struct FaultArgs {
     /// Local memory as a percentage of the pages (1 to 99).
     #[arg(long, default_value_t = 10)]
     local: u32,
+    /// Local memory as a byte budget for the page cache and regions (e.g. 64MiB),
+    /// instead of --local.
+    #[arg(long, value_parser = crate::parse_bytes, conflicts_with = "local")]
+    local_memory: Option<u64>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Threads faulting at once on the concurrent path (1 to 64).
@@ -324,6 +332,7 @@ pub fn bench_fault(a: FaultArgs) -> Result<()> {
     }
     cfg.page_bytes = a.page_bytes;
     cfg.local_percent = a.local;
+    cfg.local_memory_bytes = a.local_memory;
     cfg.seed = a.seed;
     cfg.threads = a.threads;
     cfg.fault_handlers = a.fault_handlers;

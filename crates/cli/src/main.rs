@@ -93,8 +93,9 @@ enum VolumeCommand {
     /// Create a volume from one region on each server, e.g.
     /// `camelot volume create --level raid5 --servers a,b,c,d --size 1GiB NAME`.
     Create(VolumeCreateArgs),
-    /// Members, their state, whether the volume is degraded; opening it also resyncs
-    /// stripes a killed writer left marked.
+    /// Members, their state, whether the volume is degraded, and the progress of a
+    /// rebuild another process runs (its record is at most a second old while it runs).
+    /// Reads only: safe while another process serves or rebuilds the volume.
     Status(VolumeRef),
     /// Rebuild a lost member onto a replacement server (or the same one restarted):
     /// `--replace OLD=NEW`, addresses as host:port.
@@ -1508,8 +1509,12 @@ fn serve_nbd(a: VolumeServeNbdArgs) -> Result<()> {
     Ok(())
 }
 
-fn print_status(vol: &camelot_blocks::Volume) {
-    let st = vol.status();
+/// A rebuild rewrites its progress record every second
+/// (`camelot_blocks::volume::REBUILD_PROGRESS_INTERVAL`); one this much older says its
+/// process has likely stopped (or one round took that long, which it never should).
+const REBUILD_REPORT_STALE: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn print_status(st: &camelot_blocks::VolumeStatus) {
     println!(
         "volume {}: {}, {} members, chunk {}, capacity {}, memory overhead {:.2}x, generation {}",
         st.name,
@@ -1526,14 +1531,30 @@ fn print_status(vol: &camelot_blocks::Volume) {
         println!("state: healthy");
     }
     if let Some((m, done, total)) = st.rebuild {
-        println!("rebuild: member {m}, {done}/{total} stripes");
+        match st.rebuild_reported_ago {
+            Some(ago) => println!(
+                "rebuild: member {m}, {done}/{total} stripes, reported {:.1} s ago{}",
+                ago.as_secs_f64(),
+                if ago > REBUILD_REPORT_STALE {
+                    " (stale: the rebuilding process may have stopped)"
+                } else {
+                    ""
+                }
+            ),
+            None => println!("rebuild: member {m}, {done}/{total} stripes"),
+        }
     }
     for (i, m) in st.members.iter().enumerate() {
         let state = match m.state {
             camelot_blocks::superblock::MemberState::Active => "active",
             camelot_blocks::superblock::MemberState::Missing => "missing",
         };
-        println!("member {i}: {} region {} {state}", m.addr, m.region);
+        let reach = if st.unreachable.contains(&i) {
+            ", unreachable now"
+        } else {
+            ""
+        };
+        println!("member {i}: {} region {} {state}{reach}", m.addr, m.region);
     }
 }
 
@@ -1554,9 +1575,13 @@ fn volume(c: VolumeCommand) -> Result<()> {
                 a.size,
                 &volume_config(a.token),
             )?;
-            print_status(&vol);
+            print_status(&vol.status());
         }
-        VolumeCommand::Status(r) => print_status(&open_volume(&r)?),
+        VolumeCommand::Status(r) => print_status(&camelot_blocks::Volume::inspect(
+            resolve(&r.server)?,
+            &r.name,
+            &volume_config(r.token.clone()),
+        )?),
         VolumeCommand::ServeNbd(a) => serve_nbd(a)?,
         VolumeCommand::Rebuild(a) => {
             let vol = std::sync::Arc::new(open_volume(&a.volume)?);
@@ -1589,7 +1614,7 @@ fn volume(c: VolumeCommand) -> Result<()> {
                 .join()
                 .map_err(|_| anyhow!("the rebuild thread panicked"))??;
             println!("rebuilt member {member} onto {new}");
-            print_status(&vol);
+            print_status(&vol.status());
         }
         VolumeCommand::Scrub(a) => {
             let vol = open_volume(&a.volume)?;

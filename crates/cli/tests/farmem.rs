@@ -148,3 +148,41 @@ fn bench_fault_quick_writes_its_result() {
         .is_some_and(|n| n.contains("remote read p50 + bare fault p50")));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--local-memory BYTES` sets the page cache's byte budget (instead of `--local PCT`): the
+/// result records exactly that budget, and the two flags together are refused.
+#[test]
+fn bench_fault_takes_local_memory_as_bytes() {
+    let dir = std::env::temp_dir().join(format!("camelot-fault-lm-{}", std::process::id()));
+    let d = dir.to_str().expect("utf-8 path");
+    let (ok, _, err) = camelot(&[
+        "bench",
+        "fault",
+        "--quick",
+        "--pages",
+        "512",
+        "--local-memory",
+        "256K",
+        "--out",
+        d,
+    ]);
+    assert!(ok, "{err}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("fault.json")).expect("fault.json"))
+            .expect("valid JSON");
+    assert_eq!(json["config"]["local_bytes"], 256 << 10);
+    assert!(json["config"]["local_percent"].is_null());
+    let (ok, _, err) = camelot(&[
+        "bench",
+        "fault",
+        "--quick",
+        "--local",
+        "20",
+        "--local-memory",
+        "1M",
+        "--out",
+        d,
+    ]);
+    assert!(!ok && err.contains("cannot be used with"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -230,57 +230,64 @@ fn camelot(args: &[&str], stdin: Option<&[u8]>) -> (bool, Vec<u8>, String) {
     )
 }
 
-#[test]
-fn volume_commands_create_write_read_degrade_rebuild_and_scrub() {
-    let mut servers: Vec<CamelotServer> = (0..3).map(|_| server()).collect();
+/// The volume commands a script would run, against `camelot server` processes: create,
+/// write, read, SIGKILL a member, read degraded, status, rebuild onto a fresh server,
+/// scrub clean, then lose another member and read through the rebuilt one.
+fn volume_commands_on(level: &str, members: usize) {
+    let mut servers: Vec<CamelotServer> = (0..members).map(|_| server()).collect();
     let addrs: Vec<String> = servers.iter().map(|s| s.addr().to_string()).collect();
     let list = addrs.join(",");
+    let name = format!("cli-{}", level.replace([':', '+'], "-"));
     let (ok, out, err) = camelot(
         &[
             "volume",
             "create",
             "--level",
-            "raid5",
+            level,
             "--servers",
             &list,
             "--size",
             "1M",
             "--chunk",
             "16K",
-            "cli",
+            &name,
         ],
         None,
     );
-    assert!(ok, "{err}");
-    assert!(String::from_utf8_lossy(&out).contains("raid5, 3 members"));
+    assert!(ok, "{level}: {err}");
+    let created = String::from_utf8_lossy(&out);
+    assert!(
+        created.contains(&format!("{level}, {members} members")),
+        "{created}"
+    );
 
     let data: Vec<u8> = (0..100_000u32).map(|i| (i % 253) as u8).collect();
     let (ok, _, err) = camelot(
         &[
-            "volume", "write", "cli", "--server", &addrs[1], "--offset", "777",
+            "volume", "write", &name, "--server", &addrs[1], "--offset", "777",
         ],
         Some(&data),
     );
-    assert!(ok, "{err}");
+    assert!(ok, "{level}: {err}");
     let read = |server: &str| {
         camelot(
             &[
-                "volume", "read", "cli", "--server", server, "--offset", "777", "--len", "100000",
+                "volume", "read", &name, "--server", server, "--offset", "777", "--len", "100000",
             ],
             None,
         )
     };
     let (ok, out, err) = read(&addrs[2]);
-    assert!(ok && out == data, "{err}");
+    assert!(ok && out == data, "{level}: {err}");
 
     servers[0].process_mut().kill().expect("SIGKILL");
     let (ok, out, err) = read(&addrs[2]);
-    assert!(ok && out == data, "degraded read: {err}");
-    let (ok, out, err) = camelot(&["volume", "status", "cli", "--server", &addrs[1]], None);
+    assert!(ok && out == data, "{level}: degraded read: {err}");
+    let (ok, out, err) = camelot(&["volume", "status", &name, "--server", &addrs[1]], None);
     let status = String::from_utf8_lossy(&out);
     assert!(
         ok && status.contains("degraded, missing members [0]"),
-        "{status} {err}"
+        "{level}: {status} {err}"
     );
 
     let fresh = server();
@@ -289,7 +296,7 @@ fn volume_commands_create_write_read_degrade_rebuild_and_scrub() {
         &[
             "volume",
             "rebuild",
-            "cli",
+            &name,
             "--server",
             &addrs[1],
             "--replace",
@@ -298,12 +305,15 @@ fn volume_commands_create_write_read_degrade_rebuild_and_scrub() {
         None,
     );
     let text = String::from_utf8_lossy(&out);
-    assert!(ok && text.contains("state: healthy"), "{text} {err}");
+    assert!(
+        ok && text.contains("state: healthy"),
+        "{level}: {text} {err}"
+    );
     let (ok, out, err) = camelot(
         &[
             "volume",
             "scrub",
-            "cli",
+            &name,
             "--server",
             &addrs[2],
             "--no-repair",
@@ -311,11 +321,129 @@ fn volume_commands_create_write_read_degrade_rebuild_and_scrub() {
         None,
     );
     let text = String::from_utf8_lossy(&out);
-    assert!(ok && text.contains(", 0 mismatches"), "{text} {err}");
+    assert!(
+        ok && text.contains(", 0 mismatches"),
+        "{level}: {text} {err}"
+    );
     // Lose another member: the rebuilt one must now carry its share.
     servers[1].process_mut().kill().expect("SIGKILL");
     let (ok, out, err) = read(&addrs[2]);
-    assert!(ok && out == data, "read through the rebuilt member: {err}");
+    assert!(
+        ok && out == data,
+        "{level}: read through the rebuilt member: {err}"
+    );
+    drop(fresh);
+}
+
+#[test]
+fn volume_commands_create_write_read_degrade_rebuild_and_scrub() {
+    volume_commands_on("raid5", 3);
+}
+
+#[test]
+fn volume_commands_work_for_raid1_raid4_and_rs_over_server_processes() {
+    for (level, members) in [("raid1", 3), ("raid4", 3), ("rs:4+2", 6)] {
+        volume_commands_on(level, members);
+    }
+}
+
+/// `volume status` run by another process while `volume rebuild` works (rate-limited so
+/// it takes seconds) shows the rebuild part-way, from the progress record the rebuild
+/// writes to every member; once the rebuild is done, status shows a healthy volume and no
+/// rebuild.
+#[test]
+fn volume_status_in_another_process_shows_a_rebuild_under_way() {
+    const STATUS_DEADLINE: Duration = Duration::from_secs(120);
+    let mut servers: Vec<CamelotServer> = (0..3).map(|_| server()).collect();
+    let addrs: Vec<String> = servers.iter().map(|s| s.addr().to_string()).collect();
+    let (ok, _, err) = camelot(
+        &[
+            "volume",
+            "create",
+            "--level",
+            "raid5",
+            "--servers",
+            &addrs.join(","),
+            "--size",
+            "2M",
+            "--chunk",
+            "16K",
+            "progress",
+        ],
+        None,
+    );
+    assert!(ok, "{err}");
+    servers[0].process_mut().kill().expect("SIGKILL");
+    let fresh = server();
+    let replace = format!("{}={}", addrs[0], fresh.addr());
+    // 1 MiB to rebuild at 256 KiB/s: about four seconds.
+    let mut rebuild = Command::new(CAMELOT)
+        .args([
+            "volume",
+            "rebuild",
+            "progress",
+            "--server",
+            &addrs[1],
+            "--replace",
+            &replace,
+            "--rate",
+            "256K",
+        ])
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("camelot volume rebuild");
+    let status = || {
+        let (ok, out, err) = camelot(
+            &["volume", "status", "progress", "--server", &addrs[2]],
+            None,
+        );
+        assert!(ok, "status: {err}");
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    let deadline = Instant::now() + STATUS_DEADLINE;
+    let mut part_way = None;
+    let finished = loop {
+        if let Some(done) = rebuild.try_wait().expect("try_wait") {
+            break done;
+        }
+        assert!(Instant::now() < deadline, "the rebuild never finished");
+        let text = status();
+        if let Some(line) = text.lines().find(|l| l.starts_with("rebuild: member 0, ")) {
+            let counts = line["rebuild: member 0, ".len()..]
+                .split_whitespace()
+                .next()
+                .and_then(|c| c.split_once('/'))
+                .and_then(|(d, t)| Some((d.parse::<u64>().ok()?, t.parse::<u64>().ok()?)));
+            if let Some((done, total)) = counts {
+                assert!(done <= total, "{line}");
+                if done > 0 && done < total {
+                    assert!(
+                        line.contains("reported") && text.contains("degraded"),
+                        "{text}"
+                    );
+                    part_way.get_or_insert(text);
+                }
+            }
+        }
+    };
+    let mut err = String::new();
+    if let Some(mut e) = rebuild.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut err);
+    }
+    assert!(finished.success(), "rebuild failed: {err}");
+    assert!(
+        part_way.is_some(),
+        "status never showed the rebuild part-way"
+    );
+    let text = status();
+    assert!(
+        text.contains("state: healthy") && !text.contains("rebuild:"),
+        "after the rebuild: {text}"
+    );
     drop(fresh);
 }
 

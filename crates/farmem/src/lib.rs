@@ -23,7 +23,7 @@ mod uffd;
 
 pub use cache::{CacheConfig, CacheStats, PageCache};
 pub use error::Error;
-pub use farvec::FarVec;
+pub use farvec::{FarSlice, FarSliceMut, FarVec};
 pub use list::PageList;
 pub use policy::{by_name as policy_by_name, Policy, POLICY_NAMES};
 pub use prefetch::{prefetcher_by_name, Prefetcher, PREFETCHER_NAMES};

@@ -1,6 +1,8 @@
 //! Prefetchers: given each access and whether it hit, which pages to fetch ahead of use.
-//! Pure, like the policies: the cache sends what they name as one batch and inserts the
-//! pages only where that evicts nothing pinned or hotter (the cache's rule, not theirs).
+//! Pure, like the policies: the cache sends what they name as one batch and inserts each
+//! page only where the policy finds a victim that is neither pinned nor hotter than the
+//! prefetched page would be (`Policy::evict_for_prefetch`); otherwise the page is
+//! dropped. That rule is the cache's and the policy's, not the prefetcher's.
 
 use std::collections::VecDeque;
 

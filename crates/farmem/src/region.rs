@@ -615,11 +615,18 @@ impl Core {
         }
         // Room: through the policy, never evicting a page of this batch. A victim moves
         // from resident to leaving, still taking its frame until this plan drops it,
-        // which it does before its batch arrives.
+        // which it does before its batch arrives. The faulting page's frame comes as
+        // any demand page's; a prefetched page's only from a page no hotter than it
+        // would be, or the page is dropped from the batch.
         let mut victims: Vec<(PageId, bool)> = Vec::new();
         while self.frames_taken() + batch.len() > self.capacity_pages + victims.len() {
             let in_batch = |q: PageId| batch.contains(&q);
-            match self.policy.evict(page, &in_batch) {
+            let for_demand = self.frames_taken() + 1 > self.capacity_pages + victims.len();
+            let victim = match batch.last() {
+                Some(&last) if !for_demand => self.policy.evict_for_prefetch(last, &in_batch),
+                _ => self.policy.evict(page, &in_batch),
+            };
+            match victim {
                 Some(v) => {
                     let dirty = self.resident.remove(&v).unwrap_or(false);
                     self.unused_prefetch.remove(&v);
@@ -702,7 +709,11 @@ impl Core {
                 .map_err(uffd_error("installing a page"))?;
             if fresh || demand {
                 self.resident.insert(p, writable);
-                self.policy.insert(p);
+                if demand {
+                    self.policy.insert(p);
+                } else {
+                    self.policy.insert_prefetched(p);
+                }
             }
             if !demand && fresh {
                 self.unused_prefetch.insert(p);

@@ -104,6 +104,35 @@ impl Policy for AdaptiveReplacement {
         }
         self.replace(false, pinned)
     }
+    /// A prefetched page would enter T1 (seen once). T2 pages have been used at least
+    /// twice: hotter. The victim is T1's oldest unpinned page, remembered in B1 as
+    /// REPLACE does; `p` does not move (a prefetch is not a ghost hit).
+    fn evict_for_prefetch(
+        &mut self,
+        _incoming: PageId,
+        pinned: &dyn Fn(PageId) -> bool,
+    ) -> Option<PageId> {
+        let victim = self.t1.oldest_where(|p| !pinned(p))?;
+        self.t1.remove(victim);
+        self.b1.push_newest(victim);
+        self.trim_ghosts();
+        Some(victim)
+    }
+    /// Into T1, out of any ghost list, `p` untouched: arriving by prefetch says nothing
+    /// about which side was cut too short.
+    fn insert_prefetched(&mut self, page: PageId) {
+        if !self.b1.remove(page) {
+            self.b2.remove(page);
+        }
+        self.t1.push_newest(page);
+        self.trim_ghosts();
+    }
+    /// Its arrival: T1's newest end, as a demand insert, not a second use.
+    fn first_use(&mut self, page: PageId) {
+        if self.t1.contains(page) {
+            self.t1.push_newest(page);
+        }
+    }
     fn remove(&mut self, page: PageId) {
         if !self.t1.remove(page) {
             self.t2.remove(page);

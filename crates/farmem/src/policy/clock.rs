@@ -78,6 +78,34 @@ impl Policy for Clock {
         }
         None
     }
+    /// A prefetched page would enter unreferenced; a page whose bit is set has been used
+    /// since the hand last passed it, so it is hotter. From the hand, clearing nothing
+    /// (at most `PREFETCH_VICTIM_SCAN_MAX` frames): the first unreferenced, unpinned
+    /// page, or none.
+    fn evict_for_prefetch(
+        &mut self,
+        _incoming: PageId,
+        pinned: &dyn Fn(PageId) -> bool,
+    ) -> Option<PageId> {
+        let n = self.frames.len();
+        for step in 0..n.min(super::PREFETCH_VICTIM_SCAN_MAX) {
+            let slot = (self.hand + step) % n;
+            let Some(frame) = self.frames[slot] else {
+                continue;
+            };
+            if frame.referenced || pinned(frame.page) {
+                continue;
+            }
+            self.hand = (slot + 1) % n;
+            self.frames[slot] = None;
+            self.slot_of.remove(&frame.page);
+            self.free.push(slot);
+            return Some(frame.page);
+        }
+        None
+    }
+    /// Its arrival, like a demand page's: the bit stays clear.
+    fn first_use(&mut self, _page: PageId) {}
     fn remove(&mut self, page: PageId) {
         if let Some(slot) = self.slot_of.remove(&page) {
             self.frames[slot] = None;

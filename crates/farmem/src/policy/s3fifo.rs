@@ -121,6 +121,34 @@ impl Policy for S3Fifo {
         }
         None
     }
+    /// A prefetched page would sit in the small queue with a count of zero. Pages in
+    /// main (used again in small, or back from the ghost list) and small pages used
+    /// since they came are hotter; the victim is the oldest small page never used, which
+    /// leaves for the ghost list as in [`Policy::evict`]. Nothing is moved otherwise.
+    fn evict_for_prefetch(
+        &mut self,
+        _incoming: PageId,
+        pinned: &dyn Fn(PageId) -> bool,
+    ) -> Option<PageId> {
+        let victim = self
+            .small
+            .iter_oldest_first()
+            .take(super::PREFETCH_VICTIM_SCAN_MAX)
+            .find(|&p| self.freq.get(&p).copied().unwrap_or(0) == 0 && !pinned(p))?;
+        self.small.remove(victim);
+        self.freq.remove(&victim);
+        self.remember_ghost(victim);
+        Some(victim)
+    }
+    /// Into the small queue whatever the ghost list says: a prefetch is no sign that an
+    /// evicted page is wanted again.
+    fn insert_prefetched(&mut self, page: PageId) {
+        self.ghost.remove(page);
+        self.small.push_newest(page);
+        self.freq.insert(page, 0);
+    }
+    /// The use a demand miss would have been: the count stays where insertion left it.
+    fn first_use(&mut self, _page: PageId) {}
     fn remove(&mut self, page: PageId) {
         if self.small.remove(page) || self.main.remove(page) {
             self.freq.remove(&page);
