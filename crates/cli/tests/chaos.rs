@@ -172,6 +172,23 @@ fn a_parity_chunk_changed_behind_the_volume_makes_the_scrub_checker_fail() {
     its_namespaces_are_gone(&out);
 }
 
+/// Kills the chaos process if the test gives up on it (a panic on a timeout included),
+/// so a failing test never leaves a run going.
+struct KillOnDrop(std::process::Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// Generous: three servers start (up to 10 s each) and the worker creates its volume
+/// before the first fault, while the other chaos tests share the two cores.
+const FIRST_FAULT_WAIT: Duration = Duration::from_secs(120);
+const EXIT_AFTER_SIGTERM_WAIT: Duration = Duration::from_secs(60);
+
 #[test]
 fn sigterm_mid_run_takes_the_testbed_down() {
     if !is_root() {
@@ -179,13 +196,15 @@ fn sigterm_mid_run_takes_the_testbed_down() {
     }
     use std::io::BufRead;
     let dir = std::env::temp_dir().join(format!("camelot-chaos-tests-{}", std::process::id()));
-    let mut child = Command::new(BIN)
-        .args(["chaos", "--seed", "7", "--duration", "30", "--quick"])
-        .env("CAMELOT_TESTBED_DIR", &dir)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
+    let mut child = KillOnDrop(
+        Command::new(BIN)
+            .args(["chaos", "--seed", "7", "--duration", "30", "--quick"])
+            .env("CAMELOT_TESTBED_DIR", &dir)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stdout = child.0.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in std::io::BufReader::new(stdout).lines() {
@@ -194,26 +213,37 @@ fn sigterm_mid_run_takes_the_testbed_down() {
             }
         }
     });
-    let first = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    let deadline = Instant::now() + FIRST_FAULT_WAIT;
+    let next_line = |what: &str| {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => line,
+            // The guard kills the run as the panic unwinds.
+            Err(e) => panic!("no {what} from chaos within {FIRST_FAULT_WAIT:?}: {e}"),
+        }
+    };
+    let first = next_line("first line");
     // The first fault's line: the testbed is up and the servers and worker run.
-    let fault = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    let fault = next_line("fault line");
     assert!(fault.contains(" h"), "{fault}");
     let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &child.0.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + EXIT_AFTER_SIGTERM_WAIT;
     let st = loop {
-        if let Some(st) = child.try_wait().unwrap() {
+        if let Some(st) = child.0.try_wait().unwrap() {
             break st;
         }
         assert!(
             Instant::now() < deadline,
-            "chaos did not exit after SIGTERM"
+            "chaos did not exit {EXIT_AFTER_SIGTERM_WAIT:?} after SIGTERM"
         );
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert_eq!(st.code(), Some(130));
+    // Whatever it printed after the fault line, for a failure's message.
+    let rest: Vec<String> = rx.try_iter().collect();
+    assert_eq!(st.code(), Some(130), "after SIGTERM: {rest:?}");
     its_namespaces_are_gone(&first);
 }
