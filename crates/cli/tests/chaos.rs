@@ -101,6 +101,7 @@ fn raid5_survives_kills_pauses_and_partitions() {
         assert!(out.contains(kind), "no {kind} in seed 7's run");
     }
     assert!(out.contains("raid5 scrub clean: ok"));
+    assert!(out.contains("linearizable (camelot-check"), "{out}");
     its_namespaces_are_gone(&out);
 }
 
@@ -122,7 +123,39 @@ fn rvm_on_a_mirrored_pool_recovers_the_last_acknowledged_commit() {
     assert!(out.contains("PASS seed 3"));
     assert!(out.contains("kill h"));
     assert!(out.contains("rvm recovery matches the last acknowledged commit: ok"));
+    assert!(out.contains("linearizable (camelot-check"), "{out}");
     its_namespaces_are_gone(&out);
+}
+
+/// The linearizability checker can fail: reads answered from a copy writes never
+/// update make chaos FAIL on it, while the final state (read past the cache) still
+/// holds every acknowledged write — so it is this checker, not the other, that catches
+/// it.
+#[test]
+fn reads_from_a_stale_copy_make_the_linearizability_checker_fail() {
+    if !is_root() {
+        return;
+    }
+    for face in ["raid5", "rvm"] {
+        let (ok, out) = chaos(&[
+            "--seed",
+            "7",
+            "--duration",
+            "4",
+            "--quick",
+            "--face",
+            face,
+            "--broken-stale-reads",
+        ]);
+        assert!(!ok, "{face}: {out}");
+        assert!(out.contains("FAIL seed 7"), "{face}: {out}");
+        assert!(out.contains("linearizable: no, key"), "{face}: {out}");
+        assert!(
+            out.contains("acknowledged writes present: ok"),
+            "{face}: {out}"
+        );
+        its_namespaces_are_gone(&out);
+    }
 }
 
 #[test]
