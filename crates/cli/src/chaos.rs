@@ -828,6 +828,17 @@ fn poll(control: &mpsc::Receiver<Msg>) -> (bool, bool) {
     (healed, stop)
 }
 
+/// One turn's look at the control channel: true to stop. A heal heard is noted in
+/// `repair_pending` here, before pacing may skip the rest of the turn: `poll` has
+/// drained the message, and when the flag was set only after the pacing check a heal
+/// heard on a paced turn was dropped — never repaired, so the runner waited its 60 s for
+/// `whole` and its next fault was a second loss (raid5 seeds 103 and 104).
+fn take_control(control: &mpsc::Receiver<Msg>, repair_pending: &mut bool) -> bool {
+    let (healed, stop) = poll(control);
+    *repair_pending |= healed;
+    stop
+}
+
 fn worker_raid5(
     a: &WorkerArgs,
     mut rec: Recorder,
@@ -855,14 +866,12 @@ fn worker_raid5(
     let mut repair_pending = false;
     let mut read_buf = vec![0u8; BLOCK_BYTES];
     loop {
-        let (healed, stop) = poll(control);
-        if stop {
+        if take_control(control, &mut repair_pending) {
             break;
         }
         if rec.hold_back() {
             continue;
         }
-        repair_pending |= healed;
         if repair_pending && repair_until_whole(&vol, &mut rec, &mut repairs).is_some() {
             repair_pending = false;
             println!("{WHOLE_LINE}");
@@ -1046,6 +1055,21 @@ fn worker_rvm(a: &WorkerArgs, mut rec: Recorder, control: &mpsc::Receiver<Msg>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (raid5 seeds 103 and 104): a heal heard on a turn that pacing then
+    /// skips stays pending until a repair takes it.
+    #[test]
+    fn a_heal_heard_on_a_paced_turn_is_not_lost() {
+        let (tx, rx) = mpsc::channel();
+        let mut repair_pending = false;
+        tx.send(Msg::Healed).unwrap();
+        assert!(!take_control(&rx, &mut repair_pending));
+        // The turn is held back here (no repair); the next turn hears nothing new.
+        assert!(!take_control(&rx, &mut repair_pending));
+        assert!(repair_pending, "the heal was dropped");
+        tx.send(Msg::Stop).unwrap();
+        assert!(take_control(&rx, &mut repair_pending));
+    }
 
     #[test]
     fn blocks_decode_to_their_value_and_nothing_else() {
