@@ -1,6 +1,7 @@
 //! `camelot chaos`: memory servers on testbed hosts, a workload on another host that
-//! records every write's invocation and return, faults from a seeded schedule, heal,
-//! then checkers over what is left. PASS/FAIL with the seed to replay.
+//! records every read's and write's invocation and return, faults from a seeded
+//! schedule, heal, then checkers over the history and what is left. PASS/FAIL with the
+//! seed to replay.
 //!
 //! Two processes: this one (the orchestrator, in the machine's namespace: it builds the
 //! testbed, starts and kills servers, injects faults, judges) and `camelot chaos-worker`
@@ -17,7 +18,10 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use camelot_testbed::history::{check_acked_writes_present, Found, WriteOp, HISTORY_OPS_MAX};
+use camelot_testbed::history::{
+    check_acked_writes_present, check_linearizable, Action, Found, Linearizability, Op,
+    HISTORY_OPS_MAX,
+};
 use camelot_testbed::plan::{LinkSpec, Plan};
 use camelot_testbed::schedule::{
     parse_duration_ms, parse_kinds, schedule, FaultEvent, FaultKind, ScheduleSpec,
@@ -50,10 +54,15 @@ const REPAIR_ROUNDS_MAX: usize = 10;
 const WHOLE_WAIT_MAX: Duration = Duration::from_secs(60);
 /// The worker's line that the volume has every member, rebuilt and scrubbed.
 const WHOLE_LINE: &str = "whole";
-/// The worker writes at most this many times a second (unpaced it made 1,500–2,800 on
-/// this machine): faults, not volume, are what a chaos run is for, and the history of a
-/// 30-minute run stays under 2M writes.
-const WRITES_PER_S_MAX: u64 = 1_000;
+/// The worker makes at most this many operations a second (unpaced it made 1,500–2,800
+/// writes on this machine): faults, not volume, are what a chaos run is for, and the
+/// history of a 30-minute run stays under 2M operations.
+const OPS_PER_S_MAX: u64 = 1_000;
+/// One operation in this many is a read of a seeded random register, the rest writes.
+const READ_ONE_IN: u32 = 4;
+/// Registers the RVM face's transactions set (one each): its history is split per
+/// register for the linearizability search, which is quadratic in one key's operations.
+const RVM_COUNTERS: u64 = 1024;
 const PACING_SLEEP: Duration = Duration::from_millis(1);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -112,6 +121,11 @@ pub struct ChaosArgs {
     /// before the final scrub, so the scrub checker must report FAIL (it is shown able to).
     #[arg(long, hide = true)]
     broken_parity: bool,
+    /// Test only: the worker's reads go through a cache that writes never invalidate, so
+    /// reads answer from a stale copy and the linearizability checker must report FAIL
+    /// (the final state is read past it, so acknowledged-writes-present still passes).
+    #[arg(long, hide = true)]
+    broken_stale_reads: bool,
 }
 
 #[derive(Args)]
@@ -126,12 +140,14 @@ pub struct WorkerArgs {
     broken_ack_before_write: bool,
     #[arg(long)]
     broken_parity: bool,
+    #[arg(long)]
+    broken_stale_reads: bool,
 }
 
 /// What the worker reports after `stop`.
 #[derive(Debug, Serialize, Deserialize)]
 struct Report {
-    history: Vec<WriteOp>,
+    history: Vec<Op>,
     found: BTreeMap<u64, Found>,
     /// RAID-5: stripes whose parity disagreed with data on the final scrub.
     scrub_mismatches: Option<u64>,
@@ -297,6 +313,9 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     if a.broken_parity {
         worker_cmd.arg("--broken-parity");
     }
+    if a.broken_stale_reads {
+        worker_cmd.arg("--broken-stale-reads");
+    }
     let mut worker = worker_cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -383,12 +402,30 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     drop(bed);
 
     let violations = check_acked_writes_present(&report.history, &report.found);
-    let acked = report.history.iter().filter(|o| o.acked).count();
+    let linearizability = check_linearizable(&report.history, &report.found);
+    let writes = report
+        .history
+        .iter()
+        .filter(|o| o.write_value().is_some())
+        .count();
+    let acked = report
+        .history
+        .iter()
+        .filter(|o| o.acked && o.write_value().is_some())
+        .count();
+    let reads = report.history.len() - writes;
+    let reads_answered = report
+        .history
+        .iter()
+        .filter(|o| o.acked && matches!(o.action, Action::Read(_)))
+        .count();
     println!(
-        "chaos: {} writes ({} acknowledged, {} failed), {} repairs, {} errors{}",
-        report.history.len(),
+        "chaos: {} writes ({} acknowledged, {} failed), {} reads ({} answered), {} repairs, {} errors{}",
+        writes,
         acked,
-        report.history.len() - acked,
+        writes - acked,
+        reads,
+        reads_answered,
         report.repairs,
         report.errors,
         if report.first_errors.is_empty() {
@@ -410,6 +447,17 @@ pub fn run(a: ChaosArgs) -> Result<()> {
             "  acknowledged writes present: ok ({} registers)",
             report.found.len()
         );
+    }
+    match &linearizability {
+        Linearizability::Linearizable { keys, operations } => println!(
+            "  linearizable (camelot-check, final state as reads): ok ({keys} registers, {operations} operations)"
+        ),
+        Linearizability::NotLinearizable { why, .. } => {
+            failed.push(format!("linearizable: no, {why}"))
+        }
+        Linearizability::Inconclusive { key, limit } => failed.push(format!(
+            "linearizable: not decided, the search reached {limit} on key {key}"
+        )),
     }
     if a.face == Face::Raid5 {
         match (report.scrub_mismatches, report.scrub_skipped) {
@@ -567,11 +615,14 @@ fn decode_block(block: u64, b: &[u8]) -> Found {
 
 struct Recorder {
     started: Instant,
-    history: Vec<WriteOp>,
+    history: Vec<Op>,
     errors: u64,
     first_errors: Vec<String>,
     next_value: u64,
     broken: bool,
+    /// The `--broken-stale-reads` component: a read cache filled by reads and never
+    /// invalidated by writes (`None`: reads go to the store).
+    stale_cache: Option<std::collections::HashMap<u64, Found>>,
 }
 
 impl Recorder {
@@ -595,9 +646,41 @@ impl Recorder {
             self.error(e.clone());
         }
         if self.history.len() < HISTORY_OPS_MAX {
-            self.history.push(WriteOp {
+            self.history.push(Op {
+                client: 0,
                 key,
-                value,
+                action: Action::Write(value),
+                invoked_us,
+                returned_us,
+                acked: result.is_ok(),
+            });
+        }
+        if result.is_err() {
+            std::thread::sleep(ERROR_BACKOFF);
+        }
+    }
+
+    /// Runs one read through `f` (or, in the broken variant, answers from the stale
+    /// cache when it holds the key), recording what it found.
+    fn read(&mut self, key: u64, f: impl FnOnce() -> std::result::Result<Found, String>) {
+        let invoked_us = self.now_us();
+        let cached = self.stale_cache.as_ref().and_then(|c| c.get(&key).copied());
+        let result = match cached {
+            Some(f) => Ok(f),
+            None => f(),
+        };
+        let returned_us = self.now_us();
+        if let (Some(cache), Ok(found)) = (self.stale_cache.as_mut(), &result) {
+            cache.entry(key).or_insert(*found);
+        }
+        if let Err(e) = &result {
+            self.error(e.clone());
+        }
+        if self.history.len() < HISTORY_OPS_MAX {
+            self.history.push(Op {
+                client: 0,
+                key,
+                action: Action::Read(result.as_ref().copied().unwrap_or(Found::Unreadable)),
                 invoked_us,
                 returned_us,
                 acked: result.is_ok(),
@@ -616,9 +699,10 @@ impl Recorder {
         if self.broken {
             self.next_value += 1;
             let t = self.now_us();
-            self.history.push(WriteOp {
+            self.history.push(Op {
+                client: 0,
                 key,
-                value: self.next_value,
+                action: Action::Write(self.next_value),
                 invoked_us: t,
                 returned_us: t,
                 acked: true,
@@ -636,12 +720,12 @@ impl Recorder {
         }
     }
 
-    /// Whether the next write should wait: the history is full (then the worker only
-    /// waits for `stop`, so its repair never races the orchestrator's faults), or the
-    /// writes are ahead of `WRITES_PER_S_MAX` (pacing, so a 30-minute run's history
+    /// Whether the next operation should wait: the history is full (then the worker
+    /// only waits for `stop`, so its repair never races the orchestrator's faults), or
+    /// the operations are ahead of `OPS_PER_S_MAX` (pacing, so a 30-minute run's history
     /// stays a few hundred MB at most). Sleeps a little if so.
     fn hold_back(&self) -> bool {
-        let due_us = self.history.len() as u64 * 1_000_000 / WRITES_PER_S_MAX;
+        let due_us = self.history.len() as u64 * 1_000_000 / OPS_PER_S_MAX;
         let ahead = due_us > self.now_us();
         if self.history.len() >= HISTORY_OPS_MAX || ahead {
             std::thread::sleep(PACING_SLEEP);
@@ -663,6 +747,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
         first_errors: Vec::new(),
         next_value: 0,
         broken: a.broken_ack_before_write,
+        stale_cache: a.broken_stale_reads.then(std::collections::HashMap::new),
     };
     let report = match a.face {
         Face::Raid5 => worker_raid5(&a, rec, &control)?,
@@ -743,6 +828,17 @@ fn poll(control: &mpsc::Receiver<Msg>) -> (bool, bool) {
     (healed, stop)
 }
 
+/// One turn's look at the control channel: true to stop. A heal heard is noted in
+/// `repair_pending` here, before pacing may skip the rest of the turn: `poll` has
+/// drained the message, and when the flag was set only after the pacing check a heal
+/// heard on a paced turn was dropped — never repaired, so the runner waited its 60 s for
+/// `whole` and its next fault was a second loss (raid5 seeds 103 and 104).
+fn take_control(control: &mpsc::Receiver<Msg>, repair_pending: &mut bool) -> bool {
+    let (healed, stop) = poll(control);
+    *repair_pending |= healed;
+    stop
+}
+
 fn worker_raid5(
     a: &WorkerArgs,
     mut rec: Recorder,
@@ -768,25 +864,32 @@ fn worker_raid5(
     std::io::stdout().flush()?;
     let mut repairs = 0u64;
     let mut repair_pending = false;
+    let mut read_buf = vec![0u8; BLOCK_BYTES];
     loop {
-        let (healed, stop) = poll(control);
-        if stop {
+        if take_control(control, &mut repair_pending) {
             break;
         }
         if rec.hold_back() {
             continue;
         }
-        repair_pending |= healed;
         if repair_pending && repair_until_whole(&vol, &mut rec, &mut repairs).is_some() {
             repair_pending = false;
             println!("{WHOLE_LINE}");
             std::io::stdout().flush()?;
         }
         let block = rng.gen_range(0..blocks);
-        rec.write(block, |value| {
-            vol.write(block * BLOCK_BYTES as u64, &block_bytes(block, value))
-                .map_err(|e| e.to_string())
-        });
+        if rng.gen_ratio(1, READ_ONE_IN) {
+            rec.read(block, || {
+                vol.read(block * BLOCK_BYTES as u64, &mut read_buf)
+                    .map_err(|e| format!("read of block {block}: {e}"))?;
+                Ok(decode_block(block, &read_buf))
+            });
+        } else {
+            rec.write(block, |value| {
+                vol.write(block * BLOCK_BYTES as u64, &block_bytes(block, value))
+                    .map_err(|e| e.to_string())
+            });
+        }
     }
     rec.finish(0);
     let mut final_scrub = repair_until_whole(&vol, &mut rec, &mut repairs);
@@ -805,7 +908,12 @@ fn worker_raid5(
     }
     let mut found = BTreeMap::new();
     let mut buf = vec![0u8; BLOCK_BYTES];
-    let written: std::collections::BTreeSet<u64> = rec.history.iter().map(|o| o.key).collect();
+    let written: std::collections::BTreeSet<u64> = rec
+        .history
+        .iter()
+        .filter(|o| o.write_value().is_some())
+        .map(|o| o.key)
+        .collect();
     for &block in &written {
         let f = match vol.read(block * BLOCK_BYTES as u64, &mut buf) {
             Ok(()) => decode_block(block, &buf),
@@ -829,6 +937,7 @@ fn worker_raid5(
 
 fn worker_rvm(a: &WorkerArgs, mut rec: Recorder, control: &mpsc::Receiver<Msg>) -> Result<Report> {
     use camelot_rvm::{BackendConfig, Config, Rvm};
+    use rand::{Rng, SeedableRng};
 
     let backend = BackendConfig::Pool {
         servers: a.servers.clone(),
@@ -838,13 +947,16 @@ fn worker_rvm(a: &WorkerArgs, mut rec: Recorder, control: &mpsc::Receiver<Msg>) 
     let open = |recover: bool| -> std::result::Result<(Rvm, camelot_rvm::Segment), String> {
         let rvm = Rvm::open(Config::new(backend.clone(), "chaos").recover(recover))
             .map_err(|e| format!("open: {e}"))?;
-        let seg = match rvm.segment("counter") {
+        let seg = match rvm.segment("counters") {
             Some(s) => s,
-            None => rvm.alloc("counter", 8).map_err(|e| format!("alloc: {e}"))?,
+            None => rvm
+                .alloc("counters", RVM_COUNTERS * 8)
+                .map_err(|e| format!("alloc: {e}"))?,
         };
         Ok((rvm, seg))
     };
     let mut current = Some(open(false).map_err(anyhow::Error::msg)?);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
     println!("ready");
     std::io::stdout().flush()?;
     let mut repairs = 0u64;
@@ -874,12 +986,23 @@ fn worker_rvm(a: &WorkerArgs, mut rec: Recorder, control: &mpsc::Receiver<Msg>) 
         let Some((rvm, seg)) = current.as_ref() else {
             continue;
         };
+        let counter = rng.gen_range(0..RVM_COUNTERS);
+        if rng.gen_ratio(1, READ_ONE_IN) {
+            // What the instance's segment holds: after a recovering open, what
+            // recovery made of the log.
+            rec.read(counter, || {
+                seg.read_u64(counter * 8)
+                    .map(Found::Value)
+                    .map_err(|e| format!("read of counter {counter}: {e}"))
+            });
+            continue;
+        }
         let mut failed = false;
-        rec.write(0, |value| {
+        rec.write(counter, |value| {
             let mut txn = rvm.begin();
             let r = txn
-                .set_range(seg, 0, 8)
-                .and_then(|()| txn.write_u64(seg, 0, value))
+                .set_range(seg, counter * 8, 8)
+                .and_then(|()| txn.write_u64(seg, counter * 8, value))
                 .and_then(|()| txn.commit())
                 .map_err(|e| format!("commit: {e}"));
             failed = r.is_err();
@@ -891,16 +1014,24 @@ fn worker_rvm(a: &WorkerArgs, mut rec: Recorder, control: &mpsc::Receiver<Msg>) 
     }
     rec.finish(0);
     drop(current);
-    // Healed: recovery must find the last acknowledged commit (or a later one).
-    let mut found = BTreeMap::from([(0, Found::Unreadable)]);
+    // Healed: recovery must find each counter's last acknowledged commit (or a later one).
+    let written: std::collections::BTreeSet<u64> = rec
+        .history
+        .iter()
+        .filter(|o| o.write_value().is_some())
+        .map(|o| o.key)
+        .collect();
+    let mut found: BTreeMap<u64, Found> = written.iter().map(|&k| (k, Found::Unreadable)).collect();
     for _ in 0..REPAIR_ROUNDS_MAX {
         match open(true) {
             Ok((_rvm, seg)) => {
-                match seg.read_u64(0) {
-                    Ok(v) => {
-                        found.insert(0, Found::Value(v));
+                for &k in &written {
+                    match seg.read_u64(k * 8) {
+                        Ok(v) => {
+                            found.insert(k, Found::Value(v));
+                        }
+                        Err(e) => rec.error(format!("final read of counter {k}: {e}")),
                     }
-                    Err(e) => rec.error(format!("final read: {e}")),
                 }
                 break;
             }
@@ -924,6 +1055,21 @@ fn worker_rvm(a: &WorkerArgs, mut rec: Recorder, control: &mpsc::Receiver<Msg>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (raid5 seeds 103 and 104): a heal heard on a turn that pacing then
+    /// skips stays pending until a repair takes it.
+    #[test]
+    fn a_heal_heard_on_a_paced_turn_is_not_lost() {
+        let (tx, rx) = mpsc::channel();
+        let mut repair_pending = false;
+        tx.send(Msg::Healed).unwrap();
+        assert!(!take_control(&rx, &mut repair_pending));
+        // The turn is held back here (no repair); the next turn hears nothing new.
+        assert!(!take_control(&rx, &mut repair_pending));
+        assert!(repair_pending, "the heal was dropped");
+        tx.send(Msg::Stop).unwrap();
+        assert!(take_control(&rx, &mut repair_pending));
+    }
 
     #[test]
     fn blocks_decode_to_their_value_and_nothing_else() {

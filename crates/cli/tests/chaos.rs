@@ -101,6 +101,7 @@ fn raid5_survives_kills_pauses_and_partitions() {
         assert!(out.contains(kind), "no {kind} in seed 7's run");
     }
     assert!(out.contains("raid5 scrub clean: ok"));
+    assert!(out.contains("linearizable (camelot-check"), "{out}");
     its_namespaces_are_gone(&out);
 }
 
@@ -122,7 +123,39 @@ fn rvm_on_a_mirrored_pool_recovers_the_last_acknowledged_commit() {
     assert!(out.contains("PASS seed 3"));
     assert!(out.contains("kill h"));
     assert!(out.contains("rvm recovery matches the last acknowledged commit: ok"));
+    assert!(out.contains("linearizable (camelot-check"), "{out}");
     its_namespaces_are_gone(&out);
+}
+
+/// The linearizability checker can fail: reads answered from a copy writes never
+/// update make chaos FAIL on it, while the final state (read past the cache) still
+/// holds every acknowledged write — so it is this checker, not the other, that catches
+/// it.
+#[test]
+fn reads_from_a_stale_copy_make_the_linearizability_checker_fail() {
+    if !is_root() {
+        return;
+    }
+    for face in ["raid5", "rvm"] {
+        let (ok, out) = chaos(&[
+            "--seed",
+            "7",
+            "--duration",
+            "4",
+            "--quick",
+            "--face",
+            face,
+            "--broken-stale-reads",
+        ]);
+        assert!(!ok, "{face}: {out}");
+        assert!(out.contains("FAIL seed 7"), "{face}: {out}");
+        assert!(out.contains("linearizable: no, key"), "{face}: {out}");
+        assert!(
+            out.contains("acknowledged writes present: ok"),
+            "{face}: {out}"
+        );
+        its_namespaces_are_gone(&out);
+    }
 }
 
 #[test]
@@ -172,6 +205,23 @@ fn a_parity_chunk_changed_behind_the_volume_makes_the_scrub_checker_fail() {
     its_namespaces_are_gone(&out);
 }
 
+/// Kills the chaos process if the test gives up on it (a panic on a timeout included),
+/// so a failing test never leaves a run going.
+struct KillOnDrop(std::process::Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// Generous: three servers start (up to 10 s each) and the worker creates its volume
+/// before the first fault, while the other chaos tests share the two cores.
+const FIRST_FAULT_WAIT: Duration = Duration::from_secs(120);
+const EXIT_AFTER_SIGTERM_WAIT: Duration = Duration::from_secs(60);
+
 #[test]
 fn sigterm_mid_run_takes_the_testbed_down() {
     if !is_root() {
@@ -179,13 +229,15 @@ fn sigterm_mid_run_takes_the_testbed_down() {
     }
     use std::io::BufRead;
     let dir = std::env::temp_dir().join(format!("camelot-chaos-tests-{}", std::process::id()));
-    let mut child = Command::new(BIN)
-        .args(["chaos", "--seed", "7", "--duration", "30", "--quick"])
-        .env("CAMELOT_TESTBED_DIR", &dir)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
+    let mut child = KillOnDrop(
+        Command::new(BIN)
+            .args(["chaos", "--seed", "7", "--duration", "30", "--quick"])
+            .env("CAMELOT_TESTBED_DIR", &dir)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stdout = child.0.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in std::io::BufReader::new(stdout).lines() {
@@ -194,26 +246,37 @@ fn sigterm_mid_run_takes_the_testbed_down() {
             }
         }
     });
-    let first = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    let deadline = Instant::now() + FIRST_FAULT_WAIT;
+    let next_line = |what: &str| {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => line,
+            // The guard kills the run as the panic unwinds.
+            Err(e) => panic!("no {what} from chaos within {FIRST_FAULT_WAIT:?}: {e}"),
+        }
+    };
+    let first = next_line("first line");
     // The first fault's line: the testbed is up and the servers and worker run.
-    let fault = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    let fault = next_line("fault line");
     assert!(fault.contains(" h"), "{fault}");
     let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &child.0.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + EXIT_AFTER_SIGTERM_WAIT;
     let st = loop {
-        if let Some(st) = child.try_wait().unwrap() {
+        if let Some(st) = child.0.try_wait().unwrap() {
             break st;
         }
         assert!(
             Instant::now() < deadline,
-            "chaos did not exit after SIGTERM"
+            "chaos did not exit {EXIT_AFTER_SIGTERM_WAIT:?} after SIGTERM"
         );
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert_eq!(st.code(), Some(130));
+    // Whatever it printed after the fault line, for a failure's message.
+    let rest: Vec<String> = rx.try_iter().collect();
+    assert_eq!(st.code(), Some(130), "after SIGTERM: {rest:?}");
     its_namespaces_are_gone(&first);
 }
