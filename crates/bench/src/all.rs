@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 18] = [
+/// `cluster-failover` runs only in a build with the `etcd` feature (the test suite's);
+/// without it, it writes nothing.
+pub const BENCHES: [&str; 19] = [
     "cpu",
     "mem",
     "net",
@@ -31,6 +33,7 @@ pub const BENCHES: [&str; 18] = [
     "raid-overhead",
     "raid-rebuild",
     "fault",
+    "cluster-failover",
 ];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
@@ -152,6 +155,17 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
     written.extend(timed("fault", &|| {
         crate::fault::run(&crate::fault::FaultConfig::defaults(quick), out)
     })?);
+    // The cluster on etcd: processes killed under load, the controller's failover.
+    #[cfg(feature = "etcd")]
+    written.extend(timed("cluster-failover", &|| {
+        crate::cluster_failover::run_failover(
+            &crate::cluster_failover::FailoverConfig::defaults(quick),
+            out,
+        )
+    })?);
+    // Without etcd support there is nothing to run; the bench writes no file then.
+    #[cfg(not(feature = "etcd"))]
+    written.extend(timed("cluster-failover", &|| Ok(Vec::new()))?);
     written.push(report::write_report(
         out,
         &[crate::hw::limits::LIMITS_FILE_NAME],

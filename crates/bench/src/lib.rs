@@ -55,11 +55,17 @@ quick_config!(
     raid::RebuildConfig,
     cluster::ThroughputConfig
 );
+#[cfg(feature = "etcd")]
+quick_config!(cluster_failover::FailoverConfig);
 
 pub mod all;
 pub mod api;
 mod checks;
 pub mod cluster;
+#[cfg(feature = "etcd")]
+pub mod cluster_failover;
+#[cfg(feature = "etcd")]
+pub mod cluster_procs;
 pub mod demo;
 pub mod fault;
 pub mod hw;

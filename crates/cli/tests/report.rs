@@ -230,8 +230,8 @@ fn report_of_a_real_bench_loads_in_chromium() {
         })
         .count();
     // cpu mem net disk threads api ycsb rvm-commit rvm-recovery resp paging sort prefetch
-    // raid-encode raid-compare raid-overhead raid-rebuild fault
-    assert_eq!(results, 18, "bench all writes one result per bench");
+    // raid-encode raid-compare raid-overhead raid-rebuild fault cluster-failover
+    assert_eq!(results, 19, "bench all writes one result per bench");
 
     // A second result without a figure, so the report has to draw one, and files that are
     // not results, which it must skip with a warning and not fail on.
