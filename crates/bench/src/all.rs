@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 22] = [
+pub const BENCHES: [&str; 23] = [
     "cpu",
     "mem",
     "net",
@@ -35,11 +35,12 @@ pub const BENCHES: [&str; 22] = [
     "cluster-replication",
     "cluster-percentiles",
     "cluster-expand",
+    "cluster-failover",
 ];
 
 /// The benches of [`BENCHES`] that need a cluster on etcd: a build without the `etcd`
 /// feature leaves them out (and says so as it runs).
-pub const NEED_ETCD: [&str; 2] = ["cluster-percentiles", "cluster-expand"];
+pub const NEED_ETCD: [&str; 3] = ["cluster-percentiles", "cluster-expand", "cluster-failover"];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
 /// `out/index.html`. `log` hears one line as each bench starts and ends.
@@ -180,6 +181,14 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
         })?);
         written.extend(timed("cluster-expand", &|| {
             crate::cluster_expand::run(&crate::cluster_expand::ExpandConfig::defaults(quick), out)
+        })?);
+        // The controller's failover: processes killed under load.
+        #[cfg(feature = "etcd")]
+        written.extend(timed("cluster-failover", &|| {
+            crate::cluster_failover::run_failover(
+                &crate::cluster_failover::FailoverConfig::defaults(quick),
+                out,
+            )
         })?);
     } else {
         for name in NEED_ETCD {

@@ -58,6 +58,8 @@ quick_config!(
     cluster_percentiles::PercentilesConfig,
     cluster_expand::ExpandConfig
 );
+#[cfg(feature = "etcd")]
+quick_config!(cluster_failover::FailoverConfig);
 
 pub mod all;
 pub mod api;
@@ -66,8 +68,12 @@ pub mod cluster;
 #[cfg(feature = "etcd")]
 pub mod cluster_etcd;
 pub mod cluster_expand;
+#[cfg(feature = "etcd")]
+pub mod cluster_failover;
 pub mod cluster_load;
 pub mod cluster_percentiles;
+#[cfg(feature = "etcd")]
+pub mod cluster_procs;
 pub mod demo;
 pub mod fault;
 pub mod hw;

@@ -1,8 +1,6 @@
 //! `camelot cluster …` and the cluster flags of `camelot server`: glue between the
 //! cluster crate (map, planner, etcd) and the server; no logic a library could hold.
 
-#[cfg(feature = "etcd")]
-use std::net::SocketAddr;
 use std::path::PathBuf;
 #[cfg(feature = "etcd")]
 use std::time::Duration;
@@ -13,8 +11,6 @@ use anyhow::{bail, Result};
 #[cfg(feature = "etcd")]
 use camelot_cluster::etcd::{EtcdCluster, Registration};
 use camelot_cluster::{ClusterMap, Node, LEASE_TTL_DEFAULT, PARTITIONS_DEFAULT, PREFIX_DEFAULT};
-#[cfg(feature = "etcd")]
-use camelot_server::ServerConfig;
 use camelot_server::ServerHandle;
 use clap::{Args, Subcommand};
 
@@ -114,12 +110,100 @@ pub async fn join(_handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Me
 pub struct Member {
     _registration: Registration,
     follower: tokio::task::JoinHandle<()>,
+    reporter: tokio::task::JoinHandle<()>,
 }
 
 #[cfg(feature = "etcd")]
 impl Drop for Member {
     fn drop(&mut self) {
         self.follower.abort();
+        self.reporter.abort();
+    }
+}
+
+/// Key-value operations a server has executed (what its report's rate counts).
+#[cfg(feature = "etcd")]
+fn kv_ops(state: &camelot_server::ServerState) -> u64 {
+    use camelot_proto::OpKind;
+    [OpKind::Get, OpKind::Put, OpKind::Delete, OpKind::CasPut]
+        .iter()
+        .map(|k| state.stats().ops(*k))
+        .sum()
+}
+
+/// Publishes this member's report (see `camelot_cluster::etcd::Report`) every report
+/// period and whenever the controller asks, under the registration's lease. Runs until
+/// aborted; etcd errors are logged and retried.
+#[cfg(feature = "etcd")]
+async fn report_loop(
+    etcd: EtcdCluster,
+    state: std::sync::Arc<camelot_server::ServerState>,
+    node: u32,
+    lease: i64,
+) {
+    use camelot_cluster::etcd::{Report, REPORT_PERIOD};
+    let mut last = (
+        std::time::Instant::now(),
+        kv_ops(&state),
+        state.throttled_ns(),
+    );
+    let mut answers = 0i64;
+    let mut requests = None;
+    let mut tick = tokio::time::interval(REPORT_PERIOD);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if requests.is_none() {
+            match etcd.watch_report_requests().await {
+                Ok(w) => requests = Some(w),
+                Err(e) => tracing::warn!("watching report requests: {e}"),
+            }
+        }
+        let asked = async {
+            match requests.as_mut() {
+                Some(w) => w.message().await,
+                None => std::future::pending().await,
+            }
+        };
+        let asked = tokio::select! {
+            _ = tick.tick() => None,
+            msg = asked => Some(msg),
+        };
+        match asked {
+            None => {}
+            Some(Ok(Some(resp))) => {
+                let rev = resp
+                    .events()
+                    .iter()
+                    .filter_map(|e| e.kv())
+                    .map(|kv| kv.mod_revision())
+                    .max();
+                answers = answers.max(rev.unwrap_or_default());
+            }
+            // The watch broke: take a new one next time round.
+            Some(_) => requests = None,
+        }
+        let now = (
+            std::time::Instant::now(),
+            kv_ops(&state),
+            state.throttled_ns(),
+        );
+        let secs = now.0.duration_since(last.0).as_secs_f64().max(1e-3);
+        let report = Report {
+            node,
+            epoch: state.epoch(),
+            answers,
+            ops_per_sec: now.1.saturating_sub(last.1) as f64 / secs,
+            throttled: now.2.saturating_sub(last.2) as f64 / 1e9 / secs,
+            ops_per_sec_max: state.ops_per_sec_max(),
+            applied: state.applied_marks(),
+        };
+        // A request answered at once measures no period: keep the rate's window open.
+        if secs >= REPORT_PERIOD.as_secs_f64() / 2.0 {
+            last = now;
+        }
+        if let Err(e) = etcd.put_report(&report, lease).await {
+            tracing::warn!("publishing this node's report: {e}");
+        }
     }
 }
 
@@ -152,21 +236,30 @@ pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Mem
         id,
         addr: handle.local_addr(),
         weight: args.weight,
+        lease: 0,
     };
     let registration = etcd
         .register(&node, Duration::from_secs(args.lease_ttl))
         .await
         .with_context(|| format!("cannot register node {id} in etcd"))?;
+    let reporter = tokio::spawn(report_loop(
+        etcd.clone(),
+        handle.state().clone(),
+        id,
+        registration.lease_id(),
+    ));
     Ok(Some(Member {
         _registration: registration,
         follower,
+        reporter,
     }))
 }
 
 #[derive(Subcommand)]
 pub enum ClusterCommand {
-    /// Start a cluster here: etcd (unless --etcd names one), N servers registered under
-    /// leases, and the map; runs until Ctrl-C.
+    /// Start a cluster here: etcd (unless --etcd names one), N `camelot server` processes
+    /// registered under leases, the map, and controller processes (one leads, the others
+    /// stand by); runs until Ctrl-C.
     Up(UpArgs),
     /// Print the map's epoch, its nodes (live or not) and partitions per node.
     Status(SourceArgs),
@@ -183,6 +276,44 @@ pub enum ClusterCommand {
     /// Add the live nodes missing from the map, then run `cluster plan`'s plan: one move
     /// per (old primary, new primary) pair, in turn, with progress.
     Rebalance(RebalanceArgs),
+    /// Run a controller: campaigns in etcd's election (one leads, others stand by and
+    /// take over when it dies); the leader promotes the most up-to-date backup of a dead
+    /// node's partitions at a new epoch, drops the dead node from every replica set, and
+    /// restores the replication factor by copying partitions to live nodes. Runs until
+    /// Ctrl-C or SIGTERM.
+    Controller(ControllerArgs),
+}
+
+#[derive(Args)]
+pub struct ControllerArgs {
+    /// etcd endpoint of the cluster.
+    #[arg(long, value_name = "URL")]
+    etcd: String,
+    #[arg(long, default_value = PREFIX_DEFAULT)]
+    etcd_prefix: String,
+    /// The name it campaigns under (default: controller-<pid>).
+    #[arg(long)]
+    name: Option<String>,
+    /// Seconds a dead leader's post outlives it (whole seconds, ≥ 1): a standby takes
+    /// over this long after the leader's last lease renewal.
+    #[arg(long, value_name = "SECONDS", default_value_t = LEASE_TTL_DEFAULT.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    lease_ttl: u64,
+    /// Milliseconds between two looks at the registrations and the map.
+    #[arg(long, value_name = "MS", default_value_t = 50,
+          value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    tick_ms: u64,
+    /// Test hook: stop at this point (detected, copying) and wait to be killed.
+    #[arg(long, hide = true, value_name = "POINT")]
+    hold_at: Option<String>,
+    /// Test hook: how long `--hold-at` holds (milliseconds; default: until killed).
+    #[arg(long, hide = true, value_name = "MS")]
+    hold_ms: Option<u64>,
+    /// Test hook, deliberately unsafe: promote the live node holding the least of a dead
+    /// primary's partition (one outside its replica set) instead of its most up-to-date
+    /// backup — loses writes, to show the kill tests' checker can fail.
+    #[arg(long, hide = true)]
+    unsafe_promote_stale: bool,
 }
 
 #[derive(Args)]
@@ -250,19 +381,26 @@ pub struct UpArgs {
     #[arg(long, value_name = "N", default_value_t = 5000,
           value_parser = clap::value_parser!(u64).range(1..=camelot_server::throttle::OPS_PER_SEC_MAX))]
     slow_ops_per_sec: u64,
+    /// Controller processes: one leads, the others stand by to take over when it dies.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=8))]
+    controllers: u32,
+    /// Lease TTL of the servers' registrations and of the controllers' candidacies
+    /// (whole seconds): a dead node is noticed about this long after it died.
+    #[arg(long, value_name = "SECONDS", default_value_t = LEASE_TTL_DEFAULT.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    lease_ttl: u64,
 }
 
-/// Why the slow nodes are throttled rather than put under cgroup v2 `cpu.max`: this
-/// command's servers share one process, so a cgroup (which holds processes) cannot slow
-/// one of them alone; and some machines have no cgroup v2 hierarchy at all.
+/// How the slow nodes are slowed: the server's own throttle. cgroup v2 `cpu.max` would
+/// need a writable cgroup hierarchy (root, or a delegated subtree), which a plain
+/// `cluster up` cannot count on; the throttle works anywhere.
 #[cfg(feature = "etcd")]
 fn slow_mechanism() -> String {
     let cgroup2 = std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
     format!(
-        "throttle (token bucket on executed ops; cgroup v2 cpu.max {}, and the servers \
-         share one process)",
+        "throttle (--ops-per-sec-max, a token bucket on executed ops; cgroup v2 cpu.max {})",
         if cgroup2 {
-            "is mounted"
+            "is mounted but not used"
         } else {
             "is not mounted here"
         }
@@ -296,6 +434,69 @@ pub fn run(cmd: ClusterCommand) -> Result<()> {
             drop(rt);
             rebalance(a)
         }
+        ClusterCommand::Controller(a) => controller(rt, a),
+    }
+}
+
+#[cfg(not(feature = "etcd"))]
+fn controller(_rt: tokio::runtime::Runtime, _a: ControllerArgs) -> Result<()> {
+    bail!("cluster controller: {NO_ETCD}")
+}
+
+/// Runs the controller on a thread of its own (it blocks) until a signal.
+#[cfg(feature = "etcd")]
+fn controller(rt: tokio::runtime::Runtime, a: ControllerArgs) -> Result<()> {
+    use camelot_cluster::controller::{Controller, ControllerConfig};
+    use camelot_cluster::failover::Promote;
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let mut signals = rt.block_on(async { Signals::install() })?;
+    let name = a
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("controller-{}", std::process::id()));
+    let mut cfg = ControllerConfig::new(name);
+    cfg.lease_ttl = Duration::from_secs(a.lease_ttl);
+    cfg.tick = Duration::from_millis(a.tick_ms);
+    cfg.hold_at = a.hold_at.clone();
+    if let Some(ms) = a.hold_ms {
+        cfg.hold_for = Duration::from_millis(ms);
+    }
+    if a.unsafe_promote_stale {
+        cfg.promote = Promote::UnsafeStalest;
+    }
+    let start = std::time::Instant::now();
+    let progress = Arc::new(move |line: &str| {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "[{:8.3} s] {line}", start.elapsed().as_secs_f64());
+        let _ = out.flush();
+    });
+    let mut c = Controller::connect(std::slice::from_ref(&a.etcd), &a.etcd_prefix, cfg, progress)
+        .with_context(|| format!("cannot reach etcd at {}", a.etcd))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let worker = {
+        let stop = Arc::clone(&stop);
+        std::thread::Builder::new()
+            .name("camelot-controller".into())
+            .spawn(move || c.run(&stop))
+            .context("cannot start the controller thread")?
+    };
+    rt.block_on(async {
+        tokio::select! {
+            _ = signals.wait() => {}
+            // The controller ends by itself only on an error.
+            _ = async {
+                while !worker.is_finished() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            } => {}
+        }
+    });
+    stop.store(true, Ordering::Relaxed);
+    match worker.join() {
+        Ok(r) => r.context("the controller failed"),
+        Err(_) => bail!("the controller thread panicked"),
     }
 }
 
@@ -443,8 +644,39 @@ async fn up(_a: UpArgs) -> Result<()> {
     bail!("cluster up: {NO_ETCD}")
 }
 
+/// How long `cluster up` waits for its servers to register.
+#[cfg(feature = "etcd")]
+const UP_REGISTER_WAIT_MAX: Duration = Duration::from_secs(30);
+/// How long a stopping controller may take to resign before it is killed.
+#[cfg(feature = "etcd")]
+const CONTROLLER_STOP_WAIT_MAX: Duration = Duration::from_secs(10);
+
+/// A child process `cluster up` started (a controller); SIGTERM and a bounded wait when
+/// dropped, then SIGKILL.
+#[cfg(feature = "etcd")]
+struct UpChild(std::process::Child);
+
+#[cfg(feature = "etcd")]
+impl Drop for UpChild {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let deadline = std::time::Instant::now() + CONTROLLER_STOP_WAIT_MAX;
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[cfg(feature = "etcd")]
 async fn up(a: UpArgs) -> Result<()> {
+    use camelot_testkit::{CamelotServer, CamelotServerOptions};
     if a.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
@@ -452,6 +684,13 @@ async fn up(a: UpArgs) -> Result<()> {
         bail!(
             "--slow-nodes {} is more than --nodes {}",
             a.slow_nodes,
+            a.nodes
+        );
+    }
+    if a.replication == 0 || a.replication > a.nodes {
+        bail!(
+            "--replication {} needs 1..={} (--nodes)",
+            a.replication,
             a.nodes
         );
     }
@@ -472,42 +711,56 @@ async fn up(a: UpArgs) -> Result<()> {
     let etcd = EtcdCluster::connect(std::slice::from_ref(&endpoint), &a.etcd_prefix)
         .await
         .with_context(|| format!("cannot reach etcd at {endpoint}"))?;
-    let mut servers = Vec::new();
-    let mut members = Vec::new();
-    let mut nodes = Vec::new();
+    let binary = std::env::current_exe().context("cannot tell where this program is")?;
+    // Each server its own process, so that a kill is a real node failure.
+    let mut servers: Vec<CamelotServer> = Vec::new();
     for id in 0..a.nodes {
-        let mut cfg = ServerConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), a.memory);
+        let mut args: Vec<String> = vec![
+            "--memory".into(),
+            a.memory.to_string(),
+            "--etcd".into(),
+            endpoint.clone(),
+            "--etcd-prefix".into(),
+            a.etcd_prefix.clone(),
+            "--node-id".into(),
+            id.to_string(),
+            "--lease-ttl".into(),
+            a.lease_ttl.to_string(),
+        ];
         if id >= slow_from {
-            cfg.ops_per_sec_max = Some(a.slow_ops_per_sec);
+            args.push("--ops-per-sec-max".into());
+            args.push(a.slow_ops_per_sec.to_string());
         }
-        let handle = ServerHandle::start(cfg)
+        let options = CamelotServerOptions { resp: false, args };
+        let binary = binary.clone();
+        let server = tokio::task::spawn_blocking(move || CamelotServer::start(&binary, &options))
             .await
+            .context("server start-up task")?
             .with_context(|| format!("cannot start server {id}"))?;
-        let args = MemberArgs {
-            etcd: Some(endpoint.clone()),
-            node_id: Some(id),
-            etcd_prefix: a.etcd_prefix.clone(),
-            weight: 1,
-            lease_ttl: LEASE_TTL_DEFAULT.as_secs(),
-            replication_timeout_ms: camelot_server::replicate::REPLICATION_TIMEOUT_DEFAULT
-                .as_millis() as u64,
-            unsafe_ack_before_replication: false,
-        };
-        members.push(join(&handle, &args).await?);
-        nodes.push(Node {
-            id,
-            addr: handle.local_addr(),
-            weight: 1,
-        });
-        servers.push(handle);
+        servers.push(server);
     }
+    let deadline = std::time::Instant::now() + UP_REGISTER_WAIT_MAX;
+    let live = loop {
+        let live = etcd.live_nodes().await?;
+        if live.len() >= a.nodes as usize {
+            break live;
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!(
+                "{} of {} servers registered within {UP_REGISTER_WAIT_MAX:?}",
+                live.len(),
+                a.nodes
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let (partitions, replication) = (a.partitions, a.replication);
     let published = etcd
         .update_map(10, move |current| {
             // A map already there (a cluster restarted on the same etcd) is re-planned
             // over the new servers, keeping its partition count.
             let p = current.map_or(partitions, |m| m.partitions());
-            Ok(ClusterMap::initial(nodes.clone(), p, replication)?)
+            Ok(ClusterMap::initial(live.clone(), p, replication)?)
         })
         .await
         .context("cannot write the cluster map")?;
@@ -522,9 +775,11 @@ async fn up(a: UpArgs) -> Result<()> {
             "fast".to_string()
         };
         println!(
-            "  node {id}: {} ({} memory, {class})",
-            s.local_addr(),
-            format_bytes(a.memory)
+            "  node {id}: {} pid {} ({} memory, {class}; log in {})",
+            s.addr(),
+            s.process().pid(),
+            format_bytes(a.memory),
+            s.process().dir().display()
         );
     }
     if a.slow_nodes > 0 {
@@ -536,13 +791,28 @@ async fn up(a: UpArgs) -> Result<()> {
         published.map.partitions(),
         published.map.replication
     );
+    let mut controllers = Vec::new();
+    for i in 0..a.controllers {
+        let mut cmd = std::process::Command::new(&binary);
+        cmd.args(["cluster", "controller", "--etcd", &endpoint])
+            .args(["--etcd-prefix", &a.etcd_prefix])
+            .args(["--name", &format!("controller-{i}")])
+            .args(["--lease-ttl", &a.lease_ttl.to_string()])
+            .stdin(std::process::Stdio::null());
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start controller {i}"))?;
+        println!("  controller {i}: pid {}", child.id());
+        controllers.push(UpChild(child));
+    }
     println!("Ctrl-C to stop.");
     signals.wait().await;
     println!("stopping…");
-    drop(members);
-    for s in servers {
-        s.shutdown().await.context("shutdown failed")?;
-    }
+    // Controllers first (they resign), then the servers, then etcd.
+    tokio::task::spawn_blocking(move || drop(controllers))
+        .await
+        .context("stopping the controllers")?;
+    drop(servers);
     drop(own_etcd);
     Ok(())
 }
@@ -682,6 +952,33 @@ pub enum ClusterBenchCommand {
     Replication(ReplicationArgs),
     #[command(flatten)]
     OnEtcd(crate::cluster_bench::EtcdBenchCommand),
+    /// kill -9 a primary under a YCSB-A-like load with R=2 (etcd, servers and two
+    /// controllers as processes): each partition's unavailability window against the
+    /// target 2 × lease TTL + 100 ms, throughput through the kill, and every key read back
+    /// for acknowledged writes lost.
+    Failover(FailoverArgs),
+}
+
+#[derive(Args)]
+pub struct FailoverArgs {
+    /// Scaled down to finish in seconds (64 partitions, 4,000 keys, 4 threads).
+    #[arg(long)]
+    quick: bool,
+    /// Client threads (one request in flight each).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Keys loaded (each thread the only writer of its share).
+    #[arg(long)]
+    keys: Option<u64>,
+    /// Partitions of the map.
+    #[arg(long)]
+    partitions: Option<u32>,
+    /// Lease TTL of registrations and controllers, in seconds.
+    #[arg(long)]
+    lease_ttl: Option<u64>,
+    /// Directory for cluster-failover.json.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -717,6 +1014,7 @@ pub fn bench(cmd: ClusterBenchCommand) -> Result<()> {
     use camelot_bench::cluster::ThroughputConfig;
     use camelot_bench::QuickConfig;
     match cmd {
+        ClusterBenchCommand::Failover(a) => bench_failover(a)?,
         ClusterBenchCommand::Throughput(a) => {
             let mut cfg = ThroughputConfig {
                 in_process: a.in_process,
@@ -740,6 +1038,34 @@ pub fn bench(cmd: ClusterBenchCommand) -> Result<()> {
             println!("wrote {}", path.display());
         }
         ClusterBenchCommand::OnEtcd(c) => crate::cluster_bench::run(c)?,
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "etcd"))]
+fn bench_failover(_a: FailoverArgs) -> Result<()> {
+    bail!("bench cluster failover: {NO_ETCD}")
+}
+
+#[cfg(feature = "etcd")]
+fn bench_failover(a: FailoverArgs) -> Result<()> {
+    use camelot_bench::cluster_failover::{run_failover, FailoverConfig};
+    use camelot_bench::QuickConfig;
+    let mut cfg = FailoverConfig::defaults(a.quick);
+    if let Some(t) = a.threads {
+        cfg.threads = t;
+    }
+    if let Some(k) = a.keys {
+        cfg.keys = k;
+    }
+    if let Some(p) = a.partitions {
+        cfg.partitions = p;
+    }
+    if let Some(t) = a.lease_ttl {
+        cfg.lease_ttl_secs = t;
+    }
+    for path in run_failover(&cfg, &a.out)? {
+        println!("wrote {}", path.display());
     }
     Ok(())
 }

@@ -52,6 +52,8 @@ pub enum MapError {
     DuplicateReplica { partition: u32, node: NodeId },
     #[error("fenced partition {0} is out of range or out of order")]
     Fenced(u32),
+    #[error("syncing replica (partition {partition}, node {node}) is out of order or not a backup of that partition")]
+    Syncing { partition: u32, node: NodeId },
     #[error("cannot plan: {0}")]
     Plan(PlanError),
 }

@@ -12,8 +12,8 @@
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
-    WatchOptions, WatchStream,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, ResignOptions,
+    Txn, TxnOp, WatchOptions, WatchStream,
 };
 use tokio::task::JoinHandle;
 
@@ -61,6 +61,10 @@ pub enum EtcdError {
     BadMove(String),
     #[error("gave up after {0} lost races for the map")]
     Contended(u32),
+    #[error("a report is not valid: {0}")]
+    BadReport(String),
+    #[error("the election: {0}")]
+    BadLeader(String),
 }
 
 /// The move record together with the etcd revision it was read at.
@@ -215,10 +219,7 @@ impl EtcdCluster {
     /// current runtime until the [`Registration`] is dropped or revoked. Refuses an id a
     /// live registration holds.
     pub async fn register(&self, node: &Node, ttl: Duration) -> Result<Registration, EtcdError> {
-        let ttl_s = ttl.as_secs();
-        if ttl_s == 0 || Duration::from_secs(ttl_s) != ttl || ttl_s > 3600 {
-            return Err(EtcdError::BadTtl(ttl));
-        }
+        let ttl_s = checked_ttl(ttl)?;
         let mut lease = self.client.lease_client();
         let grant = bounded("lease grant", lease.grant(ttl_s as i64, None)).await?;
         let lease_id = grant.id();
@@ -362,9 +363,210 @@ impl EtcdCluster {
                         max: NODE_VALUE_BYTES_MAX,
                     });
                 }
-                serde_json::from_slice(kv.value()).map_err(|e| EtcdError::BadNode(e.to_string()))
+                let mut node: Node = serde_json::from_slice(kv.value())
+                    .map_err(|e| EtcdError::BadNode(e.to_string()))?;
+                node.lease = kv.lease();
+                Ok(node)
             })
             .collect()
+    }
+
+    fn reports_prefix(&self) -> String {
+        format!("{}/reports/", self.prefix)
+    }
+
+    /// Where the controller asks every member for a fresh report.
+    pub fn report_request_key(&self) -> String {
+        format!("{}/report-request", self.prefix)
+    }
+
+    /// Publishes `report` as its node's, attached to `lease` (the node's registration):
+    /// a dead node's report goes with its registration.
+    pub async fn put_report(&self, report: &Report, lease: i64) -> Result<(), EtcdError> {
+        let json =
+            serde_json::to_string(report).map_err(|e| EtcdError::BadReport(e.to_string()))?;
+        if json.len() > REPORT_VALUE_BYTES_MAX {
+            return Err(EtcdError::TooLarge {
+                what: "report",
+                value: json.len(),
+                max: REPORT_VALUE_BYTES_MAX,
+            });
+        }
+        let key = format!("{}{:010}", self.reports_prefix(), report.node);
+        let mut kv = self.client.kv_client();
+        bounded(
+            "put report",
+            kv.put(key, json, Some(PutOptions::new().with_lease(lease))),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Every member's latest report (unparseable ones are skipped with a warning: one
+    /// bad member must not blind the controller to the others).
+    pub async fn reports(&self) -> Result<Vec<Report>, EtcdError> {
+        let mut kv = self.client.kv_client();
+        let options = GetOptions::new()
+            .with_prefix()
+            .with_limit(NODES_MAX as i64 + 1);
+        let resp = bounded("get reports", kv.get(self.reports_prefix(), Some(options))).await?;
+        let mut out = Vec::new();
+        for kv in resp.kvs().iter().take(NODES_MAX) {
+            if kv.value().len() > REPORT_VALUE_BYTES_MAX {
+                tracing::warn!("a report of {} bytes skipped", kv.value().len());
+                continue;
+            }
+            match serde_json::from_slice::<Report>(kv.value()) {
+                Ok(r) => out.push(r),
+                Err(e) => tracing::warn!("a report that does not parse skipped: {e}"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Asks every member for a fresh report; returns the request's revision, which the
+    /// reports that answer it carry (or a later one) in [`Report::answers`].
+    pub async fn request_reports(&self) -> Result<i64, EtcdError> {
+        let mut kv = self.client.kv_client();
+        let resp = bounded(
+            "put report request",
+            kv.put(self.report_request_key(), "", None),
+        )
+        .await?;
+        Ok(resp.header().map(|h| h.revision()).unwrap_or_default())
+    }
+
+    /// A stream of report requests: each item is the revision of a new request.
+    pub async fn watch_report_requests(&self) -> Result<WatchStream, EtcdError> {
+        let mut watch = self.client.watch_client();
+        bounded(
+            "watch report requests",
+            watch.watch(self.report_request_key(), None),
+        )
+        .await
+    }
+
+    /// Grants a lease of `ttl` and keeps it alive from a task on the current runtime
+    /// until the returned [`Registration`] is dropped or revoked (it holds no key; what
+    /// is attached to it is the caller's).
+    pub async fn keep_lease(&self, ttl: Duration) -> Result<Registration, EtcdError> {
+        let ttl_s = checked_ttl(ttl)?;
+        let mut lease = self.client.lease_client();
+        let grant = bounded("lease grant", lease.grant(ttl_s as i64, None)).await?;
+        let lease_id = grant.id();
+        let task = tokio::spawn(keep_alive(self.client.clone(), lease_id, ttl));
+        Ok(Registration {
+            client: self.client.clone(),
+            lease_id,
+            task,
+        })
+    }
+
+    fn election_name(&self) -> String {
+        format!("{}/controller", self.prefix)
+    }
+
+    /// Campaigns for the controller's post under `lease` (etcd's election API), waiting
+    /// as long as another candidate holds it; `None` if `patience` passed first (call
+    /// again: a campaign under the same lease resumes the same candidacy).
+    pub async fn campaign(
+        &self,
+        lease: i64,
+        name: &str,
+        patience: Duration,
+    ) -> Result<Option<Leader>, EtcdError> {
+        let mut election = self.client.election_client();
+        match tokio::time::timeout(
+            patience,
+            election.campaign(self.election_name(), name, lease),
+        )
+        .await
+        {
+            Err(_) => Ok(None),
+            Ok(r) => {
+                let resp = r?;
+                let key = resp.leader().cloned().ok_or_else(|| {
+                    EtcdError::BadLeader("the campaign answered no leader key".into())
+                })?;
+                Ok(Some(Leader { key }))
+            }
+        }
+    }
+
+    /// The name the current controller campaigned with, if there is one.
+    pub async fn leader_name(&self) -> Result<Option<String>, EtcdError> {
+        let mut election = self.client.election_client();
+        match bounded("election leader", election.leader(self.election_name())).await {
+            Ok(resp) => Ok(resp
+                .kv()
+                .map(|kv| String::from_utf8_lossy(kv.value()).into_owned())),
+            // etcd answers "election: no leader" as an error.
+            Err(EtcdError::Etcd(e)) if e.to_string().contains("no leader") => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether `leader` still holds the post (its key still exists, created at its
+    /// revision).
+    pub async fn still_leads(&self, leader: &Leader) -> Result<bool, EtcdError> {
+        let mut kv = self.client.kv_client();
+        let resp = bounded("get leader key", kv.get(leader.key.key(), None)).await?;
+        Ok(resp
+            .kvs()
+            .first()
+            .is_some_and(|kv| kv.create_revision() == leader.key.rev()))
+    }
+
+    /// Gives the post up (the next candidate is elected at once).
+    pub async fn resign(&self, leader: Leader) -> Result<(), EtcdError> {
+        let mut election = self.client.election_client();
+        bounded(
+            "resign",
+            election.resign(Some(ResignOptions::new().with_leader(leader.key))),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// [`EtcdCluster::publish`], only while `leader` still holds the controller's post:
+    /// a deposed controller (paused, cut off, its lease expired) can never overwrite the
+    /// map its successor wrote.
+    pub async fn publish_as(
+        &self,
+        leader: &Leader,
+        map: &ClusterMap,
+        current: &Versioned,
+    ) -> Result<Publish, EtcdError> {
+        map.validate()?;
+        if map.epoch <= current.map.epoch {
+            return Err(EtcdError::EpochNotAdvanced {
+                current: current.map.epoch,
+                new: map.epoch,
+            });
+        }
+        let json = map.to_json();
+        if json.len() > ETCD_VALUE_BYTES_MAX {
+            return Err(EtcdError::TooLarge {
+                what: "map",
+                value: json.len(),
+                max: ETCD_VALUE_BYTES_MAX,
+            });
+        }
+        let key = self.map_key();
+        let txn = Txn::new()
+            .when([
+                Compare::mod_revision(key.clone(), CompareOp::Equal, current.mod_revision),
+                Compare::create_revision(leader.key.key(), CompareOp::Equal, leader.key.rev()),
+            ])
+            .and_then([TxnOp::put(key, json, None)]);
+        let mut kv = self.client.kv_client();
+        let resp = bounded("map transaction", kv.txn(txn)).await?;
+        if !resp.succeeded() {
+            return Ok(Publish::Lost);
+        }
+        Ok(Publish::Won(
+            resp.header().map(|h| h.revision()).unwrap_or_default(),
+        ))
     }
 
     /// Watches the map: [`MapWatch::next`] yields every map written after `after`'s
@@ -415,6 +617,58 @@ impl MapWatch {
         }
     }
 }
+
+/// A lease TTL in whole seconds, 1..=3600.
+fn checked_ttl(ttl: Duration) -> Result<u64, EtcdError> {
+    let ttl_s = ttl.as_secs();
+    if ttl_s == 0 || Duration::from_secs(ttl_s) != ttl || ttl_s > 3600 {
+        return Err(EtcdError::BadTtl(ttl));
+    }
+    Ok(ttl_s)
+}
+
+/// The controller's post, as won by [`EtcdCluster::campaign`].
+#[derive(Debug, Clone)]
+pub struct Leader {
+    key: etcd_client::LeaderKey,
+}
+
+impl Leader {
+    /// The revision the post was won at (it names this term of office).
+    pub fn revision(&self) -> i64 {
+        self.key.rev()
+    }
+}
+
+/// What a member tells the controller, under `<prefix>/reports/<id>` on its lease:
+/// refreshed every [`REPORT_PERIOD`] and whenever the controller asks.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Report {
+    pub node: NodeId,
+    /// The map epoch the member has installed.
+    pub epoch: u64,
+    /// The latest report request (its revision) this report answers; 0 if none.
+    #[serde(default)]
+    pub answers: i64,
+    /// Key-value operations executed per second over the last period.
+    #[serde(default)]
+    pub ops_per_sec: f64,
+    /// Fraction of the last period batches spent waiting on `--ops-per-sec-max` (summed
+    /// over connections, so it can pass 1 when several wait at once).
+    #[serde(default)]
+    pub throttled: f64,
+    /// The member's `--ops-per-sec-max`, if it has one (recorded, not used for weights).
+    #[serde(default)]
+    pub ops_per_sec_max: Option<u64>,
+    /// `(partition, version)`: the highest version of a copy applied, per partition.
+    #[serde(default)]
+    pub applied: Vec<(u32, u64)>,
+}
+
+/// How often a member refreshes its report unasked.
+pub const REPORT_PERIOD: Duration = Duration::from_secs(1);
+/// A report is one etcd value.
+pub const REPORT_VALUE_BYTES_MAX: usize = ETCD_VALUE_BYTES_MAX;
 
 fn parse_map(value: &[u8]) -> Result<ClusterMap, EtcdError> {
     if value.len() > ETCD_VALUE_BYTES_MAX {

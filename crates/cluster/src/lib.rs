@@ -1,11 +1,15 @@
 //! The cluster: a map of partitions to replicas at an epoch ([`map`]), the planner that
-//! rebalances it ([`plan`]), and where a map comes from — a static file ([`source`]) or
-//! etcd (`etcd`, with the `etcd` feature), which also holds the live nodes' leases.
+//! rebalances it ([`plan`]), what the controller decides on failures ([`failover`]), and
+//! where a map comes from — a static file ([`source`]) or etcd (`etcd`, with the `etcd`
+//! feature), which also holds the live nodes' leases and elects the `controller`.
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "etcd")]
+pub mod controller;
 pub mod error;
 #[cfg(feature = "etcd")]
 pub mod etcd;
+pub mod failover;
 #[cfg(feature = "etcd")]
 pub mod follow;
 pub mod map;

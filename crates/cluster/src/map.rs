@@ -34,6 +34,16 @@ pub struct Node {
     /// the node (it is planned out of every partition).
     #[serde(default = "weight_default")]
     pub weight: u32,
+    /// The etcd lease of the registration this entry was taken from (0: not recorded).
+    /// Servers keep their data in memory only, so a node that registers again under a
+    /// new lease is a new, empty process: the controller treats the old one as dead
+    /// (drops it from every replica set) before it counts the new one as anything.
+    #[serde(default, skip_serializing_if = "lease_is_unset")]
+    pub lease: i64,
+}
+
+fn lease_is_unset(lease: &i64) -> bool {
+    *lease == 0
 }
 
 fn weight_default() -> u32 {
@@ -55,6 +65,12 @@ pub struct ClusterMap {
     /// lifts the fence. Absent in maps written before moves existed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fenced: Vec<u32>,
+    /// Replicas being filled by re-replication, `(partition, node)` ascending: the node is
+    /// in the partition's replica set (never first), so the primary copies every write to
+    /// it, but it is not promoted — it may lack older keys — until the controller has
+    /// copied the partition to it and removed the pair. Absent in older maps.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub syncing: Vec<(u32, NodeId)>,
 }
 
 impl ClusterMap {
@@ -110,6 +126,12 @@ impl ClusterMap {
         self.fenced.binary_search(&partition).is_ok()
     }
 
+    /// Whether `node` is in `partition`'s replica set only as a replica still being
+    /// filled (see [`ClusterMap::syncing`]).
+    pub fn is_syncing(&self, partition: u32, node: NodeId) -> bool {
+        self.syncing.binary_search(&(partition, node)).is_ok()
+    }
+
     /// Replica slots each node holds (nodes holding none included), by node id.
     pub fn slots_per_node(&self) -> BTreeMap<NodeId, usize> {
         let mut counts: BTreeMap<NodeId, usize> = self.nodes.iter().map(|n| (n.id, 0)).collect();
@@ -162,6 +184,18 @@ impl ClusterMap {
         }
         if let Some(p) = self.fenced.iter().find(|p| **p >= self.partitions()) {
             return Err(MapError::Fenced(*p));
+        }
+        if let Some(w) = self.syncing.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(MapError::Syncing {
+                partition: w[1].0,
+                node: w[1].1,
+            });
+        }
+        for &(p, node) in &self.syncing {
+            // A syncing replica is a backup: in the set, never the primary.
+            if !self.replicas(p).iter().skip(1).any(|n| *n == node) {
+                return Err(MapError::Syncing { partition: p, node });
+            }
         }
         Ok(())
     }
@@ -269,6 +303,7 @@ mod tests {
                 id: i,
                 addr: SocketAddr::from(([127, 0, 0, 1], 7000 + i as u16)),
                 weight: 1,
+                lease: 0,
             })
             .collect()
     }

@@ -16,7 +16,7 @@ use crate::etcd::{EtcdCluster, EtcdError, Publish, Versioned, VersionedMove};
 use crate::map::{ClusterMap, NodeId};
 use crate::moves::{
     abort, begin, deletions, fence, resume_step, switch, CopyLog, KeyVersion, MoveError,
-    MoveRecord, Step, CATCHUP_PASSES_MAX, CATCHUP_SETTLED_KEYS, FENCE_MAX,
+    MoveRecord, Step, CATCHUP_PASSES_MAX, CATCHUP_SETTLED_KEYS, FENCE_MAX, MOVE_KEYS_MAX,
 };
 
 /// How long a node may take to show an epoch before cleanup on it is given up (the keys
@@ -92,6 +92,12 @@ pub struct Mover {
 /// A blocking client over `nodes` at epoch 0: its SCAN, APPLY and STATS are never
 /// redirected, whatever the map's epoch.
 fn raw_client(map: &ClusterMap, nodes: &[NodeId]) -> Result<Client, MoverError> {
+    routed_client(map, nodes, 0)
+}
+
+/// A blocking client over `nodes` whose requests carry `epoch` (0: never checked), with
+/// no map source: a server at another epoch answers STALE_EPOCH and the call fails.
+fn routed_client(map: &ClusterMap, nodes: &[NodeId], epoch: u64) -> Result<Client, MoverError> {
     let infos = nodes
         .iter()
         .filter_map(|id| map.node(*id))
@@ -102,7 +108,7 @@ fn raw_client(map: &ClusterMap, nodes: &[NodeId]) -> Result<Client, MoverError> 
         .collect();
     Client::connect(
         camelot_client::ClusterMap {
-            epoch: 0,
+            epoch,
             nodes: infos,
         },
         ClientConfig::default(),
@@ -204,7 +210,7 @@ struct Pass {
 /// `to`; the applies of one page are in flight while the next page is scanned.
 fn copy_pass(
     client: &Client,
-    rec: &MoveRecord,
+    (from, to): (NodeId, NodeId),
     mask: &[bool],
     log: &mut CopyLog,
     mut source_keys: Option<&mut BTreeSet<Vec<u8>>>,
@@ -216,7 +222,7 @@ fn copy_pass(
         scanned: 0,
     };
     let mut in_flight: Vec<Pending> = Vec::new();
-    pass.scanned = scan_moving(client, rec.from, mask, deadline, |items| {
+    pass.scanned = scan_moving(client, from, mask, deadline, |items| {
         let mut ops = Vec::new();
         for item in items {
             if let Some(keys) = source_keys.as_deref_mut() {
@@ -226,7 +232,7 @@ fn copy_pass(
                 pass.keys += 1;
                 pass.bytes += item.value.len() as u64;
                 ops.push((
-                    rec.to,
+                    to,
                     Op::Apply {
                         key: item.key,
                         version: item.version,
@@ -237,13 +243,10 @@ fn copy_pass(
         }
         let sent = client
             .submit_many(ops)
-            .map_err(|source| MoverError::Client {
-                node: rec.to,
-                source,
-            })?;
-        wait_applied(std::mem::replace(&mut in_flight, sent), rec.to)
+            .map_err(|source| MoverError::Client { node: to, source })?;
+        wait_applied(std::mem::replace(&mut in_flight, sent), to)
     })?;
-    wait_applied(in_flight, rec.to)?;
+    wait_applied(in_flight, to)?;
     Ok(pass)
 }
 
@@ -256,17 +259,36 @@ fn delete_moving(
     keep: Option<&BTreeSet<Vec<u8>>>,
     deadline: Option<Instant>,
 ) -> Result<u64, MoverError> {
+    let present = scan_present(client, node, mask, deadline)?;
+    let empty = BTreeSet::new();
+    let gone = deletions(keep.unwrap_or(&empty), &present);
+    apply_deletions(client, node, &gone)?;
+    Ok(gone.len() as u64)
+}
+
+/// The keys (and versions) `node` holds in the partitions of `mask`.
+fn scan_present(
+    client: &Client,
+    node: NodeId,
+    mask: &[bool],
+    deadline: Option<Instant>,
+) -> Result<Vec<KeyVersion>, MoverError> {
     let mut present = Vec::new();
     scan_moving(client, node, mask, deadline, |items| {
+        if present.len() + items.len() > MOVE_KEYS_MAX {
+            return Err(MoveError::TooManyKeys.into());
+        }
         present.extend(items.into_iter().map(|i| KeyVersion {
             key: i.key.to_vec(),
             version: i.version,
         }));
         Ok(())
     })?;
-    let empty = BTreeSet::new();
-    let gone = deletions(keep.unwrap_or(&empty), &present);
-    let count = gone.len() as u64;
+    Ok(present)
+}
+
+/// Deletes each of `gone` on `node` by an APPLY of nothing at its version.
+fn apply_deletions(client: &Client, node: NodeId, gone: &[KeyVersion]) -> Result<(), MoverError> {
     for chunk in gone.chunks(SCAN_ITEMS_MAX) {
         let ops = chunk.iter().map(|d| {
             (
@@ -283,7 +305,90 @@ fn delete_moving(
             .map_err(|source| MoverError::Client { node, source })?;
         wait_applied(sent, node)?;
     }
-    Ok(count)
+    Ok(())
+}
+
+/// What filling a replica did.
+#[derive(Debug, Clone, Default)]
+pub struct FillReport {
+    pub keys_copied: u64,
+    pub bytes_copied: u64,
+    /// Keys the target held that the primary no longer has, deleted there.
+    pub keys_deleted: u64,
+    pub secs: f64,
+}
+
+/// How long [`fill_replica`] waits for the primary to show the epoch that made `to` a
+/// replica (a primary that does not install maps is dead or cut off from etcd).
+pub const FILL_EPOCH_WAIT_MAX: Duration = Duration::from_secs(10);
+
+/// Re-replication's copy: makes `to` hold all of `partitions` as their primary `from`
+/// has them, while `from` serves and copies every new write to `to` (the map at `epoch`
+/// lists `to` as a syncing replica). Order matters, and is:
+/// 1. wait until `from` shows `epoch`: from then on each of its writes to the partitions
+///    reaches `to` before it is acknowledged (a server installs a map only between
+///    batches), so what the snapshot misses, the live copies carry;
+/// 2. copy `from`'s keys (SCAN, APPLY: kept only if newer than what `to` has);
+/// 3. scan `to`, *then* scan `from`, and delete on `to` what it has and `from` does not —
+///    a key deleted on `from` whose live copy (a deletion: nothing to keep) reached `to`
+///    before step 2's older copy of it, which put it back. In this order a key on `to`
+///    but not on `from` was deleted on `from` after `to` was scanned (its deletion's copy
+///    removes it anyway) or was resurrected; never one `from` created since (that would be
+///    in `from`'s scan). Each deletion carries `to`'s version + 1, so a newer write of the
+///    key that reaches `to` first wins over it.
+///
+/// Every request of the copy is routed at `map.epoch`: once the map moves on, both nodes
+/// refuse it (STALE_EPOCH) and the copy fails, to be made again under the new map — so a
+/// copy by a controller that has since been replaced (paused, not dead) cannot put an
+/// old key back after its successor's copy has finished.
+///
+/// Blocking; call it from a plain thread.
+pub fn fill_replica(
+    map: &ClusterMap,
+    from: NodeId,
+    to: NodeId,
+    partitions: &[u32],
+) -> Result<FillReport, MoverError> {
+    let start = Instant::now();
+    let epoch = map.epoch;
+    let probe = raw_client(map, &[from, to])?;
+    let deadline = Instant::now() + FILL_EPOCH_WAIT_MAX;
+    for node in [from, to] {
+        if !wait_epoch(&probe, node, epoch, deadline)? {
+            return Err(MoverError::Client {
+                node,
+                source: ClientError::InvalidArgument(format!(
+                    "node {node} did not reach epoch {epoch} within {FILL_EPOCH_WAIT_MAX:?}"
+                )),
+            });
+        }
+    }
+    let client = routed_client(map, &[from, to], epoch)?;
+    let mut mask = vec![false; map.partitions() as usize];
+    for p in partitions {
+        if let Some(m) = mask.get_mut(*p as usize) {
+            *m = true;
+        }
+    }
+    let mut log = CopyLog::default();
+    let pass = copy_pass(&client, (from, to), &mask, &mut log, None, None)?;
+    let present = scan_present(&client, to, &mask, None)?;
+    let mut source_keys = BTreeSet::new();
+    scan_moving(&client, from, &mask, None, |items| {
+        if source_keys.len() + items.len() > MOVE_KEYS_MAX {
+            return Err(MoveError::TooManyKeys.into());
+        }
+        source_keys.extend(items.into_iter().map(|i| i.key.to_vec()));
+        Ok(())
+    })?;
+    let gone = deletions(&source_keys, &present);
+    apply_deletions(&client, to, &gone)?;
+    Ok(FillReport {
+        keys_copied: pass.keys,
+        bytes_copied: pass.bytes,
+        keys_deleted: gone.len() as u64,
+        secs: start.elapsed().as_secs_f64(),
+    })
 }
 
 impl Mover {
@@ -439,7 +544,8 @@ impl Mover {
                     let client = raw_client(&map.map, &[rec.from, rec.to])?;
                     let start = Instant::now();
                     for pass_no in 1..=CATCHUP_PASSES_MAX {
-                        let pass = copy_pass(&client, &rec, &mask, &mut log, None, None)?;
+                        let pass =
+                            copy_pass(&client, (rec.from, rec.to), &mask, &mut log, None, None)?;
                         report.keys_copied += pass.keys;
                         report.bytes_copied += pass.bytes;
                         report.bytes_scanned += pass.scanned;
@@ -474,7 +580,7 @@ impl Mover {
                         let mut source_keys = BTreeSet::new();
                         let last = copy_pass(
                             &client,
-                            &rec,
+                            (rec.from, rec.to),
                             &mask,
                             &mut log,
                             Some(&mut source_keys),

@@ -375,6 +375,7 @@ mod tests {
                 id: i,
                 addr: SocketAddr::from(([127, 0, 0, 1], 7000 + i as u16)),
                 weight: 1,
+                lease: 0,
             })
             .collect();
         ClusterMap::initial(nodes, partitions, 1).unwrap()

@@ -31,6 +31,7 @@ impl ClusterMap {
             nodes,
             assignment: vec![Vec::new(); partitions as usize],
             fenced: Vec::new(),
+            syncing: Vec::new(),
         };
         empty.check_nodes()?;
         let plan = plan(&empty).map_err(MapError::Plan)?;
@@ -402,6 +403,7 @@ mod tests {
             id,
             addr: SocketAddr::from(([127, 0, 0, 1], 7000 + id as u16)),
             weight,
+            lease: 0,
         }
     }
 
@@ -420,6 +422,7 @@ mod tests {
                 assignment
             },
             fenced: Vec::new(),
+            syncing: Vec::new(),
         }
     }
 

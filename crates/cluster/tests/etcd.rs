@@ -17,6 +17,7 @@ fn node(id: u32) -> Node {
         id,
         addr: SocketAddr::from(([127, 0, 0, 1], 7000 + id as u16)),
         weight: 1,
+        lease: 0,
     }
 }
 

@@ -293,10 +293,16 @@ impl Exec<'_, '_, '_> {
                 key,
                 version,
                 value,
-            } => self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
-                o.apply(key, *version, value.as_deref(), now)
-                    .map(Reply::Version)
-            }),
+            } => {
+                let state = self.state;
+                self.guarded_object(id, WORD_REPLY_BYTES, |o, now| {
+                    let applied = o.apply(key, *version, value.as_deref(), now);
+                    if applied.is_ok() {
+                        state.note_applied(key, *version);
+                    }
+                    applied.map(Reply::Version)
+                })
+            }
             Op::Scan { start, limit } => {
                 let budget = RESPONSE_OK_BUDGET_BYTES
                     .saturating_sub(self.enc.frame_len())

@@ -480,6 +480,11 @@ impl VersionClock {
         self.0.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Moves the clock `gap` versions ahead (see [`ObjectStore::skip_versions`]).
+    fn skip(&self, gap: u64) {
+        self.0.fetch_add(gap, Ordering::Relaxed);
+    }
+
     /// Makes every later [`VersionClock::next`] answer more than `version`.
     fn advance_past(&self, version: u64) {
         self.0
@@ -487,10 +492,21 @@ impl VersionClock {
     }
 }
 
-/// Highest version an APPLY may carry. Versions come from a clock that counts writes, so a
-/// real one is far below this; the bound keeps a hostile or corrupt APPLY from pushing
-/// the clock to where later writes could run out of versions.
-pub const APPLY_VERSION_MAX: u64 = 1 << 56;
+/// Highest version an APPLY may carry. Versions come from a clock that counts writes and
+/// jumps [`PROMOTION_VERSION_GAP`] at each promotion, so a real one is far below this
+/// (2^30 promotions of one server); the bound keeps a hostile or corrupt APPLY from
+/// pushing the clock to where later writes could run out of versions (2^62 remain).
+pub const APPLY_VERSION_MAX: u64 = 1 << 62;
+/// How far a server's version clock jumps when it becomes primary of a partition it was
+/// not primary of (a promotion, a move's switch). Its clock is already past every copy it
+/// applied; the jump puts its versions above every version its predecessor could have
+/// given after the last copy this server received — copies that may sit on another
+/// backup, or come late from a deposed primary still running — unless the predecessor
+/// made 2^32 writes after that copy, which its one-second replication timeout rules out
+/// by orders of magnitude. So the new primary's writes supersede anything on its
+/// backups, and APPLY's "only if newer" never keeps a stale copy over an acknowledged
+/// write.
+pub const PROMOTION_VERSION_GAP: u64 = 1 << 32;
 
 /// What a [`ObjectStore::modify`] closure decided about the slot.
 pub enum Change {
@@ -714,6 +730,12 @@ impl ObjectStore {
     /// copy of "this key is gone" carries, since a delete takes no version of its own.
     pub fn next_version(&self) -> u64 {
         self.clock.next()
+    }
+
+    /// Moves the version clock `gap` ahead: every later version is at least `gap` above
+    /// every version given so far (see [`PROMOTION_VERSION_GAP`]).
+    pub fn skip_versions(&self, gap: u64) {
+        self.clock.skip(gap);
     }
 
     /// Runs `f` on the live entry under `key` (or `None`) under the shard's read lock.

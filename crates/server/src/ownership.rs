@@ -193,6 +193,19 @@ impl Ownership {
         self.owned.get(p as usize).copied().unwrap_or(false)
     }
 
+    /// Whether this ownership makes the server primary of a partition `before` did not
+    /// (`None`: it had none) — a promotion or a move's switch.
+    pub fn gains_primaries_over(&self, before: Option<&Ownership>) -> bool {
+        match before {
+            None => self.owned.iter().any(|o| *o),
+            Some(b) => self
+                .owned
+                .iter()
+                .enumerate()
+                .any(|(p, o)| *o && !b.owned.get(p).copied().unwrap_or(false)),
+        }
+    }
+
     pub fn owned_count(&self) -> usize {
         self.owned.iter().filter(|o| **o).count()
     }

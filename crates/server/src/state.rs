@@ -172,6 +172,13 @@ pub struct ServerState {
     exposed_without_token: AtomicBool,
     /// `--ops-per-sec-max`, set once at start; unset costs one atomic load per batch.
     throttle: std::sync::OnceLock<parking_lot::Mutex<crate::throttle::TokenBucket>>,
+    /// Per partition of the installed map, the highest version of a copy (APPLY) this
+    /// server has received: what tells the controller which backup of a dead primary is
+    /// the most up to date. Sized by the first ownership installed (empty before).
+    applied: parking_lot::RwLock<Arc<[AtomicU64]>>,
+    /// Nanoseconds batches spent waiting on the `--ops-per-sec-max` throttle: how close a
+    /// throttled node is to its limit, for the controller's load weights.
+    throttled_ns: AtomicU64,
 }
 
 impl ServerState {
@@ -198,6 +205,8 @@ impl ServerState {
             ownership: parking_lot::RwLock::new(None),
             exposed_without_token: AtomicBool::new(false),
             throttle: std::sync::OnceLock::new(),
+            applied: parking_lot::RwLock::new(Arc::new([])),
+            throttled_ns: AtomicU64::new(0),
         }
     }
 
@@ -212,12 +221,55 @@ impl ServerState {
         let _ = self.throttle.set(parking_lot::Mutex::new(bucket));
     }
 
-    /// How long to wait before executing `ops` operations (zero when unthrottled).
+    /// How long to wait before executing `ops` operations (zero when unthrottled); the
+    /// wait is counted in [`ServerState::throttled_ns`].
     pub fn throttle_wait(&self, ops: u64) -> std::time::Duration {
-        match self.throttle.get() {
+        let wait = match self.throttle.get() {
             None => std::time::Duration::ZERO,
             Some(bucket) => bucket.lock().take(ops, std::time::Instant::now()),
+        };
+        if !wait.is_zero() {
+            let ns = u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX);
+            self.throttled_ns.fetch_add(ns, Ordering::Relaxed);
         }
+        wait
+    }
+
+    /// Nanoseconds batches have waited on the throttle since start (summed over
+    /// connections, so it can grow faster than the clock when several wait at once).
+    pub fn throttled_ns(&self) -> u64 {
+        self.throttled_ns.load(Ordering::Relaxed)
+    }
+
+    /// The configured `--ops-per-sec-max`, if any.
+    pub fn ops_per_sec_max(&self) -> Option<u64> {
+        self.throttle.get().map(|b| b.lock().ops_per_sec())
+    }
+
+    /// Records that a copy of `key` at `version` was applied (see `applied`).
+    pub fn note_applied(&self, key: &[u8], version: u64) {
+        let marks = self.applied.read();
+        if marks.is_empty() {
+            return;
+        }
+        let p = camelot_proto::partition_of(key, marks.len() as u32) as usize;
+        if let Some(m) = marks.get(p) {
+            m.fetch_max(version, Ordering::Relaxed);
+        }
+    }
+
+    /// The partitions this server has received copies for, with the highest version of
+    /// each, ascending by partition.
+    pub fn applied_marks(&self) -> Vec<(u32, u64)> {
+        self.applied
+            .read()
+            .iter()
+            .enumerate()
+            .filter_map(|(p, m)| {
+                let v = m.load(Ordering::Relaxed);
+                (v > 0).then_some((p as u32, v))
+            })
+            .collect()
     }
 
     pub fn exposed_without_token(&self) -> bool {
@@ -277,6 +329,18 @@ impl ServerState {
         let current = slot.as_ref().map_or(self.epoch(), |o| o.epoch());
         if ownership.epoch() <= current && slot.is_some() {
             return false;
+        }
+        if self.applied.read().len() != ownership.partitions() as usize {
+            let fresh: Vec<AtomicU64> = (0..ownership.partitions())
+                .map(|_| AtomicU64::new(0))
+                .collect();
+            *self.applied.write() = fresh.into();
+        }
+        // Before any batch can run under it (the write lock is held): a new primary's
+        // first write already supersedes whatever its predecessor left on its backups.
+        if ownership.gains_primaries_over(slot.as_deref()) {
+            self.objects
+                .skip_versions(crate::objects::PROMOTION_VERSION_GAP);
         }
         self.epoch.store(ownership.epoch(), Ordering::Release);
         *slot = Some(Arc::new(ownership));

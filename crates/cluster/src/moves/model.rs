@@ -126,6 +126,7 @@ impl World {
                 id: i,
                 addr: SocketAddr::from(([127, 0, 0, 1], 7000 + i as u16)),
                 weight: 1,
+                lease: 0,
             })
             .collect();
         let map = ClusterMap::initial(nodes, PARTITIONS, 1).unwrap();

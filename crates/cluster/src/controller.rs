@@ -1,0 +1,506 @@
+//! The controller: one per cluster, elected through etcd's election API (a campaign under
+//! a lease it keeps alive), so a second controller process waits as a standby and takes
+//! over one lease TTL after the first dies. While it leads it reconciles, every tick, the
+//! map with the live registrations ([`crate::failover`]'s pure decisions):
+//!
+//! 1. **Failover** — a node whose registration is gone (or under a new lease) is dead:
+//!    its partitions are led by their most up-to-date live backup and it leaves every
+//!    replica set, in one map transaction at a new epoch. "Most up to date" is the
+//!    highest version applied for the partition, from the members' reports, asked for
+//!    afresh (bounded wait) when a partition has more than one candidate.
+//! 2. **Join** — live registrations missing from the map join it.
+//! 3. **Re-replication** — partitions below R gain syncing replicas; worker threads copy
+//!    the partition from its primary ([`crate::mover::fill_replica`]); once every copy of a
+//!    round is done the replicas are made full ones in one transaction.
+//!
+//! Every map it writes is guarded by its leadership (the election key's revision) as well
+//! as the map's revision, so a deposed controller that wakes up writes nothing. Its state
+//! is the map: a successor reads it and computes the same next steps, so a controller
+//! killed mid-failover or mid-copy leaves nothing half-applied (a copy interrupted is
+//! made again; its APPLYs are routed at the map's epoch, so a paused old controller's
+//! copies are refused once the map moves on).
+//!
+//! Blocking: it owns a small runtime for etcd; call [`Controller::run`] from a plain thread.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::etcd::{EtcdCluster, EtcdError, Leader, Publish, Registration, Versioned};
+use crate::failover::{
+    finish_syncs, join, repair, rereplicate, sync_work, Alive, Marks, Promote, Synced,
+};
+use crate::map::{ClusterMap, NodeId};
+use crate::mover::{fill_replica, FillReport, MoverError};
+
+/// How often a leading controller looks at the registrations and the map.
+pub const TICK_DEFAULT: Duration = Duration::from_millis(50);
+/// How long a failover waits for fresh reports from the candidates before deciding on
+/// the ones it has (the periodic ones, at most a report period old).
+pub const REPORT_WAIT_MAX: Duration = Duration::from_millis(300);
+/// A campaign call waits this long before it is renewed (the candidacy is kept: the
+/// election key lives on the lease).
+const CAMPAIGN_PATIENCE: Duration = Duration::from_secs(1);
+/// Copy workers at once (one per (primary, target) pair).
+pub const COPIES_MAX: usize = 64;
+/// A hold point holds at most this long.
+pub const HOLD_MAX: Duration = Duration::from_secs(120);
+/// After a failed copy, the next round waits this long.
+const COPY_RETRY_PAUSE: Duration = Duration::from_millis(500);
+/// After an etcd error, wait this long before the next tick.
+const ERROR_BACKOFF: Duration = Duration::from_millis(200);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error(transparent)]
+    Etcd(#[from] EtcdError),
+    #[error("cannot start a runtime for etcd: {0}")]
+    Runtime(std::io::Error),
+    #[error("cannot start a copy worker: {0}")]
+    Thread(std::io::Error),
+}
+
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    /// What this controller campaigns with (shown as the leader's name).
+    pub name: String,
+    /// TTL of the lease the candidacy lives on: a dead leader is replaced this long
+    /// after its last renewal.
+    pub lease_ttl: Duration,
+    pub tick: Duration,
+    pub promote: Promote,
+    /// Test hook: a point (`detected`: a dead node seen, before the failover is
+    /// published; `copying`: a copy worker about to copy) at which to stop and wait to be
+    /// killed, for `hold_for` (at most [`HOLD_MAX`]).
+    pub hold_at: Option<String>,
+    pub hold_for: Duration,
+}
+
+impl ControllerConfig {
+    pub fn new(name: impl Into<String>) -> ControllerConfig {
+        ControllerConfig {
+            name: name.into(),
+            lease_ttl: crate::LEASE_TTL_DEFAULT,
+            tick: TICK_DEFAULT,
+            promote: Promote::MostUpToDate,
+            hold_at: None,
+            hold_for: HOLD_MAX,
+        }
+    }
+}
+
+type Progress = Arc<dyn Fn(&str) + Send + Sync>;
+
+pub struct Controller {
+    rt: tokio::runtime::Runtime,
+    etcd: EtcdCluster,
+    cfg: ControllerConfig,
+    progress: Progress,
+}
+
+/// What a copy worker sends back.
+struct CopyDone {
+    from: NodeId,
+    to: NodeId,
+    /// What finishing each partition's copy will claim, as of the map copied under.
+    synced: Vec<Synced>,
+    result: Result<FillReport, MoverError>,
+}
+
+/// One term of office: the copies it started.
+struct Term {
+    leader: Leader,
+    _lease: Registration,
+    copying: BTreeMap<(NodeId, NodeId), Vec<u32>>,
+    done: Vec<Synced>,
+    /// After a failed copy, no new round before this.
+    retry_at: Option<Instant>,
+    tx: mpsc::Sender<CopyDone>,
+    rx: mpsc::Receiver<CopyDone>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Controller {
+    pub fn connect(
+        endpoints: &[String],
+        prefix: &str,
+        cfg: ControllerConfig,
+        progress: Progress,
+    ) -> Result<Controller, ControllerError> {
+        // Multi-threaded (one worker) so the lease keep-alive task runs while the loop
+        // sleeps between ticks.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(ControllerError::Runtime)?;
+        let etcd = rt.block_on(EtcdCluster::connect(endpoints, prefix))?;
+        Ok(Controller {
+            rt,
+            etcd,
+            cfg,
+            progress,
+        })
+    }
+
+    fn say(&self, line: &str) {
+        (self.progress)(line);
+    }
+
+    fn hold(&self, point: &str) {
+        if self.cfg.hold_at.as_deref() == Some(point) {
+            self.say(&format!("holding at {point}"));
+            std::thread::sleep(self.cfg.hold_for.min(HOLD_MAX));
+        }
+    }
+
+    /// Campaigns, leads while elected, campaigns again when deposed; returns when `stop`
+    /// is set (resigning the post if it holds it).
+    pub fn run(&mut self, stop: &AtomicBool) -> Result<(), ControllerError> {
+        while !stop.load(Ordering::Relaxed) {
+            let lease = match self.rt.block_on(self.etcd.keep_lease(self.cfg.lease_ttl)) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.say(&format!("cannot take a lease: {e}; again shortly"));
+                    std::thread::sleep(ERROR_BACKOFF);
+                    continue;
+                }
+            };
+            self.say(&format!("controller {}: campaigning", self.cfg.name));
+            let leader = loop {
+                if stop.load(Ordering::Relaxed) || !lease.is_alive() {
+                    break None;
+                }
+                match self.rt.block_on(self.etcd.campaign(
+                    lease.lease_id(),
+                    &self.cfg.name,
+                    CAMPAIGN_PATIENCE,
+                )) {
+                    Ok(Some(l)) => break Some(l),
+                    Ok(None) => {}
+                    Err(e) => {
+                        self.say(&format!("campaign: {e}; again shortly"));
+                        std::thread::sleep(ERROR_BACKOFF);
+                    }
+                }
+            };
+            let Some(leader) = leader else { continue };
+            self.say(&format!(
+                "controller {}: leader (election revision {})",
+                self.cfg.name,
+                leader.revision()
+            ));
+            let (tx, rx) = mpsc::channel();
+            let mut term = Term {
+                leader,
+                _lease: lease,
+                copying: BTreeMap::new(),
+                done: Vec::new(),
+                retry_at: None,
+                tx,
+                rx,
+                workers: Vec::new(),
+            };
+            self.lead(&mut term, stop);
+            if stop.load(Ordering::Relaxed) {
+                let _ = self.rt.block_on(self.etcd.resign(term.leader.clone()));
+                self.say("resigned");
+            } else {
+                self.say("deposed: campaigning again once this term's copies end");
+            }
+            // A worker of this term must not copy on into the next one's round.
+            for w in term.workers.drain(..) {
+                let _ = w.join();
+            }
+        }
+        Ok(())
+    }
+
+    /// Leads until deposed (or `stop`).
+    fn lead(&self, term: &mut Term, stop: &AtomicBool) {
+        while !stop.load(Ordering::Relaxed) {
+            if !term._lease.is_alive() {
+                return;
+            }
+            match self.tick(term) {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(e) => {
+                    self.say(&format!("tick: {e}"));
+                    std::thread::sleep(ERROR_BACKOFF);
+                    match self.rt.block_on(self.etcd.still_leads(&term.leader)) {
+                        Ok(false) => return,
+                        _ => continue,
+                    }
+                }
+            }
+            std::thread::sleep(self.cfg.tick);
+        }
+    }
+
+    /// Publishes `next` over `current`; Ok(false) when no longer the leader. A lost race
+    /// for the map (someone else wrote it) is Ok(true) with nothing written: the next
+    /// tick reads again.
+    fn publish(
+        &self,
+        term: &Term,
+        next: &ClusterMap,
+        current: &Versioned,
+    ) -> Result<Option<bool>, ControllerError> {
+        match self
+            .rt
+            .block_on(self.etcd.publish_as(&term.leader, next, current))?
+        {
+            Publish::Won(_) => Ok(Some(true)),
+            Publish::Lost => {
+                if self.rt.block_on(self.etcd.still_leads(&term.leader))? {
+                    Ok(Some(false))
+                } else {
+                    Ok(None)
+                }
+            }
+        }
+    }
+
+    /// One look at the cluster; false when deposed.
+    fn tick(&self, term: &mut Term) -> Result<bool, ControllerError> {
+        self.collect(term);
+        let Some(current) = self.rt.block_on(self.etcd.read_map())? else {
+            return Ok(true);
+        };
+        let alive = Alive::new(self.rt.block_on(self.etcd.live_nodes())?);
+        let map = &current.map;
+
+        // 1. Failover first: nothing else is worth a map while writes fail.
+        if let Some(r) = repair(map, &alive, &Marks::default(), self.cfg.promote) {
+            let marks = self.marks_for(map, &alive, &r.dead)?;
+            let Some(r) = repair(map, &alive, &marks, self.cfg.promote) else {
+                return Ok(true);
+            };
+            self.hold("detected");
+            return Ok(match self.publish(term, &r.map, &current)? {
+                None => false,
+                Some(false) => true,
+                Some(true) => {
+                    let promoted: Vec<String> = r
+                        .promoted
+                        .iter()
+                        .take(8)
+                        .map(|p| format!("{}:{}→{}", p.partition, p.dead, p.to))
+                        .collect();
+                    self.say(&format!(
+                        "epoch {}: node(s) {:?} dead; {} partition(s) promoted [{}{}], {} backup slot(s) dropped, stranded {:?}",
+                        r.map.epoch,
+                        r.dead,
+                        r.promoted.len(),
+                        promoted.join(" "),
+                        if r.promoted.len() > 8 { " …" } else { "" },
+                        r.backups_dropped,
+                        r.stranded
+                    ));
+                    true
+                }
+            });
+        }
+
+        // 2. New members join.
+        if let Some(next) = join(map, &alive) {
+            return Ok(match self.publish(term, &next, &current)? {
+                None => false,
+                Some(false) => true,
+                Some(true) => {
+                    let old: BTreeSet<_> =
+                        map.nodes.iter().map(|n| (n.id, n.addr, n.lease)).collect();
+                    let joined: Vec<NodeId> = next
+                        .nodes
+                        .iter()
+                        .filter(|n| !old.contains(&(n.id, n.addr, n.lease)))
+                        .map(|n| n.id)
+                        .collect();
+                    self.say(&format!("epoch {}: node(s) {joined:?} joined", next.epoch));
+                    true
+                }
+            });
+        }
+
+        // 3. Finished copies become full replicas, once the round's copies are all in.
+        if term.copying.is_empty() && !term.done.is_empty() {
+            let done = std::mem::take(&mut term.done);
+            if let Some(next) = finish_syncs(map, &done) {
+                return Ok(match self.publish(term, &next, &current)? {
+                    None => false,
+                    Some(false) => {
+                        term.done = done;
+                        true
+                    }
+                    Some(true) => {
+                        self.say(&format!(
+                            "epoch {}: {} replica(s) filled; {} still syncing",
+                            next.epoch,
+                            map.syncing.len() - next.syncing.len(),
+                            next.syncing.len()
+                        ));
+                        true
+                    }
+                });
+            }
+        }
+
+        // 4. Under-replicated partitions gain syncing replicas.
+        if let Some((next, added)) = rereplicate(map, &alive) {
+            return Ok(match self.publish(term, &next, &current)? {
+                None => false,
+                Some(false) => true,
+                Some(true) => {
+                    let mut per_node: BTreeMap<NodeId, usize> = BTreeMap::new();
+                    for (_, n) in &added {
+                        *per_node.entry(*n).or_default() += 1;
+                    }
+                    self.say(&format!(
+                        "epoch {}: re-replicating {} partition(s) to node(s) {per_node:?}",
+                        next.epoch,
+                        added.len()
+                    ));
+                    true
+                }
+            });
+        }
+
+        // 5. Copies for the syncing replicas, a round at a time.
+        // A failed copy (the map moved on under it, a node died) is made again, after a
+        // pause so that a copy failing for good does not spin.
+        let paused = term.retry_at.is_some_and(|t| Instant::now() < t);
+        if term.copying.is_empty() && term.done.is_empty() && !paused {
+            term.retry_at = None;
+            let work = sync_work(map, &alive);
+            for ((from, to), partitions) in work.into_iter().take(COPIES_MAX) {
+                self.start_copy(term, map, from, to, partitions)?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Copy results that came in since the last tick.
+    fn collect(&self, term: &mut Term) {
+        while let Ok(d) = term.rx.try_recv() {
+            term.copying.remove(&(d.from, d.to));
+            match d.result {
+                Ok(r) => {
+                    self.say(&format!(
+                        "copy node {} → node {}: {} partition(s), {} key(s), {} value bytes, {} stale key(s) deleted, in {:.3} s",
+                        d.from,
+                        d.to,
+                        d.synced.len(),
+                        r.keys_copied,
+                        r.bytes_copied,
+                        r.keys_deleted,
+                        r.secs
+                    ));
+                    term.done.extend(d.synced);
+                }
+                Err(e) => {
+                    term.retry_at = Some(Instant::now() + COPY_RETRY_PAUSE);
+                    self.say(&format!(
+                        "copy node {} → node {} failed: {e}; it will be made again",
+                        d.from, d.to
+                    ));
+                }
+            }
+        }
+        term.workers.retain(|w| !w.is_finished());
+    }
+
+    fn start_copy(
+        &self,
+        term: &mut Term,
+        map: &ClusterMap,
+        from: NodeId,
+        to: NodeId,
+        partitions: Vec<u32>,
+    ) -> Result<(), ControllerError> {
+        term.copying.insert((from, to), partitions.clone());
+        let tx = term.tx.clone();
+        let map = map.clone();
+        let hold = (self.cfg.hold_at.as_deref() == Some("copying"))
+            .then(|| self.cfg.hold_for.min(HOLD_MAX));
+        let progress = Arc::clone(&self.progress);
+        let synced: Vec<Synced> = partitions
+            .iter()
+            .map(|&p| Synced::of(&map, p, from, to))
+            .collect();
+        let worker = std::thread::Builder::new()
+            .name(format!("camelot-copy-{from}-{to}"))
+            .spawn(move || {
+                if let Some(h) = hold {
+                    progress("holding at copying");
+                    std::thread::sleep(h);
+                }
+                let result = fill_replica(&map, from, to, &partitions);
+                let _ = tx.send(CopyDone {
+                    from,
+                    to,
+                    synced,
+                    result,
+                });
+            })
+            .map_err(ControllerError::Thread)?;
+        term.workers.push(worker);
+        Ok(())
+    }
+
+    /// The applied versions of the live replicas of the dead nodes' partitions: when some
+    /// partition has two or more candidates, fresh reports are asked for and awaited
+    /// (bounded); otherwise the choice needs none.
+    fn marks_for(
+        &self,
+        map: &ClusterMap,
+        alive: &Alive,
+        dead: &[NodeId],
+    ) -> Result<Marks, ControllerError> {
+        let mut candidates: BTreeSet<NodeId> = BTreeSet::new();
+        let mut contested = false;
+        for (p, set) in map.assignment.iter().enumerate() {
+            if !set.first().is_some_and(|n| dead.contains(n)) {
+                continue;
+            }
+            let live: Vec<NodeId> = set[1..]
+                .iter()
+                .copied()
+                .filter(|n| {
+                    map.node(*n).is_some_and(|x| alive.holds(x)) && !map.is_syncing(p as u32, *n)
+                })
+                .collect();
+            contested |= live.len() > 1;
+            candidates.extend(live);
+        }
+        let mut marks = Marks::default();
+        if !contested {
+            return Ok(marks);
+        }
+        let asked = self.rt.block_on(self.etcd.request_reports())?;
+        let deadline = Instant::now() + REPORT_WAIT_MAX;
+        loop {
+            let reports = self.rt.block_on(self.etcd.reports())?;
+            let fresh: BTreeSet<NodeId> = reports
+                .iter()
+                .filter(|r| r.answers >= asked)
+                .map(|r| r.node)
+                .collect();
+            if candidates.is_subset(&fresh) || Instant::now() >= deadline {
+                for r in reports.iter().filter(|r| candidates.contains(&r.node)) {
+                    marks.set_node(r.node, r.applied.iter().copied());
+                }
+                if !candidates.is_subset(&fresh) {
+                    self.say(&format!(
+                        "fresh reports from {:?} of {candidates:?} within {REPORT_WAIT_MAX:?}; deciding on the latest ones",
+                        fresh.intersection(&candidates).collect::<Vec<_>>()
+                    ));
+                }
+                return Ok(marks);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
