@@ -584,6 +584,7 @@ mod tests {
                 id,
                 addr: std::net::SocketAddr::from(([127, 0, 0, 1], 7000 + id as u16)),
                 weight: 1,
+                lease: 0,
             })
             .collect()
     }

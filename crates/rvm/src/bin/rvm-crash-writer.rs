@@ -14,12 +14,6 @@
 //! SIGKILLed, so that only what reached the backend survives: Rvm's drop, which would
 //! flush, never runs.
 //!
-//! With `RVM_CRASH_WRITER_PAUSE=recovery` (or `=truncation`) the transfer writer prints
-//! `paused in recovery` (`paused in truncation`) when its recovery has read the log (when
-//! a truncation is about to write the homes) and waits there to be SIGKILLed: the crash
-//! test forces some of its kills into those two phases instead of hoping the random
-//! moment falls there.
-//!
 //! With `RVM_CRASH_WRITER_ACK_EARLY=1` the transfer loop reports each commit *before*
 //! making it (a deliberately broken writer): the crash tests use it to show their checker
 //! catches an acknowledged commit that is not there.
@@ -76,16 +70,6 @@ fn run() -> Result<(), String> {
     }
     let mut cfg = Config::new(backend, &name).recover(true);
     cfg.truncate_log_bytes = truncate;
-    match std::env::var("RVM_CRASH_WRITER_PAUSE").as_deref() {
-        Ok("recovery") => cfg.hooks.during_recovery = Some(pause_hook("recovery")),
-        Ok("truncation") => cfg.hooks.before_home_writes = Some(pause_hook("truncation")),
-        Ok(other) => {
-            return Err(format!(
-                "RVM_CRASH_WRITER_PAUSE={other:?}: recovery|truncation"
-            ))
-        }
-        Err(_) => {}
-    }
     let rvm = Rvm::open(cfg).map_err(|e| format!("open: {e}"))?;
     let (accounts, meta) = match rvm.segment("meta") {
         Some(meta) => {
@@ -140,20 +124,6 @@ fn run() -> Result<(), String> {
         writeln!(out, "committed {seq}").map_err(|e| e.to_string())?;
         out.flush().map_err(|e| e.to_string())?;
     }
-}
-
-/// A hook that says `paused in PHASE` and never returns: the thread that reached the
-/// phase waits there for the test's SIGKILL.
-fn pause_hook(phase: &'static str) -> std::sync::Arc<dyn Fn() + Send + Sync> {
-    std::sync::Arc::new(move || {
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "paused in {phase}");
-        let _ = out.flush();
-        drop(out);
-        loop {
-            std::thread::park();
-        }
-    })
 }
 
 fn init(rvm: &Rvm) -> Result<(Vec<Segment>, Segment), String> {
