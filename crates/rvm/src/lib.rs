@@ -231,12 +231,22 @@ pub struct Hooks {
     /// In truncation, just before the home writes are sent: the pool backend before its
     /// guarded WRITEs, the redis backend after its WATCH and epoch GET, before MULTI/EXEC.
     pub before_home_writes: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// In `open` with `recover`, once the log has been read and before the segments are
+    /// restored (and the log possibly resynced or truncated): the crash test pauses a
+    /// writer here so that its SIGKILL lands in recovery.
+    pub during_recovery: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// In a truncation on any backend, once its home writes are built and before the
+    /// first is sent: the crash test pauses a writer here so that its SIGKILL lands in
+    /// a truncation.
+    pub during_truncation: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 impl std::fmt::Debug for Hooks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Hooks")
             .field("before_home_writes", &self.before_home_writes.is_some())
+            .field("during_recovery", &self.during_recovery.is_some())
+            .field("during_truncation", &self.during_truncation.is_some())
             .finish()
     }
 }
@@ -394,6 +404,8 @@ struct Inner {
     truncate_wanted: Condvar,
     stop: AtomicBool,
     failed: Mutex<Option<String>>,
+    /// `Hooks::during_truncation`.
+    truncation_hook: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 /// One recoverable-memory instance. `Sync`: transactions may run on many threads.
@@ -712,8 +724,12 @@ impl Rvm {
             truncate_wanted: Condvar::new(),
             stop: AtomicBool::new(false),
             failed: Mutex::new(None),
+            truncation_hook: config.hooks.during_truncation.clone(),
         });
         if config.recover {
+            if let Some(hook) = &config.hooks.during_recovery {
+                hook();
+            }
             inner.restore(replayed, placed_maps)?;
         } else {
             inner.discard(replayed)?;
@@ -1137,6 +1153,9 @@ impl Inner {
         }
         if let Some(e) = placed_err {
             return Err(self.fail(e));
+        }
+        if let Some(hook) = &self.truncation_hook {
+            hook();
         }
         let r = self
             .backend

@@ -138,6 +138,12 @@ fn check(backend: &BackendConfig, name: &str) -> Result<Option<u64>, String> {
 #[derive(Default)]
 struct Outcome {
     kills: usize,
+    /// Kills that landed while the writer was paused in its recovery (after reading the
+    /// log, before restoring the segments) and inside a truncation (before its home
+    /// writes): forced, so both phases are crashed in every run, not only when the random
+    /// moment happens to fall there.
+    in_recovery: usize,
+    in_truncation: usize,
     /// "lost: …" (an acknowledged commit missing), "torn: …", "ahead: …", "failed: …".
     violations: Vec<String>,
     recovery_ms: Vec<f64>,
@@ -193,8 +199,11 @@ impl Outcome {
                 .unwrap_or(f64::NAN)
         };
         eprintln!(
-            "{label}: {} kills, {} violations, {:.1} s; recovery p50 {:.1} ms, p99 {:.1} ms",
+            "{label}: {} kills ({} in the writer's recovery, {} in a truncation), {} \
+             violations, {:.1} s; recovery p50 {:.1} ms, p99 {:.1} ms",
             self.kills,
+            self.in_recovery,
+            self.in_truncation,
             self.violations.len(),
             started.elapsed().as_secs_f64(),
             pct(0.50),
@@ -213,6 +222,19 @@ impl Outcome {
         );
     }
 
+    /// Both phases the pause hooks force were crashed, when the loop was long enough to
+    /// reach them.
+    fn assert_phases_crashed(&self) {
+        if self.kills >= 10 {
+            assert!(
+                self.in_recovery >= 1 && self.in_truncation >= 1,
+                "{} kills in recovery, {} in truncation",
+                self.in_recovery,
+                self.in_truncation
+            );
+        }
+    }
+
     fn assert_lost_some(&self) {
         assert!(
             self.violations.iter().any(|v| v.starts_with("lost:")),
@@ -222,8 +244,49 @@ impl Outcome {
     }
 }
 
-/// Kills of the writer alone (mid-commit, mid-truncation, mid-recovery: wherever the
-/// random moment falls).
+/// Where a writer-loop kill lands: at a random moment of the transfer loop (mid-commit,
+/// or mid-truncation when one runs then), or forced into a phase by a pause hook.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Moment {
+    Random,
+    /// Right after the spawn: wherever start-up has got to.
+    Startup,
+    Recovery,
+    Truncation,
+}
+
+/// Of every ten kills of a loop, one is forced into the writer's recovery, one into a
+/// truncation and one hits start-up; the rest fall at random. A broken writer (lazy
+/// commits never fill its log, so it never truncates) gets start-up and random kills only.
+fn moment(k: usize, forced: bool) -> Moment {
+    match (k % 10, forced) {
+        (9, true) => Moment::Recovery,
+        (4, true) => Moment::Truncation,
+        (7, _) => Moment::Startup,
+        _ => Moment::Random,
+    }
+}
+
+/// Reads the writer's lines until it says `paused in PHASE`; returns the last commit it
+/// reported by then (`last` if none).
+fn run_until_paused(w: &mut LineChild, phase: &str, last: u64) -> u64 {
+    let mut reported = last;
+    loop {
+        let line = w.line();
+        if line == format!("paused in {phase}") {
+            return reported;
+        }
+        if line.starts_with("ready ") {
+            reported = number(&line, "ready ");
+        } else {
+            reported = number(&line, "committed ");
+        }
+    }
+}
+
+/// Kills of the writer alone: at random moments, right after its start, and — unless it
+/// is a broken writer, whose lazy commits never fill the log — forced into its recovery
+/// and into a truncation (see [`moment`]).
 fn writer_kill_loop(
     spec: &str,
     backend: BackendConfig,
@@ -235,13 +298,33 @@ fn writer_kill_loop(
     let mut out = Outcome::default();
     let mut last = 0;
     let started = Instant::now();
+    let forced = !envs.contains(&ACK_EARLY);
     for k in 0..kills {
-        let mut w = spawn_writer(spec, name, rng.gen(), envs);
-        // Every few kills, during the writer's own recovery instead.
-        let mut reported = if k % 5 == 4 {
-            last
-        } else {
-            run_until_target(&mut w, &mut rng)
+        let at = moment(k, forced);
+        let pause = match at {
+            Moment::Recovery => Some("recovery"),
+            Moment::Truncation => Some("truncation"),
+            Moment::Random | Moment::Startup => None,
+        };
+        let mut w = match pause {
+            Some(phase) => {
+                let mut envs = envs.to_vec();
+                envs.push(("RVM_CRASH_WRITER_PAUSE", phase));
+                spawn_writer(spec, name, rng.gen(), &envs)
+            }
+            None => spawn_writer(spec, name, rng.gen(), envs),
+        };
+        let mut reported = match at {
+            Moment::Startup => last,
+            Moment::Random => run_until_target(&mut w, &mut rng),
+            Moment::Recovery => {
+                out.in_recovery += 1;
+                run_until_paused(&mut w, "recovery", last)
+            }
+            Moment::Truncation => {
+                out.in_truncation += 1;
+                run_until_paused(&mut w, "truncation", last)
+            }
         };
         for line in w.kill() {
             if let Some(n) = line.strip_prefix("committed ") {
@@ -260,25 +343,33 @@ fn writer_kill_loop(
 #[test]
 fn crash_pool() {
     let f = Fixture::start("pool");
-    writer_kill_loop(&f.spec(), f.backend(), kills(), &[]).assert_clean();
+    let out = writer_kill_loop(&f.spec(), f.backend(), kills(), &[]);
+    out.assert_clean();
+    out.assert_phases_crashed();
 }
 
 #[test]
 fn crash_pool_mirrored() {
     let f = Fixture::start("pool-mirrored");
-    writer_kill_loop(&f.spec(), f.backend(), kills(), &[]).assert_clean();
+    let out = writer_kill_loop(&f.spec(), f.backend(), kills(), &[]);
+    out.assert_clean();
+    out.assert_phases_crashed();
 }
 
 #[test]
 fn crash_redis() {
     let f = Fixture::start("redis");
-    writer_kill_loop(&f.spec(), f.backend(), kills(), &[]).assert_clean();
+    let out = writer_kill_loop(&f.spec(), f.backend(), kills(), &[]);
+    out.assert_clean();
+    out.assert_phases_crashed();
 }
 
 #[test]
 fn crash_file() {
     let f = Fixture::start("file");
-    writer_kill_loop(&f.spec(), f.backend(), kills(), &[]).assert_clean();
+    let out = writer_kill_loop(&f.spec(), f.backend(), kills(), &[]);
+    out.assert_clean();
+    out.assert_phases_crashed();
 }
 
 #[test]

@@ -253,6 +253,100 @@ fn redis_wait_replicas_fails_without_replicas() {
     }
 }
 
+/// One inline command to a redis-server and its reply's text: a status, integer or error
+/// line, or a bulk string's body (what INFO answers). Bounded by a 5 s read timeout.
+fn redis_line(addr: std::net::SocketAddr, command: &str) -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to redis");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .expect("timeout");
+    s.write_all(format!("{command}\r\n").as_bytes())
+        .expect("send");
+    let mut r = BufReader::new(s);
+    let mut head = String::new();
+    r.read_line(&mut head).expect("reply");
+    let Some(len) = head.strip_prefix('$') else {
+        return head.trim_end().to_string();
+    };
+    let len: usize = len.trim().parse().expect("bulk length");
+    let mut body = vec![0; len];
+    r.read_exact(&mut body).expect("bulk body");
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+/// `wait_replicas=1` with a real replica (a second redis-server started with
+/// `--replicaof`): every commit returns, and once the primary is SIGKILLed and the replica
+/// promoted, recovery from the replica alone finds every one of them — what WAIT promised.
+#[test]
+fn redis_wait_replicas_commits_reach_a_real_replica() {
+    use camelot_testkit::RedisServer;
+    use std::time::{Duration, Instant};
+    // Diskless full sync without its default 5 s wait for more replicas.
+    let mut primary =
+        RedisServer::start_with(&["--repl-diskless-sync-delay", "0"]).expect("redis-server starts");
+    let port = primary.addr().port().to_string();
+    let replica =
+        RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]).expect("a replica starts");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !redis_line(replica.addr(), "INFO replication").contains("master_link_status:up") {
+        assert!(Instant::now() < deadline, "the replica never synced");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let backend = BackendConfig::parse(&format!("redis://{}?wait_replicas=1", primary.addr()))
+        .expect("parse");
+    let rvm = Rvm::open(Config::new(backend, "waited").recover(true)).expect("open");
+    let seg = rvm.alloc("s", 4096).expect("alloc");
+    for i in 0..20u64 {
+        let mut t = rvm.begin();
+        t.set_range(&seg, i * 8, 8).expect("range");
+        t.write_u64(&seg, i * 8, 1000 + i).expect("write");
+        t.commit().expect("a commit WAIT confirmed");
+    }
+    rvm.truncate().expect("truncation waits too");
+    // The commit really waits for the replica: stopped (SIGSTOP), the replica holds it
+    // back; continued, it lets it return. A commit that skipped WAIT returns at once.
+    let signal = |sig: &str| {
+        let pid = replica.process().pid().to_string();
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status();
+        assert!(ok.is_ok_and(|s| s.success()), "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let mut t = rvm.begin();
+            let done = t
+                .set_range(&seg, 20 * 8, 8)
+                .and_then(|()| t.write_u64(&seg, 20 * 8, 7))
+                .and_then(|()| t.commit());
+            let _ = tx.send(done);
+        });
+        let early = rx.recv_timeout(Duration::from_millis(500));
+        signal("-CONT");
+        assert!(
+            early.is_err(),
+            "the commit returned while its only replica was stopped: {early:?}"
+        );
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("the commit returns once the replica runs")
+            .expect("and succeeds");
+    });
+    std::mem::forget(rvm); // no goodbye writes: only what the commits sent counts
+
+    primary.process_mut().kill().expect("SIGKILL the primary");
+    assert_eq!(redis_line(replica.addr(), "REPLICAOF NO ONE"), "+OK");
+    let backend = BackendConfig::parse(&format!("redis://{}", replica.addr())).expect("parse");
+    let rvm = Rvm::open(Config::new(backend, "waited").recover(true)).expect("recover");
+    let seg = rvm.segment("s").expect("the segment is on the replica");
+    for i in 0..20u64 {
+        assert_eq!(seg.read_u64(i * 8).expect("read"), 1000 + i, "commit {i}");
+    }
+    assert_eq!(seg.read_u64(20 * 8).expect("read"), 7, "the last commit");
+}
+
 /// A pool server without room for an instance's log: the open fails naming the region,
 /// the bytes it needs and the bytes the server has free, not a bare OUT_OF_MEMORY.
 #[test]

@@ -14,6 +14,12 @@
 //! SIGKILLed, so that only what reached the backend survives: Rvm's drop, which would
 //! flush, never runs.
 //!
+//! With `RVM_CRASH_WRITER_PAUSE=recovery` (or `=truncation`) the transfer writer prints
+//! `paused in recovery` (`paused in truncation`) when its recovery has read the log (when
+//! a truncation is about to write the homes) and waits there to be SIGKILLed: the crash
+//! test forces some of its kills into those two phases instead of hoping the random
+//! moment falls there.
+//!
 //! With `RVM_CRASH_WRITER_ACK_EARLY=1` the transfer loop reports each commit *before*
 //! making it (a deliberately broken writer): the crash tests use it to show their checker
 //! catches an acknowledged commit that is not there.
@@ -70,6 +76,16 @@ fn run() -> Result<(), String> {
     }
     let mut cfg = Config::new(backend, &name).recover(true);
     cfg.truncate_log_bytes = truncate;
+    match std::env::var("RVM_CRASH_WRITER_PAUSE").as_deref() {
+        Ok("recovery") => cfg.hooks.during_recovery = Some(pause_hook("recovery")),
+        Ok("truncation") => cfg.hooks.during_truncation = Some(pause_hook("truncation")),
+        Ok(other) => {
+            return Err(format!(
+                "RVM_CRASH_WRITER_PAUSE={other:?}: recovery|truncation"
+            ))
+        }
+        Err(_) => {}
+    }
     let rvm = Rvm::open(cfg).map_err(|e| format!("open: {e}"))?;
     let (accounts, meta) = match rvm.segment("meta") {
         Some(meta) => {
@@ -84,9 +100,7 @@ fn run() -> Result<(), String> {
         None => init(&rvm)?,
     };
     let mut seq = meta.read_u64(0).map_err(|e| e.to_string())?;
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "ready {seq}").map_err(|e| e.to_string())?;
-    out.flush().map_err(|e| e.to_string())?;
+    say(&format!("ready {seq}"))?;
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
     loop {
         let mut t = rvm.begin();
@@ -114,16 +128,33 @@ fn run() -> Result<(), String> {
         t.set_range(&meta, 0, 8).map_err(|e| e.to_string())?;
         t.write_u64(&meta, 0, seq).map_err(|e| e.to_string())?;
         if ack_early {
-            writeln!(out, "committed {seq}").map_err(|e| e.to_string())?;
-            out.flush().map_err(|e| e.to_string())?;
+            say(&format!("committed {seq}"))?;
             // Lazy: a kill from here on loses a commit that was reported.
             t.commit_lazy().map_err(|e| format!("commit {seq}: {e}"))?;
             continue;
         }
         t.commit().map_err(|e| format!("commit {seq}: {e}"))?;
-        writeln!(out, "committed {seq}").map_err(|e| e.to_string())?;
-        out.flush().map_err(|e| e.to_string())?;
+        say(&format!("committed {seq}"))?;
     }
+}
+
+/// One line to stdout, flushed. Stdout is locked for that line only: a pause hook on the
+/// truncator thread must be able to speak while this thread waits for the log.
+fn say(line: &str) -> Result<(), String> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}").map_err(|e| e.to_string())?;
+    out.flush().map_err(|e| e.to_string())
+}
+
+/// A hook that says `paused in PHASE` and never returns: the thread that reached the
+/// phase waits there for the test's SIGKILL.
+fn pause_hook(phase: &'static str) -> std::sync::Arc<dyn Fn() + Send + Sync> {
+    std::sync::Arc::new(move || {
+        let _ = say(&format!("paused in {phase}"));
+        loop {
+            std::thread::park();
+        }
+    })
 }
 
 fn init(rvm: &Rvm) -> Result<(Vec<Segment>, Segment), String> {

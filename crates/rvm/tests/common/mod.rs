@@ -190,7 +190,8 @@ impl LineChild {
         })
     }
 
-    /// SIGKILLs the child and returns the lines it wrote before dying.
+    /// SIGKILLs the child and returns the lines it wrote before dying (dropping a
+    /// `LineChild` kills it too, so a failing test leaves no writer paused in a hook).
     pub fn kill(mut self) -> Vec<String> {
         let _ = self.child.kill();
         self.child.wait().expect("reaped");
@@ -204,5 +205,12 @@ impl LineChild {
                 Err(mpsc::RecvTimeoutError::Timeout) => panic!("child pipe never closed"),
             }
         }
+    }
+}
+
+impl Drop for LineChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
