@@ -13,6 +13,10 @@ use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// The most servers a bench cluster starts (expand grows to it; etcd benches refuse more).
+/// Here, not in the etcd module, so a build without etcd still validates its configs.
+pub const BENCH_CLUSTER_NODES_MAX: usize = 16;
+
 /// Why a cluster bench on etcd cannot run in this build, and how to get one that can.
 pub const NO_ETCD: &str = "this camelot was built without etcd support, which the cluster \
      benches on etcd (percentiles, expand) need: rebuild with `cargo build --release -p \

@@ -23,7 +23,7 @@ pub const SETTLE_TIME_MAX: Duration = Duration::from_secs(20);
 /// Between two looks while waiting for the cluster to settle.
 const SETTLE_POLL: Duration = Duration::from_millis(10);
 /// Most nodes a bench cluster has.
-pub const NODES_MAX: usize = 16;
+pub use crate::cluster::BENCH_CLUSTER_NODES_MAX as NODES_MAX;
 
 /// How one node is started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

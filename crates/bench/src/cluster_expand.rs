@@ -71,11 +71,11 @@ impl ExpandConfig {
     pub fn validate(&self) -> Result<(), BenchError> {
         if self.start_nodes == 0
             || self.end_nodes <= self.start_nodes
-            || self.end_nodes as usize > crate::cluster_etcd::NODES_MAX
+            || self.end_nodes as usize > crate::cluster::BENCH_CLUSTER_NODES_MAX
         {
             return Err(BenchError::InvalidConfig(format!(
                 "the cluster must grow: 1 ≤ start nodes < end nodes ≤ {}",
-                crate::cluster_etcd::NODES_MAX
+                crate::cluster::BENCH_CLUSTER_NODES_MAX
             )));
         }
         if !(self.end_nodes..=camelot_cluster::map::PARTITIONS_MAX).contains(&self.partitions) {

@@ -10,8 +10,10 @@
 //! [`slow_mechanism`], which the result records).
 
 use std::path::{Path, PathBuf};
+#[cfg(feature = "etcd")]
 use std::time::Duration;
 
+#[cfg(feature = "etcd")]
 use camelot_results::schema::{now_rfc3339, BenchResult, Comparison, Point, Series};
 
 use crate::checks::check_seconds;

@@ -58,6 +58,8 @@ pub fn configure(args: &MemberArgs, cfg: &mut camelot_server::ServerConfig) {
 
 /// What node `id` serves under `map`: the partitions it is primary of, their backups
 /// (every replica after the first, with its address), and the partitions it backs up.
+/// Only servers that follow a map in etcd need it.
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))]
 pub fn ownership_of(
     map: &ClusterMap,
     id: u32,
