@@ -103,14 +103,18 @@ fn down_after_up_is_sigkilled_halfway_leaves_nothing() {
             "--name",
             &run,
             "--step-pause-ms",
-            "30",
+            "100",
         ])
         .env("CAMELOT_TESTBED_DIR", run_dir())
         .spawn()
         .unwrap();
+    // Every namespace comes from one `ip -batch` child, which finishes on its own even
+    // when `up` is killed; killing `up` before that batch is done would leave `down` to
+    // race it. So kill once all 9 (8 hosts and the switch) exist: `up` is then in its
+    // paused per-host steps, before the last host's address.
     let deadline = Instant::now() + Duration::from_secs(20);
-    while namespaces(&run).len() < 3 {
-        assert!(Instant::now() < deadline, "up made no namespaces");
+    while namespaces(&run).len() < 9 {
+        assert!(Instant::now() < deadline, "up made too few namespaces");
         std::thread::sleep(Duration::from_millis(5));
     }
     up.kill().unwrap();
@@ -126,7 +130,7 @@ fn down_after_up_is_sigkilled_halfway_leaves_nothing() {
         !String::from_utf8_lossy(&last.stdout).contains("10.213.0.8"),
         "up was not killed halfway"
     );
-    assert!(left >= 3, "{left} namespaces");
+    assert_eq!(left, 9, "{left} namespaces");
     let out = ok(&camelot(&["testbed", "down", "--name", &run]));
     assert!(out.contains(&format!("{left} namespaces removed")), "{out}");
     assert!(namespaces(&run).is_empty());
