@@ -2,45 +2,22 @@
 //! collection running and memory small enough that nodes are reused, every operation
 //! recorded and the history checked for linearizability.
 
-use bytes::Bytes;
-use camelot_check::{check, Limits, Op, Outcome, Recorder, Verdict};
+use camelot_check::{check, Limits, Recorder, Verdict};
 use camelot_client::{Client, ClientConfig, ClusterMap};
 use camelot_clover::{Geometry, Meta, MetaConfig, RegionMemory, Store, StoreConfig};
-use camelot_testkit::{CamelotServer, CamelotServerOptions};
+use camelot_testkit::CamelotServer;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const CAMELOT: &str = env!("CARGO_BIN_EXE_camelot");
 const CLIENTS: u32 = 32;
 const OPS_PER_CLIENT: u32 = 120;
-const KEYS: u64 = 4;
 const DEADLINE: Duration = Duration::from_secs(120);
 
-fn server() -> CamelotServer {
-    CamelotServer::start(
-        Path::new(CAMELOT),
-        &CamelotServerOptions {
-            resp: false,
-            args: vec!["--memory".into(), "64M".into()],
-        },
-    )
-    .expect("camelot server")
-}
-
-fn enc(v: u64) -> Option<Bytes> {
-    (v != 0).then(|| Bytes::copy_from_slice(&v.to_le_bytes()))
-}
-
-fn dec(b: &Option<Bytes>) -> u64 {
-    b.as_ref().map_or(0, |b| {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&b[..8]);
-        u64::from_le_bytes(w)
-    })
-}
+#[path = "support/clover.rs"]
+mod workload;
+use workload::{memory_server as server, Ops};
 
 fn connect(addrs: &[SocketAddr]) -> Client {
     let config = ClientConfig {
@@ -52,7 +29,7 @@ fn connect(addrs: &[SocketAddr]) -> Client {
 
 #[test]
 fn concurrent_clients_on_real_servers_are_linearizable() {
-    let servers = [server(), server()];
+    let servers = [server(None), server(None)];
     let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
     // 8-byte values, 64 nodes a block, 12 blocks: 768 nodes for ~1,700 writes, so
     // collection must reclaim and stores must meet reused nodes.
@@ -99,47 +76,15 @@ fn concurrent_clients_on_real_servers_are_linearizable() {
                         ..StoreConfig::default()
                     },
                 );
-                let mut seen = [0u64; KEYS as usize];
+                let mut ops = Ops::new(0x9E37_79B9_7F4A_7C15, c);
                 let mut errors = 0u32;
-                let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ u64::from(c);
                 for i in 0..OPS_PER_CLIENT {
                     if started.elapsed() > DEADLINE {
                         break;
                     }
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let key = x % KEYS;
-                    let kb = key.to_le_bytes();
-                    let fresh = (u64::from(c) + 1) << 32 | u64::from(i + 1);
+                    let (key, op) = ops.next(i);
                     let invoke = recorder.now();
-                    let (op, result) = match (x >> 8) % 10 {
-                        0..=4 => (
-                            Op::Read,
-                            store.get(&kb).map(|v| {
-                                seen[key as usize] = dec(&v);
-                                Outcome::Read(dec(&v))
-                            }),
-                        ),
-                        5..=7 => (
-                            Op::Write(fresh),
-                            store
-                                .put(&kb, enc(fresh).unwrap())
-                                .map(|_| Outcome::Written),
-                        ),
-                        _ => {
-                            let expected = seen[key as usize];
-                            (
-                                Op::Cas {
-                                    expected,
-                                    new: fresh,
-                                },
-                                store
-                                    .compare_and_put(&kb, enc(expected), enc(fresh))
-                                    .map(|swapped| Outcome::Cas { swapped }),
-                            )
-                        }
-                    };
+                    let result = ops.apply(&mut store, key, op);
                     let outcome = match result {
                         Ok(o) => Some(o),
                         Err(e) => {

@@ -4,17 +4,15 @@
 //! SIGKILLed metadata server stops only the operations that need it, and a broken one
 //! (every node granted twice) is caught.
 
-use bytes::Bytes;
-use camelot_check::{check, Limits, Op, Outcome, Recorder, Verdict};
+use camelot_check::{check, Limits, Recorder, Verdict};
 use camelot_client::{Client, ClientConfig, ClusterMap};
 use camelot_clover::remote::{open, RemoteConfig};
 use camelot_clover::{ChainLimits, CloverError, RemoteMeta, Store, StoreConfig};
 use camelot_testkit::process::{Program, Readiness, ServerProcess};
-use camelot_testkit::{CamelotServer, CamelotServerOptions};
+use camelot_testkit::CamelotServer;
 use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -24,23 +22,14 @@ const CAMELOT: &str = env!("CARGO_BIN_EXE_camelot");
 const TOKEN: &str = "clover-meta-token";
 const CLIENTS: u32 = 32;
 const OPS_PER_CLIENT: u32 = 100;
-const KEYS: u64 = 4;
 const DEADLINE: Duration = Duration::from_secs(120);
 
+#[path = "support/clover.rs"]
+mod workload;
+use workload::{Ops, KEYS};
+
 fn server() -> CamelotServer {
-    CamelotServer::start(
-        Path::new(CAMELOT),
-        &CamelotServerOptions {
-            resp: false,
-            args: vec![
-                "--memory".into(),
-                "64M".into(),
-                "--token".into(),
-                TOKEN.into(),
-            ],
-        },
-    )
-    .expect("camelot server")
+    workload::memory_server(Some(TOKEN))
 }
 
 /// `camelot clover meta` over `servers`: 8-byte values, 64 nodes a block, 12 blocks
@@ -241,18 +230,6 @@ fn command_line_stores_share_one_store() {
     assert!(!out.status.success());
 }
 
-fn enc(v: u64) -> Bytes {
-    Bytes::copy_from_slice(&v.to_le_bytes())
-}
-
-fn dec(b: &Option<Bytes>) -> u64 {
-    b.as_ref().map_or(0, |b| {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&b[..8]);
-        u64::from_le_bytes(w)
-    })
-}
-
 struct Run {
     history: camelot_check::History<u64>,
     /// Operations that failed (unknown outcome), and how many of them named the
@@ -322,51 +299,17 @@ fn load(
                         ..StoreConfig::default()
                     },
                 );
-                let mut seen = [0u64; KEYS as usize];
                 let mut failed = 0u64;
-                let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ u64::from(c);
+                let mut ops = Ops::new(0x9E37_79B9_7F4A_7C15, c);
                 for i in 0..OPS_PER_CLIENT {
                     if started.elapsed() > DEADLINE {
                         break;
                     }
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let key = x % KEYS;
-                    let kb = key.to_le_bytes();
-                    let fresh = (u64::from(c) + 1) << 32 | u64::from(i + 1);
+                    let (key, op) = ops.next(i);
                     let was_killed = killed.load(Ordering::SeqCst);
                     let t = Instant::now();
                     let invoke = recorder.now();
-                    let (op, result) = match (x >> 8) % 10 {
-                        0..=4 => (
-                            Op::Read,
-                            store.get(&kb).map(|v| {
-                                seen[key as usize] = dec(&v);
-                                Outcome::Read(dec(&v))
-                            }),
-                        ),
-                        5..=7 => (
-                            Op::Write(fresh),
-                            store.put(&kb, enc(fresh)).map(|_| Outcome::Written),
-                        ),
-                        _ => {
-                            let expected = seen[key as usize];
-                            (
-                                Op::Cas {
-                                    expected,
-                                    new: fresh,
-                                },
-                                store
-                                    .compare_and_put(
-                                        &kb,
-                                        (expected != 0).then(|| enc(expected)),
-                                        Some(enc(fresh)),
-                                    )
-                                    .map(|swapped| Outcome::Cas { swapped }),
-                            )
-                        }
-                    };
+                    let result = ops.apply(&mut store, key, op);
                     longest_us.fetch_max(t.elapsed().as_micros() as u64, Ordering::SeqCst);
                     let outcome = match result {
                         Ok(o) => {

@@ -4,11 +4,11 @@
 //! SIGKILLed mid-run while clients fall back to the servers — are linearizable.
 
 use bytes::Bytes;
-use camelot_check::{check, Limits, Op, Outcome, Recorder, Verdict};
+use camelot_check::{check, Limits, Recorder, Verdict};
 use camelot_client::{Client, ClientConfig, ClientError, ClusterMap};
 use camelot_clover::{Geometry, Meta, MetaConfig, RegionMemory, Store, StoreConfig};
 use camelot_testkit::process::{Program, Readiness, ServerProcess};
-use camelot_testkit::{CamelotServer, CamelotServerOptions};
+use camelot_testkit::CamelotServer;
 use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -21,23 +21,14 @@ const CAMELOT: &str = env!("CARGO_BIN_EXE_camelot");
 const TOKEN: &str = "proxy-test-token";
 const CLIENTS: u32 = 32;
 const OPS_PER_CLIENT: u32 = 100;
-const KEYS: u64 = 4;
 const DEADLINE: Duration = Duration::from_secs(120);
 
+#[path = "support/clover.rs"]
+mod workload;
+use workload::Ops;
+
 fn server() -> CamelotServer {
-    CamelotServer::start(
-        Path::new(CAMELOT),
-        &CamelotServerOptions {
-            resp: false,
-            args: vec![
-                "--memory".into(),
-                "64M".into(),
-                "--token".into(),
-                TOKEN.into(),
-            ],
-        },
-    )
-    .expect("camelot server")
+    workload::memory_server(Some(TOKEN))
 }
 
 fn proxy(upstream: SocketAddr, flags: &[&str]) -> ServerProcess {
@@ -213,18 +204,6 @@ fn swap_xor_and_guarded_writes_through_the_proxy_are_never_served_stale() {
     client.free(&r).unwrap();
 }
 
-fn enc(v: u64) -> Option<Bytes> {
-    (v != 0).then(|| Bytes::copy_from_slice(&v.to_le_bytes()))
-}
-
-fn dec(b: &Option<Bytes>) -> u64 {
-    b.as_ref().map_or(0, |b| {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&b[..8]);
-        u64::from_le_bytes(w)
-    })
-}
-
 /// Clients through the proxies until `kill_after` operations have finished (if given),
 /// then the proxies are SIGKILLed and every client moves to the servers directly.
 struct Run {
@@ -331,52 +310,20 @@ fn clover_load_with(
                         ..StoreConfig::default()
                     },
                 );
-                let mut seen = [0u64; KEYS as usize];
                 let mut unknown = 0u64;
-                let mut x = 0x2545_F491_4F6C_DD1Du64 ^ u64::from(c);
+                let mut ops = Ops::new(0x2545_F491_4F6C_DD1D, c);
                 for i in 0..OPS_PER_CLIENT {
                     if started.elapsed() > DEADLINE {
                         break;
                     }
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let key = x % KEYS;
-                    let kb = key.to_le_bytes();
-                    let fresh = (u64::from(c) + 1) << 32 | u64::from(i + 1);
+                    let (key, op) = ops.next(i);
                     let pass = gate
                         .read()
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
                     let was_killed = killed.load(Ordering::SeqCst);
                     let was_returned = returned.load(Ordering::SeqCst);
                     let invoke = recorder.now();
-                    let (op, result) = match (x >> 8) % 10 {
-                        0..=4 => (
-                            Op::Read,
-                            store.get(&kb).map(|v| {
-                                seen[key as usize] = dec(&v);
-                                Outcome::Read(dec(&v))
-                            }),
-                        ),
-                        5..=7 => (
-                            Op::Write(fresh),
-                            store
-                                .put(&kb, enc(fresh).unwrap())
-                                .map(|_| Outcome::Written),
-                        ),
-                        _ => {
-                            let expected = seen[key as usize];
-                            (
-                                Op::Cas {
-                                    expected,
-                                    new: fresh,
-                                },
-                                store
-                                    .compare_and_put(&kb, enc(expected), enc(fresh))
-                                    .map(|swapped| Outcome::Cas { swapped }),
-                            )
-                        }
-                    };
+                    let result = ops.apply(&mut store, key, op);
                     let outcome = match result {
                         Ok(o) => {
                             if was_killed {
