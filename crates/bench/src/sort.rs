@@ -233,7 +233,7 @@ pub fn run(cfg: &SortConfig, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
         "process": servers["process"],
         "servers": servers,
         "sides": {
-            "camelot": {"process": servers["process"], "client": "camelot_farmem::sort::sort_far over two FarVecs (input, output regions), one thread", "data_model": "random u64 keys"},
+            "camelot": {"process": servers["process"], "client": "camelot_farmem::sort::sort_far over two FarVecs (input, output regions): sorting and merging on one thread; the merge's far reads and writes on one reader and one writer thread that only move bytes", "data_model": "random u64 keys"},
             "camelot FarRegion": {"process": servers["process"], "client": "slice::sort_unstable over a FarRegion (userfaultfd) on one region, one thread", "data_model": "the same keys"},
             "all-local": {"process": "in-process", "client": "slice::sort_unstable, one thread", "data_model": "the same keys"}
         },

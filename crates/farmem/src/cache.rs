@@ -90,6 +90,9 @@ struct Frame {
 
 pub struct PageCache<S: PageStore> {
     store: S,
+    /// The store's size in pages, read once: every access checks its bounds against it,
+    /// and asking the store costs a lock (LocalStore) or a division (RegionStore).
+    store_pages: u64,
     page_bytes: usize,
     capacity_pages: usize,
     frames: PageMap<Frame>,
@@ -129,6 +132,7 @@ impl<S: PageStore> PageCache<S> {
         Ok(PageCache {
             policy: policy::by_name(&config.policy, capacity_pages, config.seed)?,
             prefetcher: prefetcher_by_name(&config.prefetch, config.prefetch_window_pages)?,
+            store_pages: store.pages(),
             store,
             page_bytes,
             capacity_pages,
@@ -158,7 +162,7 @@ impl<S: PageStore> PageCache<S> {
     }
     /// Bytes the cache can address: the store's pages.
     pub fn len_bytes(&self) -> u64 {
-        self.store.pages() * self.page_bytes as u64
+        self.store_pages * self.page_bytes as u64
     }
     pub fn resident_pages(&self) -> usize {
         self.frames.len()
@@ -279,7 +283,7 @@ impl<S: PageStore> PageCache<S> {
 
     /// Keeps `page` resident until [`PageCache::unpin`]; pins nest.
     pub fn pin(&mut self, page: PageId) -> Result<(), Error> {
-        if page >= self.store.pages() {
+        if page >= self.store_pages {
             return Err(Error::Invalid(format!("page {page} is past the end")));
         }
         self.fault_group(&[(page, false)])?;
@@ -301,7 +305,7 @@ impl<S: PageStore> PageCache<S> {
     pub fn pin_range(&mut self, first: PageId, count: u64) -> Result<(), Error> {
         let end = first
             .checked_add(count)
-            .filter(|&e| e <= self.store.pages())
+            .filter(|&e| e <= self.store_pages)
             .ok_or_else(|| Error::Invalid(format!("pages {first}..+{count} are past the end")))?;
         if count > self.capacity_pages as u64 {
             return Err(Error::Invalid(format!(
@@ -479,7 +483,7 @@ impl<S: PageStore> PageCache<S> {
                 fetch.push((page, whole));
             }
         }
-        let pages = self.store.pages();
+        let pages = self.store_pages;
         let in_group = |p: PageId| group.iter().any(|(g, _)| *g == p);
         // Prefetches go out now and are waited for only when used: in range, not
         // resident, not already under way, not in this group, and no more pages under
@@ -599,7 +603,7 @@ impl<S: PageStore> PageCache<S> {
             }
             let buffers = read.wait()?;
             let mut victims: Vec<(PageId, Frame)> = Vec::new();
-            let mut incoming: Vec<(PageId, Box<[u8]>)> = Vec::new();
+            let mut incoming: Vec<(PageId, bytes::Bytes)> = Vec::new();
             for (page, data) in pages.into_iter().zip(buffers) {
                 if self.frames.contains_key(&page) {
                     continue;
@@ -630,7 +634,17 @@ impl<S: PageStore> PageCache<S> {
                 self.stats.written_back += dirty.len() as u64;
             }
             self.stats.evictions += victims.len() as u64;
-            for (page, data) in incoming {
+            // The victims' buffers take the incoming pages: no allocation (and no fresh
+            // page of memory to fault in) per page of a scan.
+            let mut spare: Vec<Box<[u8]>> = victims.into_iter().map(|(_, f)| f.data).collect();
+            for (page, bytes) in incoming {
+                let data = match spare.pop() {
+                    Some(mut buf) if buf.len() == bytes.len() => {
+                        buf.copy_from_slice(&bytes);
+                        buf
+                    }
+                    _ => Box::from(&bytes[..]),
+                };
                 self.frames.insert(
                     page,
                     Frame {

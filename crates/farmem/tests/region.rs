@@ -102,6 +102,32 @@ fn runs_move_straight_between_slices_and_a_server() {
     );
 }
 
+/// Direct writes reuse their request buffers from run to run (more than a window of
+/// them, the last one short): each run lands with its own bytes, none of the run
+/// before — a buffer refilled without being emptied, or handed out while still on
+/// the wire, would show here.
+#[test]
+fn reused_write_buffers_carry_each_run_s_own_bytes() {
+    let (_cluster, client) = server();
+    let pages = 20 * 256 + 3; // 20 MiB and 3 pages: over a 16 MiB window
+    let store = RegionStore::alloc(client, pages, PAGE, None).expect("region");
+    let first: Vec<u8> = (0..pages as usize * PAGE)
+        .map(|i| (i % 251) as u8)
+        .collect();
+    store.write_run(0, &first).expect("first run");
+    // A shorter run at another offset: its requests start and end elsewhere.
+    let second: Vec<u8> = (0..(pages as usize - 700) * PAGE)
+        .map(|i| (i % 241) as u8 ^ 0xa5)
+        .collect();
+    store.write_run(300, &second).expect("second run");
+    let mut want = first;
+    want[300 * PAGE..300 * PAGE + second.len()].copy_from_slice(&second);
+    let mut back = vec![0u8; want.len()];
+    store.read_run(0, &mut back).expect("read back");
+    let wrong = back.iter().zip(&want).position(|(a, b)| a != b);
+    assert_eq!(wrong, None, "first wrong byte");
+}
+
 /// A VolumeStore over raid5 on three servers: runs and pages agree, and a FarVec's
 /// large slices (the direct path) and single elements (the cached path) see each other.
 #[test]
