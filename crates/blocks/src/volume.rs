@@ -8,7 +8,10 @@
 //! A member whose request fails with a connection error, a timeout or "no such region" (a
 //! restarted, empty server) is marked missing — in memory and in the superblock of the
 //! survivors — and the call is retried degraded: reads reconstruct from the survivors,
-//! writes rewrite parity so the lost chunk stays recoverable.
+//! writes rewrite parity so the lost chunk stays recoverable. A degraded write whose
+//! pieces all fall on present members costs what a healthy one does (full-stripe encode,
+//! or SWAP + XOR_INTO) with the absent members left out; only a piece on an absent member
+//! reads the stripe back to rebuild it.
 //!
 //! The write hole is closed the way md's write-intent bitmap closes it: stripes are grouped
 //! in zones of `INTENT_ZONE_STRIPES`, each with an intent word on every member. Before the
@@ -52,6 +55,8 @@ const STRIPE_LOCKS: usize = 4096;
 const META_READ_BYTES_MAX: u64 = 4 << 20;
 /// Stripes a scrub, resync or rebuild round handles in one batch.
 const STRIPES_PER_ROUND: u64 = 16;
+/// Bytes `check_members` reads from each member (the start of its superblock).
+const PROBE_BYTES: u32 = 8;
 /// Intent word byte size.
 const INTENT_BYTES: u64 = 8;
 /// Stripes one intent word covers: a crash costs a resync of this many stripes per zone
@@ -453,6 +458,34 @@ impl Volume {
             rebuild_reported_ago: None,
             unreachable: Vec::new(),
         }
+    }
+
+    /// Sends every member the volume counts as present one small read of its region and
+    /// marks missing those that fail the way a lost member fails (connection error,
+    /// timeout, region gone). Reads and writes notice a lost member only when they touch
+    /// it; this touches every member, in one round trip bounded by the request timeout.
+    /// Returns the members it marked missing.
+    pub fn check_members(&self) -> Vec<usize> {
+        let st = self.state.read().clone();
+        let ops: Vec<(usize, Op)> = (0..st.members.len())
+            .filter(|&m| st.members[m].state == MemberState::Active)
+            .map(|m| {
+                (
+                    m,
+                    Op::Read {
+                        region: st.members[m].region,
+                        offset: 0,
+                        len: PROBE_BYTES,
+                    },
+                )
+            })
+            .collect();
+        let mut outcome = Outcome::default();
+        outcome.sort(self.exchange(ops));
+        if !outcome.lost.is_empty() {
+            self.mark_missing(&outcome.lost);
+        }
+        outcome.lost
     }
 
     /// The status of a volume without opening it: reads every reachable member's
@@ -907,25 +940,40 @@ impl Volume {
         enum Mode {
             /// No parity to keep (raid0) or parity is a copy (raid1): just write.
             Plain,
-            /// Whole stripe: parity from the new data, nothing read.
+            /// Whole stripe: parity from the new data, nothing read; absent members are
+            /// left out.
             Full,
             /// SWAP the pieces in (the server answers the old bytes), then XOR_INTO
             /// enc(old ^ new) into the parity: two requests for a one-chunk write, and
             /// deltas commute, so their order against other writers' does not matter.
+            /// Also when degraded, as long as every piece's member is present: absent
+            /// parity members are left out.
             Rmw,
-            /// A member is missing: read every present slot over the range, rebuild the
-            /// missing ones, apply the data, re-encode parity.
+            /// A piece falls on an absent member (or more are absent than parity covers):
+            /// read every present slot over the range, rebuild the missing ones, apply
+            /// the data, re-encode parity.
             Reconstruct,
         }
         let modes: Vec<Mode> = spans
             .iter()
             .map(|span| {
-                let all_present = (0..n).all(|m| st.present(m, span.stripe));
+                let s = span.stripe;
+                let absent = (0..n).filter(|&m| !st.present(m, s)).count();
+                // Parity stays the code of the data when an absent member's slot is
+                // simply left out: an absent data slot is whatever parity and the other
+                // data say, which a full encode or a delta keeps; an absent parity slot
+                // is rebuilt from data. Only a piece on an absent member needs the
+                // stripe read back and rebuilt.
+                let pieces_present = span
+                    .pieces
+                    .iter()
+                    .all(|p| st.present(self.layout.member_of(s, p.slot), s));
                 match code {
                     Code::None | Code::Mirror => Mode::Plain,
-                    _ if !all_present => Mode::Reconstruct,
+                    _ if absent > n - k => Mode::Reconstruct,
                     _ if span.is_full(&self.layout) => Mode::Full,
-                    _ => Mode::Rmw,
+                    _ if pieces_present => Mode::Rmw,
+                    _ => Mode::Reconstruct,
                 }
             })
             .collect();
@@ -1079,14 +1127,18 @@ impl Volume {
                     self.codec.encode(&chunks, &mut parity)?;
                     for p in &span.pieces {
                         let m = self.layout.member_of(s, p.slot);
-                        writes.push((
-                            m,
-                            self.write_op(&st, m, s, 0, Bytes::copy_from_slice(piece_bytes(p))),
-                        ));
+                        if st.present(m, s) {
+                            writes.push((
+                                m,
+                                self.write_op(&st, m, s, 0, Bytes::copy_from_slice(piece_bytes(p))),
+                            ));
+                        }
                     }
                     for (j, par) in parity.into_iter().enumerate() {
                         let m = self.layout.member_of(s, k + j);
-                        writes.push((m, self.write_op(&st, m, s, 0, Bytes::from(par))));
+                        if st.present(m, s) {
+                            writes.push((m, self.write_op(&st, m, s, 0, Bytes::from(par))));
+                        }
                     }
                 }
                 Mode::Rmw => {
@@ -1117,7 +1169,7 @@ impl Volume {
                     self.codec.apply_delta(&refs, &mut parity)?;
                     for (j, par) in parity.into_iter().enumerate() {
                         let m = self.layout.member_of(s, k + j);
-                        if !outcome.lost.contains(&m) {
+                        if st.present(m, s) && !outcome.lost.contains(&m) {
                             writes.push((m, self.xor_op(&st, m, s, lo, Bytes::from(par))));
                         }
                     }
@@ -1456,18 +1508,24 @@ impl Volume {
                     }
                 }
                 let replies = self.exchange_all(ops)?;
-                let mut slots: Vec<Vec<Option<Vec<u8>>>> =
+                // The replies are borrowed, not copied: the member's slot is built
+                // straight from them (for XOR: one copy and k − 1 XORs a chunk).
+                let mut slots: Vec<Vec<Option<Bytes>>> =
                     vec![vec![None; n]; (last - first) as usize];
                 for ((s, slot), r) in wanted.into_iter().zip(replies) {
-                    slots[(s - first) as usize][slot] =
-                        Some(reply::data(Ok(r)).map_err(BlocksError::from)?.to_vec());
+                    let data = reply::data(Ok(r)).map_err(BlocksError::from)?;
+                    if data.len() as u64 != chunk {
+                        return Err(Stop::Fatal(BlocksError::Codec("short read".into())));
+                    }
+                    slots[(s - first) as usize][slot] = Some(data);
                 }
                 let mut writes = Vec::new();
-                for (i, stripe_slots) in slots.iter_mut().enumerate() {
+                for (i, stripe_slots) in slots.iter().enumerate() {
                     let s = first + i as u64;
-                    self.codec.reconstruct(stripe_slots)?;
+                    let refs: Vec<Option<&[u8]>> =
+                        stripe_slots.iter().map(|d| d.as_deref()).collect();
                     let mine = self.layout.slot_of(s, member);
-                    let bytes = stripe_slots[mine].take().unwrap_or_default();
+                    let bytes = self.codec.rebuild_slot(&refs, mine)?;
                     writes.push((member, self.write_op(&st, member, s, 0, Bytes::from(bytes))));
                 }
                 self.exchange_all(writes)?;

@@ -230,6 +230,9 @@ struct RaidArgs {
     /// `camelot server` processes.
     #[arg(long)]
     in_process: bool,
+    /// rebuild: most bytes a second the rebuild writes (e.g. 100M); 0: unlimited.
+    #[arg(long, default_value = "0", value_parser = parse_bytes)]
+    rate: u64,
     /// Directory for raid-<kind>.json and its figure.
     #[arg(long, default_value = "results")]
     out: PathBuf,
@@ -1437,6 +1440,7 @@ fn bench_raid(a: RaidArgs) -> Result<()> {
         RaidKind::Rebuild => {
             let mut cfg = camelot_bench::raid::RebuildConfig {
                 in_process: a.in_process,
+                rate_bytes_per_s: a.rate,
                 ..camelot_bench::raid::RebuildConfig::defaults(a.quick)
             };
             if let Some(t) = a.threads.as_ref().and_then(|t| t.first()) {

@@ -207,6 +207,53 @@ fn the_kill_checker_sees_failures_where_there_is_no_redundancy() {
     );
 }
 
+#[test]
+fn check_members_notices_a_member_sigkilled_while_the_volume_is_idle() {
+    // The race `bench raid compare` once lost: a kill is noticed only by a call that
+    // touches the killed member. An idle volume has not noticed it; `check_members` does.
+    for (level, n, victim) in [
+        (Level::Raid4, 5, 1),
+        (Level::Raid1, 2, 1),
+        (Level::Raid5, 5, 3),
+    ] {
+        let mut servers: Vec<CamelotServer> = (0..n).map(|_| server()).collect();
+        let addrs: Vec<SocketAddr> = servers.iter().map(CamelotServer::addr).collect();
+        let vol = Volume::create(
+            "probe",
+            level,
+            &addrs,
+            16 << 10,
+            1 << 20,
+            &VolumeConfig::default(),
+        )
+        .expect("create");
+        vol.write(0, &[7u8; BLOCK as usize]).expect("write");
+        assert_eq!(vol.check_members(), Vec::<usize>::new(), "{}", level.name());
+        assert!(!vol.status().degraded(), "{}", level.name());
+
+        servers[victim].process_mut().kill().expect("SIGKILL");
+        assert!(
+            !vol.status().degraded(),
+            "{}: nothing touched the member, yet the volume says it noticed",
+            level.name()
+        );
+        let started = Instant::now();
+        assert_eq!(vol.check_members(), vec![victim], "{}", level.name());
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{}: a probe of a dead member took {:?}",
+            level.name(),
+            started.elapsed()
+        );
+        assert_eq!(vol.status().missing, vec![victim], "{}", level.name());
+        // Nothing left to notice; the volume still reads what was written.
+        assert_eq!(vol.check_members(), Vec::<usize>::new(), "{}", level.name());
+        let mut back = [0u8; BLOCK as usize];
+        vol.read(0, &mut back).expect("degraded read");
+        assert_eq!(back, [7u8; BLOCK as usize], "{}", level.name());
+    }
+}
+
 fn camelot(args: &[&str], stdin: Option<&[u8]>) -> (bool, Vec<u8>, String) {
     let mut child = Command::new(CAMELOT)
         .args(args)
