@@ -67,7 +67,8 @@ pub fn ownership_of(
     use camelot_server::ownership::{Ownership, Peer};
     let mut backups = Vec::with_capacity(map.assignment.len());
     let mut backup_of = Vec::with_capacity(map.assignment.len());
-    for replicas in &map.assignment {
+    let mut stale_reads = Vec::with_capacity(map.assignment.len());
+    for (p, replicas) in map.assignment.iter().enumerate() {
         let primary = replicas.first() == Some(&id);
         backups.push(if primary {
             replicas[1..]
@@ -82,10 +83,15 @@ pub fn ownership_of(
         } else {
             Vec::new()
         });
-        backup_of.push(!primary && replicas.contains(&id));
+        let backup = !primary && replicas.contains(&id);
+        backup_of.push(backup);
+        // Replica reads only from full backups: one still being filled may lack keys.
+        stale_reads.push(backup && !map.is_syncing(p as u32, id));
     }
     // A fenced partition (a move's fence) is served by nobody until the switch.
-    Ownership::new(map.epoch, map.serving_primaries_of(id))?.with_replicas(backups, backup_of)
+    Ownership::new(map.epoch, map.serving_primaries_of(id))?
+        .with_replicas(backups, backup_of)?
+        .with_stale_reads(stale_reads)
 }
 
 /// Why this build cannot reach etcd, and how to get one that can.

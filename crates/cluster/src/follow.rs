@@ -71,10 +71,25 @@ pub fn client_view(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let count = primaries.len();
-    let table = PartitionTable::new(primaries).ok_or(MapError::Partitions {
-        value: count as u64,
-        max: crate::map::PARTITIONS_MAX,
-    })?;
+    // Full backups only: a syncing replica may lack keys (replica reads skip it).
+    let backups: Vec<Vec<u32>> = map
+        .assignment
+        .iter()
+        .enumerate()
+        .map(|(p, r)| {
+            r.iter()
+                .skip(1)
+                .copied()
+                .filter(|n| !map.is_syncing(p as u32, *n))
+                .collect()
+        })
+        .collect();
+    let table = PartitionTable::new(primaries)
+        .and_then(|t| t.with_backups(backups))
+        .ok_or(MapError::Partitions {
+            value: count as u64,
+            max: crate::map::PARTITIONS_MAX,
+        })?;
     let view = camelot_client::ClusterMap {
         epoch: map.epoch,
         nodes,
