@@ -101,3 +101,35 @@ fn a_node_outside_the_replica_set_refuses_the_read() {
     }
     assert_eq!(checked, KEYS);
 }
+
+/// A backup SIGKILLed (and the map not yet changed: no controller runs here): replica
+/// reads that pick it fall back to the primary, so every read still answers, right and
+/// labelled fresh.
+#[test]
+fn replica_reads_survive_a_sigkilled_backup_by_reading_the_primary() {
+    let (mut c, map, client) = cluster(2);
+    for i in 0..KEYS {
+        client
+            .put(format!("k{i}").as_bytes(), format!("v{i}"))
+            .unwrap();
+    }
+    c.servers[1].process_mut().kill().unwrap();
+    let mut fell_back = 0;
+    for i in 0..KEYS {
+        let key = format!("k{i}");
+        let p = camelot_client::proto::partition_of(key.as_bytes(), PARTITIONS) as usize;
+        if map.assignment[p][0] != 0 {
+            continue; // its primary is the dead node: nothing to read it from
+        }
+        let r = client.get_any_replica(key.as_bytes()).unwrap();
+        assert_eq!(
+            r.value.map(|v| v.value.to_vec()),
+            Some(format!("v{i}").into_bytes()),
+            "{key}"
+        );
+        assert!(!r.may_be_stale, "{key}: the dead backup answered?");
+        assert_eq!(r.node, 0);
+        fell_back += 1;
+    }
+    assert!(fell_back > KEYS / 4, "{fell_back} keys read");
+}
