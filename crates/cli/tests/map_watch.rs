@@ -31,10 +31,12 @@ fn move_then_read(watch: bool) -> (u64, u64, u64) {
             .unwrap()
             .map;
     let client = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
-    client.set_map_source(EtcdMapSource::connect(&[c.endpoint.clone()], PREFIX).unwrap());
+    client
+        .set_map_source(EtcdMapSource::connect(std::slice::from_ref(&c.endpoint), PREFIX).unwrap());
     assert!(client.refresh_map().unwrap());
-    let _watch =
-        watch.then(|| watch_for_client(client.clone(), &[c.endpoint.clone()], PREFIX).unwrap());
+    let _watch = watch.then(|| {
+        watch_for_client(client.clone(), std::slice::from_ref(&c.endpoint), PREFIX).unwrap()
+    });
     for i in 0..KEYS {
         client
             .put(format!("k{i}").as_bytes(), format!("v{i}"))

@@ -25,7 +25,8 @@ fn cluster(n: u32) -> (support::EtcdServers, ClusterMap, Client) {
             .unwrap()
             .map;
     let client = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
-    client.set_map_source(EtcdMapSource::connect(&[c.endpoint.clone()], PREFIX).unwrap());
+    client
+        .set_map_source(EtcdMapSource::connect(std::slice::from_ref(&c.endpoint), PREFIX).unwrap());
     assert!(client.refresh_map().unwrap());
     // Every server on the map's epoch before the writes (a PUT to a server still at an
     // older epoch would be redirected, which is fine, but the test wants a settled map).
