@@ -370,3 +370,46 @@ fn an_auto_rebalance_without_the_final_copy_loses_writes_and_the_checker_sees_it
         "the broken auto-rebalance lost nothing: the checker is blind"
     );
 }
+
+/// The load trigger with real processes: node 0 throttled to 300 executed ops/s, node 1
+/// not, an even map, writers in a closed loop. Node 0 waits in its throttle, node 1 has
+/// time to spare; after 3 report periods the controller plans with measured weights and
+/// moves partitions off node 0 — with no membership change at all — and loses no write.
+#[test]
+fn a_sustained_load_imbalance_moves_partitions_off_the_saturated_node() {
+    let mut c = support::start(1, "64M", &["--ops-per-sec-max", "300"]);
+    let args: Vec<String> = ["--memory", "64M", "--etcd", &c.endpoint, "--node-id", "1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let fast = CamelotServer::start(bin(), &CamelotServerOptions { resp: false, args }).unwrap();
+    c.addrs.push(fast.addr());
+    c.servers.push(fast);
+    wait_for("node 1 registered", Duration::from_secs(10), || {
+        c.rt.block_on(c.etcd.live_nodes()).unwrap().len() == 2
+    });
+    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
+    let first = ClusterMap::initial(live, PARTITIONS, 1).unwrap();
+    let before =
+        c.rt.block_on(c.etcd.update_map(3, move |_| Ok(first.clone())))
+            .unwrap()
+            .map;
+    assert_eq!(primaries_of(&before, 0), PARTITIONS as usize / 2);
+    let ctl = ControllerProc::start(&c.endpoint, "auto", &["--auto-rebalance"]);
+    ctl.wait_line("leader", WAIT_MAX);
+    let writers = Writers::start(&c);
+    let line = ctl.wait_line("on load imbalance", WAIT_MAX);
+    assert!(!ctl.output().contains("on membership"), "{}", ctl.output());
+    ctl.wait_line("plan done", WAIT_MAX);
+    let after = map(&c);
+    let left = primaries_of(&after, 0);
+    assert!(
+        left < PARTITIONS as usize / 2 - 4,
+        "node 0 still primary of {left}: {line}\n{}",
+        ctl.output()
+    );
+    writers.progress(300);
+    let lost = writers.stop_and_check(&c);
+    assert!(lost.is_empty(), "{} lost", lost.len());
+    println!("{line}; node 0 keeps {left} of {PARTITIONS}");
+}
