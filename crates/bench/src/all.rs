@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 23] = [
+pub const BENCHES: [&str; 24] = [
     "cpu",
     "mem",
     "net",
@@ -35,12 +35,18 @@ pub const BENCHES: [&str; 23] = [
     "cluster-replication",
     "cluster-percentiles",
     "cluster-expand",
+    "cluster-rebalance",
     "cluster-failover",
 ];
 
 /// The benches of [`BENCHES`] that need a cluster on etcd: a build without the `etcd`
 /// feature leaves them out (and says so as it runs).
-pub const NEED_ETCD: [&str; 3] = ["cluster-percentiles", "cluster-expand", "cluster-failover"];
+pub const NEED_ETCD: [&str; 4] = [
+    "cluster-percentiles",
+    "cluster-expand",
+    "cluster-rebalance",
+    "cluster-failover",
+];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
 /// `out/index.html`. `log` hears one line as each bench starts and ends.
@@ -181,6 +187,13 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
         })?);
         written.extend(timed("cluster-expand", &|| {
             crate::cluster_expand::run(&crate::cluster_expand::ExpandConfig::defaults(quick), out)
+        })?);
+        // Automatic against manual rebalancing of a skewed cluster.
+        written.extend(timed("cluster-rebalance", &|| {
+            crate::cluster_rebalance::run(
+                &crate::cluster_rebalance::RebalanceConfig::defaults(quick),
+                out,
+            )
         })?);
         // The controller's failover: processes killed under load.
         #[cfg(feature = "etcd")]

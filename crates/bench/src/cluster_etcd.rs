@@ -260,6 +260,47 @@ impl EtcdNodes {
         }
     }
 
+    /// Publishes `next` (at the epoch after the current map's) and waits until every
+    /// server has installed it: a bench's starting layout (a skewed map).
+    pub fn publish(&self, mut next: ClusterMap) -> Result<ClusterMap, BenchError> {
+        let published = self
+            .rt
+            .block_on(self.etcd.update_map(3, move |current| {
+                next.epoch = current.map_or(1, |m| m.epoch + 1);
+                Ok(next.clone())
+            }))
+            .map_err(|e| BenchError::Setup(format!("publishing the map: {e}")))?;
+        self.wait_installed(published.map.epoch)?;
+        Ok(published.map)
+    }
+
+    /// Whether a move is recorded in etcd (one in progress).
+    pub fn move_in_progress(&self) -> Result<bool, BenchError> {
+        Ok(self
+            .rt
+            .block_on(self.etcd.read_move())
+            .map_err(|e| BenchError::Setup(format!("reading the move record: {e}")))?
+            .is_some())
+    }
+
+    /// Starts `camelot ARGS --etcd URL` in the background (a controller); it is killed
+    /// when the returned guard is dropped.
+    pub fn start_tool(&self, args: &[&str]) -> Result<Background, BenchError> {
+        use camelot_testkit::process::{spawn, Program, ScratchDir};
+        let scratch = ScratchDir::new("cluster-tool")?;
+        let mut all: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
+        all.extend(["--etcd".into(), self.endpoint.clone().into()]);
+        let program = Program {
+            program: self.binary.to_string_lossy().into_owned().into(),
+            package: "camelot".into(),
+        };
+        let guard = spawn(&program, &all, &scratch, "tool")?;
+        Ok(Background {
+            guard,
+            _scratch: scratch,
+        })
+    }
+
     /// Runs `camelot ARGS` against this cluster's etcd (`--etcd URL` appended) to its
     /// end, within `limit`: its stdout, and the CPU seconds it used (read from
     /// `/proc/PID/stat` once it has exited and before it is reaped, so nothing is missed).
@@ -309,6 +350,28 @@ impl EtcdNodes {
             cpu_seconds,
             seconds: started.elapsed().as_secs_f64(),
         })
+    }
+}
+
+/// A `camelot` tool running in the background ([`EtcdNodes::start_tool`]).
+pub struct Background {
+    guard: camelot_testkit::process::ChildGuard,
+    _scratch: camelot_testkit::process::ScratchDir,
+}
+
+impl Background {
+    pub fn pid(&self) -> u32 {
+        self.guard.child.id()
+    }
+
+    /// Its CPU seconds so far (0 once it is gone).
+    pub fn cpu_seconds(&self) -> f64 {
+        camelot_testkit::cpu_seconds(self.pid()).unwrap_or(0.0)
+    }
+
+    /// What it has printed so far.
+    pub fn stdout(&self) -> String {
+        camelot_testkit::process::read_lossy(&self.guard.stdout_path)
     }
 }
 

@@ -56,7 +56,8 @@ quick_config!(
     cluster::ThroughputConfig,
     cluster::ReplicationConfig,
     cluster_percentiles::PercentilesConfig,
-    cluster_expand::ExpandConfig
+    cluster_expand::ExpandConfig,
+    cluster_rebalance::RebalanceConfig
 );
 #[cfg(feature = "etcd")]
 quick_config!(cluster_failover::FailoverConfig);
@@ -74,6 +75,7 @@ pub mod cluster_load;
 pub mod cluster_percentiles;
 #[cfg(feature = "etcd")]
 pub mod cluster_procs;
+pub mod cluster_rebalance;
 pub mod demo;
 pub mod fault;
 pub mod hw;

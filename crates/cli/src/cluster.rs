@@ -67,7 +67,8 @@ pub fn ownership_of(
     use camelot_server::ownership::{Ownership, Peer};
     let mut backups = Vec::with_capacity(map.assignment.len());
     let mut backup_of = Vec::with_capacity(map.assignment.len());
-    for replicas in &map.assignment {
+    let mut stale_reads = Vec::with_capacity(map.assignment.len());
+    for (p, replicas) in map.assignment.iter().enumerate() {
         let primary = replicas.first() == Some(&id);
         backups.push(if primary {
             replicas[1..]
@@ -82,10 +83,15 @@ pub fn ownership_of(
         } else {
             Vec::new()
         });
-        backup_of.push(!primary && replicas.contains(&id));
+        let backup = !primary && replicas.contains(&id);
+        backup_of.push(backup);
+        // Replica reads only from full backups: one still being filled may lack keys.
+        stale_reads.push(backup && !map.is_syncing(p as u32, id));
     }
     // A fenced partition (a move's fence) is served by nobody until the switch.
-    Ownership::new(map.epoch, map.serving_primaries_of(id))?.with_replicas(backups, backup_of)
+    Ownership::new(map.epoch, map.serving_primaries_of(id))?
+        .with_replicas(backups, backup_of)?
+        .with_stale_reads(stale_reads)
 }
 
 /// Why this build cannot reach etcd, and how to get one that can.
@@ -316,6 +322,17 @@ pub struct ControllerArgs {
     /// backup — loses writes, to show the kill tests' checker can fail.
     #[arg(long, hide = true)]
     unsafe_promote_stale: bool,
+    /// Rebalance by itself while leading: run the planner's moves when a node joins or
+    /// leaves (or the map is skewed), and when the load stays imbalanced — some node
+    /// saturated (waiting in its --ops-per-sec-max throttle at least half the time) while
+    /// another has time to spare, for 3 report periods — with weights from the nodes'
+    /// measured ops/s. Maps with replication 1 only (moves are of primaries).
+    #[arg(long)]
+    auto_rebalance: bool,
+    /// Test hook, deliberately unsafe: auto-rebalance moves switch without their final
+    /// copy under the fence (loses writes; shows the tests' checker can fail).
+    #[arg(long, hide = true, requires = "auto_rebalance")]
+    unsafe_no_final_copy: bool,
 }
 
 #[derive(Args)]
@@ -391,6 +408,9 @@ pub struct UpArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = LEASE_TTL_DEFAULT.as_secs(),
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     lease_ttl: u64,
+    /// The controllers rebalance by themselves (see `cluster controller --auto-rebalance`).
+    #[arg(long)]
+    auto_rebalance: bool,
 }
 
 /// How the slow nodes are slowed: the server's own throttle. cgroup v2 `cpu.max` would
@@ -468,6 +488,10 @@ fn controller(rt: tokio::runtime::Runtime, a: ControllerArgs) -> Result<()> {
     if a.unsafe_promote_stale {
         cfg.promote = Promote::UnsafeStalest;
     }
+    if a.auto_rebalance {
+        cfg.auto_rebalance = Some(camelot_cluster::auto::AutoConfig::default());
+    }
+    cfg.unsafe_no_final_copy = a.unsafe_no_final_copy;
     let start = std::time::Instant::now();
     let progress = Arc::new(move |line: &str| {
         let mut out = std::io::stdout().lock();
@@ -577,7 +601,6 @@ fn move_partitions(a: MoveArgs) -> Result<()> {
 
 #[cfg(feature = "etcd")]
 fn rebalance(a: RebalanceArgs) -> Result<()> {
-    use std::collections::BTreeMap;
     let mut m = mover(&a.mover)?;
     if let Some(r) = m.resume(false)? {
         print_report(&r);
@@ -617,13 +640,7 @@ fn rebalance(a: RebalanceArgs) -> Result<()> {
     let plan = camelot_cluster::plan(&map)?;
     // One move per (from, to) pair: each move scans its source once per pass, whatever
     // share of the source's keys it takes.
-    let mut groups: BTreeMap<(u32, u32), Vec<u32>> = BTreeMap::new();
-    for mv in &plan.moves {
-        let Some(from) = mv.from.or_else(|| map.primary(mv.partition)) else {
-            continue;
-        };
-        groups.entry((from, mv.to)).or_default().push(mv.partition);
-    }
+    let groups = camelot_cluster::auto::move_groups(&map, &plan);
     let total: usize = groups.values().map(Vec::len).sum();
     println!(
         "plan: {total} partition(s) to move in {} move(s)",
@@ -801,6 +818,9 @@ async fn up(a: UpArgs) -> Result<()> {
             .args(["--name", &format!("controller-{i}")])
             .args(["--lease-ttl", &a.lease_ttl.to_string()])
             .stdin(std::process::Stdio::null());
+        if a.auto_rebalance {
+            cmd.arg("--auto-rebalance");
+        }
         let child = cmd
             .spawn()
             .with_context(|| format!("cannot start controller {i}"))?;

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use camelot_bench::cluster_expand::ExpandConfig;
 use camelot_bench::cluster_percentiles::PercentilesConfig;
+use camelot_bench::cluster_rebalance::RebalanceConfig;
 use camelot_bench::QuickConfig;
 use clap::{Args, Subcommand};
 
@@ -19,6 +20,34 @@ pub enum EtcdBenchCommand {
     /// cluster rebalance`: throughput and CPU per node per 1 s bucket, failed operations,
     /// partitions moved against P/N (seed 004).
     Expand(ExpandArgs),
+    /// Automatic against manual rebalancing (seed 004): a cluster on etcd starts skewed
+    /// (node 0 holds most partitions; every node throttled alike) under a closed-loop
+    /// YCSB-B load; one run rebalances with `camelot cluster rebalance`, the other with a
+    /// `cluster controller --auto-rebalance` started at the same second. Throughput per
+    /// 1 s bucket; target: automatic within 10 % of manual after rebalancing.
+    Rebalance(RebalanceArgs),
+}
+
+#[derive(Args)]
+pub struct RebalanceArgs {
+    /// Scaled down to finish in seconds (256 partitions, 4,000 records, 2 s skewed, 3 s
+    /// after, per run).
+    #[arg(long)]
+    quick: bool,
+    #[arg(long)]
+    nodes: Option<u32>,
+    /// Node 0's share of the partitions at the start.
+    #[arg(long)]
+    skew: Option<f64>,
+    /// Every node's executed operations per second (`--ops-per-sec-max`).
+    #[arg(long, value_name = "N")]
+    node_ops_per_sec: Option<u64>,
+    /// Client threads, one request in flight each.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Directory for cluster-rebalance.json and its figure.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -112,6 +141,22 @@ pub fn run(cmd: EtcdBenchCommand) -> Result<()> {
                 cfg.settle_seconds = s;
             }
             camelot_bench::cluster_expand::run(&cfg, &a.out)?
+        }
+        EtcdBenchCommand::Rebalance(a) => {
+            let mut cfg = RebalanceConfig::defaults(a.quick);
+            if let Some(n) = a.nodes {
+                cfg.nodes = n;
+            }
+            if let Some(s) = a.skew {
+                cfg.skew = s;
+            }
+            if let Some(n) = a.node_ops_per_sec {
+                cfg.node_ops_per_sec = n;
+            }
+            if let Some(t) = a.threads {
+                cfg.threads = t;
+            }
+            camelot_bench::cluster_rebalance::run(&cfg, &a.out)?
         }
     };
     for f in files {

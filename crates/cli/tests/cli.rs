@@ -616,6 +616,8 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
         "cluster-percentiles",
         #[cfg(feature = "etcd")]
         "cluster-expand",
+        #[cfg(feature = "etcd")]
+        "cluster-rebalance",
     ] {
         assert!(err.contains(&format!("bench {bench}: done")), "{err}");
         let json: serde_json::Value = serde_json::from_slice(

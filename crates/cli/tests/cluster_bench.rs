@@ -245,3 +245,61 @@ fn cluster_expand_quick_grows_to_four_nodes_and_loses_nothing() {
         .any(|c| c["target"] == 0.8 && c["name"].as_str().is_some_and(|n| n.contains("bucket"))));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[cfg(feature = "etcd")]
+#[test]
+fn cluster_rebalance_quick_compares_automatic_with_manual_rebalancing() {
+    let dir = temp_dir("rebalance");
+    let d = dir.to_str().expect("utf-8");
+    let started = std::time::Instant::now();
+    run(
+        &["bench", "cluster", "rebalance", "--quick", "--out", d],
+        &dir,
+    );
+    let took = started.elapsed();
+    let json = result(&dir, "cluster-rebalance");
+    let config = &json["config"];
+    let runs = config["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2, "manual and automatic");
+    let partitions = positive(&config["partitions"], "partitions") as usize;
+    let mut moved = Vec::new();
+    for (r, mode) in runs.iter().zip(["manual", "automatic"]) {
+        assert_eq!(r["mode"], mode);
+        // Skewed before, balanced after (3 nodes: each within one of P/3).
+        let before = r["primaries_per_node_before"].as_array().expect("before");
+        let after = r["primaries_per_node_after"].as_array().expect("after");
+        assert!(
+            before[0][1].as_u64().unwrap() as usize > partitions / 2,
+            "{before:?}"
+        );
+        for n in after {
+            let c = n[1].as_u64().unwrap() as usize;
+            assert!(c.abs_diff(partitions / 3) <= 1, "{mode}: {after:?}");
+        }
+        moved.push(positive(&r["partitions_moved"], "moved"));
+        assert!(r["rebalance_seconds"].as_f64().unwrap() > 0.0);
+        // Correctness, whatever the machine's load.
+        assert_eq!(r["bad_reads"], 0, "{mode}: {}", r["problems"]);
+        positive(&r["after_ops_per_sec"], "after");
+        positive(&r["skewed_ops_per_sec"], "skewed");
+    }
+    // The controller runs the planner's plan: the same moves as `cluster rebalance`.
+    assert_eq!(moved[0], moved[1]);
+    assert!(runs[1]["tool_output"]
+        .as_array()
+        .expect("output")
+        .iter()
+        .any(|l| l.as_str().is_some_and(|l| l.contains("on membership"))));
+    let series = json["series"].as_array().expect("series");
+    assert_eq!(series.len(), 2);
+    let comparisons = json["comparisons"].as_array().expect("comparisons");
+    assert!(comparisons.iter().any(|c| c["target"] == 0.9
+        && c["name"]
+            .as_str()
+            .is_some_and(|n| n.contains("automatic ÷ manual"))));
+    assert!(
+        took < std::time::Duration::from_secs(60),
+        "quick took {took:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -20,6 +20,16 @@ pub struct Versioned {
     pub value: Bytes,
 }
 
+/// A replica read's answer ([`Client::get_any_replica`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaRead {
+    pub value: Option<Versioned>,
+    /// The node that answered.
+    pub node: NodeId,
+    /// A backup answered: the value **may be stale** (see [`Client::get_any_replica`]).
+    pub may_be_stale: bool,
+}
+
 /// What a conditional put did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CasOutcome {
@@ -201,6 +211,46 @@ impl Client {
     /// The value under `key` and its version; `None` when there is no such object.
     pub fn get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
         self.with_redirects(|| no_key_is_none(reply::object(self.submit_get(key)?.wait())))
+    }
+
+    /// Reads `key` from any replica of its partition — the primary or one of its full
+    /// backups, taken in turn — to spread reads over the copies. **May be stale** when a
+    /// backup answers (`may_be_stale`): a backup holds every write acknowledged before the
+    /// read began (a write is acknowledged only once every replica applied it), but not
+    /// writes still being copied, which the primary may already show; around a map change
+    /// it may also miss writes acknowledged under a newer epoch its server has not yet
+    /// installed. It never shows a write that was not made (copies come only from the
+    /// primary), but two replica reads of one key may go to different backups and so see
+    /// versions out of order. A backup that refuses (MOVED, STALE_EPOCH: the map moved on)
+    /// or cannot be reached is skipped for the primary, read as [`Client::get`] reads.
+    pub fn get_any_replica(&self, key: &[u8]) -> Result<ReplicaRead, ClientError> {
+        check_key(key)?;
+        let backups: Vec<NodeId> = self
+            .partition_table()
+            .map(|t| t.backups_for_key(key).to_vec())
+            .unwrap_or_default();
+        let pick = self.inner.next_id.load(Ordering::Relaxed) as usize % (backups.len() + 1);
+        if let Some(&node) = pick.checked_sub(1).and_then(|i| backups.get(i)) {
+            let op = Op::Get {
+                key: Bytes::copy_from_slice(key),
+            };
+            if let Ok(value) = self
+                .submit(node, op)
+                .and_then(|p| no_key_is_none(reply::object(p.wait())))
+            {
+                return Ok(ReplicaRead {
+                    value,
+                    node,
+                    may_be_stale: true,
+                });
+            }
+        }
+        let value = self.get(key)?;
+        Ok(ReplicaRead {
+            value,
+            node: self.node_for_key(key)?,
+            may_be_stale: false,
+        })
     }
 
     /// Stores `value` under `key`, whatever was there; returns the new version.

@@ -27,7 +27,7 @@ mod pending;
 
 pub use conn::INFLIGHT_REQUESTS_MAX;
 pub use event_loop::{LoopClient, LoopPending};
-pub use kv::{CasOutcome, Versioned};
+pub use kv::{CasOutcome, ReplicaRead, Versioned};
 pub use map::{partition_of, ClusterMap, NodeId, NodeInfo, PartitionTable, PARTITIONS};
 pub use pending::Pending;
 

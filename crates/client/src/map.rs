@@ -71,7 +71,13 @@ impl ClusterMap {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PartitionTable {
     primaries: Vec<NodeId>,
+    /// `backups[p]`: partition `p`'s full backups, for replica reads; empty when not
+    /// given ([`PartitionTable::with_backups`]).
+    backups: Vec<Vec<NodeId>>,
 }
+
+/// Backups a partition may list (the cluster crate's R ≤ 8, less the primary).
+pub const TABLE_BACKUPS_MAX: usize = 7;
 
 /// Partitions a table may have (the cluster crate's limit).
 pub const TABLE_PARTITIONS_MAX: usize = 65_536;
@@ -82,7 +88,28 @@ impl PartitionTable {
         if primaries.is_empty() || primaries.len() > TABLE_PARTITIONS_MAX {
             return None;
         }
-        Some(PartitionTable { primaries })
+        Some(PartitionTable {
+            primaries,
+            backups: Vec::new(),
+        })
+    }
+
+    /// Adds each partition's full backups (those a replica read may go to). None when
+    /// the count is not the partition count or a partition lists too many.
+    pub fn with_backups(mut self, backups: Vec<Vec<NodeId>>) -> Option<PartitionTable> {
+        if backups.len() != self.primaries.len()
+            || backups.iter().any(|b| b.len() > TABLE_BACKUPS_MAX)
+        {
+            return None;
+        }
+        self.backups = backups;
+        Some(self)
+    }
+
+    /// The full backups of `key`'s partition (none when not given).
+    pub fn backups_for_key(&self, key: &[u8]) -> &[NodeId] {
+        let p = camelot_proto::partition_of(key, self.partitions());
+        self.backups.get(p as usize).map_or(&[], Vec::as_slice)
     }
 
     pub fn partitions(&self) -> u32 {

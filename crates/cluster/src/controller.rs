@@ -12,6 +12,13 @@
 //! 3. **Re-replication** — partitions below R gain syncing replicas; worker threads copy
 //!    the partition from its primary ([`crate::mover::fill_replica`]); once every copy of a
 //!    round is done the replicas are made full ones in one transaction.
+//! 4. **Auto-rebalance** (only with [`ControllerConfig::auto_rebalance`]) — when the map
+//!    is otherwise settled (R = 1, no fence, nothing syncing), [`crate::auto::decide`]: a
+//!    plan on membership (a node joined or left, a skewed map) or on sustained load
+//!    imbalance (weights from the members' measured ops/s); a worker thread runs its moves
+//!    with the [`crate::mover::Mover`], one per (from, to) pair. Every phase of a move is
+//!    recorded in etcd with its map change, so a controller killed mid-move leaves a
+//!    record its successor's worker resumes (or rolls back) first.
 //!
 //! Every map it writes is guarded by its leadership (the election key's revision) as well
 //! as the map's revision, so a deposed controller that wakes up writes nothing. Its state
@@ -28,12 +35,13 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::auto::{AutoConfig, LoadSample, LoadTracker};
 use crate::etcd::{EtcdCluster, EtcdError, Leader, Publish, Registration, Versioned};
 use crate::failover::{
     finish_syncs, join, repair, rereplicate, sync_work, Alive, Marks, Promote, Synced,
 };
 use crate::map::{ClusterMap, NodeId};
-use crate::mover::{fill_replica, FillReport, MoverError};
+use crate::mover::{fill_replica, FillReport, MoveReport, Mover, MoverError};
 
 /// How often a leading controller looks at the registrations and the map.
 pub const TICK_DEFAULT: Duration = Duration::from_millis(50);
@@ -76,6 +84,10 @@ pub struct ControllerConfig {
     /// killed, for `hold_for` (at most [`HOLD_MAX`]).
     pub hold_at: Option<String>,
     pub hold_for: Duration,
+    /// Plan and run moves by itself (`--auto-rebalance`); `None`: never moves.
+    pub auto_rebalance: Option<AutoConfig>,
+    /// Test hook, deliberately unsafe: its moves switch without the final copy.
+    pub unsafe_no_final_copy: bool,
 }
 
 impl ControllerConfig {
@@ -87,6 +99,8 @@ impl ControllerConfig {
             promote: Promote::MostUpToDate,
             hold_at: None,
             hold_for: HOLD_MAX,
+            auto_rebalance: None,
+            unsafe_no_final_copy: false,
         }
     }
 }
@@ -96,6 +110,8 @@ type Progress = Arc<dyn Fn(&str) + Send + Sync>;
 pub struct Controller {
     rt: tokio::runtime::Runtime,
     etcd: EtcdCluster,
+    endpoints: Vec<String>,
+    prefix: String,
     cfg: ControllerConfig,
     progress: Progress,
 }
@@ -109,6 +125,12 @@ struct CopyDone {
     result: Result<FillReport, MoverError>,
 }
 
+/// What the move worker sends back: one line per move, then its end.
+enum MoveNews {
+    Moved(MoveReport),
+    Done(Result<(), MoverError>),
+}
+
 /// One term of office: the copies it started.
 struct Term {
     leader: Leader,
@@ -120,6 +142,17 @@ struct Term {
     tx: mpsc::Sender<CopyDone>,
     rx: mpsc::Receiver<CopyDone>,
     workers: Vec<std::thread::JoinHandle<()>>,
+    /// Auto-rebalance: the running move worker's news and its stop flag.
+    moving: Option<(mpsc::Receiver<MoveNews>, Arc<AtomicBool>)>,
+    load: LoadTracker,
+    /// When the load was last sampled (once a report period).
+    sampled_at: Option<Instant>,
+    /// Measured weights in force (see [`crate::auto`]).
+    weights: Option<BTreeMap<NodeId, u32>>,
+    /// After a failed rebalance, none before this.
+    rebalance_retry_at: Option<Instant>,
+    /// Said once per term: the map's R keeps auto-rebalance off.
+    said_replicated: bool,
 }
 
 impl Controller {
@@ -140,6 +173,8 @@ impl Controller {
         Ok(Controller {
             rt,
             etcd,
+            endpoints: endpoints.to_vec(),
+            prefix: prefix.to_string(),
             cfg,
             progress,
         })
@@ -202,6 +237,12 @@ impl Controller {
                 tx,
                 rx,
                 workers: Vec::new(),
+                moving: None,
+                load: LoadTracker::default(),
+                sampled_at: None,
+                weights: None,
+                rebalance_retry_at: None,
+                said_replicated: false,
             };
             self.lead(&mut term, stop);
             if stop.load(Ordering::Relaxed) {
@@ -210,7 +251,11 @@ impl Controller {
             } else {
                 self.say("deposed: campaigning again once this term's copies end");
             }
-            // A worker of this term must not copy on into the next one's round.
+            // A worker of this term must not copy on into the next one's round; the move
+            // worker stops after the move it is in (whose record a successor would resume).
+            if let Some((_, stop_moves)) = &term.moving {
+                stop_moves.store(true, Ordering::Relaxed);
+            }
             for w in term.workers.drain(..) {
                 let _ = w.join();
             }
@@ -379,7 +424,187 @@ impl Controller {
                 self.start_copy(term, map, from, to, partitions)?;
             }
         }
+
+        // 6. Auto-rebalance, once the map is settled.
+        if self.cfg.auto_rebalance.is_some() {
+            self.auto_rebalance(term, map, &alive)?;
+        }
         Ok(true)
+    }
+
+    /// Step 6: follows the move worker, samples the load once a report period, and
+    /// starts a worker for [`crate::auto::decide`]'s moves when there are some.
+    fn auto_rebalance(
+        &self,
+        term: &mut Term,
+        map: &ClusterMap,
+        alive: &Alive,
+    ) -> Result<(), ControllerError> {
+        let Some(cfg) = self.cfg.auto_rebalance.as_ref() else {
+            return Ok(());
+        };
+        if let Some((rx, _)) = &term.moving {
+            let mut ended = None;
+            while let Ok(news) = rx.try_recv() {
+                match news {
+                    MoveNews::Moved(r) => self.say(&format!(
+                        "auto-rebalance: {} {} partition(s) node {} → {}: {} key(s) copied in {:.3} s, fence {}",
+                        if r.switched { "moved" } else { "rolled back" },
+                        r.partitions,
+                        r.from,
+                        r.to,
+                        r.keys_copied,
+                        r.copy_secs,
+                        r.fence_ms.map_or("none".to_string(), |f| format!("{f:.1} ms"))
+                    )),
+                    MoveNews::Done(r) => ended = Some(r),
+                }
+            }
+            match ended {
+                None => return Ok(()),
+                Some(Ok(())) => self.say("auto-rebalance: plan done"),
+                Some(Err(e)) => {
+                    self.say(&format!("auto-rebalance: {e}; planning again shortly"));
+                    term.rebalance_retry_at = Some(Instant::now() + COPY_RETRY_PAUSE);
+                }
+            }
+            term.moving = None;
+            // The load measured before the moves says nothing about after them.
+            term.load.clear();
+        }
+        let period = crate::etcd::REPORT_PERIOD;
+        if term.sampled_at.is_none_or(|t| t.elapsed() >= period) {
+            term.sampled_at = Some(Instant::now());
+            let reports = self.rt.block_on(self.etcd.reports())?;
+            let samples: Vec<LoadSample> = reports
+                .iter()
+                .filter(|r| map.node(r.node).is_some_and(|n| alive.holds(n)))
+                .map(|r| LoadSample {
+                    node: r.node,
+                    ops_per_sec: r.ops_per_sec,
+                    throttled: r.throttled,
+                })
+                .collect();
+            term.load.observe(&samples, cfg);
+        }
+        if map.replication != 1 {
+            if !term.said_replicated {
+                term.said_replicated = true;
+                self.say(&format!(
+                    "auto-rebalance: off while the map has R = {} (moves are of primaries only)",
+                    map.replication
+                ));
+            }
+            return Ok(());
+        }
+        let paused = term.rebalance_retry_at.is_some_and(|t| Instant::now() < t);
+        // Only live nodes take partitions: a plan onto a dead one would fail its move.
+        // (With R = 1 a dead node's partitions are stranded, not movable: failover keeps
+        // it in the map, and auto-rebalance waits for it to come back.)
+        let every_node_live = map.nodes.iter().all(|n| alive.holds(n));
+        if paused || !every_node_live {
+            return Ok(());
+        }
+        // A move recorded by a predecessor (killed mid-move: maybe holding a fence) is
+        // resumed first, whatever else the map shows.
+        let in_progress = self.rt.block_on(self.etcd.read_move())?.is_some();
+        let settled = map.fenced.is_empty()
+            && map.syncing.is_empty()
+            && term.copying.is_empty()
+            && term.done.is_empty();
+        if !settled && !in_progress {
+            return Ok(());
+        }
+        let measured = term.load.capacity_weights(map, cfg);
+        let decision = match crate::auto::decide(map, term.weights.as_ref(), measured.as_ref(), cfg)
+        {
+            Ok(d) => d,
+            Err(e) => {
+                self.say(&format!("auto-rebalance: cannot plan: {e}"));
+                term.rebalance_retry_at = Some(Instant::now() + COPY_RETRY_PAUSE);
+                return Ok(());
+            }
+        };
+        if decision.is_none() && !in_progress {
+            return Ok(());
+        }
+        let groups = match decision {
+            Some(d) => {
+                self.say(&format!(
+                    "auto-rebalance: epoch {}: {} partition(s) to move in {} move(s), on {}{}",
+                    map.epoch,
+                    d.partitions(),
+                    d.groups.len(),
+                    if d.load {
+                        "load imbalance"
+                    } else {
+                        "membership"
+                    },
+                    d.weights
+                        .as_ref()
+                        .map_or(String::new(), |w| format!(", measured weights {w:?}"))
+                ));
+                term.weights = d.weights;
+                d.groups
+            }
+            None => {
+                self.say("auto-rebalance: a move is in progress; resuming it");
+                BTreeMap::new()
+            }
+        };
+        self.start_moves(term, groups)
+    }
+
+    fn start_moves(
+        &self,
+        term: &mut Term,
+        groups: BTreeMap<(NodeId, NodeId), Vec<u32>>,
+    ) -> Result<(), ControllerError> {
+        let (tx, rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        term.moving = Some((rx, Arc::clone(&stop)));
+        let endpoints = self.endpoints.clone();
+        let prefix = self.prefix.clone();
+        let progress = Arc::clone(&self.progress);
+        let mover_hold = self
+            .cfg
+            .hold_at
+            .clone()
+            .filter(|h| ["copied", "fenced", "final-copied", "switched"].contains(&h.as_str()));
+        let hold_for = self.cfg.hold_for.min(HOLD_MAX);
+        let no_final_copy = self.cfg.unsafe_no_final_copy;
+        let worker = std::thread::Builder::new()
+            .name("camelot-auto-move".into())
+            .spawn(move || {
+                let say = Arc::clone(&progress);
+                let result = (|| -> Result<(), MoverError> {
+                    let mut m = Mover::connect(
+                        &endpoints,
+                        &prefix,
+                        Box::new(move |l: &str| say(&format!("mover: {l}"))),
+                    )?;
+                    m.hold_at = mover_hold;
+                    m.hold_for = hold_for;
+                    m.defects.no_final_copy = no_final_copy;
+                    if let Some(r) = m.resume(false)? {
+                        let _ = tx.send(MoveNews::Moved(r));
+                    }
+                    for ((_, to), parts) in groups {
+                        for chunk in parts.chunks(crate::moves::MOVE_PARTITIONS_MAX) {
+                            if stop.load(Ordering::Relaxed) {
+                                return Ok(());
+                            }
+                            let r = m.run(chunk, to)?;
+                            let _ = tx.send(MoveNews::Moved(r));
+                        }
+                    }
+                    Ok(())
+                })();
+                let _ = tx.send(MoveNews::Done(result));
+            })
+            .map_err(ControllerError::Thread)?;
+        term.workers.push(worker);
+        Ok(())
     }
 
     /// Copy results that came in since the last tick.

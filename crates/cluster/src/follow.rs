@@ -71,10 +71,25 @@ pub fn client_view(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let count = primaries.len();
-    let table = PartitionTable::new(primaries).ok_or(MapError::Partitions {
-        value: count as u64,
-        max: crate::map::PARTITIONS_MAX,
-    })?;
+    // Full backups only: a syncing replica may lack keys (replica reads skip it).
+    let backups: Vec<Vec<u32>> = map
+        .assignment
+        .iter()
+        .enumerate()
+        .map(|(p, r)| {
+            r.iter()
+                .skip(1)
+                .copied()
+                .filter(|n| !map.is_syncing(p as u32, *n))
+                .collect()
+        })
+        .collect();
+    let table = PartitionTable::new(primaries)
+        .and_then(|t| t.with_backups(backups))
+        .ok_or(MapError::Partitions {
+            value: count as u64,
+            max: crate::map::PARTITIONS_MAX,
+        })?;
     let view = camelot_client::ClusterMap {
         epoch: map.epoch,
         nodes,
@@ -114,4 +129,65 @@ impl MapSource for EtcdMapSource {
             Err(_) => Err(format!("etcd did not answer within {REQUEST_TIMEOUT:?}")),
         }
     }
+}
+
+/// A client that watches the map in etcd ([`watch_for_client`]): every new epoch is
+/// installed in the client as etcd announces it, so the client routes by the new map
+/// before any server has to answer it MOVED or STALE_EPOCH. Dropping it stops the watch
+/// (its thread is joined). The client's own refresh-on-redirect stays as the fallback:
+/// a watch only narrows the window in which a request can still go by an old map (the
+/// time etcd takes to deliver the event); it cannot close it.
+pub struct ClientMapWatch {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for ClientMapWatch {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Starts a thread that follows the map in etcd ([`follow`]: watch, with re-reads and
+/// backoff after a break) and installs each newer map in `client`. A map the client cannot
+/// take (no partitions, say) is logged and skipped; the next one is tried.
+pub fn watch_for_client(
+    client: camelot_client::Client,
+    endpoints: &[String],
+    prefix: &str,
+) -> Result<ClientMapWatch, EtcdError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| EtcdError::WatchEnded(format!("cannot start a runtime: {e}")))?;
+    let etcd = runtime.block_on(EtcdCluster::connect(endpoints, prefix))?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("camelot-map-watch".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let installing = follow(etcd, move |map| match client_view(map) {
+                    Ok((view, table)) => {
+                        if let Err(e) = client.set_cluster(view, table) {
+                            tracing::warn!("cluster map epoch {}: {e}", map.epoch);
+                        }
+                    }
+                    Err(e) => tracing::warn!("cluster map epoch {}: {e}", map.epoch),
+                });
+                tokio::select! {
+                    _ = installing => {}
+                    _ = stopped => {}
+                }
+            })
+        })
+        .map_err(|e| EtcdError::WatchEnded(format!("cannot start the watch thread: {e}")))?;
+    Ok(ClientMapWatch {
+        stop: Some(stop),
+        thread: Some(thread),
+    })
 }

@@ -4,6 +4,7 @@
 //! feature), which also holds the live nodes' leases and elects the `controller`.
 #![forbid(unsafe_code)]
 
+pub mod auto;
 #[cfg(feature = "etcd")]
 pub mod controller;
 pub mod error;

@@ -16,6 +16,10 @@ pub struct Ownership {
     owned: Vec<bool>,
     /// Empty unless set by [`Ownership::with_replicas`]: no partition has backups.
     replicas: Replicas,
+    /// `stale_reads[p]`: this server answers GETs on partition `p`, which it holds a
+    /// full backup of, from clients that chose a replica read ("may be stale"). Empty
+    /// unless set by [`Ownership::with_stale_reads`].
+    stale_reads: Vec<bool>,
 }
 
 /// A server this one sends its partitions' copies to.
@@ -75,6 +79,7 @@ impl Ownership {
             partitions: owned.len() as u32,
             owned,
             replicas: Replicas::default(),
+            stale_reads: Vec::new(),
         })
     }
 
@@ -188,6 +193,34 @@ impl Ownership {
     }
 
     /// Whether `key`'s partition (by the pinned `partition_of`) is this server's.
+    /// Sets the partitions this server serves replica reads of: each must be one it is
+    /// a backup of (call after [`Ownership::with_replicas`]). A backup still being filled
+    /// should not be among them: it may lack keys, not merely lag.
+    pub fn with_stale_reads(mut self, stale_reads: Vec<bool>) -> Result<Ownership, OwnershipError> {
+        if stale_reads.len() != self.owned.len() {
+            return Err(OwnershipError::ReplicaPartitions {
+                given: stale_reads.len(),
+                partitions: self.partitions,
+            });
+        }
+        if let Some(p) =
+            (0..self.partitions).find(|&p| stale_reads[p as usize] && self.role(p) != Role::Backup)
+        {
+            return Err(OwnershipError::Replicas {
+                partition: p,
+                reason: "replica reads of a partition this server is not a backup of",
+            });
+        }
+        self.stale_reads = stale_reads;
+        Ok(self)
+    }
+
+    /// Whether a GET for `key` may be answered here as a replica read.
+    pub fn serves_stale_read(&self, key: &[u8]) -> bool {
+        let p = camelot_proto::partition_of(key, self.partitions);
+        self.stale_reads.get(p as usize).copied().unwrap_or(false)
+    }
+
     pub fn owns_key(&self, key: &[u8]) -> bool {
         let p = camelot_proto::partition_of(key, self.partitions);
         self.owned.get(p as usize).copied().unwrap_or(false)
