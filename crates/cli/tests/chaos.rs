@@ -288,7 +288,7 @@ fn sigterm_mid_run_takes_the_testbed_down() {
 /// over (the map moved on from its first epoch).
 ///
 /// Linearizability of the reads is checked and printed but not required here: the kv
-/// face found a real anomaly (about 1 quick run in 6): a write whose replication the
+/// face found a real anomaly (2 of 16 quick runs): a write whose replication the
 /// backup refuses with STALE_EPOCH (the map moved on mid-write) is answered
 /// REPLICA_UNAVAILABLE but stays applied on the primary only, where reads see it, and a
 /// later failover loses it: a read of a value that then disappears. Until the server's
