@@ -79,19 +79,6 @@ const ETCD_START: Duration = Duration::from_secs(15);
 const KV_LEASE_TTL_S: u64 = 2;
 /// How long a primary waits for its backup before it answers REPLICA_UNAVAILABLE.
 const KV_REPLICATION_TIMEOUT_MS: u64 = 500;
-const KV_PARTITIONS: u32 = 64;
-const KV_REPLICATION: u32 = 2;
-/// Registers (keys `chaos-0` …) the kv workload writes and reads.
-const KV_KEYS: u64 = 1024;
-/// Client threads, each a client of its own with a history of its own: writes of one
-/// thread wait for a node while the others go on, as independent clients do.
-const KV_CLIENTS: usize = 4;
-/// Short, so that a thread stuck on a partitioned or paused node goes on to the next
-/// operation soon (the final fault counts on it).
-const KV_REQUEST_TIMEOUT: Duration = Duration::from_millis(250);
-/// A background thread installs the map's newest epoch this often (client threads never
-/// wait on etcd themselves: a partitioned client would wait its 5 s request timeout).
-const KV_MAP_REFRESH: Duration = Duration::from_millis(100);
 /// The kv face's last fault: h1 and the worker cut off from the rest (h1's backups and
 /// etcd) this long, then h1 killed, the partition healed and h1 restarted. h1 answers
 /// the writes it leads while it cannot reach its backups: a correct primary only with
@@ -100,13 +87,6 @@ const KV_MAP_REFRESH: Duration = Duration::from_millis(100);
 const KV_FINALE_HOLD: Duration = Duration::from_secs(2);
 /// The seeded schedule ends this long before the run does, to leave room for the finale.
 const KV_FINALE_MS: u64 = 3_000;
-/// How long the worker keeps trying to read a register back after `stop` (a failover
-/// may still be under way).
-const KV_FINAL_READ_WAIT: Duration = Duration::from_secs(30);
-/// How long the worker waits for etcd and for the servers to register.
-const KV_SETUP_WAIT: Duration = Duration::from_secs(25);
-/// How often the kv worker looks at the map and the registrations after a heal.
-const KV_HEALTH_POLL: Duration = Duration::from_millis(100);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -863,6 +843,7 @@ enum Msg {
     Healed,
     /// kv: server N was killed (its registration outlives it by up to a lease TTL, so
     /// the cluster is not whole until it has been lost and is back).
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     Killed(usize),
     Stop,
 }
@@ -1410,6 +1391,27 @@ mod kv {
     use rand::{Rng, SeedableRng};
 
     use super::*;
+
+    const KV_PARTITIONS: u32 = 64;
+    const KV_REPLICATION: u32 = 2;
+    /// Registers (keys `chaos-0` …) the kv workload writes and reads.
+    const KV_KEYS: u64 = 1024;
+    /// Client threads, each a client of its own with a history of its own: writes of one
+    /// thread wait for a node while the others go on, as independent clients do.
+    const KV_CLIENTS: usize = 4;
+    /// Short, so that a thread stuck on a partitioned or paused node goes on to the next
+    /// operation soon (the final fault counts on it).
+    const KV_REQUEST_TIMEOUT: Duration = Duration::from_millis(250);
+    /// A background thread installs the map's newest epoch this often (client threads never
+    /// wait on etcd themselves: a partitioned client would wait its 5 s request timeout).
+    const KV_MAP_REFRESH: Duration = Duration::from_millis(100);
+    /// How long the worker keeps trying to read a register back after `stop` (a failover
+    /// may still be under way).
+    const KV_FINAL_READ_WAIT: Duration = Duration::from_secs(30);
+    /// How long the worker waits for etcd and for the servers to register.
+    const KV_SETUP_WAIT: Duration = Duration::from_secs(25);
+    /// How often the kv worker looks at the map and the registrations after a heal.
+    const KV_HEALTH_POLL: Duration = Duration::from_millis(100);
 
     fn key_name(k: u64) -> String {
         format!("chaos-{k}")
