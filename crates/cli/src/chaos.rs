@@ -52,8 +52,12 @@ const REPAIR_ROUNDS_MAX: usize = 10;
 /// How long after a heal the runner waits for the RAID-5 worker to say the volume is
 /// whole again before it counts a failure and goes on with the schedule.
 const WHOLE_WAIT_MAX: Duration = Duration::from_secs(60);
-/// The worker's line that the volume has every member, rebuilt and scrubbed.
+/// The worker's line that the volume has every member, rebuilt and scrubbed (kv: that
+/// the map has every node, live, with R full replicas of every partition).
 const WHOLE_LINE: &str = "whole";
+/// kv: the worker's line that node N's registration is gone and the map no longer has
+/// it (its process is dead, or alive without a lease): the runner restarts it.
+const LOST_LINE_PREFIX: &str = "lost ";
 /// The worker makes at most this many operations a second (unpaced it made 1,500–2,800
 /// writes on this machine): faults, not volume, are what a chaos run is for, and the
 /// history of a 30-minute run stays under 2M operations.
@@ -65,6 +69,25 @@ const READ_ONE_IN: u32 = 4;
 const RVM_COUNTERS: u64 = 1024;
 const PACING_SLEEP: Duration = Duration::from_millis(1);
 
+/// kv face: where etcd listens on the control host (its peer port stays on that host's
+/// loopback), and how the cluster is set up.
+const ETCD_PORT: u16 = 2379;
+const ETCD_PEER_URL: &str = "http://127.0.0.1:2380";
+const ETCD_START: Duration = Duration::from_secs(15);
+/// The servers' and the controller's lease TTL (the cluster's default): a pause or a
+/// partition longer than this is a failover.
+const KV_LEASE_TTL_S: u64 = 2;
+/// How long a primary waits for its backup before it answers REPLICA_UNAVAILABLE.
+const KV_REPLICATION_TIMEOUT_MS: u64 = 500;
+/// The kv face's last fault: h1 and the worker cut off from the rest (h1's backups and
+/// etcd) this long, then h1 killed, the partition healed and h1 restarted. h1 answers
+/// the writes it leads while it cannot reach its backups: a correct primary only with
+/// REPLICA_UNAVAILABLE, a broken one (`--unsafe-ack-before-replication`) with an
+/// acknowledgement — lost with h1.
+const KV_FINALE_HOLD: Duration = Duration::from_secs(2);
+/// The seeded schedule ends this long before the run does, to leave room for the finale.
+const KV_FINALE_MS: u64 = 3_000;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Face {
@@ -72,6 +95,9 @@ pub enum Face {
     Raid5,
     /// RVM on a mirrored pool (two memory servers).
     Rvm,
+    /// A key-value cluster with replication R=2: three `camelot server --etcd` nodes,
+    /// etcd and the failover controller on a host of their own (needs the `etcd` build).
+    Kv,
 }
 
 impl Face {
@@ -79,12 +105,22 @@ impl Face {
         match self {
             Face::Raid5 => 3,
             Face::Rvm => 2,
+            Face::Kv => 3,
+        }
+    }
+    /// Testbed hosts: the worker's (h0), the servers', and for kv the control host
+    /// (etcd and the controller), which no fault targets.
+    fn hosts(self) -> usize {
+        match self {
+            Face::Kv => self.servers() + 2,
+            _ => self.servers() + 1,
         }
     }
     fn name(self) -> &'static str {
         match self {
             Face::Raid5 => "raid5",
             Face::Rvm => "rvm",
+            Face::Kv => "kv",
         }
     }
 }
@@ -126,6 +162,11 @@ pub struct ChaosArgs {
     /// (the final state is read past it, so acknowledged-writes-present still passes).
     #[arg(long, hide = true)]
     broken_stale_reads: bool,
+    /// Test only (kv): every server acknowledges writes before its backup has them, so
+    /// the final fault (backups paused, their primary killed) loses acknowledged writes
+    /// and acknowledged-writes-present must report FAIL (it is shown able to).
+    #[arg(long, hide = true)]
+    unsafe_ack_before_replication: bool,
 }
 
 #[derive(Args)]
@@ -142,6 +183,9 @@ pub struct WorkerArgs {
     broken_parity: bool,
     #[arg(long)]
     broken_stale_reads: bool,
+    /// kv: the etcd endpoint (on the control host).
+    #[arg(long)]
+    etcd: Option<String>,
 }
 
 /// What the worker reports after `stop`.
@@ -155,6 +199,10 @@ struct Report {
     repairs: u64,
     errors: u64,
     first_errors: Vec<String>,
+    /// kv: the map's epoch when the final state was read (1: the controller never
+    /// published a failover).
+    #[serde(default)]
+    map_epoch: Option<u64>,
 }
 
 const FIRST_ERRORS_MAX: usize = 5;
@@ -173,6 +221,8 @@ struct Servers {
     children: Vec<Option<Child>>,
     addrs: Vec<SocketAddr>,
     logs: PathBuf,
+    /// Flags after `--listen ADDR --memory M`, per server (kv: its cluster membership).
+    extra: Vec<Vec<String>>,
 }
 
 impl Servers {
@@ -192,6 +242,7 @@ impl Servers {
                 "--memory",
                 "256M",
             ])
+            .args(&self.extra[i])
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -239,9 +290,29 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     } else {
         ((2_000, 10_000), (1_000, 5_000))
     };
+    #[cfg(not(feature = "etcd"))]
+    if a.face == Face::Kv {
+        bail!(
+            "--face kv: this camelot was built without etcd support: rebuild with \
+             `cargo build -p camelot --features etcd` (its build needs protoc, which \
+             scripts/setup.sh installs)"
+        );
+    }
+    let duration_ms = duration.as_millis() as u64;
+    // kv: the seeded faults end before the finale (see KV_FINALE_HOLD).
+    let schedule_ms = match a.face {
+        Face::Kv if duration_ms < 2 * KV_FINALE_MS => {
+            bail!(
+                "--face kv needs --duration of at least {} s",
+                2 * KV_FINALE_MS / 1000
+            )
+        }
+        Face::Kv => duration_ms - KV_FINALE_MS,
+        _ => duration_ms,
+    };
     let faults = schedule(&ScheduleSpec {
         seed: a.seed,
-        duration_ms: duration.as_millis() as u64,
+        duration_ms: schedule_ms,
         kinds: kinds.clone(),
         targets: a.face.servers(),
         gap_ms,
@@ -265,7 +336,7 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     );
     let plan = Plan::new(
         &run,
-        a.face.servers() + 1,
+        a.face.hosts(),
         LinkSpec {
             rate_bits_per_s: Some(camelot_testbed::plan::parse_rate(&a.rate)?),
             ..LinkSpec::default()
@@ -280,13 +351,46 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     let addrs: Vec<SocketAddr> = (1..=a.face.servers())
         .map(|h| SocketAddr::V4(SocketAddrV4::new(tb.plan.host_addr(h), SERVER_PORT)))
         .collect();
+    // kv: etcd first (the servers register in it), the controller after the servers.
+    let control_host = a.face.servers() + 1;
+    let mut helpers = Helpers(Vec::new());
+    let etcd_url = if a.face == Face::Kv {
+        Some(start_etcd(tb, control_host, &logs, &mut helpers)?)
+    } else {
+        None
+    };
+    let extra = (0..addrs.len())
+        .map(|i| match &etcd_url {
+            None => Vec::new(),
+            Some(url) => {
+                let mut v: Vec<String> = vec![
+                    "--etcd".into(),
+                    url.clone(),
+                    "--node-id".into(),
+                    i.to_string(),
+                    "--lease-ttl".into(),
+                    KV_LEASE_TTL_S.to_string(),
+                    "--replication-timeout-ms".into(),
+                    KV_REPLICATION_TIMEOUT_MS.to_string(),
+                ];
+                if a.unsafe_ack_before_replication {
+                    v.push("--unsafe-ack-before-replication".into());
+                }
+                v
+            }
+        })
+        .collect();
     let mut servers = Servers {
         children: (0..addrs.len()).map(|_| None).collect(),
         addrs: addrs.clone(),
         logs: logs.clone(),
+        extra,
     };
     for i in 0..addrs.len() {
         servers.start(tb, i)?;
+    }
+    if let Some(url) = &etcd_url {
+        start_controller(tb, control_host, url, &logs, &mut helpers)?;
     }
 
     let exe = std::env::current_exe()?;
@@ -315,6 +419,9 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     }
     if a.broken_stale_reads {
         worker_cmd.arg("--broken-stale-reads");
+    }
+    if let Some(url) = &etcd_url {
+        worker_cmd.args(["--etcd", url]);
     }
     let mut worker = worker_cmd
         .stdin(Stdio::piped())
@@ -354,44 +461,84 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     // is whole again (rebuilt and scrubbed), or it would be a second loss — a promise
     // RAID-5 does not make (an md array fails the same way). Waiting shifts later faults;
     // one that would no longer be healed before the end is skipped and counted.
-    let waits_for_whole = a.face == Face::Raid5;
+    //
+    // The kv cluster (R=2) is the same: a node is lost until the controller has failed
+    // it over, it is back (restarted by this runner, as a supervisor would, once the
+    // worker — which sees etcd — says its registration is gone: `lost N`) and the map
+    // has R full replicas of every partition on all three nodes again (`whole`).
+    let waits_for_whole = matches!(a.face, Face::Raid5 | Face::Kv);
     let mut whole = true;
     let mut late_repairs = Vec::new();
     let mut skipped = 0usize;
     let started = Instant::now();
+    let wait_whole = |servers: &mut Servers, late_repairs: &mut Vec<String>| -> Result<bool> {
+        let deadline = Instant::now() + WHOLE_WAIT_MAX;
+        let whole = wait_for_whole(&lines, deadline, |node| {
+            println!(
+                "  {:>7.2} s  node {node} lost its registration: restarting h{}",
+                started.elapsed().as_secs_f64(),
+                node + 1
+            );
+            servers.reap(node);
+            servers.start(tb, node)
+        })?;
+        if !whole {
+            late_repairs.push(format!(
+                "{:.2} s: the {} was not whole {WHOLE_WAIT_MAX:?} after a heal",
+                started.elapsed().as_secs_f64(),
+                if a.face == Face::Kv {
+                    "cluster"
+                } else {
+                    "volume"
+                }
+            ));
+        }
+        Ok(whole)
+    };
     for ev in &faults {
         sleep_until(started, ev.start_ms);
         if waits_for_whole && !whole {
-            let deadline = Instant::now() + WHOLE_WAIT_MAX;
-            whole = wait_for_line(&lines, WHOLE_LINE, deadline);
-            if !whole {
-                late_repairs.push(format!(
-                    "{:.2} s: the volume was not whole {WHOLE_WAIT_MAX:?} after a heal",
-                    started.elapsed().as_secs_f64()
-                ));
-            }
+            whole = wait_whole(&mut servers, &mut late_repairs)?;
         }
         let start_ms = started.elapsed().as_millis() as u64;
-        if start_ms + ev.hold_ms >= duration.as_millis() as u64 {
+        if start_ms + ev.hold_ms >= schedule_ms {
             skipped += 1;
             continue;
         }
         apply(tb, &mut servers, ev, started)?;
+        if a.face == Face::Kv && ev.kind == FaultKind::Kill {
+            tell(&mut stdin, &format!("killed {}", ev.target))?;
+        }
         sleep_until(started, start_ms + ev.hold_ms);
-        heal(tb, &mut servers, ev, started)?;
+        heal(tb, &mut servers, ev, started, a.face)?;
         tell(&mut stdin, "healed")?;
         whole = false;
     }
     if skipped > 0 {
         println!("  {skipped} faults skipped: waiting for repairs left them no time to heal");
     }
+    if a.face == Face::Kv {
+        if !whole {
+            wait_whole(&mut servers, &mut late_repairs)?;
+        }
+        sleep_until(started, schedule_ms);
+        kv_finale(tb, &mut servers, started)?;
+        tell(&mut stdin, "killed 0")?;
+        tell(&mut stdin, "healed")?;
+        // The final state is read from the repaired cluster.
+        wait_whole(&mut servers, &mut late_repairs)?;
+    }
     sleep_until(started, duration.as_millis() as u64);
     tell(&mut stdin, "stop")?;
-    let report = recv_skipping(&lines, WHOLE_LINE, Instant::now() + WORKER_REPORT);
+    let report = recv_skipping(&lines, Instant::now() + WORKER_REPORT);
     let _ = worker.kill();
     let _ = worker.wait();
     let report: Report = match report {
-        Ok(line) => serde_json::from_str(&line).context("the worker's report")?,
+        Ok(line) => {
+            // Kept with the logs (removed on PASS): a FAIL is read from the history.
+            std::fs::write(logs.join("report.json"), &line)?;
+            serde_json::from_str(&line).context("the worker's report")?
+        }
         Err(_) => bail!(
             "FAIL seed {}: the worker gave no report in {WORKER_REPORT:?} (log: {}); replay: {replay}",
             a.seed,
@@ -399,6 +546,7 @@ pub fn run(a: ChaosArgs) -> Result<()> {
         ),
     };
     drop(servers);
+    drop(helpers);
     drop(bed);
 
     let violations = check_acked_writes_present(&report.history, &report.found);
@@ -464,10 +612,18 @@ pub fn run(a: ChaosArgs) -> Result<()> {
             (Some(0), Some(0)) => println!("  raid5 scrub clean: ok"),
             (m, s) => failed.push(format!("raid5 scrub: mismatches {m:?}, skipped {s:?}")),
         }
-    } else {
+    } else if a.face == Face::Rvm {
         println!(
             "  rvm recovery matches the last acknowledged commit: {}",
             if violations.is_empty() { "ok" } else { "no" }
+        );
+    }
+    if let Some(epoch) = report.map_epoch {
+        // The first map is epoch 1; every failover, join and re-replication the
+        // controller published since is one more.
+        println!(
+            "  kv map epoch at the end: {epoch} (the controller published {} maps)",
+            epoch.saturating_sub(1)
         );
     }
     if acked == 0 {
@@ -490,28 +646,140 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     }
 }
 
-/// Waits until the worker prints `want` (true) or `deadline` passes (false).
-fn wait_for_line(lines: &mpsc::Receiver<String>, want: &str, deadline: Instant) -> bool {
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match lines.recv_timeout(left) {
-            Ok(line) if line.trim() == want => return true,
-            Ok(_) => {}
-            Err(_) => return false,
+/// Processes on the control host (etcd, the controller): killed when dropped (the
+/// testbed's `down` would kill them too; this keeps the order: before the namespaces go).
+struct Helpers(Vec<Child>);
+impl Drop for Helpers {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 }
 
-/// The worker's next line that is not `skip` (its report comes after any number of them).
+/// Starts a single-member etcd on `host`, listening for clients on that host's testbed
+/// address only (its peer port on the host's own loopback): nothing outside the testbed
+/// can reach it. Its data directory is under `logs`. Returns its endpoint.
+fn start_etcd(
+    tb: &Testbed,
+    host: usize,
+    logs: &std::path::Path,
+    helpers: &mut Helpers,
+) -> Result<String> {
+    let addr = SocketAddr::V4(SocketAddrV4::new(tb.plan.host_addr(host), ETCD_PORT));
+    let url = format!("http://{addr}");
+    let data = logs.join("etcd-data");
+    let child = tb
+        .command(host, "etcd")
+        .args(["--name", "chaos", "--data-dir"])
+        .arg(&data)
+        .args([
+            "--listen-client-urls",
+            &url,
+            "--advertise-client-urls",
+            &url,
+            "--listen-peer-urls",
+            ETCD_PEER_URL,
+            "--initial-advertise-peer-urls",
+            ETCD_PEER_URL,
+            "--initial-cluster",
+            &format!("chaos={ETCD_PEER_URL}"),
+            "--initial-cluster-state",
+            "new",
+            "--log-level",
+            "warn",
+        ])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(logs.join("etcd.log"))?)
+        .spawn()
+        .context("cannot start etcd (is Debian's etcd-server installed?)")?;
+    let pid = child.id();
+    helpers.0.push(child);
+    if !Testbed::wait_listening(pid, addr, ETCD_START) {
+        bail!(
+            "etcd on h{host} did not listen on {addr} in {ETCD_START:?} (log: {})",
+            logs.join("etcd.log").display()
+        );
+    }
+    Ok(url)
+}
+
+fn start_controller(
+    tb: &Testbed,
+    host: usize,
+    etcd: &str,
+    logs: &std::path::Path,
+    helpers: &mut Helpers,
+) -> Result<()> {
+    let exe = std::env::current_exe().context("cannot find the camelot binary")?;
+    let log = std::fs::File::create(logs.join("controller.log"))?;
+    let child = tb
+        .command(host, &exe)
+        .args(["cluster", "controller", "--etcd", etcd, "--name", "chaos"])
+        .args(["--lease-ttl", &KV_LEASE_TTL_S.to_string()])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("cannot start the controller")?;
+    helpers.0.push(child);
+    Ok(())
+}
+
+/// The kv face's last fault (see [`KV_FINALE_HOLD`]): h0 (the worker) and h1 cut off
+/// from h2, h3 (every backup of h1's partitions) and the control host; h1 killed; the
+/// partition healed. h1 comes back as after any kill (`lost 0`, then a restart).
+fn kv_finale(tb: &Testbed, servers: &mut Servers, started: Instant) -> Result<()> {
+    println!(
+        "  {:>7.2} s  final fault: partition h0 h1 for {:.2} s, then kill h1",
+        started.elapsed().as_secs_f64(),
+        KV_FINALE_HOLD.as_secs_f64()
+    );
+    tb.partition(&[0, 1])?;
+    // The fault's hold, as the schedule's own holds: not a wait for a condition.
+    std::thread::sleep(KV_FINALE_HOLD);
+    tb.kill(&[1])?;
+    servers.reap(0);
+    tb.heal()?;
+    println!("  {:>7.2} s  healed", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Waits until the worker prints [`WHOLE_LINE`] (true) or `deadline` passes (false);
+/// on each `lost N` it prints meanwhile (kv), calls `restart(N)`.
+fn wait_for_whole(
+    lines: &mpsc::Receiver<String>,
+    deadline: Instant,
+    mut restart: impl FnMut(usize) -> Result<()>,
+) -> Result<bool> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) if line.trim() == WHOLE_LINE => return Ok(true),
+            Ok(line) => {
+                if let Some(n) = line.trim().strip_prefix(LOST_LINE_PREFIX) {
+                    match n.parse::<usize>() {
+                        Ok(n) if n < Face::Kv.servers() => restart(n)?,
+                        _ => bail!("the worker said {line:?}"),
+                    }
+                }
+            }
+            Err(_) => return Ok(false),
+        }
+    }
+}
+
+/// The worker's report: its next line that is a JSON object (it comes after any number
+/// of `whole` and `lost N` lines).
 fn recv_skipping(
     lines: &mpsc::Receiver<String>,
-    skip: &str,
     deadline: Instant,
 ) -> std::result::Result<String, mpsc::RecvTimeoutError> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let line = lines.recv_timeout(left)?;
-        if line.trim() != skip {
+        if line.trim_start().starts_with('{') {
             return Ok(line);
         }
     }
@@ -546,8 +814,18 @@ fn apply(tb: &Testbed, servers: &mut Servers, ev: &FaultEvent, started: Instant)
     Ok(())
 }
 
-fn heal(tb: &Testbed, servers: &mut Servers, ev: &FaultEvent, started: Instant) -> Result<()> {
+fn heal(
+    tb: &Testbed,
+    servers: &mut Servers,
+    ev: &FaultEvent,
+    started: Instant,
+    face: Face,
+) -> Result<()> {
     match ev.kind {
+        // A kv node comes back only once its registration is gone (`lost N`): a node
+        // registers under its id once, and a process that restarts while its old lease
+        // lives is refused — after it has followed the map (see the report on issue 21).
+        FaultKind::Kill if face == Face::Kv => {}
         // A memory server keeps nothing: it comes back empty, as after a crash.
         FaultKind::Kill => servers.start(tb, ev.target)?,
         FaultKind::Pause => {
@@ -563,6 +841,10 @@ fn heal(tb: &Testbed, servers: &mut Servers, ev: &FaultEvent, started: Instant) 
 
 enum Msg {
     Healed,
+    /// kv: server N was killed (its registration outlives it by up to a lease TTL, so
+    /// the cluster is not whole until it has been lost and is back).
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    Killed(usize),
     Stop,
 }
 
@@ -573,6 +855,10 @@ fn control_channel() -> mpsc::Receiver<Msg> {
         for line in stdin.lock().lines() {
             let msg = match line.as_deref().map(str::trim) {
                 Ok("healed") => Msg::Healed,
+                Ok(l) if l.starts_with("killed ") => match l["killed ".len()..].parse() {
+                    Ok(n) => Msg::Killed(n),
+                    Err(_) => Msg::Stop,
+                },
                 // `stop`, or the orchestrator went away.
                 _ => Msg::Stop,
             };
@@ -618,7 +904,14 @@ struct Recorder {
     history: Vec<Op>,
     errors: u64,
     first_errors: Vec<String>,
+    /// Writes made so far (the next one's value is derived from it, see `value_of`).
     next_value: u64,
+    /// This recorder's client, and how many clients share the run: client `c`'s `n`th
+    /// write writes `(n - 1) * clients + c + 1`, so no two writes write the same value.
+    client: u32,
+    clients: u32,
+    /// This recorder's share of [`OPS_PER_S_MAX`].
+    ops_per_s_max: u64,
     broken: bool,
     /// The `--broken-stale-reads` component: a read cache filled by reads and never
     /// invalidated by writes (`None`: reads go to the store).
@@ -626,17 +919,43 @@ struct Recorder {
 }
 
 impl Recorder {
+    fn new(
+        started: Instant,
+        client: u32,
+        clients: u32,
+        broken: bool,
+        stale_reads: bool,
+    ) -> Recorder {
+        Recorder {
+            started,
+            history: Vec::new(),
+            errors: 0,
+            first_errors: Vec::new(),
+            next_value: 0,
+            client,
+            clients,
+            ops_per_s_max: (OPS_PER_S_MAX / u64::from(clients.max(1))).max(1),
+            broken,
+            stale_cache: stale_reads.then(std::collections::HashMap::new),
+        }
+    }
+
     fn now_us(&self) -> u64 {
         self.started.elapsed().as_micros() as u64
+    }
+
+    /// The value of this client's `n`th write (n ≥ 1).
+    fn value_of(&self, n: u64) -> u64 {
+        (n - 1) * u64::from(self.clients) + u64::from(self.client) + 1
     }
 
     /// Runs one write through `f`, recording it. With the broken flag every fifth write
     /// is acknowledged without being made.
     fn write(&mut self, key: u64, f: impl FnOnce(u64) -> std::result::Result<(), String>) {
         self.next_value += 1;
-        let value = self.next_value;
+        let value = self.value_of(self.next_value);
         let invoked_us = self.now_us();
-        let result = if self.broken && value.is_multiple_of(5) {
+        let result = if self.broken && self.next_value.is_multiple_of(5) {
             Ok(())
         } else {
             f(value)
@@ -647,7 +966,7 @@ impl Recorder {
         }
         if self.history.len() < HISTORY_OPS_MAX {
             self.history.push(Op {
-                client: 0,
+                client: self.client,
                 key,
                 action: Action::Write(value),
                 invoked_us,
@@ -678,7 +997,7 @@ impl Recorder {
         }
         if self.history.len() < HISTORY_OPS_MAX {
             self.history.push(Op {
-                client: 0,
+                client: self.client,
                 key,
                 action: Action::Read(result.as_ref().copied().unwrap_or(Found::Unreadable)),
                 invoked_us,
@@ -700,9 +1019,9 @@ impl Recorder {
             self.next_value += 1;
             let t = self.now_us();
             self.history.push(Op {
-                client: 0,
+                client: self.client,
                 key,
-                action: Action::Write(self.next_value),
+                action: Action::Write(self.value_of(self.next_value)),
                 invoked_us: t,
                 returned_us: t,
                 acked: true,
@@ -725,7 +1044,7 @@ impl Recorder {
     /// the operations are ahead of `OPS_PER_S_MAX` (pacing, so a 30-minute run's history
     /// stays a few hundred MB at most). Sleeps a little if so.
     fn hold_back(&self) -> bool {
-        let due_us = self.history.len() as u64 * 1_000_000 / OPS_PER_S_MAX;
+        let due_us = self.history.len() as u64 * 1_000_000 / self.ops_per_s_max;
         let ahead = due_us > self.now_us();
         if self.history.len() >= HISTORY_OPS_MAX || ahead {
             std::thread::sleep(PACING_SLEEP);
@@ -740,18 +1059,20 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
         bail!("--servers: {} for {}", a.face.servers(), a.face.name());
     }
     let control = control_channel();
-    let rec = Recorder {
-        started: Instant::now(),
-        history: Vec::new(),
-        errors: 0,
-        first_errors: Vec::new(),
-        next_value: 0,
-        broken: a.broken_ack_before_write,
-        stale_cache: a.broken_stale_reads.then(std::collections::HashMap::new),
-    };
+    let rec = Recorder::new(
+        Instant::now(),
+        0,
+        1,
+        a.broken_ack_before_write,
+        a.broken_stale_reads,
+    );
     let report = match a.face {
         Face::Raid5 => worker_raid5(&a, rec, &control)?,
         Face::Rvm => worker_rvm(&a, rec, &control)?,
+        #[cfg(feature = "etcd")]
+        Face::Kv => kv::worker(&a, rec.started, &control)?,
+        #[cfg(not(feature = "etcd"))]
+        Face::Kv => bail!("--face kv needs the etcd build"),
     };
     let mut out = std::io::stdout().lock();
     serde_json::to_writer(&mut out, &report)?;
@@ -818,6 +1139,7 @@ fn poll(control: &mpsc::Receiver<Msg>) -> (bool, bool) {
     loop {
         match control.try_recv() {
             Ok(Msg::Healed) => healed = true,
+            Ok(Msg::Killed(_)) => {}
             Ok(Msg::Stop) | Err(mpsc::TryRecvError::Disconnected) => {
                 stop = true;
                 break;
@@ -932,6 +1254,7 @@ fn worker_raid5(
         repairs,
         errors: rec.errors,
         first_errors: rec.first_errors,
+        map_epoch: None,
     })
 }
 
@@ -1049,7 +1372,396 @@ fn worker_rvm(a: &WorkerArgs, mut rec: Recorder, control: &mpsc::Receiver<Msg>) 
         repairs,
         errors: rec.errors,
         first_errors: rec.first_errors,
+        map_epoch: None,
     })
+}
+
+/// The kv face's worker: `KV_CLIENTS` client threads over the cluster, each recording
+/// its own history, and a thread that keeps their maps current.
+#[cfg(feature = "etcd")]
+mod kv {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use camelot_client::{Client, ClientConfig, ClusterMap as ClientMap, MapSource, NodeInfo};
+    use camelot_cluster::etcd::{EtcdCluster, EtcdError};
+    use camelot_cluster::failover::Alive;
+    use camelot_cluster::follow::EtcdMapSource;
+    use camelot_cluster::{ClusterMap, Node, PREFIX_DEFAULT};
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+
+    const KV_PARTITIONS: u32 = 64;
+    const KV_REPLICATION: u32 = 2;
+    /// Registers (keys `chaos-0` …) the kv workload writes and reads.
+    const KV_KEYS: u64 = 1024;
+    /// Client threads, each a client of its own with a history of its own: writes of one
+    /// thread wait for a node while the others go on, as independent clients do.
+    const KV_CLIENTS: usize = 4;
+    /// Short, so that a thread stuck on a partitioned or paused node goes on to the next
+    /// operation soon (the final fault counts on it).
+    const KV_REQUEST_TIMEOUT: Duration = Duration::from_millis(250);
+    /// A background thread installs the map's newest epoch this often (client threads never
+    /// wait on etcd themselves: a partitioned client would wait its 5 s request timeout).
+    const KV_MAP_REFRESH: Duration = Duration::from_millis(100);
+    /// How long the worker keeps trying to read a register back after `stop` (a failover
+    /// may still be under way).
+    const KV_FINAL_READ_WAIT: Duration = Duration::from_secs(30);
+    /// How long the worker waits for etcd and for the servers to register.
+    const KV_SETUP_WAIT: Duration = Duration::from_secs(25);
+    /// How often the kv worker looks at the map and the registrations after a heal.
+    const KV_HEALTH_POLL: Duration = Duration::from_millis(100);
+
+    fn key_name(k: u64) -> String {
+        format!("chaos-{k}")
+    }
+
+    /// A GET's answer as a register value: no object is the initial 0.
+    fn decode(v: Option<camelot_client::Versioned>) -> Found {
+        match v {
+            None => Found::Value(0),
+            Some(v) => match std::str::from_utf8(&v.value)
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok())
+            {
+                Some(x) if x != 0 => Found::Value(x),
+                _ => Found::Garbage,
+            },
+        }
+    }
+
+    /// Waits (bounded) until etcd answers and every server is registered, then publishes
+    /// the first map: `KV_PARTITIONS` partitions over them, R = `KV_REPLICATION`.
+    fn set_up(url: &str, servers: usize) -> Result<u64> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let deadline = Instant::now() + KV_SETUP_WAIT;
+        rt.block_on(async {
+            let mut last = String::from("nothing tried");
+            loop {
+                if Instant::now() >= deadline {
+                    bail!("the kv cluster was not up within {KV_SETUP_WAIT:?}: {last}");
+                }
+                let attempt = async {
+                    let etcd = EtcdCluster::connect(&[url.to_owned()], PREFIX_DEFAULT).await?;
+                    if let Some(v) = etcd.read_map().await? {
+                        return Ok::<_, EtcdError>(Some(v.map.epoch));
+                    }
+                    let live = etcd.live_nodes().await?;
+                    if live.len() < servers {
+                        return Ok(None);
+                    }
+                    let published = etcd
+                        .update_map(3, move |_| {
+                            Ok(ClusterMap::initial(
+                                live.clone(),
+                                KV_PARTITIONS,
+                                KV_REPLICATION,
+                            )?)
+                        })
+                        .await?;
+                    Ok(Some(published.map.epoch))
+                };
+                match tokio::time::timeout(Duration::from_secs(5), attempt).await {
+                    Ok(Ok(Some(epoch))) => return Ok(epoch),
+                    Ok(Ok(None)) => last = "not every server registered".into(),
+                    Ok(Err(e)) => last = e.to_string(),
+                    Err(_) => last = "etcd did not answer within 5 s".into(),
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    }
+
+    /// What the map and the registrations say of the cluster: whether it is whole
+    /// (every server registered and in the map under that registration, every partition
+    /// with R full replicas, nothing syncing or fenced), and the servers that are lost
+    /// (no registration, and the controller has taken them out of the map).
+    pub(super) fn health(map: &ClusterMap, live: &[Node], servers: usize) -> (bool, Vec<u32>) {
+        let alive = Alive::new(live.iter().cloned());
+        let ids = 0..servers as u32;
+        let lost = ids
+            .clone()
+            .filter(|id| !live.iter().any(|n| n.id == *id) && map.node(*id).is_none())
+            .collect();
+        let whole = ids
+            .clone()
+            .all(|id| map.node(id).is_some_and(|entry| alive.holds(entry)))
+            && map
+                .assignment
+                .iter()
+                .all(|r| r.len() == KV_REPLICATION as usize)
+            && map.syncing.is_empty()
+            && map.fenced.is_empty();
+        (whole, lost)
+    }
+
+    /// Until `stop`: after each `healed`, looks at etcd every [`KV_HEALTH_POLL`] and says
+    /// `lost N` (once per loss) and `whole` (then waits for the next heal).
+    fn watch_health(url: &str, servers: usize, control: &mpsc::Receiver<Msg>) -> Result<()> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let etcd = rt
+            .block_on(EtcdCluster::connect(&[url.to_owned()], PREFIX_DEFAULT))
+            .map_err(|e| anyhow::anyhow!("cannot reach etcd at {url}: {e}"))?;
+        let mut pending = false;
+        let mut said_lost = std::collections::BTreeSet::new();
+        // Killed servers not yet seen lost.
+        let mut killed = std::collections::BTreeSet::new();
+        loop {
+            let msg = if pending {
+                control.recv_timeout(KV_HEALTH_POLL)
+            } else {
+                control
+                    .recv()
+                    .map_err(|_| mpsc::RecvTimeoutError::Disconnected)
+            };
+            match msg {
+                Ok(Msg::Healed) => pending = true,
+                Ok(Msg::Killed(n)) => {
+                    killed.insert(n as u32);
+                }
+                Ok(Msg::Stop) | Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            if !pending {
+                continue;
+            }
+            let look = rt.block_on(async {
+                tokio::time::timeout(KV_HEALTH_POLL * 10, async {
+                    Ok::<_, EtcdError>((etcd.read_map().await?, etcd.live_nodes().await?))
+                })
+                .await
+            });
+            let Ok(Ok((Some(v), live))) = look else {
+                continue;
+            };
+            let (whole, lost) = health(&v.map, &live, servers);
+            said_lost.retain(|id| !live.iter().any(|n| n.id == *id));
+            let mut out = std::io::stdout().lock();
+            for id in lost {
+                killed.remove(&id);
+                if said_lost.insert(id) {
+                    writeln!(out, "{LOST_LINE_PREFIX}{id}")?;
+                }
+            }
+            if whole && killed.is_empty() {
+                writeln!(out, "{WHOLE_LINE}")?;
+                pending = false;
+            }
+            out.flush()?;
+        }
+    }
+
+    fn source(url: &str) -> Result<Arc<EtcdMapSource>> {
+        EtcdMapSource::connect(&[url.to_owned()], PREFIX_DEFAULT)
+            .map_err(|e| anyhow::anyhow!("cannot reach etcd at {url}: {e}"))
+    }
+
+    pub(super) fn worker(
+        a: &WorkerArgs,
+        started: Instant,
+        control: &mpsc::Receiver<Msg>,
+    ) -> Result<Report> {
+        let url = a.etcd.as_deref().context("--face kv needs --etcd")?;
+        set_up(url, a.servers.len())?;
+        let nodes: Vec<NodeInfo> = a
+            .servers
+            .iter()
+            .enumerate()
+            .map(|(i, addr)| NodeInfo {
+                id: i as u32,
+                addr: *addr,
+            })
+            .collect();
+        let config = ClientConfig {
+            request_timeout: KV_REQUEST_TIMEOUT,
+            ..ClientConfig::default()
+        };
+        let mut clients = Vec::with_capacity(KV_CLIENTS);
+        for _ in 0..KV_CLIENTS {
+            let c = Client::connect(
+                ClientMap {
+                    epoch: 0,
+                    nodes: nodes.clone(),
+                },
+                config.clone(),
+            )?;
+            // Its own source, for the MOVED/STALE_EPOCH answers it follows itself.
+            c.set_map_source(source(url)?);
+            c.refresh_map()?;
+            clients.push(c);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let refresher = {
+            let (stop, clients, source) = (stop.clone(), clients.clone(), source(url)?);
+            std::thread::Builder::new()
+                .name("chaos-kv-map".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        // Errors (etcd cut off by a partition) are retried next period.
+                        if let Ok((map, table)) = source.fetch() {
+                            for c in &clients {
+                                let _ = c.set_cluster(map.clone(), table.clone());
+                            }
+                        }
+                        std::thread::sleep(KV_MAP_REFRESH);
+                    }
+                })?
+        };
+        let mut threads = Vec::with_capacity(KV_CLIENTS);
+        for (i, client) in clients.iter().cloned().enumerate() {
+            let stop = stop.clone();
+            let mut rec = Recorder::new(
+                started,
+                i as u32,
+                KV_CLIENTS as u32,
+                a.broken_ack_before_write,
+                a.broken_stale_reads,
+            );
+            let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed ^ ((i as u64) << 48));
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("chaos-kv-{i}"))
+                    .spawn(move || {
+                        while !stop.load(Ordering::Relaxed) {
+                            if rec.hold_back() {
+                                continue;
+                            }
+                            let k = rng.gen_range(0..KV_KEYS);
+                            let name = key_name(k);
+                            if rng.gen_ratio(1, READ_ONE_IN) {
+                                rec.read(k, || {
+                                    client
+                                        .get(name.as_bytes())
+                                        .map(decode)
+                                        .map_err(|e| format!("get {name}: {e}"))
+                                });
+                            } else {
+                                rec.write(k, |v| {
+                                    client
+                                        .put(name.as_bytes(), v.to_string())
+                                        .map(|_| ())
+                                        .map_err(|e| format!("put {name}: {e}"))
+                                });
+                            }
+                        }
+                        rec.finish(0);
+                        rec
+                    })?,
+            );
+        }
+        println!("ready");
+        std::io::stdout().flush()?;
+        watch_health(url, a.servers.len(), control)?;
+        stop.store(true, Ordering::Relaxed);
+        let mut history = Vec::new();
+        let (mut errors, mut first_errors) = (0, Vec::new());
+        for t in threads {
+            let rec = t
+                .join()
+                .map_err(|_| anyhow::anyhow!("a kv client thread panicked"))?;
+            history.extend(rec.history);
+            errors += rec.errors;
+            first_errors.extend(rec.first_errors);
+        }
+        let _ = refresher.join();
+        history.sort_by_key(|o| (o.invoked_us, o.client));
+        first_errors.truncate(FIRST_ERRORS_MAX);
+
+        // The final state, read once the cluster answers again (a failover may be under
+        // way): every register written.
+        let mut rec = Recorder::new(started, KV_CLIENTS as u32, 1, false, false);
+        let reader = &clients[0];
+        let written: std::collections::BTreeSet<u64> = history
+            .iter()
+            .filter(|o| o.write_value().is_some())
+            .map(|o| o.key)
+            .collect();
+        let deadline = Instant::now() + KV_FINAL_READ_WAIT;
+        let mut found = BTreeMap::new();
+        for &k in &written {
+            let name = key_name(k);
+            let f = loop {
+                match reader.get(name.as_bytes()) {
+                    Ok(v) => break decode(v),
+                    Err(e) if Instant::now() >= deadline => {
+                        rec.error(format!("final read of {name}: {e}"));
+                        break Found::Unreadable;
+                    }
+                    Err(_) => {
+                        let _ = reader.refresh_map();
+                        std::thread::sleep(ERROR_BACKOFF);
+                    }
+                }
+            };
+            found.insert(k, f);
+        }
+        errors += rec.errors;
+        first_errors.extend(rec.first_errors);
+        first_errors.truncate(FIRST_ERRORS_MAX);
+        Ok(Report {
+            history,
+            found,
+            scrub_mismatches: None,
+            scrub_skipped: None,
+            repairs: 0,
+            errors,
+            first_errors,
+            map_epoch: Some(reader.epoch()),
+        })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn get_answers_decode_to_register_values() {
+            assert_eq!(decode(None), Found::Value(0));
+            let v = |s: &'static str| {
+                Some(camelot_client::Versioned {
+                    version: 1,
+                    value: s.into(),
+                })
+            };
+            assert_eq!(decode(v("42")), Found::Value(42));
+            assert_eq!(decode(v("0")), Found::Garbage);
+            assert_eq!(decode(v("x1")), Found::Garbage);
+        }
+
+        fn node(id: u32, lease: i64) -> Node {
+            Node {
+                id,
+                addr: SocketAddr::from(([10, 213, 0, id as u8 + 2], 7000)),
+                weight: 1,
+                lease,
+            }
+        }
+
+        #[test]
+        fn health_is_whole_only_with_every_node_registered_in_the_map_at_r2() {
+            let live: Vec<Node> = (0..3).map(|i| node(i, 100 + i64::from(i))).collect();
+            let map = ClusterMap::initial(live.clone(), 8, 2).unwrap();
+            assert_eq!(health(&map, &live, 3), (true, vec![]));
+            // Node 1 restarted (a new lease): not whole, not lost (it is registered).
+            let mut restarted = live.clone();
+            restarted[1].lease = 999;
+            assert_eq!(health(&map, &restarted, 3), (false, vec![]));
+            // Node 2's registration is gone: lost only once the map no longer has it.
+            let two = &live[..2];
+            assert_eq!(health(&map, two, 3), (false, vec![]));
+            let without = ClusterMap::initial(two.to_vec(), 8, 2).unwrap();
+            assert_eq!(health(&without, two, 3), (false, vec![2]));
+            // Back and registered, but the map not yet at R=2 on it: not whole.
+            let mut short = map.clone();
+            short.assignment[0].truncate(1);
+            assert_eq!(health(&short, &live, 3), (false, vec![]));
+        }
+    }
 }
 
 #[cfg(test)]
