@@ -25,6 +25,7 @@ pub const TARGETS: &[(&str, Body)] = &[
     ("rvm_record", rvm_record),
     ("decode_superblock", decode_superblock),
     ("nbd_session", nbd_session),
+    ("clover_wire", clover_wire),
 ];
 
 /// Any frame body a peer can send: HELLO, REQUESTS, RESPONSES, FATAL. Decoding must never
@@ -291,4 +292,36 @@ pub fn nbd_session(data: &[u8]) {
         out.len(),
         data.len()
     );
+}
+
+/// What Clover reads from outside: the metadata server's frames (a HELLO, requests from
+/// any client that connects, answers read by a store) and version nodes read back from
+/// shared regions any client may have written. Decoding must never panic; a request or
+/// an answer that decodes must re-encode to bytes that decode to the same value, and a
+/// frame's announced length is never accepted past its limit.
+pub fn clover_wire(data: &[u8]) {
+    use camelot_clover::layout::{decode_node, node_header_fields};
+    use camelot_clover::wire::{
+        decode_answer, decode_hello, decode_request, encode_answer, encode_request, frame_len,
+        REQUEST_BYTES_MAX,
+    };
+    let body = Bytes::copy_from_slice(data);
+    let _ = decode_hello(body.clone());
+    if let Ok(r) = decode_request(body.clone()) {
+        let again = encode_request(&r).expect("a decoded request encodes");
+        assert_eq!(decode_request(again[4..].to_vec().into()), Ok(r));
+    }
+    if let Ok(a) = decode_answer(body.clone()) {
+        let again = encode_answer(&a).expect("a decoded answer encodes");
+        assert_eq!(decode_answer(again[4..].to_vec().into()), Ok(a));
+    }
+    if let Some(prefix) = data.get(..4) {
+        let mut p = [0u8; 4];
+        p.copy_from_slice(prefix);
+        if let Ok(len) = frame_len(p, REQUEST_BYTES_MAX) {
+            assert!((1..=REQUEST_BYTES_MAX).contains(&len));
+        }
+    }
+    let _ = node_header_fields(data);
+    let _ = decode_node(&body);
 }

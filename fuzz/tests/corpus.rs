@@ -175,6 +175,11 @@ fn rvm_record() {
     fuzz("rvm_record")
 }
 
+#[test]
+fn clover_wire() {
+    fuzz("clover_wire")
+}
+
 fn frame_bytes(f: &Frame) -> Vec<u8> {
     let mut buf = BytesMut::new();
     encode_frame(f, &mut buf).expect("encode");
@@ -426,6 +431,42 @@ fn write_seed_corpus() {
                 segs: vec![meta],
             })
             .to_vec(),
+        ));
+    }
+    {
+        use camelot_clover::layout::{encode_node, Geometry, NodeAddr};
+        use camelot_clover::wire::{encode_answer, encode_hello, encode_request, Answer, Request};
+        // Bodies, as the decoders see them (the 4-byte length prefix off).
+        let body = |b: Bytes| b[4..].to_vec();
+        let node = NodeAddr { block: 1, slot: 2 };
+        corpus.push((
+            "clover_wire",
+            "hello",
+            body(encode_hello(b"token").expect("hello")),
+        ));
+        corpus.push((
+            "clover_wire",
+            "key",
+            body(encode_request(&Request::Key(b"user:1".to_vec())).expect("key")),
+        ));
+        corpus.push((
+            "clover_wire",
+            "give_back",
+            body(encode_request(&Request::GiveBack(vec![node, node])).expect("give back")),
+        ));
+        corpus.push((
+            "clover_wire",
+            "granted",
+            body(encode_answer(&Answer::Nodes(vec![node])).expect("nodes")),
+        ));
+        let g = Geometry::new(8, 64).expect("geometry");
+        let data = Bytes::from_static(b"value!!!");
+        corpus.push((
+            "clover_wire",
+            "node",
+            encode_node(&g, node, 7 << 32 | 1, 3, Some(&data[..]), false)
+                .expect("node")
+                .to_vec(),
         ));
     }
     for (target, name, bytes) in corpus {
