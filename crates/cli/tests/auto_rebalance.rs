@@ -9,10 +9,8 @@
 #![cfg(feature = "etcd")]
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -22,7 +20,7 @@ use camelot_cluster::ClusterMap;
 use camelot_testkit::{CamelotServer, CamelotServerOptions};
 
 mod support;
-use support::{bin, wait_for, EtcdServers, PREFIX};
+use support::{bin, wait_for, ControllerProc, EtcdServers, PREFIX};
 
 const PARTITIONS: u32 = 64;
 const WRITERS: usize = 2;
@@ -32,71 +30,6 @@ const WAIT_MAX: Duration = Duration::from_secs(60);
 /// How long a controller without the flag is watched for moves it must not make: it
 /// ticks every 50 ms and samples the load every second, so 3 s is 60 chances.
 const NO_MOVE_WATCH: Duration = Duration::from_secs(3);
-
-/// A `camelot cluster controller` whose output lines the test can wait for.
-struct ControllerProc {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
-    rx: mpsc::Receiver<String>,
-}
-
-impl ControllerProc {
-    fn start(endpoint: &str, name: &str, extra: &[&str]) -> ControllerProc {
-        let mut child = Command::new(bin())
-            .args(["cluster", "controller", "--etcd", endpoint, "--name", name])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = mpsc::channel();
-        let log = lines.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                log.lock().unwrap().push(line.clone());
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        ControllerProc { child, lines, rx }
-    }
-
-    fn wait_line(&self, needle: &str, limit: Duration) -> String {
-        let deadline = Instant::now() + limit;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(left) {
-                Ok(l) if l.contains(needle) => return l,
-                Ok(_) => {}
-                Err(e) => panic!(
-                    "no line with {needle:?} within {limit:?} ({e}); the controller said: {:#?}",
-                    self.lines.lock().unwrap()
-                ),
-            }
-        }
-    }
-
-    fn output(&self) -> String {
-        self.lines.lock().unwrap().join("\n")
-    }
-
-    fn sigkill(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-}
-
-impl Drop for ControllerProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn client(endpoint: &str, addrs: &[std::net::SocketAddr]) -> Client {
     let c = Client::connect(ClientMap::from_addrs(addrs), ClientConfig::default()).unwrap();

@@ -6,10 +6,8 @@
 #![cfg(feature = "etcd")]
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -20,7 +18,7 @@ use camelot_cluster::ClusterMap;
 use camelot_testkit::{CamelotServer, EtcdServer};
 
 mod support;
-use support::{bin, wait_for, PREFIX};
+use support::{wait_for, ControllerProc, PREFIX};
 
 const PARTITIONS: u32 = 64;
 const WRITERS: usize = 4;
@@ -28,76 +26,6 @@ const WRITERS: usize = 4;
 const TTL: Duration = Duration::from_secs(2);
 /// Bound on any one wait for the cluster to reach a state.
 const WAIT_MAX: Duration = Duration::from_secs(40);
-
-/// A `camelot cluster controller` process whose output lines the test can wait for.
-struct ControllerProc {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
-    rx: mpsc::Receiver<String>,
-}
-
-impl ControllerProc {
-    fn start(endpoint: &str, name: &str, extra: &[&str]) -> ControllerProc {
-        let mut child = Command::new(bin())
-            .args(["cluster", "controller", "--etcd", endpoint, "--name", name])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = mpsc::channel();
-        let log = lines.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                log.lock().unwrap().push(line.clone());
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        ControllerProc { child, lines, rx }
-    }
-
-    /// Waits for a line containing `needle`; fails the test after `limit`.
-    fn wait_line(&self, needle: &str, limit: Duration) -> String {
-        let deadline = Instant::now() + limit;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(left) {
-                Ok(l) if l.contains(needle) => return l,
-                Ok(_) => {}
-                Err(e) => panic!(
-                    "no line with {needle:?} within {limit:?} ({e}); the controller said: {:#?}",
-                    self.lines.lock().unwrap()
-                ),
-            }
-        }
-    }
-
-    fn said(&self, needle: &str) -> bool {
-        self.lines
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|l| l.contains(needle))
-    }
-
-    fn sigkill(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-}
-
-impl Drop for ControllerProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 struct Cluster {
     _etcd_server: EtcdServer,

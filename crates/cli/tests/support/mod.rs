@@ -79,3 +79,80 @@ pub fn start(n: u32, memory: &str, extra: &[&str]) -> EtcdServers {
         etcd,
     }
 }
+
+/// A `camelot cluster controller` process whose output lines the test can wait for.
+pub struct ControllerProc {
+    child: std::process::Child,
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    rx: std::sync::mpsc::Receiver<String>,
+}
+
+impl ControllerProc {
+    pub fn start(endpoint: &str, name: &str, extra: &[&str]) -> ControllerProc {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(bin())
+            .args(["cluster", "controller", "--etcd", endpoint, "--name", name])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log = lines.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                log.lock().unwrap().push(line.clone());
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        ControllerProc { child, lines, rx }
+    }
+
+    /// Waits for a line containing `needle`; fails the test after `limit`.
+    pub fn wait_line(&self, needle: &str, limit: Duration) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(l) if l.contains(needle) => return l,
+                Ok(_) => {}
+                Err(e) => panic!(
+                    "no line with {needle:?} within {limit:?} ({e}); the controller said: {:#?}",
+                    self.lines.lock().unwrap()
+                ),
+            }
+        }
+    }
+
+    /// Everything it has printed so far.
+    pub fn output(&self) -> String {
+        self.lines.lock().unwrap().join("\n")
+    }
+
+    pub fn said(&self, needle: &str) -> bool {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains(needle))
+    }
+
+    pub fn sigkill(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for ControllerProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
