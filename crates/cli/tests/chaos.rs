@@ -345,21 +345,34 @@ fn acknowledging_before_replication_makes_kv_chaos_fail() {
     if !is_root() {
         return;
     }
-    let (ok, out) = chaos(&[
-        "--seed",
-        "7",
-        "--duration",
-        "10",
-        "--quick",
-        "--face",
-        "kv",
-        "--unsafe-ack-before-replication",
-    ]);
-    assert!(!ok, "{out}");
-    assert!(out.contains("FAIL seed 7"), "{out}");
+    // Whether h1 holds writes its backup never got when it is killed depends on timing
+    // (a fresh-clone CI run once had seed 7's broken run lose none), so the broken
+    // servers get up to three seeds and must be caught on one of them.
+    let mut runs = Vec::new();
+    for seed in ["7", "8", "9"] {
+        let (ok, out) = chaos(&[
+            "--seed",
+            seed,
+            "--duration",
+            "10",
+            "--quick",
+            "--face",
+            "kv",
+            "--unsafe-ack-before-replication",
+        ]);
+        its_namespaces_are_gone(&out);
+        runs.push(out);
+        if !ok {
+            break;
+        }
+    }
+    let out = runs.last().cloned().unwrap_or_default();
+    assert!(
+        out.contains("FAIL seed"),
+        "no seed caught the broken servers: {runs:#?}"
+    );
     assert!(
         out.contains("acknowledged writes present:") && out.contains("violations"),
         "{out}"
     );
-    its_namespaces_are_gone(&out);
 }
