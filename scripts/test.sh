@@ -22,7 +22,7 @@ cargo test -p camelot-rvm --release --locked --test crash
 # Issue 21: a fixed-seed minute of chaos on each face (as root, which CI is), and no
 # testbed namespace may be left behind by it or by the tests.
 if [ "$(id -u)" = 0 ]; then
-  for face in raid5 rvm; do
+  for face in raid5 rvm kv; do
     cargo run --quiet --locked --all-features -p camelot -- chaos --seed 42 --duration 60 --face "$face"
   done
   if ip netns list | grep -q '^cmlt-tb-'; then
