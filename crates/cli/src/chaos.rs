@@ -353,7 +353,7 @@ pub fn run(a: ChaosArgs) -> Result<()> {
         .collect();
     // kv: etcd first (the servers register in it), the controller after the servers.
     let control_host = a.face.servers() + 1;
-    let mut helpers = Helpers(Vec::new());
+    let mut helpers = Helpers::default();
     let etcd_url = if a.face == Face::Kv {
         Some(start_etcd(tb, control_host, &logs, &mut helpers)?)
     } else {
@@ -647,20 +647,37 @@ pub fn run(a: ChaosArgs) -> Result<()> {
 }
 
 /// Processes on the control host (etcd, the controller): killed when dropped (the
-/// testbed's `down` would kill them too; this keeps the order: before the namespaces go).
-struct Helpers(Vec<Child>);
+/// testbed's `down` would kill them too; this keeps the order: before the namespaces go),
+/// and then their scratch directories removed.
+#[derive(Default)]
+struct Helpers(Vec<Child>, Vec<PathBuf>);
 impl Drop for Helpers {
     fn drop(&mut self) {
         for c in &mut self.0 {
             let _ = c.kill();
             let _ = c.wait();
         }
+        for d in &self.1 {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// Where etcd keeps its data: in memory (`/dev/shm`) when the machine has it. The chaos
+/// run tests Camelot, not the disk under etcd: on a disk shared with builds, etcd's WAL
+/// syncs took up to 4.5 s here, every lease in the cluster expired at once and the run
+/// spent its remaining faults on a cluster with no registered node.
+fn etcd_data_dir(logs: &std::path::Path) -> PathBuf {
+    let shm = std::path::Path::new("/dev/shm");
+    match logs.file_name() {
+        Some(name) if shm.is_dir() => shm.join(name).with_extension("etcd"),
+        _ => logs.join("etcd-data"),
     }
 }
 
 /// Starts a single-member etcd on `host`, listening for clients on that host's testbed
 /// address only (its peer port on the host's own loopback): nothing outside the testbed
-/// can reach it. Its data directory is under `logs`. Returns its endpoint.
+/// can reach it. Its data directory is [`etcd_data_dir`]. Returns its endpoint.
 fn start_etcd(
     tb: &Testbed,
     host: usize,
@@ -669,7 +686,8 @@ fn start_etcd(
 ) -> Result<String> {
     let addr = SocketAddr::V4(SocketAddrV4::new(tb.plan.host_addr(host), ETCD_PORT));
     let url = format!("http://{addr}");
-    let data = logs.join("etcd-data");
+    let data = etcd_data_dir(logs);
+    helpers.1.push(data.clone());
     let child = tb
         .command(host, "etcd")
         .args(["--name", "chaos", "--data-dir"])
