@@ -1004,6 +1004,19 @@ fn backup_of_all(epoch: u64) -> Ownership {
         .unwrap()
 }
 
+/// A primary (replication timeout 300 ms) and its backup of the one partition at epoch
+/// 1, and a client connected to the primary.
+async fn primary_and_backup() -> (ServerHandle, ServerHandle, Peer) {
+    let backup = start(config()).await;
+    let mut cfg = config();
+    cfg.replication_timeout = Duration::from_millis(300);
+    let primary = start(cfg).await;
+    assert!(backup.set_ownership(backup_of_all(1)));
+    assert!(primary.set_ownership(primary_of_all(1, backup.local_addr())));
+    let client = Peer::ready(primary.local_addr()).await;
+    (primary, backup, client)
+}
+
 fn object(r: &Response) -> Option<&[u8]> {
     match &r.result {
         Ok(Reply::Object { value, .. }) => Some(value),
@@ -1020,14 +1033,8 @@ fn object(r: &Response) -> Option<&[u8]> {
 /// get the write — which the backup then holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_its_backup_refused_is_not_read_until_the_backup_has_it() {
-    let backup = start(config()).await;
-    let mut cfg = config();
-    cfg.replication_timeout = Duration::from_millis(300);
-    let primary = start(cfg).await;
+    let (primary, backup, mut client) = primary_and_backup().await;
     let b_addr = backup.local_addr();
-    assert!(backup.set_ownership(backup_of_all(1)));
-    assert!(primary.set_ownership(primary_of_all(1, b_addr)));
-    let mut client = Peer::ready(primary.local_addr()).await;
     let put = |v: &str| Op::Put {
         key: Bytes::from_static(b"k"),
         value: Bytes::copy_from_slice(v.as_bytes()),
@@ -1093,14 +1100,8 @@ async fn a_write_its_backup_refused_is_not_read_until_the_backup_has_it() {
 /// serves the refused write, and once it has the map it lets the claim go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deposed_primary_never_serves_the_write_its_backup_refused() {
-    let backup = start(config()).await;
-    let mut cfg = config();
-    cfg.replication_timeout = Duration::from_millis(300);
-    let primary = start(cfg).await;
+    let (primary, backup, mut client) = primary_and_backup().await;
     let b_addr = backup.local_addr();
-    assert!(backup.set_ownership(backup_of_all(1)));
-    assert!(primary.set_ownership(primary_of_all(1, b_addr)));
-    let mut client = Peer::ready(primary.local_addr()).await;
     let key = Bytes::from_static(b"k");
     client
         .send(&routed(
