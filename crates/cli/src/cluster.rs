@@ -69,7 +69,11 @@ pub fn ownership_of(
     let mut backup_of = Vec::with_capacity(map.assignment.len());
     let mut stale_reads = Vec::with_capacity(map.assignment.len());
     for (p, replicas) in map.assignment.iter().enumerate() {
-        let primary = replicas.first() == Some(&id);
+        let first = replicas.first() == Some(&id);
+        // Under a move's fence the listed primary serves nothing, so it copies nothing
+        // (with R > 1 its backups stay listed: without this it would be given backups
+        // of a partition it does not own, and refuse the map).
+        let primary = first && !map.is_fenced(p as u32);
         backups.push(if primary {
             replicas[1..]
                 .iter()
@@ -83,7 +87,7 @@ pub fn ownership_of(
         } else {
             Vec::new()
         });
-        let backup = !primary && replicas.contains(&id);
+        let backup = !first && replicas.contains(&id);
         backup_of.push(backup);
         // Replica reads only from full backups: one still being filled may lack keys.
         stale_reads.push(backup && !map.is_syncing(p as u32, id));

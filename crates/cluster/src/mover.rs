@@ -426,6 +426,9 @@ impl Mover {
 
     fn hold(&mut self, phase: &str) {
         if self.hold_at.as_deref() == Some(phase) {
+            // Once: a step retried after the hold (the map changed under it, as a kill
+            // test makes it) goes on.
+            self.hold_at = None;
             self.say(format!("holding at {phase}"));
             std::thread::sleep(self.hold_for.min(HOLD_MAX));
         }
@@ -690,7 +693,19 @@ impl Mover {
                     let started = *fence_started.get_or_insert_with(Instant::now);
                     let deadline = started + FENCE_MAX;
                     let client = raw_client(&map.map, &[rec.from, rec.to])?;
-                    let mut done = wait_epoch(&client, rec.from, fence_epoch, deadline)?;
+                    // `from` dead (SIGKILLed under the fence): roll back, lifting the fence
+                    // at once; a failover then deals with its partitions.
+                    let mut done = match wait_epoch(&client, rec.from, fence_epoch, deadline) {
+                        Ok(d) => d,
+                        Err(e @ MoverError::Client { .. }) => {
+                            self.say(format!(
+                                "node {} unreachable under the fence ({e})",
+                                rec.from
+                            ));
+                            false
+                        }
+                        Err(e) => return Err(e),
+                    };
                     // A replicated move reconciles only the fenced partitions (`from`
                     // leads them), against what `to` holds: it has had every write since
                     // it joined, so only what differs is sent.
@@ -748,7 +763,10 @@ impl Mover {
                                 ));
                                 done = Instant::now() < deadline;
                             }
-                            Err(MoverError::FenceOverrun) => done = false,
+                            // Overran, or a node died: the fence goes, the move rolls back.
+                            Err(MoverError::FenceOverrun | MoverError::Client { .. }) => {
+                                done = false
+                            }
                             Err(e) => return Err(e),
                         }
                     }
@@ -799,17 +817,26 @@ impl Mover {
                     match raw_client(&map.map, &[node]) {
                         Ok(client) => {
                             let deadline = Instant::now() + CLEANUP_WAIT_MAX;
-                            if wait_epoch(&client, node, after_epoch, deadline)? {
-                                report.keys_deleted =
-                                    delete_moving(&client, node, &mask, None, None)?;
-                                self.say(format!(
-                                    "cleanup: {} key(s) deleted on node {node}",
-                                    report.keys_deleted
-                                ));
-                            } else {
-                                self.say(format!(
+                            // A node that dies now (SIGKILLed mid-move) holds nothing
+                            // anyone can read: the move is done without its cleanup.
+                            let cleaned = wait_epoch(&client, node, after_epoch, deadline)
+                                .and_then(|reached| {
+                                    reached
+                                        .then(|| delete_moving(&client, node, &mask, None, None))
+                                        .transpose()
+                                });
+                            match cleaned {
+                                Ok(Some(n)) => {
+                                    report.keys_deleted = n;
+                                    self.say(format!("cleanup: {n} key(s) deleted on node {node}"));
+                                }
+                                Ok(None) => self.say(format!(
                                     "cleanup: node {node} did not reach epoch {after_epoch}; its copies stay"
-                                ));
+                                )),
+                                Err(e @ MoverError::Client { .. }) => {
+                                    self.say(format!("cleanup: node {node} unreachable ({e})"))
+                                }
+                                Err(e) => return Err(e),
                             }
                         }
                         // A node that cannot be reached holds nothing anyone can read.
