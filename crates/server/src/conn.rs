@@ -1,9 +1,11 @@
 //! One client connection: handshake, then read → execute → answer, in order.
 
 use crate::buffers::ConnBuffers;
+use crate::exec::answer_deferred_reads;
 use crate::exec::{exec_logged, WriteLog};
+use crate::ownership::Ownership;
 use crate::principals::PrincipalTokens;
-use crate::replicate::{fail_answers, Replicator};
+use crate::replicate::{fail_answers, rewrite_answers, Replicator, RewriteError};
 use crate::state::{Refusal, ServerState};
 use crate::store::Principal;
 use bytes::{Bytes, BytesMut};
@@ -682,31 +684,90 @@ impl Conn {
     }
 
     /// Holds the answers of the batch just executed (at `start` in the output) until its
-    /// writes are on every backup; those that are not become REPLICA_UNAVAILABLE.
+    /// writes are on every backup; those that are not become REPLICA_UNAVAILABLE. Then
+    /// answers its deferred reads (keys holding unacknowledged writes) once they settle.
     async fn replicate(&mut self, start: usize) -> Result<(), End> {
         let Some(own) = self.log.ownership.take() else {
             return Ok(());
         };
-        if self.log.writes.is_empty() {
+        let deferred = std::mem::take(&mut self.log.deferred_reads);
+        if !self.log.writes.is_empty() {
+            self.replicate_writes(start, &own).await?;
+        }
+        if !deferred.is_empty() {
+            self.answer_deferred(start, own.epoch(), &deferred).await?;
+        }
+        Ok(())
+    }
+
+    async fn replicate_writes(&mut self, start: usize, own: &Arc<Ownership>) -> Result<(), End> {
+        let claims = std::mem::take(&mut self.log.pending);
+        let rep = &self.shared.replicator;
+        if rep.acks_before_replication() {
+            let (rep, own, writes) = (Arc::clone(rep), Arc::clone(own), self.log.writes.clone());
+            self.log.writes.clear();
+            tokio::spawn(async move {
+                if rep.replicate(&own, &writes).await.is_err() {
+                    rep.repair_soon();
+                }
+                drop(claims);
+            });
             return Ok(());
         }
-        if self.shared.replicator.acks_before_replication() {
-            let (rep, writes) = (Arc::clone(&self.shared.replicator), self.log.writes.clone());
-            tokio::spawn(async move { rep.replicate(&own, &writes).await });
-            return Ok(());
-        }
-        let result = self
-            .shared
-            .replicator
-            .replicate(&own, &self.log.writes)
-            .await;
+        let result = rep.replicate(own, &self.log.writes).await;
+        // Settled (or given up on) only now: the copies are confirmed or have failed.
+        drop(claims);
         let Err(e) = result else {
             self.log.writes.clear();
             return Ok(());
         };
+        Replicator::repair_soon(&self.shared.replicator);
         debug!(peer = %self.peer, error = %e, "writes not acknowledged");
         let positions: Vec<usize> = self.log.writes.drain(..).map(|(at, _)| at).collect();
-        match fail_answers(&self.bufs.out[start..], &positions, &e.reply()) {
+        self.rewrite_out(
+            start,
+            fail_answers(&self.bufs.out[start..], &positions, &e.reply()),
+        )
+        .await
+    }
+
+    /// Waits (at most the replication timeout) until the keys of `reads` have settled,
+    /// then answers them again in place.
+    async fn answer_deferred(
+        &mut self,
+        start: usize,
+        epoch: u64,
+        reads: &[(usize, Bytes)],
+    ) -> Result<(), End> {
+        let unacked = Arc::clone(self.shared.state.unacked());
+        let deadline = tokio::time::Instant::now() + self.shared.replicator.timeout();
+        loop {
+            let notice = unacked.settled_notice();
+            if reads.iter().all(|(_, k)| unacked.is_settled(k)) {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, notice).await.is_err() {
+                break;
+            }
+        }
+        let frame_len = self.bufs.out.len() - start;
+        let answers = answer_deferred_reads(&self.shared.state, epoch, reads, frame_len);
+        let rewritten = rewrite_answers(&self.bufs.out[start..], |i, _| {
+            answers
+                .iter()
+                .find(|(at, _)| *at == i)
+                .map(|(_, a)| a.clone())
+        });
+        self.rewrite_out(start, rewritten).await
+    }
+
+    /// Puts a rewritten answer frame in place of the one at `start`.
+    async fn rewrite_out(
+        &mut self,
+        start: usize,
+        frame: Result<BytesMut, RewriteError>,
+    ) -> Result<(), End> {
+        match frame {
             Ok(frame) => {
                 self.bufs.out.truncate(start);
                 self.bufs.out.extend_from_slice(&frame);

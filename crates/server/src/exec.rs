@@ -78,6 +78,102 @@ pub struct WriteLog {
     pub ownership: Option<Arc<Ownership>>,
     /// (the answer's position in the response frame, the key written)
     pub writes: Vec<(usize, bytes::Bytes)>,
+    /// The writes' claims on their keys (see [`crate::unacked`]), held until their
+    /// replication is settled.
+    pub pending: Vec<crate::unacked::Writing>,
+    /// GETs that found their key holding a write its backups have not acknowledged:
+    /// (the answer's position, the key). Each was answered REPLICA_UNAVAILABLE for now;
+    /// the connection waits for the key to settle and answers it again.
+    pub deferred_reads: Vec<(usize, bytes::Bytes)>,
+}
+
+impl WriteLog {
+    fn clear(&mut self) {
+        self.writes.clear();
+        self.pending.clear();
+        self.deferred_reads.clear();
+    }
+}
+
+/// The placeholder answer of a deferred read, and the final one when its key does not
+/// settle in time.
+pub fn not_yet_replicated() -> ErrorReply {
+    ErrorReply::new(
+        ErrorCode::ReplicaUnavailable,
+        "the key's latest write is not yet on every backup; retry",
+    )
+}
+
+/// The final answers of a batch's deferred reads (see [`WriteLog::deferred_reads`]),
+/// by position, once their keys have settled or the wait ran out. `epoch`: the ownership
+/// epoch the batch ran under — if the server's has moved on, the reader is sent to the
+/// new map. `frame_len`: the answer frame's length so far, so that the values replacing
+/// the placeholders keep it within the frame budget.
+pub fn answer_deferred_reads(
+    state: &ServerState,
+    epoch: u64,
+    reads: &[(usize, bytes::Bytes)],
+    frame_len: usize,
+) -> Vec<(usize, Result<Reply, ErrorReply>)> {
+    let now_epoch = state.ownership().map_or(0, |o| o.epoch());
+    let mut room = RESPONSE_OK_BUDGET_BYTES.saturating_sub(frame_len);
+    reads
+        .iter()
+        .map(|(at, key)| {
+            if now_epoch != epoch {
+                let e = ErrorReply::with_epoch(
+                    ErrorCode::StaleEpoch,
+                    format!(
+                        "the map moved from epoch {epoch} to {now_epoch} while the read \
+                         waited for the key's backups"
+                    ),
+                    now_epoch,
+                );
+                return (*at, Err(e));
+            }
+            let answer = match get_settled(state, key) {
+                Ok(Reply::Object { version, value }) => {
+                    let bytes = OBJECT_REPLY_HEADER_BYTES + value.len();
+                    if bytes > room {
+                        Err(ErrorReply::new(
+                            ErrorCode::TooLarge,
+                            "the reply does not fit in this batch's response frame; \
+                             send it in a smaller batch",
+                        ))
+                    } else {
+                        room -= bytes;
+                        Ok(Reply::Object { version, value })
+                    }
+                }
+                other => other,
+            };
+            (*at, answer)
+        })
+        .collect()
+}
+
+/// A GET as a deferred read is answered once its key has settled: the object, or
+/// NO_SUCH_KEY, or — when the key holds an unacknowledged write again — not yet.
+pub fn get_settled(state: &ServerState, key: &[u8]) -> Result<Reply, ErrorReply> {
+    let now = Instant::now();
+    let read = state.objects().read(key, now, |e| match e {
+        None => Err(no_such_key()),
+        Some(Entry {
+            version,
+            value: Value::Str(v),
+            ..
+        }) => Ok(Reply::Object {
+            version: *version,
+            value: v.clone(),
+        }),
+        Some(_) => Err(wrong_type()),
+    });
+    // Checked after the read: a write counted only after it would have been applied
+    // after the read too.
+    if !state.unacked().is_settled(key) {
+        return Err(not_yet_replicated());
+    }
+    read
 }
 
 /// [`exec`], noting in `log` (when given) the writes that must be replicated.
@@ -100,7 +196,7 @@ pub fn exec_logged(
         None => None,
     };
     if let Some(log) = log.as_deref_mut() {
-        log.writes.clear();
+        log.clear();
         log.ownership = snapshot.clone().filter(|o| o.replicates());
     }
     let log = log.filter(|l| l.ownership.is_some());
@@ -251,13 +347,30 @@ impl Exec<'_, '_, '_> {
         if !self.fits(WORD_REPLY_BYTES) {
             return self.too_large(id);
         }
-        let result = op(self.state.objects(), self.now());
-        if let (Ok(_), Some(log)) = (&result, self.log.as_deref_mut()) {
-            if let Some(own) = &log.ownership {
+        let replicated = self.log.as_deref().is_some_and(|log| {
+            log.ownership.as_ref().is_some_and(|own| {
                 let p = camelot_proto::partition_of(key, own.partitions());
-                if own.backups(p).next().is_some() {
-                    log.writes.push((self.enc.count(), key.clone()));
+                own.backups(p).next().is_some()
+            })
+        });
+        // Claimed before it is applied, so no reader can see it unclaimed.
+        let claim = if replicated {
+            match self.state.unacked().begin(key) {
+                Ok(w) => Some(w),
+                Err(full) => {
+                    let e = ErrorReply::new(ErrorCode::ReplicaUnavailable, full.to_string());
+                    return self.enc.push_err(id, &e);
                 }
+            }
+        } else {
+            None
+        };
+        let result = op(self.state.objects(), self.now());
+        if let (Some(claim), Some(log)) = (claim, self.log.as_deref_mut()) {
+            if result.is_ok() {
+                claim.applied();
+                log.writes.push((self.enc.count(), key.clone()));
+                log.pending.push(claim);
             }
         }
         self.respond(id, result.map(Reply::Version))
@@ -412,6 +525,9 @@ impl Exec<'_, '_, '_> {
     /// Copies the value into the frame under the shard's read lock: cloning its handle
     /// instead would bounce the reference count between cores on every GET of a hot key.
     fn get(&mut self, id: u64, key: &[u8]) -> Result<(), EncodeError> {
+        if self.log.is_some() {
+            return self.get_on_primary(id, key);
+        }
         let now = self.now();
         let state = self.state;
         state.objects().read(key, now, |e| match e {
@@ -428,6 +544,29 @@ impl Exec<'_, '_, '_> {
             }
             Some(_) => self.enc.push_err(id, &wrong_type()),
         })
+    }
+
+    /// A GET on a server whose writes are replicated: answered only from a state every
+    /// backup has; otherwise deferred (see [`WriteLog::deferred_reads`]).
+    fn get_on_primary(&mut self, id: u64, key: &[u8]) -> Result<(), EncodeError> {
+        let result = get_settled(self.state, key);
+        if let (Err(e), Some(log)) = (&result, self.log.as_deref_mut()) {
+            if e.code == ErrorCode::ReplicaUnavailable {
+                log.deferred_reads
+                    .push((self.enc.count(), bytes::Bytes::copy_from_slice(key)));
+                return self.enc.push_err(id, e);
+            }
+        }
+        match result {
+            Ok(Reply::Object { version, value }) => {
+                if !self.fits(OBJECT_REPLY_HEADER_BYTES + value.len()) {
+                    return self.too_large(id);
+                }
+                self.enc.push_object(id, version, &value)
+            }
+            Ok(other) => self.respond(id, Ok(other)),
+            Err(e) => self.enc.push_err(id, &e),
+        }
     }
 
     fn read(

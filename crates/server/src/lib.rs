@@ -18,6 +18,7 @@ pub mod resp;
 pub mod state;
 pub mod store;
 pub mod throttle;
+pub mod unacked;
 
 pub use budget::{MemoryBudget, OverBudget, Reservation};
 pub use exec::exec;

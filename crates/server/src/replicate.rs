@@ -19,6 +19,13 @@
 //! REPLICA_UNAVAILABLE: it was applied here but not acknowledged. The primary never
 //! drops a backup on its own — that is the controller's decision, published as a map.
 //!
+//! **Unacknowledged writes are not read.** Until a copy covering a write is confirmed by
+//! every backup, GETs of its key wait ([`crate::unacked`]): a reader must never see a
+//! value the promoted backup would not have. A key whose copy failed is sent again by a
+//! repair task, at whatever epoch this server is at by then, while it is still the key's
+//! primary with backups; when it is no longer the primary the claim is dropped (it serves
+//! the key to nobody), and when the partition has no backup left its state stands.
+//!
 //! The grouping and the rewriting of an answer frame are pure and tested without sockets.
 
 use crate::objects::{Entry, Value};
@@ -55,6 +62,12 @@ const RECONNECT_BACKOFF: Duration = Duration::from_millis(50);
 /// The principal a link's HELLO names (regions are not touched; it only shows in logs).
 const LINK_PRINCIPAL: &str = "camelot-replica";
 const READ_CHUNK_BYTES: usize = 64 << 10;
+/// How often the repair task looks for keys whose copies failed. Short enough that a
+/// reader waiting on such a key (for at most the replication timeout) still gets it once
+/// this server has the map its backup refused it for.
+const REPAIR_INTERVAL: Duration = Duration::from_millis(25);
+/// Keys one repair pass sends again.
+const REPAIR_KEYS_MAX: usize = LINK_ROUND_OPS_MAX;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ReplicateError {
@@ -107,15 +120,26 @@ pub fn fail_answers(
     positions: &[usize],
     err: &ErrorReply,
 ) -> Result<BytesMut, RewriteError> {
+    rewrite_answers(frame, |i, r| {
+        (r.is_ok() && positions.contains(&i)).then(|| Err(err.clone()))
+    })
+}
+
+/// Rewrites the response frame `frame` (length prefix included): the answer at position
+/// `i` becomes what `with` returns for it, or stays when it returns `None`.
+pub fn rewrite_answers(
+    frame: &[u8],
+    mut with: impl FnMut(usize, &Result<Reply, ErrorReply>) -> Option<Result<Reply, ErrorReply>>,
+) -> Result<BytesMut, RewriteError> {
     let body = frame.get(4..).ok_or(RewriteError::Short)?;
     let Frame::Responses(batch) = decode_frame(Bytes::copy_from_slice(body))? else {
         return Err(RewriteError::NotResponses);
     };
-    let mut out = BytesMut::with_capacity(frame.len() + positions.len() * 64);
+    let mut out = BytesMut::with_capacity(frame.len() + 64);
     let mut enc = ResponseBatchEncoder::begin(&mut out);
     for (i, r) in batch.responses.iter().enumerate() {
-        match &r.result {
-            Ok(_) if positions.contains(&i) => enc.push_err(r.id, err)?,
+        let new = with(i, &r.result);
+        match new.as_ref().unwrap_or(&r.result) {
             Ok(reply) => enc.push_ok(r.id, reply)?,
             Err(e) => enc.push_err(r.id, e)?,
         }
@@ -136,11 +160,12 @@ pub enum RewriteError {
     Encode(#[from] EncodeError),
 }
 
-/// One client batch's keys for one backup, and who waits for them.
+/// One client batch's keys for one backup, and who waits for them: on success, for each
+/// key, the count of its writes the copy covered ([`crate::unacked::Unacked::copy_covers`]).
 struct Job {
     epoch: u64,
     keys: Vec<Bytes>,
-    done: oneshot::Sender<Result<(), String>>,
+    done: oneshot::Sender<Result<Vec<u64>, String>>,
 }
 
 /// The links from this server to its backups, made on first use.
@@ -150,6 +175,8 @@ pub struct Replicator {
     timeout: Duration,
     links: parking_lot::Mutex<HashMap<Peer, mpsc::Sender<Job>>>,
     ack_early: bool,
+    /// Whether a repair task is running (at most one).
+    repairing: std::sync::atomic::AtomicBool,
 }
 
 impl Replicator {
@@ -160,7 +187,13 @@ impl Replicator {
             timeout,
             links: parking_lot::Mutex::new(HashMap::new()),
             ack_early: false,
+            repairing: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// How long a write (or a read of an unacknowledged write) waits for the backups.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// The deliberately broken mode of `ServerConfig::unsafe_ack_before_replication`.
@@ -210,6 +243,7 @@ impl Replicator {
         let mut waits = Vec::new();
         for (peer, keys) in by_backup(own, writes) {
             let (done, answer) = oneshot::channel();
+            let keys_sent = keys.clone();
             let job = Job {
                 epoch: own.epoch(),
                 keys,
@@ -232,16 +266,31 @@ impl Replicator {
                 }
                 Err(_) => return Err(timed_out()),
             }
-            waits.push((peer, answer));
+            waits.push((peer, keys_sent, answer));
         }
-        for (peer, answer) in waits {
+        // Per key, the fewest writes a confirmed copy covered over the backups (on each
+        // backup, the last of its copies holds the most).
+        let mut covered: HashMap<Bytes, u64> = HashMap::new();
+        for (peer, keys, answer) in waits {
             let failed = |reason: String| ReplicateError::Failed {
                 node: peer.id,
                 addr: peer.addr,
                 reason,
             };
             match tokio::time::timeout_at(deadline, answer).await {
-                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Ok(covers))) => {
+                    let mut mine: HashMap<&Bytes, u64> = HashMap::new();
+                    for (k, c) in keys.iter().zip(covers) {
+                        let e = mine.entry(k).or_insert(0);
+                        *e = (*e).max(c);
+                    }
+                    for (k, c) in mine {
+                        covered
+                            .entry(k.clone())
+                            .and_modify(|v| *v = (*v).min(c))
+                            .or_insert(c);
+                    }
+                }
                 Ok(Ok(Err(reason))) => return Err(failed(reason)),
                 Ok(Err(_)) => return Err(failed("its link has stopped".into())),
                 Err(_) => {
@@ -253,7 +302,75 @@ impl Replicator {
                 }
             }
         }
+        let unacked = self.state.unacked();
+        for (k, c) in covered {
+            unacked.acked(&k, c);
+        }
         Ok(())
+    }
+
+    /// Starts the repair task unless one runs: it sends again the keys whose copies
+    /// failed (see the module documentation), until none is left.
+    pub fn repair_soon(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        if self.repairing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let me = Arc::clone(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(REPAIR_INTERVAL).await;
+                if me.repair_pass().await == 0 {
+                    me.repairing.store(false, Ordering::Release);
+                    // A failure noted after the pass found none, but before the flag
+                    // fell, found the flag still up and started nothing.
+                    if me.state.unacked().stalled(1).is_empty()
+                        || me.repairing.swap(true, Ordering::AcqRel)
+                    {
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
+    /// One repair pass; returns how many keys were still stalled when it began.
+    async fn repair_pass(&self) -> usize {
+        let unacked = Arc::clone(self.state.unacked());
+        let keys = unacked.stalled(REPAIR_KEYS_MAX);
+        if keys.is_empty() {
+            return 0;
+        }
+        let own = self.state.ownership();
+        let mut resend = Vec::new();
+        let mut claims = Vec::new();
+        for key in &keys {
+            let Some(own) = own.as_deref() else {
+                unacked.settle(key);
+                continue;
+            };
+            let p = partition_of(key, own.partitions());
+            if !own.owns_key(key) || own.backups(p).next().is_none() {
+                unacked.settle(key);
+                continue;
+            }
+            // Held while the copy is out, so a write beside it is not taken as settled
+            // by this copy alone, and the next pass leaves the key to this one.
+            match unacked.begin(key) {
+                Ok(claim) => {
+                    resend.push((resend.len(), key.clone()));
+                    claims.push(claim);
+                }
+                Err(_) => continue,
+            }
+        }
+        if let (Some(own), false) = (own, resend.is_empty()) {
+            if let Err(e) = self.replicate(&own, &resend).await {
+                debug!(error = %e, keys = resend.len(), "repair of unacknowledged writes failed; retrying");
+            }
+        }
+        drop(claims);
+        keys.len()
     }
 }
 
@@ -298,21 +415,38 @@ impl Link {
                 ops += next.keys.len();
                 round.push(next);
             }
-            let results = self.send_round(epoch, &round).await;
-            for (job, result) in round.into_iter().zip(results) {
-                let _ = job.done.send(result);
+            let (results, covers) = self.send_round(epoch, &round).await;
+            for ((job, result), covers) in round.into_iter().zip(results).zip(covers) {
+                let _ = job.done.send(result.map(|()| covers));
             }
         }
     }
 
     /// One result per job. Retries once on a fresh connection when a reused one turns
     /// out to be broken (the backup may have closed it while idle).
-    async fn send_round(&mut self, epoch: u64, round: &[Job]) -> Vec<Result<(), String>> {
-        let all = |e: String| vec![Err(e); round.len()];
-        let (frames, job_of) = match self.encode_round(epoch, round) {
+    /// Also, per job, the counts its copies covered (see [`Job`]).
+    async fn send_round(
+        &mut self,
+        epoch: u64,
+        round: &[Job],
+    ) -> (Vec<Result<(), String>>, Vec<Vec<u64>>) {
+        let (frames, job_of, covers) = match self.encode_round(epoch, round) {
             Ok(f) => f,
-            Err(e) => return all(format!("cannot encode copies: {e}")),
+            Err(e) => {
+                let e = format!("cannot encode copies: {e}");
+                return (vec![Err(e); round.len()], vec![Vec::new(); round.len()]);
+            }
         };
+        (self.exchange_round(&frames, &job_of, round).await, covers)
+    }
+
+    async fn exchange_round(
+        &mut self,
+        frames: &[(BytesMut, usize)],
+        job_of: &[usize],
+        round: &[Job],
+    ) -> Vec<Result<(), String>> {
+        let all = |e: String| vec![Err(e); round.len()];
         let deadline = tokio::time::Instant::now() + self.timeout;
         for attempt in 0..2 {
             let reused = self.conn.is_some();
@@ -337,7 +471,7 @@ impl Link {
                     }
                 }
             }
-            match tokio::time::timeout_at(deadline, self.exchange(&frames, &job_of, round)).await {
+            match tokio::time::timeout_at(deadline, self.exchange(frames, job_of, round)).await {
                 Ok(Ok(results)) => return results,
                 Ok(Err(e)) => {
                     self.conn = None;
@@ -360,22 +494,29 @@ impl Link {
 
     /// The round's copies, in frames of at most `BATCH_OPS_MAX` ops and about
     /// `FRAME_BYTES_TARGET` bytes; each copy is the key's state as of now. Also, for each
-    /// copy, the index of its job.
+    /// copy, the index of its job, and per job, the write count each key's copy covers.
     #[allow(clippy::type_complexity)]
     fn encode_round(
         &self,
         epoch: u64,
         round: &[Job],
-    ) -> Result<(Vec<(BytesMut, usize)>, Vec<usize>), EncodeError> {
+    ) -> Result<(Vec<(BytesMut, usize)>, Vec<usize>, Vec<Vec<u64>>), EncodeError> {
         let objects = self.state.objects();
+        let unacked = self.state.unacked();
         let now = Instant::now();
         let mut ops = Vec::new();
         let mut job_of = Vec::new();
+        let mut covers: Vec<Vec<u64>> = round
+            .iter()
+            .map(|j| Vec::with_capacity(j.keys.len()))
+            .collect();
         let keyed = round
             .iter()
             .enumerate()
             .flat_map(|(j, job)| job.keys.iter().map(move |k| (j, k)));
         for (job, key) in keyed {
+            // Read before the state: the copy then holds at least this many writes.
+            covers[job].push(unacked.copy_covers(key));
             let state = objects.read(key, now, |e| match e {
                 Some(Entry {
                     version,
@@ -422,7 +563,7 @@ impl Link {
             enc.finish()?;
             frames.push((buf, n));
         }
-        Ok((frames, job_of))
+        Ok((frames, job_of, covers))
     }
 
     async fn connect(&self) -> std::io::Result<(TcpStream, BytesMut)> {

@@ -179,6 +179,9 @@ pub struct ServerState {
     /// Nanoseconds batches spent waiting on the `--ops-per-sec-max` throttle: how close a
     /// throttled node is to its limit, for the controller's load weights.
     throttled_ns: AtomicU64,
+    /// Keys with a write its backups have not acknowledged: never served to a reader
+    /// while so (see [`crate::unacked`]).
+    unacked: Arc<crate::unacked::Unacked>,
 }
 
 impl ServerState {
@@ -207,7 +210,13 @@ impl ServerState {
             throttle: std::sync::OnceLock::new(),
             applied: parking_lot::RwLock::new(Arc::new([])),
             throttled_ns: AtomicU64::new(0),
+            unacked: Arc::new(crate::unacked::Unacked::default()),
         }
+    }
+
+    /// See [`crate::unacked`].
+    pub fn unacked(&self) -> &Arc<crate::unacked::Unacked> {
+        &self.unacked
     }
 
     pub fn set_exposed_without_token(&self, exposed: bool) {
@@ -381,6 +390,8 @@ impl ServerState {
         out.push(("bytes_in".to_owned(), load(&s.bytes_in)));
         out.push(("bytes_out".to_owned(), load(&s.bytes_out)));
         out.push(("epoch".to_owned(), self.epoch()));
+        // Keys whose latest write is not yet on every backup (reads of them wait).
+        out.push(("unacked_keys".to_owned(), self.unacked.len() as u64));
         out.push(("resp_commands".to_owned(), load(&s.resp_commands)));
         out.push((
             STAT_EXPOSED_WITHOUT_TOKEN.to_owned(),

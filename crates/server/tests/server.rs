@@ -6,6 +6,7 @@ use camelot_proto::{
     decode_frame, encode_frame, AccessMode, ErrorCode, Frame, FrameDecoder, Hello, HelloOk, Op,
     Reply, Request, RequestBatch, Response, PROTOCOL_VERSION,
 };
+use camelot_server::ownership::{Ownership, Peer as OwnershipPeer};
 use camelot_server::{Quota, ServerConfig, ServerError, ServerHandle, STAT_EXPOSED_WITHOUT_TOKEN};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -968,4 +969,175 @@ async fn a_version_1_client_is_told_version_mismatch() {
     assert_eq!(fatal_code(p.recv().await), ErrorCode::VersionMismatch);
     p.expect_closed().await;
     server.shutdown().await.unwrap();
+}
+
+/// A batch routed at `epoch` (a cluster client's).
+fn routed(epoch: u64, ops: Vec<Op>) -> Frame {
+    Frame::Requests(RequestBatch {
+        epoch,
+        requests: ops
+            .into_iter()
+            .zip(1..)
+            .map(|(op, id)| Request { id, op })
+            .collect(),
+    })
+}
+
+/// One partition: `primary` owns it with `backup` as its backup at `epoch`.
+fn primary_of_all(epoch: u64, backup: SocketAddr) -> Ownership {
+    Ownership::new(epoch, vec![true])
+        .unwrap()
+        .with_replicas(
+            vec![vec![OwnershipPeer {
+                id: 1,
+                addr: backup,
+            }]],
+            vec![false],
+        )
+        .unwrap()
+}
+
+fn backup_of_all(epoch: u64) -> Ownership {
+    Ownership::new(epoch, vec![false])
+        .unwrap()
+        .with_replicas(vec![Vec::new()], vec![true])
+        .unwrap()
+}
+
+fn object(r: &Response) -> Option<&[u8]> {
+    match &r.result {
+        Ok(Reply::Object { value, .. }) => Some(value),
+        _ => None,
+    }
+}
+
+/// The anomaly the kv chaos run found (seed 103): a backup already at the next map epoch
+/// refuses the primary's copy as STALE_EPOCH, the writer is told REPLICA_UNAVAILABLE —
+/// and the primary served the write to readers anyway, so the failover that promoted
+/// the backup took back a value a reader had seen. Now a read of such a key waits for
+/// the backup and, while it refuses, fails retryably; once the primary has the map the
+/// backup has (and is still primary), the copy is sent again at that epoch and readers
+/// get the write — which the backup then holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_its_backup_refused_is_not_read_until_the_backup_has_it() {
+    let backup = start(config()).await;
+    let mut cfg = config();
+    cfg.replication_timeout = Duration::from_millis(300);
+    let primary = start(cfg).await;
+    let b_addr = backup.local_addr();
+    assert!(backup.set_ownership(backup_of_all(1)));
+    assert!(primary.set_ownership(primary_of_all(1, b_addr)));
+    let mut client = Peer::ready(primary.local_addr()).await;
+    let put = |v: &str| Op::Put {
+        key: Bytes::from_static(b"k"),
+        value: Bytes::copy_from_slice(v.as_bytes()),
+    };
+    let get = || Op::Get {
+        key: Bytes::from_static(b"k"),
+    };
+
+    client.send(&routed(1, vec![put("v1")])).await;
+    let r = client.responses().await;
+    assert!(matches!(r[0].result, Ok(Reply::Version(_))), "{r:?}");
+
+    // The backup moves to epoch 2 (same roles); the primary has not heard yet.
+    assert!(backup.set_ownership(backup_of_all(2)));
+    client.send(&routed(1, vec![put("v2")])).await;
+    let r = client.responses().await;
+    match &r[0].result {
+        Err(e) => assert_eq!(e.code, ErrorCode::ReplicaUnavailable, "{e:?}"),
+        other => panic!("the refused copy must fail the write, got {other:?}"),
+    }
+    // A reader must not see v2 now: the backup does not have it.
+    client.send(&routed(1, vec![get()])).await;
+    let r = client.responses().await;
+    assert_eq!(
+        object(&r[0]),
+        None,
+        "v2 was served before its backup had it: {r:?}"
+    );
+    match &r[0].result {
+        Err(e) => assert_eq!(e.code, ErrorCode::ReplicaUnavailable, "{e:?}"),
+        other => panic!("expected a retryable refusal, got {other:?}"),
+    }
+
+    // The primary learns epoch 2 and is still the primary: v2 is copied again and then
+    // served, and it is on the backup.
+    assert!(primary.set_ownership(primary_of_all(2, b_addr)));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        client.send(&routed(2, vec![get()])).await;
+        let r = client.responses().await;
+        match (object(&r[0]), &r[0].result) {
+            (Some(v), _) => {
+                assert_eq!(v, b"v2");
+                break;
+            }
+            (None, Err(e)) if e.code == ErrorCode::ReplicaUnavailable => {}
+            (None, other) => panic!("expected v2 or a retryable refusal, got {other:?}"),
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "v2 never reached the backup"
+        );
+    }
+    let mut on_backup = Peer::ready(b_addr).await;
+    let r = on_backup.call(vec![get()]).await;
+    assert_eq!(object(&r[0]), Some(&b"v2"[..]), "{r:?}");
+    assert_eq!(stat(&primary.stats(), "unacked_keys"), 0);
+    primary.shutdown().await.unwrap();
+    backup.shutdown().await.unwrap();
+}
+
+/// The other way out: the new map makes the backup the primary. The old primary never
+/// serves the refused write, and once it has the map it lets the claim go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_primary_never_serves_the_write_its_backup_refused() {
+    let backup = start(config()).await;
+    let mut cfg = config();
+    cfg.replication_timeout = Duration::from_millis(300);
+    let primary = start(cfg).await;
+    let b_addr = backup.local_addr();
+    assert!(backup.set_ownership(backup_of_all(1)));
+    assert!(primary.set_ownership(primary_of_all(1, b_addr)));
+    let mut client = Peer::ready(primary.local_addr()).await;
+    let key = Bytes::from_static(b"k");
+    client
+        .send(&routed(
+            1,
+            vec![Op::Put {
+                key: key.clone(),
+                value: Bytes::from_static(b"v1"),
+            }],
+        ))
+        .await;
+    assert!(matches!(
+        client.responses().await[0].result,
+        Ok(Reply::Version(_))
+    ));
+    // Epoch 2: the backup is the primary, with no backup of its own.
+    assert!(backup.set_ownership(Ownership::new(2, vec![true]).unwrap()));
+    client
+        .send(&routed(
+            1,
+            vec![
+                Op::Put {
+                    key: key.clone(),
+                    value: Bytes::from_static(b"v2"),
+                },
+                Op::Get { key: key.clone() },
+            ],
+        ))
+        .await;
+    let r = client.responses().await;
+    assert!(r[0].result.is_err(), "{r:?}");
+    assert_eq!(object(&r[1]), None, "v2 served by a deposed primary: {r:?}");
+    assert!(primary.set_ownership(backup_of_all(2)));
+    eventually(|| stat(&primary.stats(), "unacked_keys") == 0).await;
+    let mut on_new = Peer::ready(b_addr).await;
+    on_new.send(&routed(2, vec![Op::Get { key }])).await;
+    let r = on_new.responses().await;
+    assert_eq!(object(&r[0]), Some(&b"v1"[..]), "{r:?}");
+    primary.shutdown().await.unwrap();
+    backup.shutdown().await.unwrap();
 }
