@@ -52,12 +52,13 @@ pub struct EtcdNodes {
 
 impl EtcdNodes {
     /// etcd, a server per spec (node ids 0, 1, …), and a map of `partitions` over them
-    /// (R = 1), published and installed by every server.
+    /// with `replication` replicas each, published and installed by every server.
     pub fn start(
         binary: &Path,
         memory_bytes: u64,
         specs: &[NodeSpec],
         partitions: u32,
+        replication: u32,
     ) -> Result<EtcdNodes, BenchError> {
         if specs.is_empty() || specs.len() > NODES_MAX {
             return Err(BenchError::InvalidConfig(format!(
@@ -89,7 +90,7 @@ impl EtcdNodes {
             nodes.add(*spec)?;
         }
         let live = nodes.live()?;
-        let first = ClusterMap::initial(live, partitions, 1)
+        let first = ClusterMap::initial(live, partitions, replication)
             .map_err(|e| BenchError::Setup(format!("the first map: {e}")))?;
         let published = nodes
             .rt

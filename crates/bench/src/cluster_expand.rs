@@ -29,6 +29,9 @@ pub struct ExpandConfig {
     pub start_nodes: u32,
     pub end_nodes: u32,
     pub partitions: u32,
+    /// Replicas per partition (primary-backup); with R > 1 a rebalance move replaces one
+    /// member of a replica set.
+    pub replication: u32,
     pub records: u64,
     pub value_bytes: usize,
     pub threads: usize,
@@ -48,6 +51,7 @@ impl Default for ExpandConfig {
             start_nodes: 2,
             end_nodes: 4,
             partitions: camelot_cluster::PARTITIONS_DEFAULT,
+            replication: 1,
             records: 50_000,
             value_bytes: 1024,
             threads: 8,
@@ -84,6 +88,11 @@ impl ExpandConfig {
                 camelot_cluster::map::PARTITIONS_MAX
             )));
         }
+        if self.replication == 0 || self.replication > self.start_nodes {
+            return Err(BenchError::InvalidConfig(
+                "replication must be 1 to the start node count".into(),
+            ));
+        }
         if !(self.load_fraction > 0.0 && self.load_fraction <= 1.0) {
             return Err(BenchError::InvalidConfig(
                 "the load fraction must be above 0 and at most 1".into(),
@@ -104,6 +113,23 @@ impl ExpandConfig {
             seed: 0x5eed_0e4d,
         }
     }
+}
+
+/// Replica slots gained between two maps: each node a partition's set names after and
+/// not before (with R = 1, the partitions whose primary changed).
+pub fn replicas_moved(
+    before: &camelot_cluster::ClusterMap,
+    after: &camelot_cluster::ClusterMap,
+) -> u32 {
+    (0..before.partitions().min(after.partitions()))
+        .map(|p| {
+            after
+                .replicas(p)
+                .iter()
+                .filter(|n| !before.replicas(p).contains(n))
+                .count() as u32
+        })
+        .sum()
 }
 
 /// Partitions whose primary differs between two maps.
@@ -231,8 +257,13 @@ mod with_etcd {
             ops_per_sec_max: None,
         };
         let specs: Vec<NodeSpec> = (0..cfg.start_nodes).map(|_| fast).collect();
-        let mut nodes =
-            EtcdNodes::start(&binary, cfg.memory_bytes_per_node, &specs, cfg.partitions)?;
+        let mut nodes = EtcdNodes::start(
+            &binary,
+            cfg.memory_bytes_per_node,
+            &specs,
+            cfg.partitions,
+            cfg.replication,
+        )?;
         let closed = cfg.load(None);
         load_records(&nodes.client(ClientConfig::default())?, &closed)?;
         let clients = (0..cfg.threads)
@@ -311,7 +342,11 @@ mod with_etcd {
                         added_secs,
                         rebalance_started_secs,
                         rebalanced_secs,
-                        moved: partitions_moved(&before, &after),
+                        moved: if cfg.replication > 1 {
+                            replicas_moved(&before, &after)
+                        } else {
+                            partitions_moved(&before, &after)
+                        },
                         epoch_before: before.epoch,
                         epoch_after: after.epoch,
                         tool,
@@ -398,7 +433,9 @@ mod with_etcd {
             series.push(s);
         }
 
-        let p = f64::from(cfg.partitions);
+        // Slots to spread: P with R = 1, P·R replicas otherwise (a move then gains a set
+        // member rather than a primary).
+        let p = f64::from(cfg.partitions) * f64::from(cfg.replication);
         let mut comparisons = Vec::new();
         if let Some((i, o)) = slowest {
             comparisons.push(
@@ -412,25 +449,24 @@ mod with_etcd {
                 .with_target(BUCKET_RATIO_TARGET, false),
             );
         }
+        let (unit, per) = if cfg.replication > 1 {
+            ("replicas", "P·R/N")
+        } else {
+            ("partitions", "P/N")
+        };
         for st in &steps {
             let share = p / f64::from(st.nodes_after);
             let name = format!(
-                "partitions moved, {} → {} nodes, ÷ P/N",
+                "{unit} moved, {} → {} nodes, ÷ {per}",
                 st.nodes_after - 1,
                 st.nodes_after
             );
             comparisons.push(
-                Comparison::new(
-                    name.clone(),
-                    f64::from(st.moved),
-                    share,
-                    "partitions",
-                    "P/N",
-                )
-                .with_target(1.0 + MOVED_TOLERANCE, true),
+                Comparison::new(name.clone(), f64::from(st.moved), share, unit, per)
+                    .with_target(1.0 + MOVED_TOLERANCE, true),
             );
             comparisons.push(
-                Comparison::new(name, f64::from(st.moved), share, "partitions", "P/N")
+                Comparison::new(name, f64::from(st.moved), share, unit, per)
                     .with_target(1.0 - MOVED_TOLERANCE, false),
             );
         }
@@ -506,7 +542,7 @@ mod with_etcd {
             "start_nodes": cfg.start_nodes,
             "end_nodes": cfg.end_nodes,
             "partitions": cfg.partitions,
-            "replication": 1,
+            "replication": cfg.replication,
             "records": cfg.records,
             "value_bytes": cfg.value_bytes,
             "workload": "YCSB-B: 95% GET, 5% PUT, scrambled zipfian (0.99)",

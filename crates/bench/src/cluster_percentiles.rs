@@ -163,7 +163,7 @@ fn measure(
     use crate::cluster_load::{load_records, run, Until};
     use camelot_client::ClientConfig;
     use std::time::Instant;
-    let nodes = EtcdNodes::start(binary, cfg.memory_bytes_per_node, specs, cfg.partitions)?;
+    let nodes = EtcdNodes::start(binary, cfg.memory_bytes_per_node, specs, cfg.partitions, 1)?;
     let load = cfg.load(None);
     load_records(&nodes.client(ClientConfig::default())?, &load)?;
     let clients = (0..cfg.threads)

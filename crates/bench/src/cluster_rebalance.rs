@@ -238,7 +238,7 @@ mod with_etcd {
             ops_per_sec_max: Some(cfg.node_ops_per_sec),
         };
         let specs: Vec<NodeSpec> = (0..cfg.nodes).map(|_| spec).collect();
-        let nodes = EtcdNodes::start(binary, cfg.memory_bytes_per_node, &specs, cfg.partitions)?;
+        let nodes = EtcdNodes::start(binary, cfg.memory_bytes_per_node, &specs, cfg.partitions, 1)?;
         let start_map = nodes.publish(skewed(&nodes.map()?, cfg.skew)?)?;
         let load = cfg.load();
         load_records(&nodes.client(ClientConfig::default())?, &load)?;

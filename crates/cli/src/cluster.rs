@@ -69,7 +69,11 @@ pub fn ownership_of(
     let mut backup_of = Vec::with_capacity(map.assignment.len());
     let mut stale_reads = Vec::with_capacity(map.assignment.len());
     for (p, replicas) in map.assignment.iter().enumerate() {
-        let primary = replicas.first() == Some(&id);
+        let first = replicas.first() == Some(&id);
+        // Under a move's fence the listed primary serves nothing, so it copies nothing
+        // (with R > 1 its backups stay listed: without this it would be given backups
+        // of a partition it does not own, and refuse the map).
+        let primary = first && !map.is_fenced(p as u32);
         backups.push(if primary {
             replicas[1..]
                 .iter()
@@ -83,7 +87,7 @@ pub fn ownership_of(
         } else {
             Vec::new()
         });
-        let backup = !primary && replicas.contains(&id);
+        let backup = !first && replicas.contains(&id);
         backup_of.push(backup);
         // Replica reads only from full backups: one still being filled may lack keys.
         stale_reads.push(backup && !map.is_syncing(p as u32, id));
@@ -329,7 +333,8 @@ pub struct ControllerArgs {
     /// leaves (or the map is skewed), and when the load stays imbalanced — some node
     /// saturated (waiting in its --ops-per-sec-max throttle at least half the time) while
     /// another has time to spare, for 3 report periods — with weights from the nodes'
-    /// measured ops/s. Maps with replication 1 only (moves are of primaries).
+    /// measured ops/s. With replication R > 1 a move replaces one member of the
+    /// partitions' replica sets (see ARCHITECTURE.md, camelot-cluster).
     #[arg(long)]
     auto_rebalance: bool,
     /// Test hook, deliberately unsafe: auto-rebalance moves switch without their final
@@ -340,14 +345,19 @@ pub struct ControllerArgs {
 
 #[derive(Args)]
 pub struct MoveArgs {
-    /// Partitions to move (their primary must be the same node).
+    /// Partitions to move (their replica on the `--from` node, by default their primary,
+    /// which must then be the same node for all).
     #[arg(value_name = "PART", required_unless_present = "rollback")]
     partitions: Vec<u32>,
     /// The node to move them to.
     #[arg(long, value_name = "NODE", required_unless_present = "rollback")]
     to: Option<u32>,
+    /// The member of their replica sets they leave (replication R > 1; default: the
+    /// primary). It is replaced by `--to` in each set, primary role included.
+    #[arg(long, value_name = "NODE")]
+    from: Option<u32>,
     /// Undo the move in progress (found in etcd) instead of finishing it; no new move.
-    #[arg(long, conflicts_with_all = ["partitions", "to"])]
+    #[arg(long, conflicts_with_all = ["partitions", "to", "from"])]
     rollback: bool,
     #[command(flatten)]
     mover: MoverArgs,
@@ -366,8 +376,8 @@ pub struct MoverArgs {
     etcd: String,
     #[arg(long, default_value = PREFIX_DEFAULT)]
     etcd_prefix: String,
-    /// Test hook: stop at this phase (copied, fenced, final-copied, switched) and wait to
-    /// be killed.
+    /// Test hook: stop at this phase (joined, copied, fenced, final-copied, switched) and
+    /// wait to be killed.
     #[arg(long, hide = true, value_name = "PHASE")]
     hold_at: Option<String>,
     /// Test hook: how long `--hold-at` holds (milliseconds; default: until killed).
@@ -377,6 +387,10 @@ pub struct MoverArgs {
     /// (loses writes; shows the tests' checker can fail).
     #[arg(long, hide = true)]
     unsafe_no_final_copy: bool,
+    /// Test hook, deliberately unsafe: a replicated move (R > 1) switches without filling
+    /// the joining replica (loses the keys written before it joined).
+    #[arg(long, hide = true)]
+    unsafe_no_fill: bool,
 }
 
 #[derive(Args)]
@@ -559,6 +573,7 @@ fn mover(a: &MoverArgs) -> Result<camelot_cluster::mover::Mover> {
         m.hold_for = Duration::from_millis(ms);
     }
     m.defects.no_final_copy = a.unsafe_no_final_copy;
+    m.defects.no_fill = a.unsafe_no_fill;
     Ok(m)
 }
 
@@ -597,7 +612,7 @@ fn move_partitions(a: MoveArgs) -> Result<()> {
     let Some(to) = a.to else {
         bail!("--to NODE is required");
     };
-    let report = m.run(&a.partitions, to)?;
+    let report = m.run_from(&a.partitions, a.from, to)?;
     print_report(&report);
     Ok(())
 }
@@ -634,12 +649,6 @@ fn rebalance(a: RebalanceArgs) -> Result<()> {
         );
     }
     let map = m.read_map()?.map;
-    if map.replication != 1 {
-        bail!(
-            "rebalance moves primaries only (replication 1); this map has {}",
-            map.replication
-        );
-    }
     let plan = camelot_cluster::plan(&map)?;
     // One move per (from, to) pair: each move scans its source once per pass, whatever
     // share of the source's keys it takes.
@@ -652,7 +661,7 @@ fn rebalance(a: RebalanceArgs) -> Result<()> {
     let mut done = 0;
     for ((from, to), parts) in groups {
         for chunk in parts.chunks(camelot_cluster::moves::MOVE_PARTITIONS_MAX) {
-            let r = m.run(chunk, to)?;
+            let r = m.run_from(chunk, Some(from), to)?;
             done += chunk.len();
             print_report(&r);
             println!("progress: {done}/{total} partition(s) moved ({from} → {to})");

@@ -96,6 +96,10 @@ pub struct ExpandArgs {
     /// Seconds of steady load before the first new node and after each rebalance.
     #[arg(long)]
     settle_seconds: Option<f64>,
+    /// Replicas per partition (default 1). With R > 1 "partitions moved" counts replica
+    /// slots gained, against P·R/N.
+    #[arg(long)]
+    replication: Option<u32>,
     /// Directory for cluster-expand.json and its figure.
     #[arg(long, default_value = "results")]
     out: PathBuf,
@@ -139,6 +143,9 @@ pub fn run(cmd: EtcdBenchCommand) -> Result<()> {
             }
             if let Some(s) = a.settle_seconds {
                 cfg.settle_seconds = s;
+            }
+            if let Some(r) = a.replication {
+                cfg.replication = r;
             }
             camelot_bench::cluster_expand::run(&cfg, &a.out)?
         }

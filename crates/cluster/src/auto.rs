@@ -168,12 +168,19 @@ pub fn with_weights(map: &ClusterMap, weights: &BTreeMap<NodeId, u32>) -> Option
     Some(next)
 }
 
-/// The plan's moves grouped per (old primary, new primary): one move each, since a move
-/// scans its source once per pass whatever share of it it takes. Primaries only (R = 1).
+/// The plan's moves grouped per (member leaving, member joining): one move each, since a
+/// move scans its source once per pass whatever share of it it takes. With R = 1 the
+/// member is the primary; with R > 1 any member, and a move that only adds a replica (a
+/// set below R) is left to re-replication.
 pub fn move_groups(map: &ClusterMap, plan: &Plan) -> BTreeMap<(NodeId, NodeId), Vec<u32>> {
     let mut groups: BTreeMap<(NodeId, NodeId), Vec<u32>> = BTreeMap::new();
     for mv in &plan.moves {
-        let Some(from) = mv.from.or_else(|| map.primary(mv.partition)) else {
+        let from = if map.replication > 1 {
+            mv.from
+        } else {
+            mv.from.or_else(|| map.primary(mv.partition))
+        };
+        let Some(from) = from else {
             continue;
         };
         if from != mv.to {

@@ -13,10 +13,11 @@
 //!    the partition from its primary ([`crate::mover::fill_replica`]); once every copy of a
 //!    round is done the replicas are made full ones in one transaction.
 //! 4. **Auto-rebalance** (only with [`ControllerConfig::auto_rebalance`]) — when the map
-//!    is otherwise settled (R = 1, no fence, nothing syncing), [`crate::auto::decide`]: a
+//!    is otherwise settled (no fence, nothing syncing), [`crate::auto::decide`]: a
 //!    plan on membership (a node joined or left, a skewed map) or on sustained load
 //!    imbalance (weights from the members' measured ops/s); a worker thread runs its moves
-//!    with the [`crate::mover::Mover`], one per (from, to) pair. Every phase of a move is
+//!    with the [`crate::mover::Mover`], one per (from, to) pair (with R > 1 a move replaces
+//!    the member `from` by `to` in the partitions' replica sets). Every phase of a move is
 //!    recorded in etcd with its map change, so a controller killed mid-move leaves a
 //!    record its successor's worker resumes (or rolls back) first.
 //!
@@ -151,8 +152,6 @@ struct Term {
     weights: Option<BTreeMap<NodeId, u32>>,
     /// After a failed rebalance, none before this.
     rebalance_retry_at: Option<Instant>,
-    /// Said once per term: the map's R keeps auto-rebalance off.
-    said_replicated: bool,
 }
 
 impl Controller {
@@ -242,7 +241,6 @@ impl Controller {
                 sampled_at: None,
                 weights: None,
                 rebalance_retry_at: None,
-                said_replicated: false,
             };
             self.lead(&mut term, stop);
             if stop.load(Ordering::Relaxed) {
@@ -487,16 +485,6 @@ impl Controller {
                 .collect();
             term.load.observe(&samples, cfg);
         }
-        if map.replication != 1 {
-            if !term.said_replicated {
-                term.said_replicated = true;
-                self.say(&format!(
-                    "auto-rebalance: off while the map has R = {} (moves are of primaries only)",
-                    map.replication
-                ));
-            }
-            return Ok(());
-        }
         let paused = term.rebalance_retry_at.is_some_and(|t| Instant::now() < t);
         // Only live nodes take partitions: a plan onto a dead one would fail its move.
         // (With R = 1 a dead node's partitions are stranded, not movable: failover keeps
@@ -566,11 +554,9 @@ impl Controller {
         let endpoints = self.endpoints.clone();
         let prefix = self.prefix.clone();
         let progress = Arc::clone(&self.progress);
-        let mover_hold = self
-            .cfg
-            .hold_at
-            .clone()
-            .filter(|h| ["copied", "fenced", "final-copied", "switched"].contains(&h.as_str()));
+        let mover_hold = self.cfg.hold_at.clone().filter(|h| {
+            ["joined", "copied", "fenced", "final-copied", "switched"].contains(&h.as_str())
+        });
         let hold_for = self.cfg.hold_for.min(HOLD_MAX);
         let no_final_copy = self.cfg.unsafe_no_final_copy;
         let worker = std::thread::Builder::new()
@@ -589,12 +575,12 @@ impl Controller {
                     if let Some(r) = m.resume(false)? {
                         let _ = tx.send(MoveNews::Moved(r));
                     }
-                    for ((_, to), parts) in groups {
+                    for ((from, to), parts) in groups {
                         for chunk in parts.chunks(crate::moves::MOVE_PARTITIONS_MAX) {
                             if stop.load(Ordering::Relaxed) {
                                 return Ok(());
                             }
-                            let r = m.run(chunk, to)?;
+                            let r = m.run_from(chunk, Some(from), to)?;
                             let _ = tx.send(MoveNews::Moved(r));
                         }
                     }

@@ -157,11 +157,20 @@ impl ClusterMap {
             if replicas.is_empty() {
                 return Err(MapError::NoReplicas { partition: p });
             }
-            if replicas.len() > self.replication as usize {
+            // A replicated move's target joins as a syncing replica before the member it
+            // replaces leaves, so syncing replicas may take a set above R.
+            // (`syncing` is sorted, checked below; unsorted, the count is off and the map
+            // is refused anyway.)
+            let syncing = self
+                .syncing
+                .partition_point(|(q, _)| *q <= p)
+                .saturating_sub(self.syncing.partition_point(|(q, _)| *q < p));
+            let max = (self.replication as usize + syncing).min(REPLICAS_MAX);
+            if replicas.len() > max {
                 return Err(MapError::TooManyReplicas {
                     partition: p,
                     count: replicas.len(),
-                    max: self.replication as usize,
+                    max,
                 });
             }
             for (i, id) in replicas.iter().enumerate() {

@@ -15,8 +15,9 @@ use camelot_proto::{Item, Op};
 use crate::etcd::{EtcdCluster, EtcdError, Publish, Versioned, VersionedMove};
 use crate::map::{ClusterMap, NodeId};
 use crate::moves::{
-    abort, begin, deletions, fence, resume_step, switch, CopyLog, KeyVersion, MoveError,
-    MoveRecord, Step, CATCHUP_PASSES_MAX, CATCHUP_SETTLED_KEYS, FENCE_MAX, MOVE_KEYS_MAX,
+    abort, begin, deletions, fence, join, led_by_from, resume_step, switch, CopyLog, KeyVersion,
+    MoveError, MoveRecord, Step, CATCHUP_PASSES_MAX, CATCHUP_SETTLED_KEYS, FENCE_MAX,
+    MOVE_KEYS_MAX,
 };
 
 /// How long a node may take to show an epoch before cleanup on it is given up (the keys
@@ -55,6 +56,9 @@ pub enum MoverError {
 pub struct Defects {
     /// Switch without the final pass under the fence.
     pub no_final_copy: bool,
+    /// Replicated moves: switch without filling the joining replica (it then holds only
+    /// the writes made since it joined).
+    pub no_fill: bool,
 }
 
 /// What one move did.
@@ -422,6 +426,9 @@ impl Mover {
 
     fn hold(&mut self, phase: &str) {
         if self.hold_at.as_deref() == Some(phase) {
+            // Once: a step retried after the hold (the map changed under it, as a kill
+            // test makes it) goes on.
+            self.hold_at = None;
             self.say(format!("holding at {phase}"));
             std::thread::sleep(self.hold_for.min(HOLD_MAX));
         }
@@ -468,9 +475,40 @@ impl Mover {
         Ok(matches!(won, Publish::Won(_)))
     }
 
+    /// A replicated move's fill: `to` is made to hold every partition of `rec` as its
+    /// primary has it, one [`fill_replica`] per primary (routed at `map`'s epoch).
+    fn fill(&mut self, map: &ClusterMap, rec: &MoveRecord) -> Result<FillReport, MoverError> {
+        let mut by_primary: std::collections::BTreeMap<NodeId, Vec<u32>> = Default::default();
+        for &p in &rec.partitions {
+            if let Some(primary) = map.primary(p) {
+                by_primary.entry(primary).or_default().push(p);
+            }
+        }
+        let mut all = FillReport::default();
+        for (primary, parts) in by_primary {
+            let r = fill_replica(map, primary, rec.to, &parts)?;
+            all.keys_copied += r.keys_copied;
+            all.bytes_copied += r.bytes_copied;
+            all.keys_deleted += r.keys_deleted;
+            all.secs += r.secs;
+        }
+        Ok(all)
+    }
+
     /// Moves `partitions` (all with one primary) to `to`. A move already in progress is
     /// finished first (or rolled back, if it was fenced when found); then this one runs.
     pub fn run(&mut self, partitions: &[u32], to: NodeId) -> Result<MoveReport, MoverError> {
+        self.run_from(partitions, None, to)
+    }
+
+    /// Moves `partitions`' replica on `from` (their primary when `None`) to `to`: with
+    /// R = 1 the primary, with R > 1 any member of their sets (see [`crate::moves`]).
+    pub fn run_from(
+        &mut self,
+        partitions: &[u32],
+        from: Option<NodeId>,
+        to: NodeId,
+    ) -> Result<MoveReport, MoverError> {
         let mut resumed = None;
         if self.read_move()?.is_some() {
             self.say("a move is in progress: finishing it first".into());
@@ -478,7 +516,7 @@ impl Mover {
         }
         for _ in 0..COMMIT_ATTEMPTS_MAX {
             let map = self.read_map()?;
-            let rec = match begin(&map.map, partitions, to) {
+            let rec = match begin(&map.map, partitions, from, to) {
                 // The move found was this one, and it is done.
                 Err(MoveError::AlreadyThere { .. })
                     if resumed.as_ref().is_some_and(|r| r.switched) =>
@@ -489,10 +527,15 @@ impl Mover {
             };
             if self.commit(Some((&map, None)), None, Some(&rec))? {
                 self.say(format!(
-                    "move of {} partition(s) from node {} to node {}: copying",
+                    "move of {} partition(s) from node {} to node {}{}: copying",
                     rec.partitions.len(),
                     rec.from,
-                    rec.to
+                    rec.to,
+                    if rec.replicated {
+                        format!(" (replicated, R = {})", map.map.replication)
+                    } else {
+                        String::new()
+                    }
                 ));
                 let report = self.drive(false, false)?;
                 if report.switched {
@@ -571,22 +614,135 @@ impl Mover {
                         lost += 1;
                     }
                 }
+                Step::Join => {
+                    let (next, next_rec) = join(&map.map, &rec)?;
+                    if self.commit(Some((&map, Some(&next))), Some(rev), Some(&next_rec))? {
+                        self.say(format!(
+                            "node {} joined the replica sets at epoch {} (syncing)",
+                            rec.to, next.epoch
+                        ));
+                        self.hold("joined");
+                    } else {
+                        lost += 1;
+                    }
+                }
+                Step::Fill => {
+                    // A failover dropped `to` (dead) from some set: nothing to fill.
+                    if let Some(&p) = rec
+                        .partitions
+                        .iter()
+                        .find(|p| !map.map.replicas(**p).contains(&rec.to))
+                    {
+                        self.say(format!(
+                            "node {} left partition {p}'s replica set: rolling back",
+                            rec.to
+                        ));
+                        let (next, next_rec) = abort(&map.map, &rec)?;
+                        if !self.commit(Some((&map, next.as_ref())), Some(rev), Some(&next_rec))? {
+                            lost += 1;
+                        }
+                        continue;
+                    }
+                    let start = Instant::now();
+                    if !self.defects.no_fill {
+                        match self.fill(&map.map, &rec) {
+                            Ok(r) => {
+                                report.keys_copied += r.keys_copied;
+                                report.bytes_copied += r.bytes_copied;
+                                self.say(format!(
+                                    "filled node {}: {} key(s), {} value bytes copied, {} stale deleted, in {:.3} s",
+                                    rec.to, r.keys_copied, r.bytes_copied, r.keys_deleted, r.secs
+                                ));
+                            }
+                            // The map moved on (a failover, a finished sync) or a node
+                            // is briefly out: read both again and fill again.
+                            Err(e @ MoverError::Client { .. }) => {
+                                self.say(format!("fill failed ({e}); again"));
+                                lost += 1;
+                                continue;
+                            }
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    report.copy_secs = start.elapsed().as_secs_f64();
+                    self.hold("copied");
+                    let fencing = !led_by_from(&map.map, &rec).is_empty();
+                    let (next, next_rec) = if fencing {
+                        fence(&map.map, &rec)?
+                    } else {
+                        switch(&map.map, &rec)?
+                    };
+                    if self.commit(Some((&map, Some(&next))), Some(rev), Some(&next_rec))? {
+                        if fencing {
+                            fence_started = Some(Instant::now());
+                            self.say(format!("fenced at epoch {}", next.epoch));
+                            self.hold("fenced");
+                        } else {
+                            report.switched = true;
+                            self.say(format!(
+                                "switched at epoch {} (no fence: node {} leads none of them)",
+                                next.epoch, rec.from
+                            ));
+                            self.hold("switched");
+                        }
+                    } else {
+                        lost += 1;
+                    }
+                }
                 Step::FinalCopy { fence_epoch } => {
                     let started = *fence_started.get_or_insert_with(Instant::now);
                     let deadline = started + FENCE_MAX;
                     let client = raw_client(&map.map, &[rec.from, rec.to])?;
-                    let mut done = wait_epoch(&client, rec.from, fence_epoch, deadline)?;
+                    // `from` dead (SIGKILLed under the fence): roll back, lifting the fence
+                    // at once; a failover then deals with its partitions.
+                    let mut done = match wait_epoch(&client, rec.from, fence_epoch, deadline) {
+                        Ok(d) => d,
+                        Err(e @ MoverError::Client { .. }) => {
+                            self.say(format!(
+                                "node {} unreachable under the fence ({e})",
+                                rec.from
+                            ));
+                            false
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    // A replicated move reconciles only the fenced partitions (`from`
+                    // leads them), against what `to` holds: it has had every write since
+                    // it joined, so only what differs is sent.
+                    let mask = if rec.replicated {
+                        let fenced = MoveRecord {
+                            partitions: map
+                                .map
+                                .fenced
+                                .iter()
+                                .copied()
+                                .filter(|p| rec.partitions.binary_search(p).is_ok())
+                                .collect(),
+                            ..rec.clone()
+                        };
+                        fenced.mask(map.map.partitions())
+                    } else {
+                        mask.clone()
+                    };
                     if done && !self.defects.no_final_copy {
                         let mut source_keys = BTreeSet::new();
-                        let last = copy_pass(
-                            &client,
-                            (rec.from, rec.to),
-                            &mask,
-                            &mut log,
-                            Some(&mut source_keys),
-                            Some(deadline),
-                        )
-                        .and_then(|pass| {
+                        let last = (|| -> Result<(Pass, u64), MoverError> {
+                            let mut seeded;
+                            let final_log = if rec.replicated {
+                                let present = scan_present(&client, rec.to, &mask, Some(deadline))?;
+                                seeded = CopyLog::seeded(&present)?;
+                                &mut seeded
+                            } else {
+                                &mut log
+                            };
+                            let pass = copy_pass(
+                                &client,
+                                (rec.from, rec.to),
+                                &mask,
+                                final_log,
+                                Some(&mut source_keys),
+                                Some(deadline),
+                            )?;
                             let deleted = delete_moving(
                                 &client,
                                 rec.to,
@@ -595,7 +751,7 @@ impl Mover {
                                 Some(deadline),
                             )?;
                             Ok((pass, deleted))
-                        });
+                        })();
                         match last {
                             Ok((pass, deleted)) => {
                                 report.keys_copied += pass.keys;
@@ -607,7 +763,10 @@ impl Mover {
                                 ));
                                 done = Instant::now() < deadline;
                             }
-                            Err(MoverError::FenceOverrun) => done = false,
+                            // Overran, or a node died: the fence goes, the move rolls back.
+                            Err(MoverError::FenceOverrun | MoverError::Client { .. }) => {
+                                done = false
+                            }
                             Err(e) => return Err(e),
                         }
                     }
@@ -642,20 +801,42 @@ impl Mover {
                 }
                 Step::Cleanup { node, after_epoch } => {
                     report.switched = matches!(rec.phase, crate::moves::Phase::Switched { .. });
+                    // A replicated `to` took live copies until it installed the rollback.
+                    let after_epoch = if rec.replicated && after_epoch == 0 {
+                        map.map.epoch
+                    } else {
+                        after_epoch
+                    };
+                    // Never a partition the node (still, or again) holds a replica of.
+                    let mut mask = mask.clone();
+                    for (p, m) in mask.iter_mut().enumerate() {
+                        if map.map.replicas(p as u32).contains(&node) {
+                            *m = false;
+                        }
+                    }
                     match raw_client(&map.map, &[node]) {
                         Ok(client) => {
                             let deadline = Instant::now() + CLEANUP_WAIT_MAX;
-                            if wait_epoch(&client, node, after_epoch, deadline)? {
-                                report.keys_deleted =
-                                    delete_moving(&client, node, &mask, None, None)?;
-                                self.say(format!(
-                                    "cleanup: {} key(s) deleted on node {node}",
-                                    report.keys_deleted
-                                ));
-                            } else {
-                                self.say(format!(
+                            // A node that dies now (SIGKILLed mid-move) holds nothing
+                            // anyone can read: the move is done without its cleanup.
+                            let cleaned = wait_epoch(&client, node, after_epoch, deadline)
+                                .and_then(|reached| {
+                                    reached
+                                        .then(|| delete_moving(&client, node, &mask, None, None))
+                                        .transpose()
+                                });
+                            match cleaned {
+                                Ok(Some(n)) => {
+                                    report.keys_deleted = n;
+                                    self.say(format!("cleanup: {n} key(s) deleted on node {node}"));
+                                }
+                                Ok(None) => self.say(format!(
                                     "cleanup: node {node} did not reach epoch {after_epoch}; its copies stay"
-                                ));
+                                )),
+                                Err(e @ MoverError::Client { .. }) => {
+                                    self.say(format!("cleanup: node {node} unreachable ({e})"))
+                                }
+                                Err(e) => return Err(e),
                             }
                         }
                         // A node that cannot be reached holds nothing anyone can read.

@@ -25,17 +25,37 @@
 //! in again; a move wanted still then starts over), Switched and RollingBack finish their
 //! cleanup. No phase is half-applied: the map and the record change in one transaction.
 //!
-//! With replication R > 1 the same phases apply to the primary; the switch then replaces
-//! `from` by `to` in the replica list, primary first (see [`switch`]), and backups keep
-//! receiving the primary's writes throughout. This module is written for R = 1 and
-//! refuses a `to` that already holds a replica.
+//! **With replication R > 1** (a *replicated* move: the map's R > 1 when it began) a move
+//! replaces one member `from` of the partitions' replica sets — the primary or a backup —
+//! by `to`, and the copy is made by replication itself rather than by catch-up passes:
+//!
+//! 1. **Copying** — nothing done yet (no map change).
+//! 2. **Joining** at epoch J — the map at J appends `to` to each set as a *syncing*
+//!    replica (the set holds R + 1 for the move's duration, so redundancy never drops
+//!    below R): the primary copies every write to it before acknowledging. The mover then
+//!    fills it from the primary exactly as re-replication does (snapshot, then delete
+//!    what the primary no longer has; [`crate::mover::fill_replica`]).
+//! 3. If `from` is a backup of every partition, **Switched** at S directly: the map at S
+//!    drops `from` and makes `to` a full replica in its place. No fence: the primary does
+//!    not change, and `to` already has every acknowledged write.
+//!    If `from` is the primary of some, **Fenced** at F first (those partitions only):
+//!    `from` stops serving them; once it shows F the mover reconciles `to` with `from`
+//!    (copies what differs — a write applied on `from` whose copy `to` refused — and
+//!    deletes what `from` lacks), then switches: `to` takes `from`'s place, primary.
+//! 4. Cleanup on `from` after it shows S; a rollback removes `to` from the sets at a new
+//!    epoch and cleans `to` after it shows that epoch.
+//!
+//! A replicated move found Joining is filled again (the fill is idempotent); found Fenced
+//! it is rolled back, as above. Either node or the mover may die anywhere: every map
+//! change goes with its record change in one transaction, and a set never holds fewer
+//! full replicas than before the move.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::map::{ClusterMap, NodeId};
+use crate::map::{ClusterMap, NodeId, REPLICAS_MAX};
 
 /// Partitions one move takes at once: the fence covers them all, so this bounds how many
 /// partitions' writes one fence holds up, and the per-pass key list.
@@ -84,14 +104,28 @@ pub enum MoveError {
     },
     #[error("the moving partitions hold more than {MOVE_KEYS_MAX} keys")]
     TooManyKeys,
+    #[error("node {node} is not a replica of partition {partition}")]
+    NotAReplica { partition: u32, node: NodeId },
+    #[error("partition {0} has a replica still being filled: move it once re-replication is done")]
+    Syncing(u32),
+    #[error("partition {0} cannot take one more replica during a move (at most {REPLICAS_MAX})")]
+    FullSet(u32),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "phase", rename_all = "snake_case")]
 pub enum Phase {
     Copying,
-    Fenced { epoch: u64 },
-    Switched { epoch: u64 },
+    /// Replicated moves only: `to` is a syncing replica since `epoch`.
+    Joining {
+        epoch: u64,
+    },
+    Fenced {
+        epoch: u64,
+    },
+    Switched {
+        epoch: u64,
+    },
     RollingBack,
 }
 
@@ -99,6 +133,7 @@ impl Phase {
     pub fn name(&self) -> &'static str {
         match self {
             Phase::Copying => "copying",
+            Phase::Joining { .. } => "joining",
             Phase::Fenced { .. } => "fenced",
             Phase::Switched { .. } => "switched",
             Phase::RollingBack => "rolling back",
@@ -113,6 +148,10 @@ pub struct MoveRecord {
     pub partitions: Vec<u32>,
     pub from: NodeId,
     pub to: NodeId,
+    /// Began on a map with R > 1: `to` joins the replica sets and `from` leaves them (see
+    /// the module's text). Absent (false) in records written before such moves existed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replicated: bool,
     #[serde(flatten)]
     pub phase: Phase,
 }
@@ -131,7 +170,14 @@ impl MoveRecord {
 }
 
 /// Checks a move of `partitions` to `to` against `map` and returns its first record.
-pub fn begin(map: &ClusterMap, partitions: &[u32], to: NodeId) -> Result<MoveRecord, MoveError> {
+/// `from`: the member the partitions leave — their primary when `None` (and it must be
+/// the primary with R = 1, whose moves are of primaries only).
+pub fn begin(
+    map: &ClusterMap,
+    partitions: &[u32],
+    from: Option<NodeId>,
+    to: NodeId,
+) -> Result<MoveRecord, MoveError> {
     let set: BTreeSet<u32> = partitions.iter().copied().collect();
     if set.is_empty() || set.len() > MOVE_PARTITIONS_MAX {
         return Err(MoveError::Partitions(set.len()));
@@ -139,7 +185,8 @@ pub fn begin(map: &ClusterMap, partitions: &[u32], to: NodeId) -> Result<MoveRec
     if map.node(to).is_none() {
         return Err(MoveError::UnknownNode(to));
     }
-    let mut from: Option<(u32, NodeId)> = None;
+    let replicated = map.replication > 1;
+    let mut leaving: Option<(u32, NodeId)> = None;
     for &p in &set {
         let primary = map.primary(p).ok_or(MoveError::NoSuchPartition {
             partition: p,
@@ -148,30 +195,45 @@ pub fn begin(map: &ClusterMap, partitions: &[u32], to: NodeId) -> Result<MoveRec
         if map.is_fenced(p) {
             return Err(MoveError::AlreadyFenced(p));
         }
-        if map.replicas(p).contains(&to) {
+        let replicas = map.replicas(p);
+        if replicas.contains(&to) {
             return Err(MoveError::AlreadyThere {
                 partition: p,
                 node: to,
             });
         }
-        match from {
-            None => from = Some((p, primary)),
-            Some((a, pa)) if pa != primary => {
+        let node = from.unwrap_or(primary);
+        if !replicas.contains(&node) || (!replicated && node != primary) {
+            return Err(MoveError::NotAReplica { partition: p, node });
+        }
+        if replicated {
+            // A set being refilled is re-replication's; and the move adds one member.
+            if map.syncing.iter().any(|(q, _)| *q == p) {
+                return Err(MoveError::Syncing(p));
+            }
+            if replicas.len() >= REPLICAS_MAX {
+                return Err(MoveError::FullSet(p));
+            }
+        }
+        match leaving {
+            None => leaving = Some((p, node)),
+            Some((a, pa)) if pa != node => {
                 return Err(MoveError::MixedSources {
                     a,
                     pa,
                     b: p,
-                    pb: primary,
+                    pb: node,
                 })
             }
             Some(_) => {}
         }
     }
-    let (_, from) = from.ok_or(MoveError::Partitions(0))?;
+    let (_, from) = leaving.ok_or(MoveError::Partitions(0))?;
     Ok(MoveRecord {
         partitions: set.into_iter().collect(),
         from,
         to,
+        replicated,
         phase: Phase::Copying,
     })
 }
@@ -199,15 +261,29 @@ fn next_epoch(map: &ClusterMap) -> ClusterMap {
     next
 }
 
-/// Copying → Fenced: the next map fences the partitions.
+/// Copying → Fenced (R = 1), or Joining → Fenced (replicated: only the partitions whose
+/// primary `from` is are fenced; there must be some): the next map fences them.
 pub fn fence(map: &ClusterMap, rec: &MoveRecord) -> Result<(ClusterMap, MoveRecord), MoveError> {
-    if rec.phase != Phase::Copying {
-        return Err(wrong(rec, "fence"));
-    }
-    check_primaries(map, rec, rec.from)?;
+    let fenced_now: Vec<u32> = if rec.replicated {
+        if !matches!(rec.phase, Phase::Joining { .. }) {
+            return Err(wrong(rec, "fence"));
+        }
+        check_members(map, rec)?;
+        let led = led_by_from(map, rec);
+        if led.is_empty() {
+            return Err(wrong(rec, "fence (no partition has it as primary)"));
+        }
+        led
+    } else {
+        if rec.phase != Phase::Copying {
+            return Err(wrong(rec, "fence"));
+        }
+        check_primaries(map, rec, rec.from)?;
+        rec.partitions.clone()
+    };
     let mut next = next_epoch(map);
     let mut fenced: BTreeSet<u32> = next.fenced.iter().copied().collect();
-    fenced.extend(rec.partitions.iter().copied());
+    fenced.extend(fenced_now);
     next.fenced = fenced.into_iter().collect();
     let rec = MoveRecord {
         phase: Phase::Fenced { epoch: next.epoch },
@@ -216,9 +292,80 @@ pub fn fence(map: &ClusterMap, rec: &MoveRecord) -> Result<(ClusterMap, MoveReco
     Ok((next, rec))
 }
 
+/// The move's partitions whose primary is `from` in `map`: those a replicated move must
+/// fence before `to` takes over.
+pub fn led_by_from(map: &ClusterMap, rec: &MoveRecord) -> Vec<u32> {
+    rec.partitions
+        .iter()
+        .copied()
+        .filter(|p| map.primary(*p) == Some(rec.from))
+        .collect()
+}
+
+/// Copying → Joining (replicated moves): the next map appends `to` to every set as a
+/// syncing replica.
+pub fn join(map: &ClusterMap, rec: &MoveRecord) -> Result<(ClusterMap, MoveRecord), MoveError> {
+    if !rec.replicated || rec.phase != Phase::Copying {
+        return Err(wrong(rec, "join"));
+    }
+    let mut next = next_epoch(map);
+    let mut syncing: BTreeSet<(u32, NodeId)> = next.syncing.iter().copied().collect();
+    for &p in &rec.partitions {
+        let replicas = next
+            .assignment
+            .get_mut(p as usize)
+            .ok_or(MoveError::NoSuchPartition {
+                partition: p,
+                partitions: map.partitions(),
+            })?;
+        if !replicas.contains(&rec.from) {
+            return Err(MoveError::NotAReplica {
+                partition: p,
+                node: rec.from,
+            });
+        }
+        if replicas.contains(&rec.to) {
+            return Err(MoveError::AlreadyThere {
+                partition: p,
+                node: rec.to,
+            });
+        }
+        if replicas.len() >= REPLICAS_MAX {
+            return Err(MoveError::FullSet(p));
+        }
+        replicas.push(rec.to);
+        syncing.insert((p, rec.to));
+    }
+    next.syncing = syncing.into_iter().collect();
+    let rec = MoveRecord {
+        phase: Phase::Joining { epoch: next.epoch },
+        ..rec.clone()
+    };
+    Ok((next, rec))
+}
+
+/// A replicated move's `to` must still be in every set (a failover may have dropped it,
+/// dead): the switch has nothing to switch to otherwise.
+fn check_members(map: &ClusterMap, rec: &MoveRecord) -> Result<(), MoveError> {
+    for &p in &rec.partitions {
+        if !map.replicas(p).contains(&rec.to) {
+            return Err(MoveError::NotAReplica {
+                partition: p,
+                node: rec.to,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Fenced → Switched: the next map makes `to` the partitions' primary (in `from`'s place
-/// in the replica list, moved to the front) and lifts their fence.
+/// in the replica list, moved to the front) and lifts their fence. A replicated move
+/// switches from Fenced or (when `from` leads none of them) from Joining: `to` takes
+/// `from`'s place in each set — primary where `from` was — and is a full replica.
 pub fn switch(map: &ClusterMap, rec: &MoveRecord) -> Result<(ClusterMap, MoveRecord), MoveError> {
+    if rec.replicated {
+        return switch_replicated(map, rec);
+    }
     if !matches!(rec.phase, Phase::Fenced { .. }) {
         return Err(wrong(rec, "switch"));
     }
@@ -238,18 +385,84 @@ pub fn switch(map: &ClusterMap, rec: &MoveRecord) -> Result<(ClusterMap, MoveRec
     Ok((next, rec))
 }
 
-/// Copying or Fenced → RollingBack: the partitions stay with `from`; a fence is lifted
-/// (a new map then), otherwise the map is unchanged (`None`).
+fn switch_replicated(
+    map: &ClusterMap,
+    rec: &MoveRecord,
+) -> Result<(ClusterMap, MoveRecord), MoveError> {
+    match rec.phase {
+        Phase::Joining { .. } => {
+            // Unfenced, `from` must lead none: a new primary needs the fence first.
+            if !led_by_from(map, rec).is_empty() {
+                return Err(wrong(rec, "switch unfenced while `from` leads a partition"));
+            }
+        }
+        Phase::Fenced { .. } => {
+            // The fenced partitions are still `from`'s: a failover that replaced it
+            // while fenced leaves the move to be rolled back.
+            for &p in &map.fenced {
+                if rec.partitions.binary_search(&p).is_ok() && map.primary(p) != Some(rec.from) {
+                    return Err(MoveError::PrimaryChanged {
+                        partition: p,
+                        from: rec.from,
+                        now: map.primary(p).unwrap_or_default(),
+                    });
+                }
+            }
+        }
+        _ => return Err(wrong(rec, "switch")),
+    }
+    check_members(map, rec)?;
+    let mut next = next_epoch(map);
+    for &p in &rec.partitions {
+        let replicas = &mut next.assignment[p as usize];
+        replicas.retain(|n| *n != rec.to);
+        match replicas.iter().position(|n| *n == rec.from) {
+            Some(i) => replicas[i] = rec.to,
+            // `from` already left (dead, dropped by a failover): `to` stays a backup.
+            None => replicas.push(rec.to),
+        }
+    }
+    next.syncing
+        .retain(|(p, n)| !(*n == rec.to && rec.partitions.binary_search(p).is_ok()));
+    next.fenced
+        .retain(|p| rec.partitions.binary_search(p).is_err());
+    let rec = MoveRecord {
+        phase: Phase::Switched { epoch: next.epoch },
+        ..rec.clone()
+    };
+    Ok((next, rec))
+}
+
+/// Copying, Joining or Fenced → RollingBack: the partitions stay with `from`; a fence is
+/// lifted and a joining `to` leaves the sets (a new map then), otherwise the map is
+/// unchanged (`None`).
 pub fn abort(
     map: &ClusterMap,
     rec: &MoveRecord,
 ) -> Result<(Option<ClusterMap>, MoveRecord), MoveError> {
     let next = match rec.phase {
         Phase::Copying => None,
-        Phase::Fenced { .. } => {
+        Phase::Joining { .. } | Phase::Fenced { .. } => {
             let mut next = next_epoch(map);
             next.fenced
                 .retain(|p| rec.partitions.binary_search(p).is_err());
+            if rec.replicated {
+                for &p in &rec.partitions {
+                    if let Some(replicas) = next.assignment.get_mut(p as usize) {
+                        // Never the last member nor the primary (which `to` can only be
+                        // if something else made it so: then it stays).
+                        if replicas.len() > 1 && replicas.first() != Some(&rec.to) {
+                            replicas.retain(|n| *n != rec.to);
+                        }
+                    }
+                }
+                let assignment = &next.assignment;
+                next.syncing.retain(|(p, n)| {
+                    assignment
+                        .get(*p as usize)
+                        .is_some_and(|r| r.iter().skip(1).any(|x| x == n))
+                });
+            }
             Some(next)
         }
         _ => return Err(wrong(rec, "roll back")),
@@ -273,13 +486,19 @@ fn wrong(rec: &MoveRecord, what: &'static str) -> MoveError {
 pub enum Step {
     /// Copy and catch up, then [`fence`].
     Copy,
+    /// Replicated: [`join`].
+    Join,
+    /// Replicated: fill `to` from each partition's primary, then [`fence`] (when `from`
+    /// leads some of them) or [`switch`].
+    Fill,
     /// Wait for `from` to show the fence epoch, make the final pass, then [`switch`]; or
     /// [`abort`] if that takes longer than [`FENCE_MAX`].
     FinalCopy { fence_epoch: u64 },
     /// [`abort`].
     Abort,
-    /// Delete the partitions' keys on `node` (once it shows `after_epoch`), then delete
-    /// the record.
+    /// Delete the partitions' keys on `node` (once it shows `after_epoch`; 0 for a
+    /// replicated rollback: the epoch of the map the mover reads then, at least the
+    /// rollback's), then delete the record.
     Cleanup { node: NodeId, after_epoch: u64 },
 }
 
@@ -288,8 +507,11 @@ pub enum Step {
 /// `rollback`: the user asked to undo the move.
 pub fn resume_step(rec: &MoveRecord, resuming: bool, rollback: bool) -> Step {
     match rec.phase {
-        Phase::Copying if rollback => Step::Abort,
+        Phase::Copying | Phase::Joining { .. } if rollback => Step::Abort,
+        Phase::Copying if rec.replicated => Step::Join,
         Phase::Copying => Step::Copy,
+        // Unfenced, so a fill found half made is made again rather than undone.
+        Phase::Joining { .. } => Step::Fill,
         Phase::Fenced { .. } if rollback || resuming => Step::Abort,
         Phase::Fenced { epoch } => Step::FinalCopy { fence_epoch: epoch },
         Phase::Switched { epoch } => Step::Cleanup {
@@ -297,7 +519,8 @@ pub fn resume_step(rec: &MoveRecord, resuming: bool, rollback: bool) -> Step {
             after_epoch: epoch,
         },
         // The map did not give `to` the partitions at any epoch the rollback published,
-        // so its copies can go at once.
+        // so its copies can go at once (R = 1; a replicated `to` received live copies
+        // until it installed the rollback's map).
         Phase::RollingBack => Step::Cleanup {
             node: rec.to,
             after_epoch: 0,
@@ -336,6 +559,20 @@ impl CopyLog {
                 Ok(true)
             }
         }
+    }
+
+    /// A log that takes `present` (what the target holds) as sent: a pass then sends only
+    /// keys whose version differs there.
+    pub fn seeded(present: &[KeyVersion]) -> Result<CopyLog, MoveError> {
+        if present.len() > MOVE_KEYS_MAX {
+            return Err(MoveError::TooManyKeys);
+        }
+        Ok(CopyLog {
+            sent: present
+                .iter()
+                .map(|kv| (kv.key.clone(), kv.version))
+                .collect(),
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -386,7 +623,7 @@ mod tests {
         let m = map(2, 8);
         let from = m.primary(3).unwrap();
         let to = 1 - from;
-        let rec = begin(&m, &[3], to).unwrap();
+        let rec = begin(&m, &[3], None, to).unwrap();
         assert_eq!(rec.from, from);
         let (fm, frec) = fence(&m, &rec).unwrap();
         fm.validate().unwrap();
@@ -446,29 +683,29 @@ mod tests {
         let m = map(3, 16);
         let p0 = m.primary(0).unwrap();
         assert_eq!(
-            begin(&m, &[0], p0),
+            begin(&m, &[0], None, p0),
             Err(MoveError::AlreadyThere {
                 partition: 0,
                 node: p0
             })
         );
-        assert_eq!(begin(&m, &[], 0), Err(MoveError::Partitions(0)));
+        assert_eq!(begin(&m, &[], None, 0), Err(MoveError::Partitions(0)));
         assert!(matches!(
-            begin(&m, &[99], 0),
+            begin(&m, &[99], None, 0),
             Err(MoveError::NoSuchPartition { .. })
         ));
-        assert_eq!(begin(&m, &[0], 7), Err(MoveError::UnknownNode(7)));
+        assert_eq!(begin(&m, &[0], None, 7), Err(MoveError::UnknownNode(7)));
         let other = (1..16).find(|p| m.primary(*p) != Some(p0)).unwrap();
         let to = (0..3)
             .find(|n| *n != p0 && Some(*n) != m.primary(other))
             .unwrap();
         assert!(matches!(
-            begin(&m, &[0, other], to),
+            begin(&m, &[0, other], None, to),
             Err(MoveError::MixedSources { .. })
         ));
-        let rec = begin(&m, &[0], to).unwrap();
+        let rec = begin(&m, &[0], None, to).unwrap();
         let (fm, _) = fence(&m, &rec).unwrap();
-        assert_eq!(begin(&fm, &[0], to), Err(MoveError::AlreadyFenced(0)));
+        assert_eq!(begin(&fm, &[0], None, to), Err(MoveError::AlreadyFenced(0)));
     }
 
     #[test]
@@ -477,6 +714,7 @@ mod tests {
             partitions: vec![1, 5],
             from: 0,
             to: 2,
+            replicated: false,
             phase: Phase::Fenced { epoch: 9 },
         };
         let json = serde_json::to_string(&rec).unwrap();
@@ -523,5 +761,249 @@ mod tests {
                 version: 5
             }]
         );
+    }
+}
+
+/// Replicated moves (R > 1), pure: the phases' maps, and a proptest driving them with
+/// kills (the mover starting over from the record) and rollbacks at random points.
+#[cfg(test)]
+mod replicated_tests {
+    use super::*;
+    use crate::map::Node;
+    use proptest::prelude::*;
+    use std::net::SocketAddr;
+
+    fn map(nodes: u32, partitions: u32, r: u32) -> ClusterMap {
+        let nodes = (0..nodes)
+            .map(|i| Node {
+                id: i,
+                addr: SocketAddr::from(([127, 0, 0, 1], 7000 + i as u16)),
+                weight: 1,
+                lease: 0,
+            })
+            .collect();
+        ClusterMap::initial(nodes, partitions, r).unwrap()
+    }
+
+    #[test]
+    fn a_backup_is_replaced_without_a_fence_and_a_primary_behind_one() {
+        let m = map(3, 8, 2);
+        // Node 2 joins; take a partition whose backup is node 0, one whose primary is.
+        let mut m = m;
+        m.nodes.push(Node {
+            id: 3,
+            addr: SocketAddr::from(([127, 0, 0, 1], 7003)),
+            weight: 1,
+            lease: 0,
+        });
+        let backup_p = (0..8).find(|p| m.replicas(*p)[1] == 0).unwrap();
+        let rec = begin(&m, &[backup_p], Some(0), 3).unwrap();
+        assert!(rec.replicated);
+        assert_eq!(resume_step(&rec, false, false), Step::Join);
+        let (jm, jrec) = join(&m, &rec).unwrap();
+        jm.validate().unwrap();
+        assert_eq!(jm.replicas(backup_p).len(), 3, "R + 1 while joining");
+        assert!(jm.is_syncing(backup_p, 3));
+        assert_eq!(resume_step(&jrec, true, false), Step::Fill);
+        assert!(led_by_from(&jm, &jrec).is_empty());
+        assert!(fence(&jm, &jrec).is_err(), "nothing to fence");
+        let (sm, srec) = switch(&jm, &jrec).unwrap();
+        sm.validate().unwrap();
+        assert_eq!(sm.replicas(backup_p)[1], 3, "in node 0's place");
+        assert_eq!(sm.primary(backup_p), m.primary(backup_p));
+        assert!(sm.syncing.is_empty() && sm.fenced.is_empty());
+        assert_eq!(
+            resume_step(&srec, true, false),
+            Step::Cleanup {
+                node: 0,
+                after_epoch: sm.epoch
+            }
+        );
+
+        let primary_p = (0..8).find(|p| m.primary(*p) == Some(0)).unwrap();
+        let rec = begin(&m, &[primary_p], None, 3).unwrap();
+        assert_eq!(rec.from, 0);
+        let (jm, jrec) = join(&m, &rec).unwrap();
+        assert!(switch(&jm, &jrec).is_err(), "a new primary needs the fence");
+        let (fm, frec) = fence(&jm, &jrec).unwrap();
+        fm.validate().unwrap();
+        assert_eq!(fm.fenced, vec![primary_p]);
+        assert_eq!(resume_step(&frec, true, false), Step::Abort);
+        let (sm, _) = switch(&fm, &frec).unwrap();
+        sm.validate().unwrap();
+        assert_eq!(sm.primary(primary_p), Some(3));
+        assert_eq!(&sm.replicas(primary_p)[1..], &m.replicas(primary_p)[1..]);
+        // Rolled back from the fence: node 3 leaves, the fence is lifted.
+        let (rm, rrec) = abort(&fm, &frec).unwrap();
+        let rm = rm.unwrap();
+        rm.validate().unwrap();
+        assert_eq!(rm.replicas(primary_p), m.replicas(primary_p));
+        assert!(rm.fenced.is_empty() && rm.syncing.is_empty());
+        assert_eq!(
+            resume_step(&rrec, true, false),
+            Step::Cleanup {
+                node: 3,
+                after_epoch: 0
+            }
+        );
+    }
+
+    #[test]
+    fn replicated_moves_refuse_what_they_cannot_do() {
+        let m = map(3, 8, 2);
+        let p = 0;
+        let outsider = (0..3).find(|n| !m.replicas(p).contains(n)).unwrap();
+        let member = m.replicas(p)[1];
+        assert_eq!(
+            begin(&m, &[p], Some(outsider), member),
+            Err(MoveError::AlreadyThere {
+                partition: p,
+                node: member
+            })
+        );
+        assert_eq!(
+            begin(&m, &[p], Some(outsider), 7),
+            Err(MoveError::UnknownNode(7))
+        );
+        let mut s = m.clone();
+        s.assignment[p as usize].truncate(1);
+        s.assignment[p as usize].push(outsider);
+        s.syncing = vec![(p, outsider)];
+        s.validate().unwrap();
+        let third = (0..3).find(|n| !s.replicas(p).contains(n)).unwrap();
+        assert_eq!(begin(&s, &[p], None, third), Err(MoveError::Syncing(p)));
+        // R = 1: only the primary moves.
+        let one = map(2, 4, 1);
+        let primary = one.primary(0).unwrap();
+        assert!(begin(&one, &[0], Some(primary), 1 - primary).is_ok());
+        assert!(!begin(&one, &[0], None, 1 - primary).unwrap().replicated);
+    }
+
+    #[derive(Debug, Clone, Copy)]
+    enum Act {
+        Step,
+        Crash,
+        Rollback,
+        Overrun,
+    }
+
+    fn act() -> impl Strategy<Value = Act> {
+        prop_oneof![
+            6 => Just(Act::Step),
+            2 => Just(Act::Crash),
+            1 => Just(Act::Rollback),
+            1 => Just(Act::Overrun),
+        ]
+    }
+
+    proptest! {
+        /// Whatever kills and rollbacks hit it, a replicated move: publishes only valid
+        /// maps; changes a partition's primary only out of a map that fences it; never
+        /// leaves a partition with fewer full (non-syncing) replicas than it had; touches
+        /// no other partition; and ends either switched (`to` in `from`'s place) or rolled
+        /// back (the sets as before), with no fence and nothing syncing.
+        #[test]
+        fn a_replicated_move_is_never_half_applied(
+            nodes in 3u32..6,
+            r in 2u32..4,
+            parts in 4u32..24,
+            pick in any::<u64>(),
+            from_i in 0u32..6,
+            to_i in 0u32..6,
+            acts in proptest::collection::vec(act(), 1..40),
+        ) {
+            prop_assume!(r < nodes);
+            let m0 = map(nodes, parts, r);
+            let (from, to) = (from_i % nodes, to_i % nodes);
+            let chosen: Vec<u32> = (0..parts)
+                .filter(|p| pick >> (p % 64) & 1 == 1)
+                .filter(|p| m0.replicas(*p).contains(&from) && !m0.replicas(*p).contains(&to))
+                .collect();
+            prop_assume!(!chosen.is_empty());
+            let rec0 = begin(&m0, &chosen, Some(from), to).unwrap();
+            prop_assert!(rec0.replicated);
+            let mut m = m0.clone();
+            let mut rec = Some(rec0);
+            let (mut resuming, mut rollback) = (false, false);
+            let mut switched = false;
+            let full = |m: &ClusterMap, p: u32| {
+                m.replicas(p).iter().filter(|n| !m.is_syncing(p, **n)).count()
+            };
+            let mut acts = acts.into_iter().chain(std::iter::repeat(Act::Step));
+            for _ in 0..200 {
+                let Some(r) = rec.clone() else { break };
+                let a = acts.next().unwrap_or(Act::Step);
+                match a {
+                    Act::Crash => { resuming = true; continue; }
+                    Act::Rollback => { rollback = true; continue; }
+                    _ => {}
+                }
+                let step = resume_step(&r, resuming, rollback);
+                resuming = false;
+                let (next, next_rec): (Option<ClusterMap>, Option<MoveRecord>) = match step {
+                    Step::Copy | Step::FinalCopy { .. } if matches!(a, Act::Overrun) => {
+                        let (n, nr) = abort(&m, &r).unwrap();
+                        (n, Some(nr))
+                    }
+                    Step::Copy => unreachable!("a replicated move never copies by passes"),
+                    Step::Join => {
+                        let (n, nr) = join(&m, &r).unwrap();
+                        (Some(n), Some(nr))
+                    }
+                    Step::Fill => {
+                        let (n, nr) = if led_by_from(&m, &r).is_empty() {
+                            switch(&m, &r).unwrap()
+                        } else {
+                            fence(&m, &r).unwrap()
+                        };
+                        (Some(n), Some(nr))
+                    }
+                    Step::FinalCopy { .. } => {
+                        let (n, nr) = switch(&m, &r).unwrap();
+                        (Some(n), Some(nr))
+                    }
+                    Step::Abort => {
+                        let (n, nr) = abort(&m, &r).unwrap();
+                        (n, Some(nr))
+                    }
+                    Step::Cleanup { .. } => {
+                        switched = matches!(r.phase, Phase::Switched { .. });
+                        (None, None)
+                    }
+                };
+                if let Some(n) = next {
+                    prop_assert!(n.validate().is_ok(), "{:?}", n.validate());
+                    prop_assert_eq!(n.epoch, m.epoch + 1);
+                    for p in 0..parts {
+                        if m.primary(p) != n.primary(p) {
+                            prop_assert!(m.is_fenced(p), "partition {} changed primary unfenced", p);
+                        }
+                        prop_assert!(full(&n, p) >= full(&m0, p), "partition {} below its full replicas", p);
+                        if !chosen.contains(&p) {
+                            prop_assert_eq!(n.replicas(p), m0.replicas(p));
+                        }
+                    }
+                    for p in &n.fenced {
+                        prop_assert_eq!(n.primary(*p), Some(from));
+                    }
+                    m = n;
+                }
+                rec = next_rec;
+            }
+            prop_assert!(rec.is_none(), "the move ended");
+            prop_assert!(m.fenced.is_empty() && m.syncing.is_empty());
+            for p in 0..parts {
+                if chosen.contains(&p) && switched {
+                    let want: Vec<NodeId> = m0
+                        .replicas(p)
+                        .iter()
+                        .map(|n| if *n == from { to } else { *n })
+                        .collect();
+                    prop_assert_eq!(m.replicas(p), &want[..]);
+                } else {
+                    prop_assert_eq!(m.replicas(p), m0.replicas(p));
+                }
+            }
+        }
     }
 }

@@ -253,7 +253,7 @@ impl World {
                             self.pc = Pc::Done;
                             return;
                         }
-                        match begin(self.latest(), &parts, to) {
+                        match begin(self.latest(), &parts, None, to) {
                             Ok(r) => {
                                 self.record = Some(r.clone());
                                 r
@@ -286,6 +286,7 @@ impl World {
                         Pc::Start { resuming: false }
                     }
                     Step::Cleanup { node, after_epoch } => Pc::Cleanup { node, after_epoch },
+                    Step::Join | Step::Fill => unreachable!("the model's maps have R = 1"),
                 };
             }
             Pc::Copy {
