@@ -666,8 +666,7 @@ impl Volume {
         for (g, batch) in grouped.into_iter().enumerate() {
             let node = members[g] as NodeId;
             let (ats, ops): (Vec<usize>, Vec<Op>) = batch.into_iter().unzip();
-            match client.submit_many(ops.into_iter().map(|op| (node, op)))
-            {
+            match client.submit_many(ops.into_iter().map(|op| (node, op))) {
                 Ok(ps) => pendings.push((ats, ps)),
                 Err(e) => {
                     for at in ats {

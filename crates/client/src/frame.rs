@@ -606,15 +606,12 @@ mod tests {
     }
 
     /// Every body `r` yields until the stream closes, or the decode error.
-    fn read_all(
-        r: &mut Trickle,
-        chunk: usize,
-    ) -> Result<Vec<Bytes>, camelot_proto::DecodeError> {
+    fn read_all(r: &mut Trickle, chunk: usize) -> Result<Vec<Bytes>, camelot_proto::DecodeError> {
         let mut frames = FrameReader::new(chunk);
         let mut bodies = Vec::new();
-        // Bounded: every call moves at least one byte, or reports WouldBlock at most
-        // once per size, or ends.
-        for _ in 0..(r.data.len() + r.sizes.len()) * 2 + 10 {
+        // Bounded: every cycle through the sizes moves at least one byte (each has a
+        // non-zero size), so the stream ends within this many calls.
+        for _ in 0..(r.data.len() + 1) * r.sizes.len() * 2 + 10 {
             while let Some(body) = frames.next_frame()? {
                 bodies.push(body);
             }
