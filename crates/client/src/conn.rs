@@ -12,13 +12,12 @@
 
 use crate::completion::Completion;
 use crate::frame::{
-    complete_frame, decode_answer, hello_answer, hello_frame, FrameLimits, Submission,
-    HELLO_ANSWER_BYTES_MAX,
+    complete_frame, decode_answer, hello_answer, hello_frame, Filled, FrameLimits, FrameReader,
+    Submission, HELLO_ANSWER_BYTES_MAX,
 };
 use crate::{ClientConfig, ClientError};
 use bytes::{Bytes, BytesMut};
 use camelot_proto::limits::BATCH_OPS_MAX;
-use camelot_proto::FrameDecoder;
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::io::{ErrorKind, IoSlice, Read, Write};
@@ -79,8 +78,7 @@ const NO_CPU: usize = usize::MAX;
 
 pub(crate) struct ReadBuf {
     stream: TcpStream,
-    buf: BytesMut,
-    scratch: Vec<u8>,
+    frames: FrameReader,
 }
 
 impl Shared {
@@ -175,10 +173,7 @@ impl Conn {
             frames_ahead: config.frames_ahead.max(1),
             read_role: Mutex::new(ReadBuf {
                 stream: read_half,
-                buf: BytesMut::with_capacity(READ_CHUNK_BYTES),
-                // Zeroed once: growing `buf` and zeroing the new room on every read cost
-                // more than copying out of here.
-                scratch: vec![0u8; READ_CHUNK_BYTES],
+                frames: FrameReader::new(READ_CHUNK_BYTES),
             }),
             poked: Mutex::new(false),
             poke: Condvar::new(),
@@ -593,14 +588,10 @@ impl Shared {
         if self.dead.load(Ordering::Acquire) {
             return Err(self.death());
         }
-        let ReadBuf {
-            stream,
-            buf,
-            scratch,
-        } = rb;
-        match stream.read(scratch) {
-            Ok(0) => return Err(ClientError::ConnectionLost { addr }),
-            Ok(n) => buf.extend_from_slice(&scratch[..n]),
+        let ReadBuf { stream, frames } = rb;
+        match frames.fill(stream) {
+            Ok(Filled::Closed) => return Err(ClientError::ConnectionLost { addr }),
+            Ok(Filled::Bytes(_)) => {}
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
                 if self.dead.load(Ordering::Acquire) {
                     return Err(self.death());
@@ -623,7 +614,7 @@ impl Shared {
         }
         let mut answered = false;
         loop {
-            match FrameDecoder::split_frame(buf) {
+            match frames.next_frame() {
                 Ok(Some(body)) => {
                     self.dispatch(body)?;
                     answered = true;

@@ -139,6 +139,158 @@ impl FrameLimits {
     }
 }
 
+/// Frame bodies at least this long are read from the socket straight into an allocation
+/// of their own, which becomes the frame's `Bytes` as it is: no copy out of a read buffer
+/// (a far-memory scan moved every byte of its 128 KiB READs twice in this process, and the
+/// second copy was this one). Shorter frames go through the shared buffer, where many
+/// small answers arrive in one read.
+pub(crate) const DIRECT_FRAME_BYTES_MIN: usize = 64 << 10;
+
+/// Most bytes one [`FrameReader::fill`] reads into a big frame (in as many reads as the
+/// socket needs).
+const DIRECT_READ_BYTES_MAX: usize = 1 << 20;
+
+/// Big-frame buffers a connection keeps for its next big frames once their `Bytes` are
+/// dropped: a fresh allocation of a few hundred KiB a frame was page-faulted in (and
+/// zeroed by the kernel) every time.
+const SPARE_BUFFERS_MAX: usize = 2;
+/// Buffers larger than this are freed, not kept: what an idle connection holds stays at
+/// most `SPARE_BUFFERS_MAX` of these.
+const SPARE_BUFFER_BYTES_MAX: usize = FRAME_BYTES_TARGET + (64 << 10);
+
+/// A connection's spare big-frame buffers, shared with the `Bytes` it handed out.
+#[derive(Default)]
+struct Spares(parking_lot::Mutex<Vec<Vec<u8>>>);
+
+impl Spares {
+    /// An empty buffer with room for `len` bytes, reused when one is kept.
+    fn take(&self, len: usize) -> Vec<u8> {
+        let mut body = self.0.lock().pop().unwrap_or_default();
+        body.clear();
+        body.reserve_exact(len);
+        body
+    }
+}
+
+/// A big frame's body: given back to its connection's spares when the last `Bytes`
+/// sharing it is dropped.
+struct SparedBody {
+    body: Vec<u8>,
+    spares: Arc<Spares>,
+}
+
+impl AsRef<[u8]> for SparedBody {
+    fn as_ref(&self) -> &[u8] {
+        &self.body
+    }
+}
+
+impl Drop for SparedBody {
+    fn drop(&mut self) {
+        if self.body.capacity() > SPARE_BUFFER_BYTES_MAX {
+            return;
+        }
+        let mut spares = self.spares.0.lock();
+        if spares.len() < SPARE_BUFFERS_MAX {
+            spares.push(std::mem::take(&mut self.body));
+        }
+    }
+}
+
+/// What one [`FrameReader::fill`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Filled {
+    /// This many bytes arrived (0: a frame was already complete; nothing was read).
+    Bytes(usize),
+    /// The peer closed the stream.
+    Closed,
+}
+
+/// Cuts a byte stream into frame bodies. Small frames are read in chunks into one buffer
+/// and split off it; a big frame (header says at least [`DIRECT_FRAME_BYTES_MIN`]) gets
+/// a buffer of exactly its length, read into without zeroing or copying. Its length is
+/// checked against the frame limit before anything is allocated for it.
+pub(crate) struct FrameReader {
+    buf: BytesMut,
+    /// Zeroed once: growing `buf` and zeroing the new room on every read cost more than
+    /// copying out of here.
+    scratch: Vec<u8>,
+    /// A big frame's body so far, and its length.
+    big: Option<(Vec<u8>, usize)>,
+    spares: Arc<Spares>,
+}
+
+impl FrameReader {
+    pub(crate) fn new(chunk_bytes: usize) -> FrameReader {
+        FrameReader {
+            buf: BytesMut::with_capacity(chunk_bytes),
+            scratch: vec![0u8; chunk_bytes.max(1)],
+            big: None,
+            spares: Arc::default(),
+        }
+    }
+
+    /// One read from `r` (a big frame's rest may take several reads, all into its own
+    /// buffer). Errors are `r`'s: `WouldBlock`/`TimedOut` when nothing arrived in time.
+    pub(crate) fn fill(&mut self, r: &mut impl std::io::Read) -> std::io::Result<Filled> {
+        if let Some((body, len)) = &mut self.big {
+            // At most this much a call, so a reader checks its deadline and the answers
+            // it waits for between reads of a big frame as it did between chunks.
+            let want = (*len - body.len()).min(DIRECT_READ_BYTES_MAX) as u64;
+            if want == 0 {
+                return Ok(Filled::Bytes(0));
+            }
+            let before = body.len();
+            // `read_to_end` reads into the Vec's spare capacity (no zeroing), keeps what
+            // it read when an error ends it, and stops at the frame's end (`take`).
+            let res = std::io::Read::read_to_end(&mut std::io::Read::take(r.by_ref(), want), body);
+            let got = body.len() - before;
+            return match res {
+                Ok(_) if got == 0 => Ok(Filled::Closed),
+                // Short of `want` without an error: the stream ended mid-frame.
+                Ok(_) if (got as u64) < want => Ok(Filled::Closed),
+                Ok(_) => Ok(Filled::Bytes(got)),
+                Err(_) if got > 0 => Ok(Filled::Bytes(got)),
+                Err(e) => Err(e),
+            };
+        }
+        let n = r.read(&mut self.scratch)?;
+        if n == 0 {
+            return Ok(Filled::Closed);
+        }
+        self.buf.extend_from_slice(&self.scratch[..n]);
+        Ok(Filled::Bytes(n))
+    }
+
+    /// The next complete frame's body (length removed), if one is in.
+    pub(crate) fn next_frame(&mut self) -> Result<Option<Bytes>, camelot_proto::DecodeError> {
+        if let Some((body, len)) = &self.big {
+            if body.len() < *len {
+                return Ok(None);
+            }
+            let body = self.big.take().map(|(b, _)| b).unwrap_or_default();
+            return Ok(Some(Bytes::from_owner(SparedBody {
+                body,
+                spares: Arc::clone(&self.spares),
+            })));
+        }
+        if self.buf.len() >= 4 {
+            let b = &self.buf;
+            let len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+            camelot_proto::FrameDecoder::check_len(len)?;
+            // `buf` then holds only this frame's first bytes: they move to its buffer.
+            if len >= DIRECT_FRAME_BYTES_MIN && self.buf.len() < 4 + len {
+                let mut body = self.spares.take(len);
+                body.extend_from_slice(&self.buf[4..]);
+                self.buf.clear();
+                self.big = Some((body, len));
+                return Ok(None);
+            }
+        }
+        camelot_proto::FrameDecoder::split_frame(&mut self.buf)
+    }
+}
+
 /// An answer frame's responses; a FATAL from the server or any other frame is an error
 /// that ends the connection.
 pub(crate) fn decode_answer(
@@ -426,6 +578,145 @@ mod tests {
                 let bulk: u64 = f.iter().map(|id| u64::from(lens[(*id - 1) as usize])).sum();
                 // The bulk target holds unless one request alone is over it.
                 prop_assert!(f.len() == 1 || bulk <= FRAME_BYTES_TARGET as u64);
+            }
+        }
+    }
+
+    /// A stream that hands out its bytes in the given read sizes, answering `WouldBlock`
+    /// where a size is 0 (a read timeout with nothing in), then end of stream.
+    struct Trickle {
+        data: Vec<u8>,
+        at: usize,
+        sizes: Vec<usize>,
+        next: usize,
+    }
+
+    impl std::io::Read for Trickle {
+        fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+            let size = self.sizes[self.next % self.sizes.len()];
+            self.next += 1;
+            if size == 0 && self.at < self.data.len() {
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            let n = size.max(1).min(out.len()).min(self.data.len() - self.at);
+            out[..n].copy_from_slice(&self.data[self.at..self.at + n]);
+            self.at += n;
+            Ok(n)
+        }
+    }
+
+    /// Every body `r` yields until the stream closes, or the decode error.
+    fn read_all(r: &mut Trickle, chunk: usize) -> Result<Vec<Bytes>, camelot_proto::DecodeError> {
+        let mut frames = FrameReader::new(chunk);
+        let mut bodies = Vec::new();
+        // Bounded: every cycle through the sizes moves at least one byte (each has a
+        // non-zero size), so the stream ends within this many calls.
+        for _ in 0..(r.data.len() + 1) * r.sizes.len() * 2 + 10 {
+            while let Some(body) = frames.next_frame()? {
+                bodies.push(body);
+            }
+            match frames.fill(r) {
+                Ok(Filled::Closed) => break,
+                Ok(Filled::Bytes(_)) => {}
+                Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock),
+            }
+        }
+        Ok(bodies)
+    }
+
+    fn framed(bodies: &[Vec<u8>]) -> Vec<u8> {
+        let mut data = Vec::new();
+        for b in bodies {
+            data.extend_from_slice(&(b.len() as u32).to_le_bytes());
+            data.extend_from_slice(b);
+        }
+        data
+    }
+
+    #[test]
+    fn big_frame_buffers_are_reused_with_only_their_own_frame_s_bytes() {
+        let bodies: Vec<Vec<u8>> = (0..6u8)
+            .map(|i| vec![i + 1; DIRECT_FRAME_BYTES_MIN + 1000 * usize::from(5 - i)])
+            .collect();
+        let mut r = Trickle {
+            data: framed(&bodies),
+            at: 0,
+            sizes: vec![50_000],
+            next: 0,
+        };
+        let mut frames = FrameReader::new(4096);
+        let mut seen = 0;
+        for _ in 0..1000 {
+            // Each body is checked and dropped before the next frame is read, so its
+            // buffer goes back to the spares and carries the next one.
+            while let Some(body) = frames.next_frame().expect("valid frames") {
+                assert_eq!(&body[..], &bodies[seen][..], "frame {seen}");
+                seen += 1;
+            }
+            assert!(frames.spares.0.lock().len() <= SPARE_BUFFERS_MAX);
+            if frames.fill(&mut r).expect("no error") == Filled::Closed {
+                break;
+            }
+        }
+        assert_eq!(seen, bodies.len());
+        assert_eq!(frames.spares.0.lock().len(), 1, "the last buffer came back");
+    }
+
+    #[test]
+    fn a_big_frame_cut_off_mid_body_is_a_closed_stream_not_a_frame() {
+        let body = vec![5u8; DIRECT_FRAME_BYTES_MIN * 2];
+        let mut data = framed(&[body]);
+        data.truncate(DIRECT_FRAME_BYTES_MIN);
+        let mut r = Trickle {
+            data,
+            at: 0,
+            sizes: vec![1000],
+            next: 0,
+        };
+        assert!(read_all(&mut r, 4096).expect("no decode error").is_empty());
+    }
+
+    #[test]
+    fn an_impossible_length_is_refused_before_anything_is_allocated_for_it() {
+        let mut data = ((FRAME_BYTES_MAX + 1) as u32).to_le_bytes().to_vec();
+        data.extend_from_slice(&[0; 64]);
+        let mut r = Trickle {
+            data,
+            at: 0,
+            sizes: vec![68],
+            next: 0,
+        };
+        assert!(read_all(&mut r, 4096).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// However the bytes arrive, small and big frames come out whole, in order, and
+        /// nothing else does.
+        #[test]
+        fn frames_come_out_as_they_went_in_however_the_reads_cut_them(
+            lens in proptest::collection::vec(
+                prop_oneof![1usize..300, DIRECT_FRAME_BYTES_MIN - 4..DIRECT_FRAME_BYTES_MIN * 3],
+                1..8,
+            ),
+            sizes in proptest::collection::vec(
+                prop_oneof![Just(0usize), 1usize..512, 1usize..70_000],
+                1..12,
+            ),
+            chunk in prop_oneof![Just(7usize), Just(4096usize), Just(256usize << 10)],
+        ) {
+            let bodies: Vec<Vec<u8>> = lens
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| (0..n).map(|j| (i * 31 + j * 7) as u8).collect())
+                .collect();
+            let mut sizes = sizes;
+            sizes.push(1);
+            let mut r = Trickle { data: framed(&bodies), at: 0, sizes, next: 0 };
+            let got = read_all(&mut r, chunk).expect("valid frames");
+            prop_assert_eq!(got.len(), bodies.len());
+            for (g, b) in got.iter().zip(&bodies) {
+                prop_assert_eq!(&g[..], &b[..]);
             }
         }
     }

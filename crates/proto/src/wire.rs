@@ -568,8 +568,12 @@ impl<'a> RequestBatchEncoder<'a> {
     }
 }
 
+/// id, status, tag and length: what a READ reply carries before its bytes.
+const DATA_REPLY_PREFIX_BYTES: usize = 8 + 2 + 1 + 4;
+
 /// Builds a RESPONSES frame in place; READ data is copied straight from server memory into
-/// the frame with [`ResponseBatchEncoder::push_data_with`].
+/// the frame with [`ResponseBatchEncoder::push_data`] (or [`ResponseBatchEncoder::push_data_with`]
+/// when the bytes are produced in place).
 pub struct ResponseBatchEncoder<'a> {
     buf: &'a mut BytesMut,
     start: usize,
@@ -620,6 +624,22 @@ impl<'a> ResponseBatchEncoder<'a> {
         let at = self.buf.len();
         self.buf.resize(at + len, 0);
         fill(&mut self.buf[at..at + len]);
+        self.count += 1;
+        Ok(())
+    }
+
+    /// Appends a READ reply whose bytes are `data`, copied once into the frame: unlike
+    /// [`ResponseBatchEncoder::push_data_with`], the room is not zero-filled first (a
+    /// memory server answering 1 GB/s of READs spent a pass over every byte on that).
+    pub fn push_data(&mut self, id: u64, data: &[u8]) -> Result<(), EncodeError> {
+        self.check_count()?;
+        limit("read data", data.len(), IO_BYTES_MAX)?;
+        self.buf.reserve(DATA_REPLY_PREFIX_BYTES + data.len());
+        self.buf.put_u64_le(id);
+        self.buf.put_u16_le(0);
+        self.buf.put_u8(TAG_DATA);
+        self.buf.put_u32_le(data.len() as u32);
+        self.buf.put_slice(data);
         self.count += 1;
         Ok(())
     }

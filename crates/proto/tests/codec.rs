@@ -498,6 +498,53 @@ fn batch_limit_is_enforced_by_encoder() {
     }
 }
 
+proptest! {
+    /// A READ reply appended from a slice is byte for byte the one filled in place,
+    /// whatever precedes it in the frame.
+    #[test]
+    fn push_data_encodes_like_push_data_with(
+        data in proptest::collection::vec(any::<u8>(), 0..5000),
+        before in 0usize..3,
+        id in any::<u64>(),
+    ) {
+        let encode = |from_slice: bool| {
+            let mut buf = BytesMut::new();
+            let mut enc = ResponseBatchEncoder::begin(&mut buf);
+            for i in 0..before {
+                enc.push_ok(i as u64, &Reply::Word(i as u64)).unwrap();
+            }
+            if from_slice {
+                enc.push_data(id, &data).unwrap();
+            } else {
+                enc.push_data_with(id, data.len(), |d| d.copy_from_slice(&data)).unwrap();
+            }
+            enc.finish().unwrap();
+            buf
+        };
+        let (sliced, filled) = (encode(true), encode(false));
+        prop_assert_eq!(&sliced[..], &filled[..]);
+        let mut buf = sliced;
+        let body = FrameDecoder::split_frame(&mut buf).unwrap().unwrap();
+        let Frame::Responses(b) = decode_frame(body).unwrap() else {
+            panic!("not responses")
+        };
+        prop_assert_eq!(
+            b.responses[before].result.clone(),
+            Ok(Reply::Data(Bytes::from(data.clone())))
+        );
+    }
+}
+
+#[test]
+fn push_data_refuses_more_than_a_read_may_carry() {
+    let mut buf = BytesMut::new();
+    let mut enc = ResponseBatchEncoder::begin(&mut buf);
+    let big = vec![0u8; camelot_proto::limits::IO_BYTES_MAX + 1];
+    assert!(enc.push_data(1, &big).is_err());
+    enc.push_data(2, &big[..16]).unwrap();
+    enc.finish().unwrap();
+}
+
 #[test]
 fn push_data_with_fills_in_place() {
     let mut buf = BytesMut::new();

@@ -594,8 +594,8 @@ impl Exec<'_, '_, '_> {
         if !self.fits(DATA_REPLY_HEADER_BYTES + len) {
             return self.too_large(id);
         }
-        self.enc
-            .push_data_with(id, len, |dst| r.read_range(range, dst))
+        // Straight from the region into the frame: one copy, no zero-filled room first.
+        r.with_range(range, |src| self.enc.push_data(id, src))
     }
 
     /// Like `read`, but the bytes are replaced by `data` in the same step; nothing is

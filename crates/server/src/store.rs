@@ -131,6 +131,12 @@ impl Region {
         dst.copy_from_slice(&self.bytes.read()[range]);
     }
 
+    /// Runs `f` on the bytes at `range` under the shared lock, so a reply can copy them
+    /// straight into its frame. Panics unless `range` came from [`Region::range`].
+    pub fn with_range<R>(&self, range: Range<usize>, f: impl FnOnce(&[u8]) -> R) -> R {
+        f(&self.bytes.read()[range])
+    }
+
     pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), ErrorReply> {
         let range = self.range(offset, dst.len() as u64)?;
         self.read_range(range, dst);
