@@ -645,6 +645,20 @@ pub fn run_bandwidth(
     let p_client_down = delta(&p0, &p1, "proxy_bytes_to_clients")? / p.ops as f64;
     let p_server_up = delta(&s1p, &s2, "bytes_in")? / p.ops as f64;
     let p_server_down = delta(&s1p, &s2, "bytes_out")? / p.ops as f64;
+    // Requests per frame the server received: how much the proxy's lanes coalesce.
+    let requests_per_frame = |a: &[(String, u64)], b: &[(String, u64)]| -> f64 {
+        let ops: u64 = b
+            .iter()
+            .filter(|(n, _)| n.starts_with("ops_"))
+            .map(|(n, v)| v.saturating_sub(stat_of(a, n).unwrap_or(0)))
+            .sum();
+        let frames = stat_of(b, "batches")
+            .unwrap_or(0)
+            .saturating_sub(stat_of(a, "batches").unwrap_or(0));
+        ops as f64 / frames.max(1) as f64
+    };
+    let d_per_frame = requests_per_frame(&s0, &s1);
+    let p_per_frame = requests_per_frame(&s1p, &s2);
     eprintln!(
         "direct: {} ops, {:.0} B/op to server, {:.0} B/op back",
         d.ops, d_up, d_down
@@ -652,6 +666,9 @@ pub fn run_bandwidth(
     eprintln!(
         "proxy:  {} ops, client side {:.0} B/op up / {:.0} back; server side {:.0} B/op up / {:.0} back; proxy's upstream count {:.0} / {:.0}",
         p.ops, p_client_up, p_client_down, p_server_up, p_server_down, p_upstream_up, p_upstream_down
+    );
+    eprintln!(
+        "requests per frame at the server: direct {d_per_frame:.2}, from the proxy {p_per_frame:.2}"
     );
     let point = |label: &str, up: f64, down: f64, ops: u64, elapsed: f64| {
         let mut pt = Point::new(label);
@@ -665,9 +682,11 @@ pub fn run_bandwidth(
         pt
     };
     let mut direct_series = Series::new("Clover direct (client ↔ server)");
-    direct_series
-        .points
-        .push(point("direct", d_up, d_down, d.ops, d.elapsed_s));
+    let mut direct_point = point("direct", d_up, d_down, d.ops, d.elapsed_s);
+    direct_point
+        .extra
+        .insert("server_requests_per_frame".into(), json!(d_per_frame));
+    direct_series.points.push(direct_point);
     let mut server_side = Series::new("through the proxy: proxy ↔ server");
     let mut upstream = point(
         "proxy ↔ server",
@@ -676,6 +695,9 @@ pub fn run_bandwidth(
         p.ops,
         p.elapsed_s,
     );
+    upstream
+        .extra
+        .insert("server_requests_per_frame".into(), json!(p_per_frame));
     upstream.extra.insert(
         "proxy_counted_bytes_per_op_to_server".into(),
         json!(p_upstream_up),
