@@ -242,22 +242,15 @@ fn run_proxy(a: ProxyArgs) -> Result<()> {
         upstream_timeout,
     };
     config.validate()?;
-    // One thread: a current-thread runtime, which runs woken tasks in the order they
-    // were woken. The multi-thread scheduler runs a task woken by the running one next
-    // (its LIFO slot), so a lane's writer, woken by the first request queued on it, sent
-    // that request alone before the other clients' ready requests were read; in order,
-    // everything the clients' tasks queue in one turn leaves in one frame per lane.
-    let rt = if a.threads == 1 {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-    } else {
-        tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .worker_threads(a.threads)
-            .build()
-    }
-    .context("cannot start the async runtime")?;
+    // A multi-thread runtime even for one worker: a current-thread one was measured
+    // against it (BENCHMARKS.md, issue 20, "batching") and was no faster — the lanes
+    // coalesce as much either way (2.3 requests per frame at the server) and the
+    // proxy's time goes to the kernel's send and wake-up paths, not to scheduling.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .worker_threads(a.threads)
+        .build()
+        .context("cannot start the async runtime")?;
     let served = rt.block_on(async move {
         let server = ProxyServer::connect(config).await?;
         let listener = TcpListener::bind(listen)
