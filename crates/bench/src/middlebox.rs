@@ -517,6 +517,43 @@ fn clover_side_with(
     Ok(side)
 }
 
+/// Grouped bars for a result whose x values are labels (the report draws numeric x
+/// only): one category per distinct x, in order of first appearance, one bar group per
+/// series, `value` of each point.
+fn bars_figure(
+    result: &BenchResult,
+    title: &str,
+    y_label: &str,
+    value: impl Fn(&Point) -> Option<f64>,
+) -> camelot_results::plot::Figure {
+    use camelot_results::plot::{Figure, Panel};
+    use camelot_results::schema::X;
+    let label = |x: &X| match x {
+        X::Label(l) => l.clone(),
+        X::Num(n) => n.to_string(),
+    };
+    let mut categories: Vec<String> = Vec::new();
+    for p in result.series.iter().flat_map(|s| &s.points) {
+        let l = label(&p.x);
+        if !categories.contains(&l) {
+            categories.push(l);
+        }
+    }
+    let mut panel = Panel::new(title, "", y_label).bars(categories.clone());
+    for s in &result.series {
+        let points: Vec<(f64, f64)> = s
+            .points
+            .iter()
+            .filter_map(|p| {
+                let i = categories.iter().position(|c| *c == label(&p.x))?;
+                Some((i as f64, value(p)?))
+            })
+            .collect();
+        panel = panel.line(&s.label, points);
+    }
+    Figure::new(&result.bench).panel(panel)
+}
+
 fn start_proxy(
     binary: &Path,
     upstream: std::net::SocketAddr,
@@ -747,7 +784,10 @@ pub fn run_bandwidth(
     ));
     drop(proxy);
     drop(server);
-    Ok(vec![output::write_result(out, &result)?])
+    let figure = bars_figure(&result, "bytes per operation, both ways", "bytes/op", |p| {
+        p.extra.get("bytes_per_op_total").and_then(|v| v.as_f64())
+    });
+    Ok(output::write_result_with_figure(out, &result, &figure)?)
 }
 
 /// `camelot bench middlebox tail`: p50/p99 read and write latency of Clover, direct,
@@ -833,7 +873,10 @@ pub fn run_tail(
     drop(all);
     drop(pass);
     drop(server);
-    Ok(vec![output::write_result(out, &result)?])
+    let figure = bars_figure(&result, "p99 latency", "µs", |p| {
+        p.latency_us.as_ref().map(|l| l.p99)
+    });
+    Ok(output::write_result_with_figure(out, &result, &figure)?)
 }
 
 /// The bars of `bench middlebox full-system`: each technique alone (with the mapping it
@@ -987,7 +1030,8 @@ pub fn run_full_system(
     let mut result = BenchResult::new("middlebox-full-system", started, config, series);
     result.comparisons = comparisons;
     drop(server);
-    Ok(vec![output::write_result(out, &result)?])
+    let figure = bars_figure(&result, "throughput", "ops/s", |p| p.ops_per_sec);
+    Ok(output::write_result_with_figure(out, &result, &figure)?)
 }
 
 /// Proxy `--memory` budgets of `bench middlebox memory`, from a few KiB (a dozen write
@@ -1088,5 +1132,8 @@ pub fn run_memory(
         "Clover direct (same run)",
     ));
     drop(server);
-    Ok(vec![output::write_result(out, &result)?])
+    let figure = bars_figure(&result, "throughput by --memory (bytes)", "ops/s", |p| {
+        p.ops_per_sec
+    });
+    Ok(output::write_result_with_figure(out, &result, &figure)?)
 }
