@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 24] = [
+pub const BENCHES: [&str; 29] = [
     "cpu",
     "mem",
     "net",
@@ -31,6 +31,11 @@ pub const BENCHES: [&str; 24] = [
     "raid-overhead",
     "raid-rebuild",
     "fault",
+    "middlebox-cas",
+    "middlebox-bandwidth",
+    "middlebox-tail",
+    "middlebox-full-system",
+    "middlebox-memory",
     "cluster-throughput",
     "cluster-replication",
     "cluster-percentiles",
@@ -49,8 +54,14 @@ pub const NEED_ETCD: [&str; 4] = [
 ];
 
 /// Runs every bench into `out` (each scaled down when `quick`), then writes
-/// `out/index.html`. `log` hears one line as each bench starts and ends.
-pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<PathBuf>, BenchError> {
+/// `out/index.html`. `log` hears one line as each bench starts and ends. `binary` is the
+/// `camelot` program, for the benches that start servers and proxies as processes.
+pub fn run(
+    out: &Path,
+    quick: bool,
+    binary: &Path,
+    mut log: impl FnMut(&str),
+) -> Result<Vec<PathBuf>, BenchError> {
     let mut written = Vec::new();
     let mut timed = |name: &str, f: &dyn Fn() -> Result<Vec<PathBuf>, BenchError>| {
         // Keeps the published list honest: the bench-all test (a debug build) trips here.
@@ -166,6 +177,40 @@ pub fn run(out: &Path, quick: bool, mut log: impl FnMut(&str)) -> Result<Vec<Pat
     })?);
     written.extend(timed("fault", &|| {
         crate::fault::run(&crate::fault::FaultConfig::defaults(quick), out)
+    })?);
+    // The middlebox (issue 20): Clover direct against Clover through `camelot proxy`,
+    // each a server and proxies as processes of their own.
+    written.extend(timed("middlebox-cas", &|| {
+        crate::middlebox::run_cas(&crate::middlebox::CasConfig::defaults(quick), binary, out)
+    })?);
+    written.extend(timed("middlebox-bandwidth", &|| {
+        crate::middlebox::run_bandwidth(
+            &crate::middlebox::CloverLoadConfig::bandwidth(quick),
+            binary,
+            out,
+        )
+    })?);
+    written.extend(timed("middlebox-tail", &|| {
+        crate::middlebox::run_tail(
+            &crate::middlebox::CloverLoadConfig::tail(quick),
+            binary,
+            out,
+        )
+    })?);
+    written.extend(timed("middlebox-full-system", &|| {
+        crate::middlebox::run_full_system(
+            &crate::middlebox::CloverLoadConfig::full_system(quick),
+            binary,
+            out,
+        )
+    })?);
+    written.extend(timed("middlebox-memory", &|| {
+        crate::middlebox::run_memory(
+            &crate::middlebox::CloverLoadConfig::full_system(quick),
+            &crate::middlebox::memory_budgets(quick),
+            binary,
+            out,
+        )
     })?);
     // The cluster (issue 19): one server against value size with iperf3 beside, then
     // R=2 against R=1 on the same servers.

@@ -517,6 +517,43 @@ fn clover_side_with(
     Ok(side)
 }
 
+/// Grouped bars for a result whose x values are labels (the report draws numeric x
+/// only): one category per distinct x, in order of first appearance, one bar group per
+/// series, `value` of each point.
+fn bars_figure(
+    result: &BenchResult,
+    title: &str,
+    y_label: &str,
+    value: impl Fn(&Point) -> Option<f64>,
+) -> camelot_results::plot::Figure {
+    use camelot_results::plot::{Figure, Panel};
+    use camelot_results::schema::X;
+    let label = |x: &X| match x {
+        X::Label(l) => l.clone(),
+        X::Num(n) => n.to_string(),
+    };
+    let mut categories: Vec<String> = Vec::new();
+    for p in result.series.iter().flat_map(|s| &s.points) {
+        let l = label(&p.x);
+        if !categories.contains(&l) {
+            categories.push(l);
+        }
+    }
+    let mut panel = Panel::new(title, "", y_label).bars(categories.clone());
+    for s in &result.series {
+        let points: Vec<(f64, f64)> = s
+            .points
+            .iter()
+            .filter_map(|p| {
+                let i = categories.iter().position(|c| *c == label(&p.x))?;
+                Some((i as f64, value(p)?))
+            })
+            .collect();
+        panel = panel.line(&s.label, points);
+    }
+    Figure::new(&result.bench).panel(panel)
+}
+
 fn start_proxy(
     binary: &Path,
     upstream: std::net::SocketAddr,
@@ -645,6 +682,20 @@ pub fn run_bandwidth(
     let p_client_down = delta(&p0, &p1, "proxy_bytes_to_clients")? / p.ops as f64;
     let p_server_up = delta(&s1p, &s2, "bytes_in")? / p.ops as f64;
     let p_server_down = delta(&s1p, &s2, "bytes_out")? / p.ops as f64;
+    // Requests per frame the server received: how much the proxy's lanes coalesce.
+    let requests_per_frame = |a: &[(String, u64)], b: &[(String, u64)]| -> f64 {
+        let ops: u64 = b
+            .iter()
+            .filter(|(n, _)| n.starts_with("ops_"))
+            .map(|(n, v)| v.saturating_sub(stat_of(a, n).unwrap_or(0)))
+            .sum();
+        let frames = stat_of(b, "batches")
+            .unwrap_or(0)
+            .saturating_sub(stat_of(a, "batches").unwrap_or(0));
+        ops as f64 / frames.max(1) as f64
+    };
+    let d_per_frame = requests_per_frame(&s0, &s1);
+    let p_per_frame = requests_per_frame(&s1p, &s2);
     eprintln!(
         "direct: {} ops, {:.0} B/op to server, {:.0} B/op back",
         d.ops, d_up, d_down
@@ -652,6 +703,9 @@ pub fn run_bandwidth(
     eprintln!(
         "proxy:  {} ops, client side {:.0} B/op up / {:.0} back; server side {:.0} B/op up / {:.0} back; proxy's upstream count {:.0} / {:.0}",
         p.ops, p_client_up, p_client_down, p_server_up, p_server_down, p_upstream_up, p_upstream_down
+    );
+    eprintln!(
+        "requests per frame at the server: direct {d_per_frame:.2}, from the proxy {p_per_frame:.2}"
     );
     let point = |label: &str, up: f64, down: f64, ops: u64, elapsed: f64| {
         let mut pt = Point::new(label);
@@ -665,9 +719,11 @@ pub fn run_bandwidth(
         pt
     };
     let mut direct_series = Series::new("Clover direct (client ↔ server)");
-    direct_series
-        .points
-        .push(point("direct", d_up, d_down, d.ops, d.elapsed_s));
+    let mut direct_point = point("direct", d_up, d_down, d.ops, d.elapsed_s);
+    direct_point
+        .extra
+        .insert("server_requests_per_frame".into(), json!(d_per_frame));
+    direct_series.points.push(direct_point);
     let mut server_side = Series::new("through the proxy: proxy ↔ server");
     let mut upstream = point(
         "proxy ↔ server",
@@ -676,6 +732,9 @@ pub fn run_bandwidth(
         p.ops,
         p.elapsed_s,
     );
+    upstream
+        .extra
+        .insert("server_requests_per_frame".into(), json!(p_per_frame));
     upstream.extra.insert(
         "proxy_counted_bytes_per_op_to_server".into(),
         json!(p_upstream_up),
@@ -725,7 +784,10 @@ pub fn run_bandwidth(
     ));
     drop(proxy);
     drop(server);
-    Ok(vec![output::write_result(out, &result)?])
+    let figure = bars_figure(&result, "bytes per operation, both ways", "bytes/op", |p| {
+        p.extra.get("bytes_per_op_total").and_then(|v| v.as_f64())
+    });
+    Ok(output::write_result_with_figure(out, &result, &figure)?)
 }
 
 /// `camelot bench middlebox tail`: p50/p99 read and write latency of Clover, direct,
@@ -811,7 +873,10 @@ pub fn run_tail(
     drop(all);
     drop(pass);
     drop(server);
-    Ok(vec![output::write_result(out, &result)?])
+    let figure = bars_figure(&result, "p99 latency", "µs", |p| {
+        p.latency_us.as_ref().map(|l| l.p99)
+    });
+    Ok(output::write_result_with_figure(out, &result, &figure)?)
 }
 
 /// The bars of `bench middlebox full-system`: each technique alone (with the mapping it
@@ -965,7 +1030,8 @@ pub fn run_full_system(
     let mut result = BenchResult::new("middlebox-full-system", started, config, series);
     result.comparisons = comparisons;
     drop(server);
-    Ok(vec![output::write_result(out, &result)?])
+    let figure = bars_figure(&result, "throughput", "ops/s", |p| p.ops_per_sec);
+    Ok(output::write_result_with_figure(out, &result, &figure)?)
 }
 
 /// Proxy `--memory` budgets of `bench middlebox memory`, from a few KiB (a dozen write
@@ -1066,5 +1132,8 @@ pub fn run_memory(
         "Clover direct (same run)",
     ));
     drop(server);
-    Ok(vec![output::write_result(out, &result)?])
+    let figure = bars_figure(&result, "throughput by --memory (bytes)", "ops/s", |p| {
+        p.ops_per_sec
+    });
+    Ok(output::write_result_with_figure(out, &result, &figure)?)
 }

@@ -1318,7 +1318,8 @@ fn report(a: ReportArgs) -> Result<()> {
 }
 
 fn bench_all(a: AllArgs) -> Result<()> {
-    let written = camelot_bench::all::run(&a.out, a.quick, |line| eprintln!("{line}"))?;
+    let binary = std::env::current_exe().context("cannot tell where this program is")?;
+    let written = camelot_bench::all::run(&a.out, a.quick, &binary, |line| eprintln!("{line}"))?;
     for p in written {
         println!("wrote {}", p.display());
     }

@@ -242,6 +242,10 @@ fn run_proxy(a: ProxyArgs) -> Result<()> {
         upstream_timeout,
     };
     config.validate()?;
+    // A multi-thread runtime even for one worker: a current-thread one was measured
+    // against it (BENCHMARKS.md, issue 20, "batching") and was no faster — the lanes
+    // coalesce as much either way (2.3 requests per frame at the server) and the
+    // proxy's time goes to the kernel's send and wake-up paths, not to scheduling.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .worker_threads(a.threads)

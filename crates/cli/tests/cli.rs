@@ -590,7 +590,8 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
     let d = dir.to_str().expect("utf-8 path");
     let (status, out, err) = run(
         &["bench", "all", "--quick", "--out", d],
-        Duration::from_secs(420),
+        // The five middlebox benches take about three minutes of it in a debug build.
+        Duration::from_secs(720),
     );
     assert!(status.success(), "{err}");
     for bench in [
@@ -610,6 +611,11 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
         "raid-overhead",
         "raid-rebuild",
         "fault",
+        "middlebox-cas",
+        "middlebox-bandwidth",
+        "middlebox-tail",
+        "middlebox-full-system",
+        "middlebox-memory",
         "cluster-throughput",
         "cluster-replication",
         #[cfg(feature = "etcd")]

@@ -374,16 +374,19 @@ fn clover_load_with(
             while done.load(Ordering::SeqCst) < r.after && wait_start.elapsed() < DEADLINE {
                 std::thread::sleep(Duration::from_millis(1));
             }
+            // Waits for every operation in flight; none starts until all are moved. Held
+            // while the new proxies start, too: on a loaded machine their start took
+            // longer than the rest of the run, every client finished directly and the
+            // round had nothing through the restarted proxies to check.
+            let all = gate
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             for (p, server) in proxies.iter_mut().zip(servers) {
                 *p = proxy(*server, r.flags);
             }
             let via = ClusterMap::from_addrs(
                 &proxies.iter().map(ServerProcess::addr).collect::<Vec<_>>(),
             );
-            // Waits for every operation in flight; none starts until all are moved.
-            let all = gate
-                .write()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
             for c in &clients {
                 c.set_map(via.clone());
             }
