@@ -8,19 +8,14 @@
 //! writes, and the same checker sees it.
 #![cfg(feature = "etcd")]
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use camelot_client::{Client, ClientConfig, ClusterMap as ClientMap};
-use camelot_cluster::follow::EtcdMapSource;
 use camelot_cluster::ClusterMap;
 use camelot_testkit::{CamelotServer, CamelotServerOptions};
 
 mod support;
-use support::{bin, wait_for, ControllerProc, EtcdServers, PREFIX};
+use support::{bin, etcd_client as client, wait_for, ControllerProc, EtcdServers, Writers};
 
 const PARTITIONS: u32 = 64;
 const WRITERS: usize = 2;
@@ -31,80 +26,15 @@ const WAIT_MAX: Duration = Duration::from_secs(60);
 /// ticks every 50 ms and samples the load every second, so 3 s is 60 chances.
 const NO_MOVE_WATCH: Duration = Duration::from_secs(3);
 
-fn client(endpoint: &str, addrs: &[std::net::SocketAddr]) -> Client {
-    let c = Client::connect(ClientMap::from_addrs(addrs), ClientConfig::default()).unwrap();
-    c.set_map_source(EtcdMapSource::connect(&[endpoint.to_string()], PREFIX).unwrap());
-    assert!(c.refresh_map().unwrap());
-    c
+/// What this file checks of the writers' book.
+trait Check {
+    fn stop_and_check(self, c: &EtcdServers) -> Vec<String>;
 }
 
-/// Writers keeping a book of each key's last acknowledged value (a failed write forgets
-/// its key: its outcome is unknown).
-struct Writers {
-    stop: Arc<AtomicBool>,
-    acked: Arc<Mutex<BTreeMap<String, String>>>,
-    acked_count: Arc<AtomicU64>,
-    failed: Arc<AtomicU64>,
-    threads: Vec<JoinHandle<()>>,
-}
-
-impl Writers {
-    fn start(c: &EtcdServers) -> Writers {
-        let stop = Arc::new(AtomicBool::new(false));
-        let acked: Arc<Mutex<BTreeMap<String, String>>> = Arc::default();
-        let acked_count = Arc::new(AtomicU64::new(0));
-        let failed = Arc::new(AtomicU64::new(0));
-        let threads = (0..WRITERS)
-            .map(|w| {
-                let writer = client(&c.endpoint, &c.addrs);
-                let (stop, acked, acked_count, failed) = (
-                    stop.clone(),
-                    acked.clone(),
-                    acked_count.clone(),
-                    failed.clone(),
-                );
-                std::thread::spawn(move || {
-                    let mut round = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        round += 1;
-                        for i in 0..KEYS_PER_WRITER {
-                            let k = format!("w{w}-{i:04}");
-                            let v = format!("{k}-{round}");
-                            if writer.put(k.as_bytes(), v.clone()).is_ok() {
-                                acked.lock().unwrap().insert(k, v);
-                                acked_count.fetch_add(1, Ordering::Relaxed);
-                            } else {
-                                acked.lock().unwrap().remove(&k);
-                                failed.fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                    }
-                })
-            })
-            .collect();
-        Writers {
-            stop,
-            acked,
-            acked_count,
-            failed,
-            threads,
-        }
-    }
-
-    /// Waits until `n` more writes are acknowledged.
-    fn progress(&self, n: u64) {
-        let from = self.acked_count.load(Ordering::Relaxed);
-        wait_for("writes acknowledged", Duration::from_secs(30), || {
-            self.acked_count.load(Ordering::Relaxed) >= from + n
-        });
-    }
-
+impl Check for Writers {
     /// Stops the writers and reads every acknowledged key back: the lost ones.
     fn stop_and_check(mut self, c: &EtcdServers) -> Vec<String> {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
-            t.join().unwrap();
-        }
+        self.stop();
         let reader = client(&c.endpoint, &c.addrs);
         let acked = self.acked.lock().unwrap();
         assert!(
@@ -191,7 +121,7 @@ fn auto_rebalance_moves_about_p_over_n_to_a_joining_node_with_no_write_lost() {
     let (mut c, before) = two_nodes();
     let ctl = ControllerProc::start(&c.endpoint, "auto", &["--auto-rebalance"]);
     ctl.wait_line("leader", WAIT_MAX);
-    let writers = Writers::start(&c);
+    let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, Duration::from_secs(30));
     writers.progress(1_000);
     add_node(&mut c);
     ctl.wait_line("on membership", WAIT_MAX);
@@ -247,7 +177,7 @@ fn an_auto_rebalance_whose_leader_is_sigkilled_holding_the_fence_is_finished_by_
     leader.wait_line("leader (election", WAIT_MAX);
     let standby = ControllerProc::start(&c.endpoint, "standby", &["--auto-rebalance"]);
     standby.wait_line("campaigning", WAIT_MAX);
-    let writers = Writers::start(&c);
+    let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, Duration::from_secs(30));
     writers.progress(1_000);
     add_node(&mut c);
     leader.wait_line("holding at fenced", WAIT_MAX);
@@ -290,12 +220,12 @@ fn an_auto_rebalance_without_the_final_copy_loses_writes_and_the_checker_sees_it
         ],
     );
     ctl.wait_line("leader", WAIT_MAX);
-    let writers = Writers::start(&c);
+    let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, Duration::from_secs(30));
     writers.progress(1_000);
     add_node(&mut c);
     ctl.wait_line("holding at copied", WAIT_MAX);
     writers.progress(200);
-    writers.stop.store(true, Ordering::Relaxed);
+    writers.signal_stop();
     wait_rebalanced(&c, &before, &ctl);
     let lost = writers.stop_and_check(&c);
     assert!(
@@ -330,7 +260,7 @@ fn a_sustained_load_imbalance_moves_partitions_off_the_saturated_node() {
     assert_eq!(primaries_of(&before, 0), PARTITIONS as usize / 2);
     let ctl = ControllerProc::start(&c.endpoint, "auto", &["--auto-rebalance"]);
     ctl.wait_line("leader", WAIT_MAX);
-    let writers = Writers::start(&c);
+    let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, Duration::from_secs(30));
     let line = ctl.wait_line("on load imbalance", WAIT_MAX);
     assert!(!ctl.output().contains("on membership"), "{}", ctl.output());
     ctl.wait_line("plan done", WAIT_MAX);

@@ -11,20 +11,18 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use camelot_client::{reply, Client, ClientConfig, ClusterMap as ClientMap, NodeInfo};
-use camelot_cluster::follow::EtcdMapSource;
 use camelot_cluster::ClusterMap;
 use camelot_proto::Op;
 use camelot_testkit::{CamelotServer, CamelotServerOptions};
 
 mod support;
-use support::{bin, wait_for, ControllerProc, EtcdServers, PREFIX};
+use support::{bin, etcd_client as client, wait_for, ControllerProc, EtcdServers, Writers};
 
 const PARTITIONS: u32 = 64;
 const REPLICATION: u32 = 2;
@@ -35,81 +33,12 @@ const WAIT_MAX: Duration = Duration::from_secs(60);
 /// Items per SCAN page when a node's keys are listed.
 const SCAN_PAGE: u32 = 256;
 
-fn client(endpoint: &str, addrs: &[std::net::SocketAddr]) -> Client {
-    let c = Client::connect(ClientMap::from_addrs(addrs), ClientConfig::default()).unwrap();
-    c.set_map_source(EtcdMapSource::connect(&[endpoint.to_string()], PREFIX).unwrap());
-    assert!(c.refresh_map().unwrap());
-    c
+/// What this file checks of the writers' book.
+trait Check {
+    fn stop_and_check(self, c: &EtcdServers) -> Vec<String>;
 }
 
-/// Writers keeping a book of each key's last acknowledged value (a failed write forgets
-/// its key: its outcome is unknown).
-struct Writers {
-    stop: Arc<AtomicBool>,
-    acked: Arc<Mutex<BTreeMap<String, String>>>,
-    acked_count: Arc<AtomicU64>,
-    failed: Arc<AtomicU64>,
-    threads: Vec<JoinHandle<()>>,
-}
-
-impl Writers {
-    fn start(c: &EtcdServers) -> Writers {
-        let stop = Arc::new(AtomicBool::new(false));
-        let acked: Arc<Mutex<BTreeMap<String, String>>> = Arc::default();
-        let acked_count = Arc::new(AtomicU64::new(0));
-        let failed = Arc::new(AtomicU64::new(0));
-        let threads = (0..WRITERS)
-            .map(|w| {
-                let writer = client(&c.endpoint, &c.addrs);
-                let (stop, acked, acked_count, failed) = (
-                    stop.clone(),
-                    acked.clone(),
-                    acked_count.clone(),
-                    failed.clone(),
-                );
-                std::thread::spawn(move || {
-                    let mut round = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        round += 1;
-                        for i in 0..KEYS_PER_WRITER {
-                            let k = format!("w{w}-{i:04}");
-                            let v = format!("{k}-{round}");
-                            if writer.put(k.as_bytes(), v.clone()).is_ok() {
-                                acked.lock().unwrap().insert(k, v);
-                                acked_count.fetch_add(1, Ordering::Relaxed);
-                            } else {
-                                acked.lock().unwrap().remove(&k);
-                                failed.fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                    }
-                })
-            })
-            .collect();
-        Writers {
-            stop,
-            acked,
-            acked_count,
-            failed,
-            threads,
-        }
-    }
-
-    /// Waits until `n` more writes are acknowledged.
-    fn progress(&self, n: u64) {
-        let from = self.acked_count.load(Ordering::Relaxed);
-        wait_for("writes acknowledged", WAIT_MAX, || {
-            self.acked_count.load(Ordering::Relaxed) >= from + n
-        });
-    }
-
-    fn stop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
-            t.join().unwrap();
-        }
-    }
-
+impl Check for Writers {
     /// Stops the writers and checks every acknowledged key: read through the client, and
     /// present with its acknowledged value on every replica the final map names. Returns
     /// the failures (one line each).
@@ -358,7 +287,7 @@ fn assert_none_lost(lost: &[String], said: &str) {
 #[test]
 fn an_r2_rebalance_onto_a_joining_node_under_writes_loses_no_acknowledged_write() {
     let (mut c, before) = three_nodes();
-    let writers = Writers::start(&c);
+    let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, WAIT_MAX);
     writers.progress(1_000);
     add_node(&mut c);
     let (status, said) = Tool::start(&c, &["rebalance"]).finish();
@@ -376,7 +305,7 @@ fn an_r2_rebalance_onto_a_joining_node_under_writes_loses_no_acknowledged_write(
 #[test]
 fn a_replicated_move_whose_old_primary_is_sigkilled_mid_move_loses_no_acknowledged_write() {
     let (mut c, _) = three_nodes();
-    let writers = Writers::start(&c);
+    let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, WAIT_MAX);
     writers.progress(1_000);
     add_node(&mut c);
     // `cluster move` moves onto map nodes only (`rebalance` and controllers add joiners).
@@ -437,7 +366,7 @@ fn an_r2_auto_rebalance_whose_leader_is_sigkilled_holding_the_fence_is_finished_
     leader.wait_line("leader (election", WAIT_MAX);
     let standby = ControllerProc::start(&c.endpoint, "standby", &["--auto-rebalance"]);
     standby.wait_line("campaigning", WAIT_MAX);
-    let writers = Writers::start(&c);
+    let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, WAIT_MAX);
     writers.progress(1_000);
     add_node(&mut c);
     leader.wait_line("holding at fenced", WAIT_MAX);
@@ -467,7 +396,7 @@ fn an_r2_auto_rebalance_whose_leader_is_sigkilled_holding_the_fence_is_finished_
 #[test]
 fn an_r2_rebalance_without_the_fill_loses_writes_and_the_checker_sees_it() {
     let (mut c, _) = three_nodes();
-    let mut writers = Writers::start(&c);
+    let mut writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, WAIT_MAX);
     writers.progress(1_000);
     add_node(&mut c);
     writers.stop();

@@ -156,3 +156,97 @@ impl Drop for ControllerProc {
         let _ = self.child.wait();
     }
 }
+
+/// A client of the cluster whose map is in the etcd at `endpoint`, holding the current map.
+pub fn etcd_client(endpoint: &str, addrs: &[SocketAddr]) -> camelot_client::Client {
+    use camelot_client::{Client, ClientConfig, ClusterMap as ClientMap};
+    let c = Client::connect(ClientMap::from_addrs(addrs), ClientConfig::default()).unwrap();
+    c.set_map_source(
+        camelot_cluster::follow::EtcdMapSource::connect(&[endpoint.to_string()], PREFIX).unwrap(),
+    );
+    assert!(c.refresh_map().unwrap());
+    c
+}
+
+/// Writer threads putting `w{writer}-{key:04}` keys round after round, keeping a book of
+/// each key's last acknowledged value (a failed write forgets its key: its outcome is
+/// unknown). The test files check the book their own way.
+pub struct Writers {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pub acked: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>>,
+    pub acked_count: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    pub failed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    wait_max: Duration,
+}
+
+impl Writers {
+    /// `writers` threads of `keys` keys each; [`Writers::progress`] waits at most `wait_max`.
+    pub fn start(c: &EtcdServers, writers: usize, keys: usize, wait_max: Duration) -> Writers {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let stop = Arc::new(AtomicBool::new(false));
+        let acked: Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>> =
+            Arc::default();
+        let acked_count = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(AtomicU64::new(0));
+        let threads = (0..writers)
+            .map(|w| {
+                let writer = etcd_client(&c.endpoint, &c.addrs);
+                let (stop, acked, acked_count, failed) = (
+                    stop.clone(),
+                    acked.clone(),
+                    acked_count.clone(),
+                    failed.clone(),
+                );
+                std::thread::spawn(move || {
+                    let mut round = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        round += 1;
+                        for i in 0..keys {
+                            let k = format!("w{w}-{i:04}");
+                            let v = format!("{k}-{round}");
+                            if writer.put(k.as_bytes(), v.clone()).is_ok() {
+                                acked.lock().unwrap().insert(k, v);
+                                acked_count.fetch_add(1, Ordering::Relaxed);
+                            } else {
+                                acked.lock().unwrap().remove(&k);
+                                failed.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        Writers {
+            stop,
+            acked,
+            acked_count,
+            failed,
+            threads,
+            wait_max,
+        }
+    }
+
+    /// Waits until `n` more writes are acknowledged.
+    pub fn progress(&self, n: u64) {
+        use std::sync::atomic::Ordering;
+        let from = self.acked_count.load(Ordering::Relaxed);
+        wait_for("writes acknowledged", self.wait_max, || {
+            self.acked_count.load(Ordering::Relaxed) >= from + n
+        });
+    }
+
+    /// Tells the writers to stop after their current put, without waiting for them.
+    pub fn signal_stop(&self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Stops the writers (the book is then final).
+    pub fn stop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            t.join().unwrap();
+        }
+    }
+}
