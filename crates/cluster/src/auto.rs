@@ -248,14 +248,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn nodes(n: u32) -> Vec<Node> {
-        (0..n)
-            .map(|id| Node {
-                id,
-                addr: std::net::SocketAddr::from(([127, 0, 0, 1], 7000 + id as u16)),
-                weight: 1,
-                lease: 0,
-            })
-            .collect()
+        crate::map::test_nodes(n)
     }
 
     fn sample(node: NodeId, ops: f64, throttled: f64) -> LoadSample {

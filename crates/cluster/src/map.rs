@@ -302,19 +302,25 @@ pub(crate) fn check_partitions(partitions: impl Into<u64>) -> Result<(), MapErro
     Ok(())
 }
 
+/// `n` nodes of weight 1 at 127.0.0.1:7000 + id, for the crate's pure tests.
+#[cfg(test)]
+pub(crate) fn test_nodes(n: u32) -> Vec<Node> {
+    (0..n)
+        .map(|i| Node {
+            id: i,
+            addr: SocketAddr::from(([127, 0, 0, 1], 7000 + i as u16)),
+            weight: 1,
+            lease: 0,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    pub(crate) fn nodes(n: u32) -> Vec<Node> {
-        (0..n)
-            .map(|i| Node {
-                id: i,
-                addr: SocketAddr::from(([127, 0, 0, 1], 7000 + i as u16)),
-                weight: 1,
-                lease: 0,
-            })
-            .collect()
+    fn nodes(n: u32) -> Vec<Node> {
+        test_nodes(n)
     }
 
     #[test]

@@ -603,19 +603,9 @@ mod model;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::map::Node;
-    use std::net::SocketAddr;
 
     fn map(nodes: u32, partitions: u32) -> ClusterMap {
-        let nodes = (0..nodes)
-            .map(|i| Node {
-                id: i,
-                addr: SocketAddr::from(([127, 0, 0, 1], 7000 + i as u16)),
-                weight: 1,
-                lease: 0,
-            })
-            .collect();
-        ClusterMap::initial(nodes, partitions, 1).unwrap()
+        ClusterMap::initial(crate::map::test_nodes(nodes), partitions, 1).unwrap()
     }
 
     #[test]
@@ -774,15 +764,7 @@ mod replicated_tests {
     use std::net::SocketAddr;
 
     fn map(nodes: u32, partitions: u32, r: u32) -> ClusterMap {
-        let nodes = (0..nodes)
-            .map(|i| Node {
-                id: i,
-                addr: SocketAddr::from(([127, 0, 0, 1], 7000 + i as u16)),
-                weight: 1,
-                lease: 0,
-            })
-            .collect();
-        ClusterMap::initial(nodes, partitions, r).unwrap()
+        ClusterMap::initial(crate::map::test_nodes(nodes), partitions, r).unwrap()
     }
 
     #[test]

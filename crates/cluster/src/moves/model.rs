@@ -6,12 +6,10 @@
 //! is refused, APPLY keeps only newer versions and moves the clock past them.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 
 use proptest::prelude::*;
 
 use super::*;
-use crate::map::Node;
 
 const NODES: u32 = 3;
 const PARTITIONS: u32 = 4;
@@ -121,15 +119,7 @@ fn partition(key: &[u8]) -> u32 {
 
 impl World {
     fn new(move_partition: u32, to_offset: u32, broken: Broken) -> World {
-        let nodes = (0..NODES)
-            .map(|i| Node {
-                id: i,
-                addr: SocketAddr::from(([127, 0, 0, 1], 7000 + i as u16)),
-                weight: 1,
-                lease: 0,
-            })
-            .collect();
-        let map = ClusterMap::initial(nodes, PARTITIONS, 1).unwrap();
+        let map = ClusterMap::initial(crate::map::test_nodes(NODES), PARTITIONS, 1).unwrap();
         let from = map.primary(move_partition).unwrap();
         let to = (from + 1 + to_offset % (NODES - 1)) % NODES;
         let servers = vec![
