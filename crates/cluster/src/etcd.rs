@@ -140,23 +140,15 @@ impl EtcdCluster {
 
     /// The current map, or `None` when none was ever written.
     pub async fn read_map(&self) -> Result<Option<Versioned>, EtcdError> {
-        Ok(self.read_map_at().await?.0)
-    }
-
-    /// The map (if any) and the store's revision the read saw: a watch from the next
-    /// revision misses no map published after the read, even when there was none yet.
-    pub async fn read_map_at(&self) -> Result<(Option<Versioned>, i64), EtcdError> {
         let mut kv = self.client.kv_client();
         let resp = bounded("get map", kv.get(self.map_key(), None)).await?;
-        let revision = resp.header().map_or(0, |h| h.revision());
         let Some(kv) = resp.kvs().first() else {
-            return Ok((None, revision));
+            return Ok(None);
         };
-        let v = Versioned {
+        Ok(Some(Versioned {
             map: parse_map(kv.value())?,
             mod_revision: kv.mod_revision(),
-        };
-        Ok((Some(v), revision.max(kv.mod_revision())))
+        }))
     }
 
     /// Writes `map` if the stored map is still `current` (`None`: if there is none). The
@@ -587,15 +579,6 @@ impl EtcdCluster {
             options = options.with_start_revision(v.mod_revision + 1);
             epoch = v.map.epoch;
         }
-        let stream = bounded("watch", watch.watch(self.map_key(), Some(options))).await?;
-        Ok(MapWatch { stream, epoch })
-    }
-
-    /// Watches for maps newer than epoch `epoch` written after store revision `revision`
-    /// (from [`EtcdCluster::read_map_at`]).
-    pub async fn watch_map_after(&self, revision: i64, epoch: u64) -> Result<MapWatch, EtcdError> {
-        let mut watch = self.client.watch_client();
-        let options = WatchOptions::new().with_start_revision(revision + 1);
         let stream = bounded("watch", watch.watch(self.map_key(), Some(options))).await?;
         Ok(MapWatch { stream, epoch })
     }
