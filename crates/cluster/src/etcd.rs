@@ -580,13 +580,22 @@ impl EtcdCluster {
             epoch = v.map.epoch;
         }
         let stream = bounded("watch", watch.watch(self.map_key(), Some(options))).await?;
-        Ok(MapWatch { stream, epoch })
+        Ok(MapWatch {
+            stream,
+            epoch,
+            pending: Default::default(),
+        })
     }
 }
 
 pub struct MapWatch {
     stream: WatchStream,
     epoch: u64,
+    /// Newer maps from a response already read, oldest first: one watch response can
+    /// carry several puts (a watch that starts in the past replays them together), and a
+    /// map dropped here is never sent again — a node restarted mid-failover installed the
+    /// first of two and waited at that epoch for good.
+    pending: std::collections::VecDeque<Versioned>,
 }
 
 impl MapWatch {
@@ -594,12 +603,16 @@ impl MapWatch {
     /// not parse is an error, since a watcher must not go on believing an old one silently.
     pub async fn next(&mut self) -> Result<Versioned, EtcdError> {
         loop {
+            if let Some(v) = self.pending.pop_front() {
+                return Ok(v);
+            }
             let Some(resp) = self.stream.message().await? else {
                 return Err(EtcdError::WatchEnded("stream closed".into()));
             };
             if resp.canceled() {
                 return Err(EtcdError::WatchEnded(resp.cancel_reason().to_owned()));
             }
+            // Bounded by the response: etcd caps a watch response's size.
             for event in resp.events() {
                 if event.event_type() != EventType::Put {
                     continue;
@@ -608,7 +621,7 @@ impl MapWatch {
                 let map = parse_map(kv.value())?;
                 if map.epoch > self.epoch {
                     self.epoch = map.epoch;
-                    return Ok(Versioned {
+                    self.pending.push_back(Versioned {
                         map,
                         mod_revision: kv.mod_revision(),
                     });
