@@ -219,9 +219,12 @@ async fn report_loop(
     }
 }
 
-/// Joins the cluster when `--etcd` is given: follows the map (installing this node's
-/// partitions in the server at each new epoch), then registers. Must run on the server's
-/// runtime.
+/// Joins the cluster when `--etcd` is given: registers, then follows the map (installing
+/// this node's partitions in the server at each new epoch). Registration comes first: a
+/// node restarted while its old lease is still alive is refused ("already registered by
+/// a live process") before it has installed any map — installed first, it would serve
+/// its partitions as an empty primary until the refusal came back. Must run on the
+/// server's runtime.
 #[cfg(feature = "etcd")]
 pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Member>> {
     let (Some(endpoint), Some(id)) = (&args.etcd, args.node_id) else {
@@ -230,6 +233,16 @@ pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Mem
     let etcd = EtcdCluster::connect(std::slice::from_ref(endpoint), &args.etcd_prefix)
         .await
         .with_context(|| format!("cannot reach etcd at {endpoint}"))?;
+    let node = Node {
+        id,
+        addr: handle.local_addr(),
+        weight: args.weight,
+        lease: 0,
+    };
+    let registration = etcd
+        .register(&node, Duration::from_secs(args.lease_ttl))
+        .await
+        .with_context(|| format!("cannot register node {id} in etcd"))?;
     let state = handle.state().clone();
     let follower =
         tokio::spawn(camelot_cluster::follow::follow(
@@ -244,16 +257,6 @@ pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Mem
                 Err(e) => tracing::warn!("cluster map epoch {}: {e}", map.epoch),
             },
         ));
-    let node = Node {
-        id,
-        addr: handle.local_addr(),
-        weight: args.weight,
-        lease: 0,
-    };
-    let registration = etcd
-        .register(&node, Duration::from_secs(args.lease_ttl))
-        .await
-        .with_context(|| format!("cannot register node {id} in etcd"))?;
     let reporter = tokio::spawn(report_loop(
         etcd.clone(),
         handle.state().clone(),

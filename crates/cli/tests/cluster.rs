@@ -27,15 +27,6 @@ fn cluster_client(endpoint: &str, addrs: &[std::net::SocketAddr]) -> Client {
     client
 }
 
-fn server_epoch(probe: &Client, node: u32) -> u64 {
-    probe
-        .stats(node)
-        .unwrap()
-        .into_iter()
-        .find(|(k, _)| k == "epoch")
-        .map_or(0, |(_, v)| v)
-}
-
 /// Publishes `map` as the next epoch and waits until every server has installed it.
 fn publish_and_wait(
     rt: &tokio::runtime::Runtime,
@@ -47,13 +38,7 @@ fn publish_and_wait(
         .block_on(etcd.update_map(3, move |_| Ok(map.clone())))
         .unwrap();
     let epoch = v.map.epoch;
-    for n in 0..2 {
-        wait_for(
-            &format!("server {n} at epoch {epoch}"),
-            Duration::from_secs(10),
-            || server_epoch(probe, n) == epoch,
-        );
-    }
+    support::wait_epoch(probe, 0..2, epoch);
     epoch
 }
 
@@ -288,4 +273,60 @@ fn cluster_up_starts_etcd_servers_and_the_map() {
         assert_eq!(got.map(|v| v.value.to_vec()), Some(value("x", i)));
     }
     drop(up);
+}
+
+/// A server restarted while its old lease is still alive (SIGKILL, then at once a new
+/// process with the same node id) is refused registration — and must be refused before
+/// it installs any map: with the map first, it served its partitions as an empty primary
+/// (reads of acknowledged writes answered "no such key") until the refusal came back.
+#[test]
+fn a_node_restarted_while_its_old_lease_lives_is_refused_before_it_serves_anything() {
+    let mut c = support::start(1, "64M", &["--lease-ttl", "30"]);
+    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
+    let map = ClusterMap::initial(live, 16, 1).unwrap();
+    let probe = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
+    let epoch =
+        c.rt.block_on(c.etcd.update_map(3, move |_| Ok(map.clone())))
+            .unwrap()
+            .map
+            .epoch;
+    support::wait_epoch(&probe, [0], epoch);
+    let pid = c.servers[0].process_mut().pid().to_string();
+    assert!(Command::new("kill")
+        .args(["-KILL", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let endpoint = c.endpoint.clone();
+    let mut again = Command::new(bin())
+        .args(["server", "--listen", "127.0.0.1:0", "--memory", "64M"])
+        .args(["--etcd", &endpoint, "--node-id", "0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = again.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = again.kill();
+            panic!("the restarted node neither registered nor gave up within 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = again.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!status.success(), "{text}");
+    assert!(text.contains("already registered"), "{text}");
+    assert!(
+        !text.contains("cluster map"),
+        "the refused node installed a map first: {text}"
+    );
 }

@@ -89,18 +89,7 @@ fn kill_mid_move(victim: usize) {
     assert!(!parts.is_empty());
     // The servers at the map's epoch before anyone writes.
     let raw = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
-    for n in 0..2 {
-        wait_for(
-            "servers at the first epoch",
-            Duration::from_secs(10),
-            || {
-                raw.stats(n)
-                    .unwrap()
-                    .into_iter()
-                    .any(|(k, v)| k == "epoch" && v >= before.epoch)
-            },
-        );
-    }
+    support::wait_epoch(&raw, 0..2, before.epoch);
 
     // One writer on node 0's keys (the source's), last acknowledged value per key.
     let writer = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();

@@ -74,23 +74,8 @@ impl Cluster {
         self.rt.block_on(self.etcd.read_map()).unwrap().unwrap().map
     }
 
-    fn server_epoch(&self, node: u32) -> u64 {
-        self.raw
-            .stats(node)
-            .unwrap()
-            .into_iter()
-            .find(|(k, _)| k == "epoch")
-            .map_or(0, |(_, v)| v)
-    }
-
     fn wait_epochs(&self, epoch: u64) {
-        for n in 0..2 {
-            wait_for(
-                &format!("server {n} at epoch {epoch}"),
-                Duration::from_secs(10),
-                || self.server_epoch(n) >= epoch,
-            );
-        }
+        support::wait_epoch(&self.raw, 0..2, epoch);
     }
 
     /// A client that has the current map and refreshes it from etcd only when a server

@@ -28,13 +28,9 @@ fn cluster(n: u32) -> (support::EtcdServers, ClusterMap, Client) {
     client
         .set_map_source(EtcdMapSource::connect(std::slice::from_ref(&c.endpoint), PREFIX).unwrap());
     assert!(client.refresh_map().unwrap());
-    // Every server on the map's epoch before the writes (a PUT to a server still at an
-    // older epoch would be redirected, which is fine, but the test wants a settled map).
-    support::wait_for(
-        "servers at the map's epoch",
-        std::time::Duration::from_secs(10),
-        || client.put(b"probe", "x").is_ok(),
-    );
+    // Every server on the map's epoch before the reads: one still at the old epoch answers
+    // STALE_EPOCH where the test means to see MOVED.
+    support::wait_epoch(&client, 0..n, map.epoch);
     (c, map, client)
 }
 

@@ -69,19 +69,7 @@ impl Cluster {
             .unwrap()
             .map;
         let probe = Client::connect(self.alive_map(), ClientConfig::default()).unwrap();
-        for &n in alive {
-            wait_for(
-                &format!("server {n} at epoch {}", published.epoch),
-                Duration::from_secs(10),
-                || {
-                    probe
-                        .stats(n)
-                        .ok()
-                        .and_then(|s| s.into_iter().find(|(k, _)| k == "epoch").map(|(_, v)| v))
-                        == Some(published.epoch)
-                },
-            );
-        }
+        support::wait_epoch(&probe, alive.iter().copied(), published.epoch);
         published
     }
 

@@ -140,15 +140,23 @@ impl EtcdCluster {
 
     /// The current map, or `None` when none was ever written.
     pub async fn read_map(&self) -> Result<Option<Versioned>, EtcdError> {
+        Ok(self.read_map_at().await?.0)
+    }
+
+    /// The map (if any) and the store's revision the read saw: a watch from the next
+    /// revision misses no map published after the read, even when there was none yet.
+    pub async fn read_map_at(&self) -> Result<(Option<Versioned>, i64), EtcdError> {
         let mut kv = self.client.kv_client();
         let resp = bounded("get map", kv.get(self.map_key(), None)).await?;
+        let revision = resp.header().map_or(0, |h| h.revision());
         let Some(kv) = resp.kvs().first() else {
-            return Ok(None);
+            return Ok((None, revision));
         };
-        Ok(Some(Versioned {
+        let v = Versioned {
             map: parse_map(kv.value())?,
             mod_revision: kv.mod_revision(),
-        }))
+        };
+        Ok((Some(v), revision.max(kv.mod_revision())))
     }
 
     /// Writes `map` if the stored map is still `current` (`None`: if there is none). The
@@ -572,13 +580,21 @@ impl EtcdCluster {
     /// Watches the map: [`MapWatch::next`] yields every map written after `after`'s
     /// revision (after the current one when `None`) whose epoch is newer than any yielded.
     pub async fn watch_map(&self, after: Option<&Versioned>) -> Result<MapWatch, EtcdError> {
-        let mut watch = self.client.watch_client();
-        let mut options = WatchOptions::new();
-        let mut epoch = 0;
-        if let Some(v) = after {
-            options = options.with_start_revision(v.mod_revision + 1);
-            epoch = v.map.epoch;
+        match after {
+            Some(v) => self.watch_map_after(v.mod_revision, v.map.epoch).await,
+            None => self.watch_from(WatchOptions::new(), 0).await,
         }
+    }
+
+    /// Watches for maps newer than epoch `epoch` written after store revision `revision`
+    /// (from [`EtcdCluster::read_map_at`]).
+    pub async fn watch_map_after(&self, revision: i64, epoch: u64) -> Result<MapWatch, EtcdError> {
+        self.watch_from(WatchOptions::new().with_start_revision(revision + 1), epoch)
+            .await
+    }
+
+    async fn watch_from(&self, options: WatchOptions, epoch: u64) -> Result<MapWatch, EtcdError> {
+        let mut watch = self.client.watch_client();
         let stream = bounded("watch", watch.watch(self.map_key(), Some(options))).await?;
         Ok(MapWatch {
             stream,

@@ -23,14 +23,18 @@ pub async fn follow(etcd: EtcdCluster, mut apply: impl FnMut(&ClusterMap) + Send
     let mut backoff = FOLLOW_BACKOFF_START;
     loop {
         let result: Result<(), EtcdError> = async {
-            let current = etcd.read_map().await?;
+            // The watch starts at the revision the read saw: a map published in between
+            // (a node that registers and then follows is given one at once) is not missed.
+            let (current, revision) = etcd.read_map_at().await?;
             if let Some(v) = &current {
                 if v.map.epoch > applied {
                     applied = v.map.epoch;
                     apply(&v.map);
                 }
             }
-            let mut watch = etcd.watch_map(current.as_ref()).await?;
+            let mut watch = etcd
+                .watch_map_after(revision, current.as_ref().map_or(0, |v| v.map.epoch))
+                .await?;
             loop {
                 let Versioned { map, .. } = watch.next().await?;
                 backoff = FOLLOW_BACKOFF_START;

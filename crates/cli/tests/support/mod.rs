@@ -32,6 +32,31 @@ pub fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// A server's map epoch from its STATS (0 while it has none or does not answer).
+pub fn server_epoch(probe: &camelot_client::Client, node: u32) -> u64 {
+    probe
+        .stats(node)
+        .ok()
+        .and_then(|s| s.into_iter().find(|(k, _)| k == "epoch"))
+        .map_or(0, |(_, v)| v)
+}
+
+/// Waits until each of `nodes` has installed epoch `epoch` (or a newer one): a server
+/// follows the map on its own, some time after it is published.
+pub fn wait_epoch(
+    probe: &camelot_client::Client,
+    nodes: impl IntoIterator<Item = u32>,
+    epoch: u64,
+) {
+    for n in nodes {
+        wait_for(
+            &format!("server {n} at epoch {epoch}"),
+            Duration::from_secs(10),
+            || server_epoch(probe, n) >= epoch,
+        );
+    }
+}
+
 /// A fresh etcd and the servers registered in it (node ids 0..n, in order).
 pub struct EtcdServers {
     pub etcd_server: EtcdServer,
