@@ -8,11 +8,13 @@ use crate::threads::ThreadsConfig;
 use crate::ycsb::{Workload, YcsbConfig};
 use crate::{BenchError, QuickConfig};
 use camelot_results::report;
+use camelot_testkit::process::{run_to_end, Program, ScratchDir};
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The benches `all` runs, in order (the report comes last).
-pub const BENCHES: [&str; 29] = [
+pub const BENCHES: [&str; 30] = [
     "cpu",
     "mem",
     "net",
@@ -38,6 +40,7 @@ pub const BENCHES: [&str; 29] = [
     "middlebox-memory",
     "cluster-throughput",
     "cluster-replication",
+    "testbed",
     "cluster-percentiles",
     "cluster-expand",
     "cluster-rebalance",
@@ -222,6 +225,13 @@ pub fn run(
         crate::cluster::run_replication(&crate::cluster::ReplicationConfig::defaults(quick), out)
             .map(|p| vec![p])
     })?);
+    // The emulated network (issue 21): loopback against testbed links. It lives in the
+    // binary (the testbed is the CLI's), so it runs as `camelot bench testbed`; network
+    // namespaces need root, and as another user it is skipped (said at the end).
+    let root = camelot_testbed::require_root();
+    if root.is_ok() {
+        written.extend(timed("testbed", &|| run_testbed(binary, out, quick))?);
+    }
     // A cluster on etcd: percentiles on heterogeneous nodes, then expansion under load.
     if cfg!(feature = "etcd") {
         written.extend(timed("cluster-percentiles", &|| {
@@ -256,9 +266,42 @@ pub fn run(
             ));
         }
     }
+    if let Err(e) = &root {
+        log(&format!("bench testbed: skipped ({e})"));
+    }
     written.push(report::write_report(
         out,
         &[crate::hw::limits::LIMITS_FILE_NAME],
     )?);
     Ok(written)
+}
+
+/// A quick `bench testbed` is a few seconds per path; a full one ten per measurement, and
+/// a hung one is killed past this.
+const TESTBED_TIME_MAX: Duration = Duration::from_secs(1800);
+
+/// `camelot bench testbed` as a process: 1 and 10 Gbit/s links and 50 µs per link beside
+/// loopback, as BENCHMARKS.md quotes it.
+fn run_testbed(binary: &Path, out: &Path, quick: bool) -> Result<Vec<PathBuf>, BenchError> {
+    let program = Program {
+        program: binary.to_string_lossy().into_owned().into(),
+        package: "camelot (this build)".into(),
+    };
+    let mut args: Vec<OsString> = ["bench", "testbed", "--delay", "50us", "--out"]
+        .iter()
+        .map(OsString::from)
+        .collect();
+    args.push(out.as_os_str().to_owned());
+    if quick {
+        args.push("--quick".into());
+    }
+    let scratch = ScratchDir::new("bench-testbed")?;
+    let done = run_to_end(&program, &args, &scratch, "bench-testbed", TESTBED_TIME_MAX)?;
+    if !done.status.success() {
+        return Err(done.failure(&program, "bench testbed failed").into());
+    }
+    Ok(["json", "png", "svg"]
+        .iter()
+        .map(|e| out.join(format!("testbed.{e}")))
+        .collect())
 }

@@ -15,8 +15,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use camelot_bench::workload::{regions_on_every_node, run_load, LoadSpec, Mix};
 use camelot_client::{Client, ClientConfig, ClusterMap};
+use camelot_results::plot::{Figure, Panel};
 use camelot_results::schema::{
-    now_rfc3339, BenchResult, Comparison, LatencySummary, Point, Reference, Series,
+    now_rfc3339, BenchResult, Comparison, LatencySummary, Point, Reference, Series, X,
 };
 use camelot_testbed::plan::{parse_rate, LinkSpec, Plan};
 use camelot_testbed::{Testbed, DEFAULT_RUN_DIR};
@@ -335,12 +336,19 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
             "threads experiment, 4 KiB reads, {DEPTH} outstanding per thread"
         )),
     ];
+    // The figure's threads panel: ops/s against client threads, a line per path and depth.
+    let mut thread_lines: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     let mut add_thread_points = |path: &str, m: &Measured| {
         for (&(t, d), r) in thread_points.iter().zip(&m.threads) {
             let series = &mut thread_series[usize::from(d != 1)];
             series
                 .points
                 .push(point(&format!("{path}, {t} threads"), r));
+            let line = format!("{path} ×{d}");
+            match thread_lines.iter_mut().find(|(l, _)| *l == line) {
+                Some((_, points)) => points.push((t as f64, r.ops_per_sec)),
+                None => thread_lines.push((line, vec![(t as f64, r.ops_per_sec)])),
+            }
         }
     };
     add_thread_points("loopback", &lo_all);
@@ -443,12 +451,68 @@ pub fn run(a: BenchTestbedArgs) -> Result<()> {
         },
         "quick": a.quick,
     });
+    let fig = figure(&reads, &rtts, &references, thread_lines);
     let mut series = vec![reads, rtts];
     series.extend(thread_series);
     let mut result = BenchResult::new("testbed", started, config, series);
     result.references = references;
     result.comparisons = comparisons;
-    let path = camelot_results::output::write_result(&a.out, &result)?;
-    println!("wrote {}", path.display());
+    for path in camelot_results::output::write_result_with_figure(&a.out, &result, &fig)? {
+        println!("wrote {}", path.display());
+    }
     Ok(())
+}
+
+/// The paths are names, not numbers, so the reads and round trips are bars by path (the
+/// link rates beside the reads); the threads experiment keeps its numeric axis.
+fn figure(
+    reads: &Series,
+    rtts: &Series,
+    references: &[Reference],
+    thread_lines: Vec<(String, Vec<(f64, f64)>)>,
+) -> Figure {
+    let names = |s: &Series| -> Vec<String> {
+        s.points
+            .iter()
+            .map(|p| match &p.x {
+                X::Label(l) => l.clone(),
+                X::Num(n) => n.to_string(),
+            })
+            .collect()
+    };
+    let indexed = |s: &Series, f: &dyn Fn(&Point) -> Option<f64>| -> Vec<(f64, f64)> {
+        s.points
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| Some((i as f64, f(p)?)))
+            .collect()
+    };
+    let mut read_panel = Panel::new("4 KiB batched reads", "path", "GB/s")
+        .bars(names(reads))
+        .line(
+            "camelot",
+            indexed(reads, &|p| p.bytes_per_sec.map(|b| b / 1e9)),
+        );
+    for r in references {
+        read_panel = read_panel.reference(&r.label, r.value / 1e9);
+    }
+    let rtt_panel = Panel::new("TCP round trip (sockperf, 64 B)", "path", "µs")
+        .bars(names(rtts))
+        .line(
+            "p50",
+            indexed(rtts, &|p| p.latency_us.as_ref().map(|l| l.p50)),
+        )
+        .line(
+            "p99",
+            indexed(rtts, &|p| p.latency_us.as_ref().map(|l| l.p99)),
+        );
+    let mut threads_panel =
+        Panel::new("threads experiment, 4 KiB reads", "client threads", "ops/s").log_y();
+    for (label, points) in &thread_lines {
+        threads_panel = threads_panel.line(label, points.clone());
+    }
+    Figure::new("testbed: emulated network vs loopback")
+        .panel(read_panel)
+        .panel(rtt_panel)
+        .panel(threads_panel)
 }

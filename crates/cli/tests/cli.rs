@@ -636,6 +636,29 @@ fn bench_all_quick_runs_every_bench_then_the_report() {
             "{bench} not quick"
         );
     }
+    // The emulated network needs root (CI is root): its result and figure, or a skip
+    // that says why.
+    if camelot_testkit::process::euid_is_root() {
+        assert!(err.contains("bench testbed: done"), "{err}");
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("testbed.json")).expect("testbed.json"))
+                .expect("valid JSON");
+        assert_eq!(json["config"]["quick"], true);
+        assert!(
+            json["comparisons"]
+                .as_array()
+                .is_some_and(|c| c.iter().any(|c| c["target"] == 0.8)),
+            "the link-rate comparison: {json}"
+        );
+        let png = std::fs::read(dir.join("testbed.png")).expect("testbed.png");
+        assert!(png.starts_with(b"\x89PNG"), "not a PNG");
+    } else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI runs as root: bench all must run the testbed bench there"
+        );
+        assert!(err.contains("bench testbed: skipped"), "{err}");
+    }
     // Every store of the YCSB comparison ran as a server process of its own, metered.
     let ycsb: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("ycsb.json")).expect("ycsb.json"))

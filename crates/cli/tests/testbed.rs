@@ -20,12 +20,7 @@ fn camelot(args: &[&str]) -> Output {
 }
 
 fn is_root() -> bool {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let euid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().nth(1).map(str::to_string));
-    if euid.as_deref() == Some("0") {
+    if camelot_testkit::process::euid_is_root() {
         return true;
     }
     assert!(

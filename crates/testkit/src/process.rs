@@ -46,6 +46,17 @@ impl Program {
     }
 }
 
+/// Whether this process runs as root (effective uid 0, from /proc/self/status): tests of
+/// what needs root (network namespaces) check it, and must not skip in CI.
+pub fn euid_is_root() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        == Some("0")
+}
+
 /// Removes terminal colour sequences (`ESC [ ... letter`), which sockperf prints even
 /// into a file.
 pub fn strip_ansi(line: &str) -> String {
