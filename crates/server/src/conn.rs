@@ -8,6 +8,7 @@ use crate::principals::PrincipalTokens;
 use crate::replicate::{fail_answers, rewrite_answers, Replicator, RewriteError};
 use crate::state::{Refusal, ServerState};
 use crate::store::Principal;
+use crate::unacked::Cover;
 use bytes::{Bytes, BytesMut};
 use camelot_proto::{
     decode_frame, encode_frame, DecodeError, ErrorCode, ErrorReply, Frame, FrameDecoder, HelloOk,
@@ -714,16 +715,50 @@ impl Conn {
             });
             return Ok(());
         }
+        let deadline = tokio::time::Instant::now() + rep.timeout();
         let result = rep.replicate(own, &self.log.writes).await;
-        // Settled (or given up on) only now: the copies are confirmed or have failed.
-        drop(claims);
         let Err(e) = result else {
+            // Settled only now: the copies are confirmed.
+            drop(claims);
             self.log.writes.clear();
             return Ok(());
         };
+        // A copy failed — most often refused by a backup already at the next epoch, which
+        // this server reaches a moment later. The repair sends the keys again while this
+        // server is their primary; each answer waits (until the replication deadline) for
+        // a copy covering its write, and is acknowledged if one comes. The waits are
+        // registered while the claims still hold the keys, so none can be let go unseen.
+        let unacked = Arc::clone(self.shared.state.unacked());
+        let covers: Vec<Option<Cover>> = claims
+            .iter()
+            .map(|c| c.ticket().map(|t| unacked.await_cover(c.key(), t)))
+            .collect();
+        drop(claims);
         Replicator::repair_soon(&self.shared.replicator);
-        debug!(peer = %self.peer, error = %e, "writes not acknowledged");
-        let positions: Vec<usize> = self.log.writes.drain(..).map(|(at, _)| at).collect();
+        loop {
+            let notice = unacked.settled_notice();
+            if covers.iter().flatten().all(|c| c.outcome().is_some()) {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, notice).await.is_err() {
+                break;
+            }
+        }
+        // `pending` and `writes` are pushed together, one per write that took effect.
+        let positions: Vec<usize> = self
+            .log
+            .writes
+            .drain(..)
+            .zip(&covers)
+            .filter(|(_, c)| c.as_ref().and_then(Cover::outcome) != Some(true))
+            .map(|((at, _), _)| at)
+            .collect();
+        drop(covers);
+        if positions.is_empty() {
+            debug!(peer = %self.peer, error = %e, "writes acknowledged after their copies were sent again");
+            return Ok(());
+        }
+        debug!(peer = %self.peer, error = %e, writes = positions.len(), "writes not acknowledged");
         self.rewrite_out(
             start,
             fail_answers(&self.bufs.out[start..], &positions, &e.reply()),

@@ -366,7 +366,7 @@ impl Exec<'_, '_, '_> {
             None
         };
         let result = op(self.state.objects(), self.now());
-        if let (Some(claim), Some(log)) = (claim, self.log.as_deref_mut()) {
+        if let (Some(mut claim), Some(log)) = (claim, self.log.as_deref_mut()) {
             if result.is_ok() {
                 claim.applied();
                 log.writes.push((self.enc.count(), key.clone()));

@@ -346,11 +346,18 @@ impl Replicator {
         let mut claims = Vec::new();
         for key in &keys {
             let Some(own) = own.as_deref() else {
-                unacked.settle(key);
+                unacked.give_up(key);
                 continue;
             };
-            let p = partition_of(key, own.partitions());
-            if !own.owns_key(key) || own.backups(p).next().is_none() {
+            if !own.owns_key(key) {
+                unacked.give_up(key);
+                continue;
+            }
+            if own
+                .backups(partition_of(key, own.partitions()))
+                .next()
+                .is_none()
+            {
                 unacked.settle(key);
                 continue;
             }

@@ -18,13 +18,18 @@
 //! every write up to it. A key is settled — its present state is on every backup — when
 //! nothing is being written and `acked ≥ applied`; then its entry goes. Tickets, not
 //! per-key counts, because an entry goes and comes back: a late confirmation of a copy
-//! taken before it went must not pass for one covering writes made after. Pure: no
-//! sockets; tested below.
+//! taken before it went must not pass for one covering writes made after.
+//!
+//! **A write whose copy failed** (a backup at a newer epoch refused it) does not have to
+//! fail: its answer waits, within the replication timeout, for the repair's copy to cover
+//! its ticket — acknowledged then, since every backup of the map this server is still
+//! primary under has it — or for the key to be given up (the server was deposed), when
+//! it fails as before. Pure: no sockets; tested below.
 
 use bytes::Bytes;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Keys that may hold unacknowledged writes at once. Past it, new writes to other keys
 /// are refused (retryable) before they are applied: a backup that stays away while
@@ -35,16 +40,47 @@ pub const UNACKED_KEYS_MAX: usize = 1 << 20;
 #[error("{UNACKED_KEYS_MAX} keys are waiting for their backups; retry")]
 pub struct Full;
 
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default)]
 struct KeyState {
     writing: u32,
     applied: u64,
     acked: u64,
+    /// Writes whose own copy failed and whose answers wait for a later one to cover them
+    /// ([`Unacked::await_cover`]): each leaves when its outcome is known or it is dropped.
+    waiters: Vec<Waiter>,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    id: u64,
+    ticket: u64,
+    outcome: Arc<OnceLock<bool>>,
 }
 
 impl KeyState {
     fn settled(&self) -> bool {
         self.writing == 0 && self.acked >= self.applied
+    }
+
+    /// Tells the waiters a copy covering `acked` reached every backup; true if any heard.
+    fn covered_through(&mut self, acked: u64) -> bool {
+        let before = self.waiters.len();
+        self.waiters.retain(|w| {
+            if w.ticket <= acked {
+                let _ = w.outcome.set(true);
+                false
+            } else {
+                true
+            }
+        });
+        self.waiters.len() != before
+    }
+
+    /// Tells every waiter how the key ended.
+    fn end_waiters(&mut self, acknowledged: bool) {
+        for w in self.waiters.drain(..) {
+            let _ = w.outcome.set(acknowledged);
+        }
     }
 }
 
@@ -62,6 +98,8 @@ struct Inner {
     keys: HashMap<Bytes, KeyState>,
     /// The last ticket drawn.
     tickets: u64,
+    /// The last waiter id handed out.
+    waiter_ids: u64,
 }
 
 impl Default for Unacked {
@@ -102,7 +140,36 @@ impl Unacked {
         Ok(Writing {
             table: Arc::clone(self),
             key: key.clone(),
+            ticket: 0,
         })
+    }
+
+    /// A write to `key` that took effect with `ticket` and whose copy failed: the returned
+    /// [`Cover`] learns whether a later copy covered it on every backup (it may then be
+    /// acknowledged) or the key was let go without one ([`Unacked::give_up`]). Call it
+    /// while the write's [`Writing`] is held, so the key cannot have been let go before.
+    pub fn await_cover(self: &Arc<Self>, key: &Bytes, ticket: u64) -> Cover {
+        let outcome = Arc::new(OnceLock::new());
+        let mut inner = self.inner.lock();
+        inner.waiter_ids += 1;
+        let id = inner.waiter_ids;
+        match inner.keys.get_mut(key) {
+            Some(s) if s.acked < ticket => s.waiters.push(Waiter {
+                id,
+                ticket,
+                outcome: Arc::clone(&outcome),
+            }),
+            // Settled since: a copy covering it was acknowledged.
+            _ => {
+                let _ = outcome.set(true);
+            }
+        }
+        Cover {
+            table: Arc::clone(self),
+            key: key.clone(),
+            id,
+            outcome,
+        }
     }
 
     /// Whether `key`'s present state is on every backup (a key with no entry is).
@@ -127,20 +194,34 @@ impl Unacked {
             return;
         };
         s.acked = s.acked.max(covers);
+        let heard = s.covered_through(s.acked);
         if s.settled() {
             keys.remove(key);
-            drop(inner);
-            self.settled.notify_waiters();
+        } else if !heard {
+            return;
         }
+        drop(inner);
+        self.settled.notify_waiters();
     }
 
     /// `key` needs no backup any more (this server is its primary and the partition has
     /// none at the present epoch): its state is acknowledged as it stands.
     pub fn settle(&self, key: &[u8]) {
+        self.end(key, true);
+    }
+
+    /// `key` is no longer this server's (another is its primary, or there is no map):
+    /// its claim goes, and the writes waiting for a copy are not acknowledged.
+    pub fn give_up(&self, key: &[u8]) {
+        self.end(key, false);
+    }
+
+    fn end(&self, key: &[u8], acknowledged: bool) {
         let mut inner = self.inner.lock();
         let keys = &mut inner.keys;
         if let Some(s) = keys.get_mut(key) {
             if s.writing == 0 {
+                s.end_waiters(acknowledged);
                 keys.remove(key);
                 drop(inner);
                 self.settled.notify_waiters();
@@ -170,7 +251,8 @@ impl Unacked {
         self.len() == 0
     }
 
-    /// Resolves at the next time some key becomes settled. Create it *before* checking
+    /// Resolves at the next time some key becomes settled or a [`Cover`] learns its
+    /// outcome. Create it *before* checking
     /// [`Unacked::is_settled`], so a settlement in between is not missed.
     pub fn settled_notice(&self) -> tokio::sync::futures::Notified<'_> {
         self.settled.notified()
@@ -185,6 +267,8 @@ impl Unacked {
 pub struct Writing {
     table: Arc<Unacked>,
     key: Bytes,
+    /// The write's ticket once it took effect (0 before).
+    ticket: u64,
 }
 
 impl Writing {
@@ -192,13 +276,50 @@ impl Writing {
         &self.key
     }
 
+    /// The write's ticket, once it took effect.
+    pub fn ticket(&self) -> Option<u64> {
+        (self.ticket != 0).then_some(self.ticket)
+    }
+
     /// The write took effect (call once, right after applying it).
-    pub fn applied(&self) {
+    pub fn applied(&mut self) {
         let mut inner = self.table.inner.lock();
         inner.tickets += 1;
         let ticket = inner.tickets;
         if let Some(s) = inner.keys.get_mut(&self.key) {
             s.applied = ticket;
+        }
+        self.ticket = ticket;
+    }
+}
+
+/// A failed write's wait for a later copy to cover it ([`Unacked::await_cover`]).
+/// Dropping it withdraws the wait, so waits of answers given up on do not pile up on a
+/// key that never settles.
+#[derive(Debug)]
+pub struct Cover {
+    table: Arc<Unacked>,
+    key: Bytes,
+    id: u64,
+    outcome: Arc<OnceLock<bool>>,
+}
+
+impl Cover {
+    /// `Some(true)`: every backup has the write (acknowledge it); `Some(false)`: the key
+    /// was let go without that; `None`: not known yet.
+    pub fn outcome(&self) -> Option<bool> {
+        self.outcome.get().copied()
+    }
+}
+
+impl Drop for Cover {
+    fn drop(&mut self) {
+        if self.outcome.get().is_some() {
+            return;
+        }
+        let mut inner = self.table.inner.lock();
+        if let Some(s) = inner.keys.get_mut(&self.key) {
+            s.waiters.retain(|w| w.id != self.id);
         }
     }
 }
@@ -212,6 +333,9 @@ impl Drop for Writing {
         };
         s.writing = s.writing.saturating_sub(1);
         if s.settled() {
+            // Every waiter's ticket is at most `applied`, which `acked` covers.
+            let acked = s.acked;
+            s.covered_through(acked);
             keys.remove(&self.key);
             drop(inner);
             self.table.settled.notify_waiters();
@@ -233,7 +357,7 @@ mod tests {
         let t = Arc::new(Unacked::default());
         let k = key("k");
         assert!(t.is_settled(&k));
-        let w = t.begin(&k).unwrap();
+        let mut w = t.begin(&k).unwrap();
         assert!(!t.is_settled(&k), "counted before it is applied");
         w.applied();
         // A copy read before the write applied covers nothing of it.
@@ -252,7 +376,7 @@ mod tests {
     fn a_failed_copy_leaves_the_key_stalled_until_a_copy_covers_it() {
         let t = Arc::new(Unacked::default());
         let k = key("k");
-        let w = t.begin(&k).unwrap();
+        let mut w = t.begin(&k).unwrap();
         w.applied();
         drop(w); // its replication failed: nothing acked
         assert!(!t.is_settled(&k));
@@ -276,7 +400,7 @@ mod tests {
     fn settle_gives_up_only_on_keys_nobody_is_writing() {
         let t = Arc::new(Unacked::default());
         let k = key("k");
-        let w = t.begin(&k).unwrap();
+        let mut w = t.begin(&k).unwrap();
         w.applied();
         t.settle(&k);
         assert!(!t.is_settled(&k));
@@ -296,11 +420,75 @@ mod tests {
         drop(wa);
     }
 
+    #[test]
+    fn a_failed_write_is_acknowledged_once_a_later_copy_covers_it() {
+        let t = Arc::new(Unacked::default());
+        let k = key("k");
+        let mut w = t.begin(&k).unwrap();
+        w.applied();
+        let cover = t.await_cover(&k, w.ticket().unwrap());
+        drop(w); // its own copy failed
+        assert_eq!(cover.outcome(), None);
+        // A second write beside it: the key stays unsettled, but a copy that covers the
+        // first write is enough for the first write's answer.
+        let first = t.copy_covers(&k);
+        let mut w2 = t.begin(&k).unwrap();
+        w2.applied();
+        t.acked(&k, first);
+        assert_eq!(cover.outcome(), Some(true));
+        assert!(!t.is_settled(&k));
+        drop(w2);
+    }
+
+    #[test]
+    fn a_failed_write_is_not_acknowledged_when_its_key_is_given_up() {
+        let t = Arc::new(Unacked::default());
+        let k = key("k");
+        let mut w = t.begin(&k).unwrap();
+        w.applied();
+        let cover = t.await_cover(&k, w.ticket().unwrap());
+        // A copy taken before the write covers nothing of it.
+        t.acked(&k, 0);
+        assert_eq!(cover.outcome(), None);
+        drop(w);
+        t.give_up(&k);
+        assert_eq!(cover.outcome(), Some(false));
+        assert!(t.is_settled(&k), "a given-up key is no longer held");
+        // The same with a partition that needs no backup any more: acknowledged.
+        let mut w = t.begin(&k).unwrap();
+        w.applied();
+        let cover = t.await_cover(&k, w.ticket().unwrap());
+        drop(w);
+        t.settle(&k);
+        assert_eq!(cover.outcome(), Some(true));
+    }
+
+    #[test]
+    fn a_dropped_cover_leaves_no_waiter_behind() {
+        let t = Arc::new(Unacked::default());
+        let k = key("k");
+        let mut w = t.begin(&k).unwrap();
+        w.applied();
+        let ticket = w.ticket().unwrap();
+        let covers: Vec<Cover> = (0..3).map(|_| t.await_cover(&k, ticket)).collect();
+        drop(w);
+        assert_eq!(t.inner.lock().keys[&k].waiters.len(), 3);
+        drop(covers);
+        assert_eq!(t.inner.lock().keys[&k].waiters.len(), 0);
+        // Registered after a covering copy was confirmed: known at once.
+        let covers_now = t.copy_covers(&k);
+        let mut w = t.begin(&k).unwrap();
+        t.acked(&k, covers_now);
+        assert_eq!(t.await_cover(&k, ticket).outcome(), Some(true));
+        w.applied();
+        drop(w);
+    }
+
     #[tokio::test]
     async fn a_waiter_hears_of_a_settlement() {
         let t = Arc::new(Unacked::default());
         let k = key("k");
-        let w = t.begin(&k).unwrap();
+        let mut w = t.begin(&k).unwrap();
         w.applied();
         let notice = t.settled_notice();
         let covers = t.copy_covers(&k);
@@ -321,6 +509,11 @@ mod tests {
         /// Every backup confirms the `.0`-th copy still unconfirmed.
         Ack(u8),
         Read(u8),
+        /// The key's first write in progress ends with its copy failed: its answer
+        /// waits for a later copy ([`Unacked::await_cover`]).
+        Fail(u8),
+        /// The server is deposed for the key.
+        GiveUp(u8),
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -331,34 +524,42 @@ mod tests {
             (0u8..3).prop_map(Step::Copy),
             (0u8..4).prop_map(Step::Ack),
             (0u8..3).prop_map(Step::Read),
+            (0u8..3).prop_map(Step::Fail),
+            (0u8..3).prop_map(Step::GiveUp),
         ]
     }
 
     proptest! {
         /// The safety property, against a model that knows each key's true history:
         /// whenever a read finds a key settled, the state the read sees (every write
-        /// applied so far) is within a copy every backup has confirmed.
+        /// applied so far) is within a copy every backup has confirmed; and a failed
+        /// write whose answer is told "acknowledged" is within one too.
         #[test]
         fn a_settled_key_is_never_ahead_of_its_backups(steps in prop::collection::vec(step(), 1..120)) {
             let t = Arc::new(Unacked::default());
             // Per key: writes in progress (begun, maybe applied), applied writes so far,
             // the writes the newest confirmed copy holds.
-            let mut writing: Vec<Vec<(Writing, bool)>> = (0..3).map(|_| Vec::new()).collect();
+            // A write in progress: its claim and, once applied, its number on its key.
+            let mut writing: Vec<Vec<(Writing, Option<u64>)>> = (0..3).map(|_| Vec::new()).collect();
+            let mut waiting: Vec<(usize, u64, Cover)> = Vec::new();
+            // Keys this server was deposed for: it neither reads nor writes them again.
+            let mut deposed = [false; 3];
             let mut applied = [0u64; 3];
             let mut on_backup = [0u64; 3];
             let mut copies: Vec<(usize, u64, u64)> = Vec::new(); // key, covers, truly holds
             for s in steps {
                 match s {
+                    Step::Begin(k) if deposed[k as usize] => {}
                     Step::Begin(k) => {
                         let k = k as usize;
-                        writing[k].push((t.begin(&key(&k.to_string())).unwrap(), false));
+                        writing[k].push((t.begin(&key(&k.to_string())).unwrap(), None));
                     }
                     Step::Apply(k) => {
                         let k = k as usize;
-                        if let Some((w, done)) = writing[k].iter_mut().find(|(_, d)| !*d) {
+                        if let Some((w, n)) = writing[k].iter_mut().find(|(_, n)| n.is_none()) {
                             w.applied();
-                            *done = true;
                             applied[k] += 1;
+                            *n = Some(applied[k]);
                         }
                     }
                     Step::End(k) => {
@@ -383,13 +584,39 @@ mod tests {
                     }
                     Step::Read(k) => {
                         let k = k as usize;
-                        if t.is_settled(&key(&k.to_string())) {
+                        if !deposed[k] && t.is_settled(&key(&k.to_string())) {
                             prop_assert!(
                                 on_backup[k] >= applied[k],
                                 "key {k} settled with {} applied but {} on the backup",
                                 applied[k], on_backup[k]
                             );
                         }
+                    }
+                    Step::Fail(k) => {
+                        let k = k as usize;
+                        if !writing[k].is_empty() {
+                            let (w, n) = writing[k].remove(0);
+                            if let (Some(n), Some(ticket)) = (n, w.ticket()) {
+                                waiting.push((k, n, t.await_cover(&key(&k.to_string()), ticket)));
+                            }
+                        }
+                    }
+                    Step::GiveUp(k) => {
+                        let k = k as usize;
+                        // Deposal takes effect once no write is in progress.
+                        if writing[k].is_empty() {
+                            t.give_up(&key(&k.to_string()));
+                            deposed[k] = true;
+                        }
+                    }
+                }
+                for (k, n, cover) in &waiting {
+                    if cover.outcome() == Some(true) {
+                        prop_assert!(
+                            on_backup[*k] >= *n,
+                            "write {n} of key {k} acknowledged with {} on the backup",
+                            on_backup[*k]
+                        );
                     }
                 }
             }

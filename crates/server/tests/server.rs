@@ -1096,6 +1096,79 @@ async fn a_write_its_backup_refused_is_not_read_until_the_backup_has_it() {
     backup.shutdown().await.unwrap();
 }
 
+/// The expansion case (issue 19: five PUTs failed in `bench cluster expand --replication
+/// 2`): the backup is already at the next epoch and refuses the copy; the primary reaches
+/// that epoch a moment later and is still the primary. The write's answer waits for the
+/// copy sent again and is acknowledged — and the backup has the value. With the answer
+/// given at the refusal, the write failed though it was about to be on every replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_its_backup_refused_is_acknowledged_once_sent_again_at_the_new_epoch() {
+    let (primary, backup, mut client) = primary_and_backup().await;
+    let b_addr = backup.local_addr();
+    let key = Bytes::from_static(b"k");
+    assert!(backup.set_ownership(backup_of_all(2)));
+    let write = async {
+        client
+            .send(&routed(
+                1,
+                vec![Op::Put {
+                    key: key.clone(),
+                    value: Bytes::from_static(b"v2"),
+                }],
+            ))
+            .await;
+        client.responses().await
+    };
+    // While the answer waits (its key unacknowledged), the primary learns epoch 2.
+    let new_map = async {
+        eventually(|| stat(&primary.stats(), "unacked_keys") == 1).await;
+        assert!(primary.set_ownership(primary_of_all(2, b_addr)));
+    };
+    let (r, ()) = tokio::join!(write, new_map);
+    assert!(
+        matches!(r[0].result, Ok(Reply::Version(_))),
+        "the write was not acknowledged after its copy was sent again: {r:?}"
+    );
+    let mut on_backup = Peer::ready(b_addr).await;
+    let r = on_backup.call(vec![Op::Get { key }]).await;
+    assert_eq!(object(&r[0]), Some(&b"v2"[..]), "{r:?}");
+    primary.shutdown().await.unwrap();
+    backup.shutdown().await.unwrap();
+}
+
+/// And when the map that comes while the answer waits deposes the primary, the write
+/// is not acknowledged (nor ever served by the old primary).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_its_backup_refused_fails_when_its_primary_is_deposed_meanwhile() {
+    let (primary, backup, mut client) = primary_and_backup().await;
+    let key = Bytes::from_static(b"k");
+    assert!(backup.set_ownership(Ownership::new(2, vec![true]).unwrap()));
+    let write = async {
+        client
+            .send(&routed(
+                1,
+                vec![Op::Put {
+                    key: key.clone(),
+                    value: Bytes::from_static(b"v2"),
+                }],
+            ))
+            .await;
+        client.responses().await
+    };
+    let new_map = async {
+        eventually(|| stat(&primary.stats(), "unacked_keys") == 1).await;
+        assert!(primary.set_ownership(backup_of_all(2)));
+    };
+    let (r, ()) = tokio::join!(write, new_map);
+    match &r[0].result {
+        Err(e) => assert_eq!(e.code, ErrorCode::ReplicaUnavailable, "{e:?}"),
+        other => panic!("a deposed primary acknowledged the write: {other:?}"),
+    }
+    eventually(|| stat(&primary.stats(), "unacked_keys") == 0).await;
+    primary.shutdown().await.unwrap();
+    backup.shutdown().await.unwrap();
+}
+
 /// The other way out: the new map makes the backup the primary. The old primary never
 /// serves the refused write, and once it has the map it lets the claim go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
