@@ -352,6 +352,19 @@ mod tests {
         Bytes::copy_from_slice(k.as_bytes())
     }
 
+    /// A write to `k` that took effect, its claim still held.
+    fn applied(t: &Arc<Unacked>, k: &Bytes) -> Writing {
+        let mut w = t.begin(k).unwrap();
+        w.applied();
+        w
+    }
+
+    /// A write to `k` that took effect and whose own copy failed: its answer's wait.
+    fn failed(t: &Arc<Unacked>, k: &Bytes) -> Cover {
+        let w = applied(t, k);
+        t.await_cover(k, w.ticket().unwrap())
+    }
+
     #[test]
     fn a_write_is_unsettled_from_before_it_applies_until_a_covering_copy_is_acked() {
         let t = Arc::new(Unacked::default());
@@ -376,8 +389,7 @@ mod tests {
     fn a_failed_copy_leaves_the_key_stalled_until_a_copy_covers_it() {
         let t = Arc::new(Unacked::default());
         let k = key("k");
-        let mut w = t.begin(&k).unwrap();
-        w.applied();
+        let w = applied(&t, &k);
         drop(w); // its replication failed: nothing acked
         assert!(!t.is_settled(&k));
         assert_eq!(t.stalled(10), vec![k.clone()]);
@@ -400,8 +412,7 @@ mod tests {
     fn settle_gives_up_only_on_keys_nobody_is_writing() {
         let t = Arc::new(Unacked::default());
         let k = key("k");
-        let mut w = t.begin(&k).unwrap();
-        w.applied();
+        let w = applied(&t, &k);
         t.settle(&k);
         assert!(!t.is_settled(&k));
         drop(w);
@@ -424,16 +435,12 @@ mod tests {
     fn a_failed_write_is_acknowledged_once_a_later_copy_covers_it() {
         let t = Arc::new(Unacked::default());
         let k = key("k");
-        let mut w = t.begin(&k).unwrap();
-        w.applied();
-        let cover = t.await_cover(&k, w.ticket().unwrap());
-        drop(w); // its own copy failed
+        let cover = failed(&t, &k);
         assert_eq!(cover.outcome(), None);
         // A second write beside it: the key stays unsettled, but a copy that covers the
         // first write is enough for the first write's answer.
         let first = t.copy_covers(&k);
-        let mut w2 = t.begin(&k).unwrap();
-        w2.applied();
+        let w2 = applied(&t, &k);
         t.acked(&k, first);
         assert_eq!(cover.outcome(), Some(true));
         assert!(!t.is_settled(&k));
@@ -444,8 +451,7 @@ mod tests {
     fn a_failed_write_is_not_acknowledged_when_its_key_is_given_up() {
         let t = Arc::new(Unacked::default());
         let k = key("k");
-        let mut w = t.begin(&k).unwrap();
-        w.applied();
+        let w = applied(&t, &k);
         let cover = t.await_cover(&k, w.ticket().unwrap());
         // A copy taken before the write covers nothing of it.
         t.acked(&k, 0);
@@ -455,10 +461,7 @@ mod tests {
         assert_eq!(cover.outcome(), Some(false));
         assert!(t.is_settled(&k), "a given-up key is no longer held");
         // The same with a partition that needs no backup any more: acknowledged.
-        let mut w = t.begin(&k).unwrap();
-        w.applied();
-        let cover = t.await_cover(&k, w.ticket().unwrap());
-        drop(w);
+        let cover = failed(&t, &k);
         t.settle(&k);
         assert_eq!(cover.outcome(), Some(true));
     }
@@ -467,8 +470,7 @@ mod tests {
     fn a_dropped_cover_leaves_no_waiter_behind() {
         let t = Arc::new(Unacked::default());
         let k = key("k");
-        let mut w = t.begin(&k).unwrap();
-        w.applied();
+        let w = applied(&t, &k);
         let ticket = w.ticket().unwrap();
         let covers: Vec<Cover> = (0..3).map(|_| t.await_cover(&k, ticket)).collect();
         drop(w);
@@ -488,8 +490,7 @@ mod tests {
     async fn a_waiter_hears_of_a_settlement() {
         let t = Arc::new(Unacked::default());
         let k = key("k");
-        let mut w = t.begin(&k).unwrap();
-        w.applied();
+        let w = applied(&t, &k);
         let notice = t.settled_notice();
         let covers = t.copy_covers(&k);
         t.acked(&k, covers);

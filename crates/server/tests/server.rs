@@ -1096,6 +1096,29 @@ async fn a_write_its_backup_refused_is_not_read_until_the_backup_has_it() {
     backup.shutdown().await.unwrap();
 }
 
+/// PUTs `v2` under `key` at epoch 1 and, while its answer waits (the key held
+/// unacknowledged: its backup refused the copy), gives the primary `next`.
+async fn put_while_the_map_moves(
+    primary: &ServerHandle,
+    client: &mut Peer,
+    key: &Bytes,
+    next: Ownership,
+) -> Vec<Response> {
+    let write = async {
+        let put = Op::Put {
+            key: key.clone(),
+            value: Bytes::from_static(b"v2"),
+        };
+        client.send(&routed(1, vec![put])).await;
+        client.responses().await
+    };
+    let new_map = async {
+        eventually(|| stat(&primary.stats(), "unacked_keys") == 1).await;
+        assert!(primary.set_ownership(next));
+    };
+    tokio::join!(write, new_map).0
+}
+
 /// The expansion case (issue 19: five PUTs failed in `bench cluster expand --replication
 /// 2`): the backup is already at the next epoch and refuses the copy; the primary reaches
 /// that epoch a moment later and is still the primary. The write's answer waits for the
@@ -1107,24 +1130,7 @@ async fn a_write_its_backup_refused_is_acknowledged_once_sent_again_at_the_new_e
     let b_addr = backup.local_addr();
     let key = Bytes::from_static(b"k");
     assert!(backup.set_ownership(backup_of_all(2)));
-    let write = async {
-        client
-            .send(&routed(
-                1,
-                vec![Op::Put {
-                    key: key.clone(),
-                    value: Bytes::from_static(b"v2"),
-                }],
-            ))
-            .await;
-        client.responses().await
-    };
-    // While the answer waits (its key unacknowledged), the primary learns epoch 2.
-    let new_map = async {
-        eventually(|| stat(&primary.stats(), "unacked_keys") == 1).await;
-        assert!(primary.set_ownership(primary_of_all(2, b_addr)));
-    };
-    let (r, ()) = tokio::join!(write, new_map);
+    let r = put_while_the_map_moves(&primary, &mut client, &key, primary_of_all(2, b_addr)).await;
     assert!(
         matches!(r[0].result, Ok(Reply::Version(_))),
         "the write was not acknowledged after its copy was sent again: {r:?}"
@@ -1143,23 +1149,7 @@ async fn a_write_its_backup_refused_fails_when_its_primary_is_deposed_meanwhile(
     let (primary, backup, mut client) = primary_and_backup().await;
     let key = Bytes::from_static(b"k");
     assert!(backup.set_ownership(Ownership::new(2, vec![true]).unwrap()));
-    let write = async {
-        client
-            .send(&routed(
-                1,
-                vec![Op::Put {
-                    key: key.clone(),
-                    value: Bytes::from_static(b"v2"),
-                }],
-            ))
-            .await;
-        client.responses().await
-    };
-    let new_map = async {
-        eventually(|| stat(&primary.stats(), "unacked_keys") == 1).await;
-        assert!(primary.set_ownership(backup_of_all(2)));
-    };
-    let (r, ()) = tokio::join!(write, new_map);
+    let r = put_while_the_map_moves(&primary, &mut client, &key, backup_of_all(2)).await;
     match &r[0].result {
         Err(e) => assert_eq!(e.code, ErrorCode::ReplicaUnavailable, "{e:?}"),
         other => panic!("a deposed primary acknowledged the write: {other:?}"),
