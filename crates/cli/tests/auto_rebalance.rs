@@ -12,10 +12,10 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use camelot_cluster::ClusterMap;
-use camelot_testkit::{CamelotServer, CamelotServerOptions};
 
 mod support;
-use support::{bin, etcd_client as client, wait_for, ControllerProc, EtcdServers, Writers};
+use camelot_testkit::{CamelotServer, CamelotServerOptions};
+use support::{bin, wait_for, ControllerProc, EtcdServers, Writers};
 
 const PARTITIONS: u32 = 64;
 const WRITERS: usize = 2;
@@ -35,19 +35,11 @@ impl Check for Writers {
     /// Stops the writers and reads every acknowledged key back: the lost ones.
     fn stop_and_check(mut self, c: &EtcdServers) -> Vec<String> {
         self.stop();
-        let reader = client(&c.endpoint, &c.addrs);
-        let acked = self.acked.lock().unwrap();
         assert!(
-            acked.len() > WRITERS * KEYS_PER_WRITER / 2,
+            self.acked.lock().unwrap().len() > WRITERS * KEYS_PER_WRITER / 2,
             "too few keys checked"
         );
-        let lost: Vec<String> = acked
-            .iter()
-            .filter_map(|(k, v)| {
-                let got = reader.get(k.as_bytes()).unwrap().map(|x| x.value.to_vec());
-                (got.as_deref() != Some(v.as_bytes())).then(|| format!("{k}: {got:?}, acked {v}"))
-            })
-            .collect();
+        let lost = self.lost(c);
         println!(
             "{} writes acknowledged, {} failed, {} lost",
             self.acked_count.load(Ordering::Relaxed),
@@ -61,28 +53,8 @@ impl Check for Writers {
 /// Two servers with a map of [`PARTITIONS`] (R = 1) over them.
 fn two_nodes() -> (EtcdServers, ClusterMap) {
     let c = support::start(2, "64M", &[]);
-    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
-    let first = ClusterMap::initial(live, PARTITIONS, 1).unwrap();
-    let before =
-        c.rt.block_on(c.etcd.update_map(3, move |_| Ok(first.clone())))
-            .unwrap()
-            .map;
+    let before = c.publish_initial(PARTITIONS, 1);
     (c, before)
-}
-
-/// Starts node 2 (registered, not yet in the map).
-fn add_node(c: &mut EtcdServers) {
-    let args: Vec<String> = ["--memory", "64M", "--etcd", &c.endpoint, "--node-id", "2"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let joined = CamelotServer::start(bin(), &CamelotServerOptions { resp: false, args }).unwrap();
-    c.addrs.push(joined.addr());
-    c.servers.push(joined);
-}
-
-fn map(c: &EtcdServers) -> ClusterMap {
-    c.rt.block_on(c.etcd.read_map()).unwrap().unwrap().map
 }
 
 fn primaries_of(map: &ClusterMap, node: u32) -> usize {
@@ -97,7 +69,7 @@ fn wait_rebalanced(c: &EtcdServers, before: &ClusterMap, ctl: &ControllerProc) {
     let share = f64::from(PARTITIONS) / 3.0;
     let start = Instant::now();
     loop {
-        let m = map(c);
+        let m = c.map();
         let onto = primaries_of(&m, 2) as f64;
         let idle = m.fenced.is_empty() && c.rt.block_on(c.etcd.read_move()).unwrap().is_none();
         if idle && (onto - share).abs() <= 0.1 * share {
@@ -123,7 +95,7 @@ fn auto_rebalance_moves_about_p_over_n_to_a_joining_node_with_no_write_lost() {
     ctl.wait_line("leader", WAIT_MAX);
     let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, Duration::from_secs(30));
     writers.progress(1_000);
-    add_node(&mut c);
+    c.add_node(2);
     ctl.wait_line("on membership", WAIT_MAX);
     wait_rebalanced(&c, &before, &ctl);
     writers.progress(1_000);
@@ -141,13 +113,13 @@ fn without_auto_rebalance_a_joining_node_gets_nothing_until_a_controller_with_it
     let (mut c, before) = two_nodes();
     let mut plain = ControllerProc::start(&c.endpoint, "plain", &[]);
     plain.wait_line("leader", WAIT_MAX);
-    add_node(&mut c);
+    c.add_node(2);
     // The controller does put the node in the map (join), so it sees it…
     plain.wait_line("joined", WAIT_MAX);
-    let joined_epoch = map(&c).epoch;
+    let joined_epoch = c.map().epoch;
     let watch_end = Instant::now() + NO_MOVE_WATCH;
     while Instant::now() < watch_end {
-        let m = map(&c);
+        let m = c.map();
         assert_eq!(
             primaries_of(&m, 2),
             0,
@@ -179,10 +151,10 @@ fn an_auto_rebalance_whose_leader_is_sigkilled_holding_the_fence_is_finished_by_
     standby.wait_line("campaigning", WAIT_MAX);
     let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, Duration::from_secs(30));
     writers.progress(1_000);
-    add_node(&mut c);
+    c.add_node(2);
     leader.wait_line("holding at fenced", WAIT_MAX);
     assert!(
-        !map(&c).fenced.is_empty(),
+        !c.map().fenced.is_empty(),
         "the fence is in the map while the leader holds"
     );
     leader.sigkill();
@@ -222,7 +194,7 @@ fn an_auto_rebalance_without_the_final_copy_loses_writes_and_the_checker_sees_it
     ctl.wait_line("leader", WAIT_MAX);
     let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, Duration::from_secs(30));
     writers.progress(1_000);
-    add_node(&mut c);
+    c.add_node(2);
     ctl.wait_line("holding at copied", WAIT_MAX);
     writers.progress(200);
     writers.signal_stop();
@@ -251,12 +223,7 @@ fn a_sustained_load_imbalance_moves_partitions_off_the_saturated_node() {
     wait_for("node 1 registered", Duration::from_secs(10), || {
         c.rt.block_on(c.etcd.live_nodes()).unwrap().len() == 2
     });
-    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
-    let first = ClusterMap::initial(live, PARTITIONS, 1).unwrap();
-    let before =
-        c.rt.block_on(c.etcd.update_map(3, move |_| Ok(first.clone())))
-            .unwrap()
-            .map;
+    let before = c.publish_initial(PARTITIONS, 1);
     assert_eq!(primaries_of(&before, 0), PARTITIONS as usize / 2);
     let ctl = ControllerProc::start(&c.endpoint, "auto", &["--auto-rebalance"]);
     ctl.wait_line("leader", WAIT_MAX);
@@ -264,7 +231,7 @@ fn a_sustained_load_imbalance_moves_partitions_off_the_saturated_node() {
     let line = ctl.wait_line("on load imbalance", WAIT_MAX);
     assert!(!ctl.output().contains("on membership"), "{}", ctl.output());
     ctl.wait_line("plan done", WAIT_MAX);
-    let after = map(&c);
+    let after = c.map();
     let left = primaries_of(&after, 0);
     assert!(
         left < PARTITIONS as usize / 2 - 4,

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use camelot_client::{Client, ClientConfig, ClusterMap as ClientMap};
 use camelot_cluster::follow::{watch_for_client, EtcdMapSource};
-use camelot_cluster::ClusterMap;
 
 mod support;
 use support::{bin, wait_for, PREFIX};
@@ -24,12 +23,7 @@ const KEYS: usize = 200;
 /// request after the move, the map's epoch, redirects during the reads).
 fn move_then_read(watch: bool) -> (u64, u64, u64) {
     let c = support::start(2, "64M", &[]);
-    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
-    let first = ClusterMap::initial(live, PARTITIONS, 1).unwrap();
-    let before =
-        c.rt.block_on(c.etcd.update_map(3, move |_| Ok(first.clone())))
-            .unwrap()
-            .map;
+    let before = c.publish_initial(PARTITIONS, 1);
     let client = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
     client
         .set_map_source(EtcdMapSource::connect(std::slice::from_ref(&c.endpoint), PREFIX).unwrap());

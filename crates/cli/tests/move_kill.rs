@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use camelot_client::{reply, Client, ClientConfig, ClusterMap as ClientMap};
 use camelot_cluster::follow::EtcdMapSource;
-use camelot_cluster::ClusterMap;
 use camelot_proto::Op;
 
 mod support;
@@ -76,12 +75,7 @@ fn mover(endpoint: &str, args: &[&str], on_hold: impl FnOnce()) -> (bool, String
 /// passes; the mover goes on, fails, and is rolled back.
 fn kill_mid_move(victim: usize) {
     let mut c = support::start(2, "64M", &[]);
-    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
-    let first = ClusterMap::initial(live, PARTITIONS, 1).unwrap();
-    let before =
-        c.rt.block_on(c.etcd.update_map(3, move |_| Ok(first.clone())))
-            .unwrap()
-            .map;
+    let before = c.publish_initial(PARTITIONS, 1);
     let parts: Vec<String> = (0..PARTITIONS)
         .filter(|p| before.primary(*p) == Some(0))
         .map(|p| p.to_string())

@@ -18,12 +18,7 @@ const KEYS: usize = 300;
 
 fn cluster(n: u32) -> (support::EtcdServers, ClusterMap, Client) {
     let c = support::start(n, "64M", &[]);
-    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
-    let first = ClusterMap::initial(live, PARTITIONS, 2).unwrap();
-    let map =
-        c.rt.block_on(c.etcd.update_map(3, move |_| Ok(first.clone())))
-            .unwrap()
-            .map;
+    let map = c.publish_initial(PARTITIONS, 2);
     let client = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
     client
         .set_map_source(EtcdMapSource::connect(std::slice::from_ref(&c.endpoint), PREFIX).unwrap());

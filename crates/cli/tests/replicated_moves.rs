@@ -19,7 +19,6 @@ use bytes::Bytes;
 use camelot_client::{reply, Client, ClientConfig, ClusterMap as ClientMap, NodeInfo};
 use camelot_cluster::ClusterMap;
 use camelot_proto::Op;
-use camelot_testkit::{CamelotServer, CamelotServerOptions};
 
 mod support;
 use support::{bin, etcd_client as client, wait_for, ControllerProc, EtcdServers, Writers};
@@ -50,7 +49,7 @@ impl Check for Writers {
             acked.len() > WRITERS * KEYS_PER_WRITER / 2,
             "too few keys checked"
         );
-        let m = map(c);
+        let m = c.map();
         let mut on_node: BTreeMap<u32, BTreeMap<Vec<u8>, Bytes>> = BTreeMap::new();
         let mut lost = Vec::new();
         for (k, v) in acked.iter() {
@@ -119,31 +118,8 @@ fn node_keys(m: &ClusterMap, node: u32) -> BTreeMap<Vec<u8>, Bytes> {
 /// Three servers with an R = 2 map of [`PARTITIONS`] over them.
 fn three_nodes() -> (EtcdServers, ClusterMap) {
     let c = support::start(3, "64M", &[]);
-    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
-    let first = ClusterMap::initial(live, PARTITIONS, REPLICATION).unwrap();
-    let before =
-        c.rt.block_on(c.etcd.update_map(3, move |_| Ok(first.clone())))
-            .unwrap()
-            .map;
+    let before = c.publish_initial(PARTITIONS, REPLICATION);
     (c, before)
-}
-
-/// Starts node 3 (registered, not yet in the map) and waits for its registration.
-fn add_node(c: &mut EtcdServers) {
-    let args: Vec<String> = ["--memory", "64M", "--etcd", &c.endpoint, "--node-id", "3"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let joined = CamelotServer::start(bin(), &CamelotServerOptions { resp: false, args }).unwrap();
-    c.addrs.push(joined.addr());
-    c.servers.push(joined);
-    wait_for("node 3 registered", Duration::from_secs(10), || {
-        c.rt.block_on(c.etcd.live_nodes()).unwrap().len() == 4
-    });
-}
-
-fn map(c: &EtcdServers) -> ClusterMap {
-    c.rt.block_on(c.etcd.read_map()).unwrap().unwrap().map
 }
 
 fn slots_of(m: &ClusterMap, node: u32) -> usize {
@@ -234,7 +210,7 @@ impl Drop for Tool {
 /// The rebalance is done and the map settled: node 3 within one slot of its share, no
 /// move recorded, nothing fenced or syncing, every set of R distinct nodes.
 fn assert_rebalanced(c: &EtcdServers, before: &ClusterMap, said: &str) -> usize {
-    let after = map(c);
+    let after = c.map();
     assert!(
         after.fenced.is_empty() && after.syncing.is_empty(),
         "{said}"
@@ -289,7 +265,7 @@ fn an_r2_rebalance_onto_a_joining_node_under_writes_loses_no_acknowledged_write(
     let (mut c, before) = three_nodes();
     let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, WAIT_MAX);
     writers.progress(1_000);
-    add_node(&mut c);
+    c.add_node(3);
     let (status, said) = Tool::start(&c, &["rebalance"]).finish();
     assert!(status.success(), "cluster rebalance: {status}\n{said}");
     writers.progress(1_000);
@@ -307,7 +283,7 @@ fn a_replicated_move_whose_old_primary_is_sigkilled_mid_move_loses_no_acknowledg
     let (mut c, _) = three_nodes();
     let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, WAIT_MAX);
     writers.progress(1_000);
-    add_node(&mut c);
+    c.add_node(3);
     // `cluster move` moves onto map nodes only (`rebalance` and controllers add joiners).
     let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
     c.rt.block_on(c.etcd.update_map(3, move |cur| {
@@ -316,7 +292,7 @@ fn a_replicated_move_whose_old_primary_is_sigkilled_mid_move_loses_no_acknowledg
         Ok(next)
     }))
     .unwrap();
-    let m = map(&c);
+    let m = c.map();
     let led: Vec<String> = (0..PARTITIONS)
         .filter(|p| m.primary(*p) == Some(0))
         .map(|p| p.to_string())
@@ -337,12 +313,12 @@ fn a_replicated_move_whose_old_primary_is_sigkilled_mid_move_loses_no_acknowledg
     println!("cluster move said:\n{said}");
     // Re-replication restores R for node 0's other partitions.
     wait_for("the map settled", WAIT_MAX, || {
-        let m = map(&c);
+        let m = c.map();
         m.syncing.is_empty()
             && m.node(0).is_none()
             && (0..PARTITIONS).all(|p| m.replicas(p).len() == REPLICATION as usize)
     });
-    let after = map(&c);
+    let after = c.map();
     for p in &led {
         let p: u32 = p.parse().unwrap();
         assert!(after.replicas(p).contains(&3), "partition {p}: {said}");
@@ -368,9 +344,9 @@ fn an_r2_auto_rebalance_whose_leader_is_sigkilled_holding_the_fence_is_finished_
     standby.wait_line("campaigning", WAIT_MAX);
     let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, WAIT_MAX);
     writers.progress(1_000);
-    add_node(&mut c);
+    c.add_node(3);
     leader.wait_line("holding at fenced", WAIT_MAX);
-    let fenced = map(&c);
+    let fenced = c.map();
     assert!(!fenced.fenced.is_empty(), "the fence is in the map");
     assert!(
         !fenced.syncing.is_empty(),
@@ -379,7 +355,7 @@ fn an_r2_auto_rebalance_whose_leader_is_sigkilled_holding_the_fence_is_finished_
     leader.sigkill();
     standby.wait_line("leader (election", WAIT_MAX);
     wait_for("rebalanced", WAIT_MAX, || {
-        let m = map(&c);
+        let m = c.map();
         m.fenced.is_empty()
             && m.syncing.is_empty()
             && c.rt.block_on(c.etcd.read_move()).unwrap().is_none()
@@ -398,7 +374,7 @@ fn an_r2_rebalance_without_the_fill_loses_writes_and_the_checker_sees_it() {
     let (mut c, _) = three_nodes();
     let mut writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, WAIT_MAX);
     writers.progress(1_000);
-    add_node(&mut c);
+    c.add_node(3);
     writers.stop();
     // Without the fill and without the reconcile under the fence (which alone would copy
     // a primary's partitions whole to an empty `to`).

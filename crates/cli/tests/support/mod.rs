@@ -182,6 +182,54 @@ impl Drop for ControllerProc {
     }
 }
 
+impl EtcdServers {
+    /// Publishes the first map: every registered node, `partitions` partitions, R =
+    /// `replication`.
+    pub fn publish_initial(
+        &self,
+        partitions: u32,
+        replication: u32,
+    ) -> camelot_cluster::ClusterMap {
+        let live = self.rt.block_on(self.etcd.live_nodes()).unwrap();
+        let first = camelot_cluster::ClusterMap::initial(live, partitions, replication).unwrap();
+        self.rt
+            .block_on(self.etcd.update_map(3, move |_| Ok(first.clone())))
+            .unwrap()
+            .map
+    }
+
+    /// The map in etcd now.
+    pub fn map(&self) -> camelot_cluster::ClusterMap {
+        self.rt.block_on(self.etcd.read_map()).unwrap().unwrap().map
+    }
+
+    /// Starts server `id` (registered, not yet in the map) and waits for its registration.
+    pub fn add_node(&mut self, id: u32) {
+        let id_arg = id.to_string();
+        let args: Vec<String> = [
+            "--memory",
+            "64M",
+            "--etcd",
+            &self.endpoint,
+            "--node-id",
+            &id_arg,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let joined =
+            CamelotServer::start(bin(), &CamelotServerOptions { resp: false, args }).unwrap();
+        self.addrs.push(joined.addr());
+        self.servers.push(joined);
+        let want = self.servers.len();
+        wait_for(
+            &format!("node {id} registered"),
+            Duration::from_secs(10),
+            || self.rt.block_on(self.etcd.live_nodes()).unwrap().len() == want,
+        );
+    }
+}
+
 /// A client of the cluster whose map is in the etcd at `endpoint`, holding the current map.
 pub fn etcd_client(endpoint: &str, addrs: &[SocketAddr]) -> camelot_client::Client {
     use camelot_client::{Client, ClientConfig, ClusterMap as ClientMap};
@@ -260,6 +308,20 @@ impl Writers {
         wait_for("writes acknowledged", self.wait_max, || {
             self.acked_count.load(Ordering::Relaxed) >= from + n
         });
+    }
+
+    /// Reads every key of the book back through a fresh client: one line per key that
+    /// does not hold its last acknowledged value.
+    pub fn lost(&self, c: &EtcdServers) -> Vec<String> {
+        let reader = etcd_client(&c.endpoint, &c.addrs);
+        let acked = self.acked.lock().unwrap();
+        acked
+            .iter()
+            .filter_map(|(k, v)| {
+                let got = reader.get(k.as_bytes()).unwrap().map(|x| x.value.to_vec());
+                (got.as_deref() != Some(v.as_bytes())).then(|| format!("{k}: {got:?}, acked {v}"))
+            })
+            .collect()
     }
 
     /// Tells the writers to stop after their current put, without waiting for them.
