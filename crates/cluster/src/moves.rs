@@ -376,13 +376,18 @@ pub fn switch(map: &ClusterMap, rec: &MoveRecord) -> Result<(ClusterMap, MoveRec
         replicas.retain(|n| *n != rec.from && *n != rec.to);
         replicas.insert(0, rec.to);
     }
+    Ok(switched(next, rec))
+}
+
+/// The switch's map with the move's fence lifted, and the record at Switched.
+fn switched(mut next: ClusterMap, rec: &MoveRecord) -> (ClusterMap, MoveRecord) {
     next.fenced
         .retain(|p| rec.partitions.binary_search(p).is_err());
     let rec = MoveRecord {
         phase: Phase::Switched { epoch: next.epoch },
         ..rec.clone()
     };
-    Ok((next, rec))
+    (next, rec)
 }
 
 fn switch_replicated(
@@ -424,13 +429,7 @@ fn switch_replicated(
     }
     next.syncing
         .retain(|(p, n)| !(*n == rec.to && rec.partitions.binary_search(p).is_ok()));
-    next.fenced
-        .retain(|p| rec.partitions.binary_search(p).is_err());
-    let rec = MoveRecord {
-        phase: Phase::Switched { epoch: next.epoch },
-        ..rec.clone()
-    };
-    Ok((next, rec))
+    Ok(switched(next, rec))
 }
 
 /// Copying, Joining or Fenced → RollingBack: the partitions stay with `from`; a fence is
