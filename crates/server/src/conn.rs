@@ -745,25 +745,33 @@ impl Conn {
             }
         }
         // `pending` and `writes` are pushed together, one per write that took effect.
-        let positions: Vec<usize> = self
+        // What each write not acknowledged is told: why its wait ended.
+        let first = e.reply();
+        let failed: Vec<(usize, ErrorReply)> = self
             .log
             .writes
             .drain(..)
             .zip(&covers)
-            .filter(|(_, c)| c.as_ref().and_then(Cover::outcome) != Some(true))
-            .map(|((at, _), _)| at)
+            .filter_map(|((at, _), c)| {
+                let why = match c.as_ref().and_then(Cover::outcome) {
+                    Some(true) => return None,
+                    Some(false) => "; then this server stopped being the key's primary",
+                    None => "; no later copy reached every backup in time",
+                };
+                Some((
+                    at,
+                    ErrorReply::new(first.code, format!("{}{why}", first.message)),
+                ))
+            })
             .collect();
         drop(covers);
-        if positions.is_empty() {
+        if failed.is_empty() {
             debug!(peer = %self.peer, error = %e, "writes acknowledged after their copies were sent again");
             return Ok(());
         }
-        debug!(peer = %self.peer, error = %e, writes = positions.len(), "writes not acknowledged");
-        self.rewrite_out(
-            start,
-            fail_answers(&self.bufs.out[start..], &positions, &e.reply()),
-        )
-        .await
+        debug!(peer = %self.peer, error = %e, writes = failed.len(), "writes not acknowledged");
+        self.rewrite_out(start, fail_answers(&self.bufs.out[start..], &failed))
+            .await
     }
 
     /// Waits (at most the replication timeout) until the keys of `reads` have settled,

@@ -113,15 +113,16 @@ pub fn by_backup(own: &Ownership, writes: &[(usize, Bytes)]) -> Vec<(Peer, Vec<B
     out
 }
 
-/// Rewrites the response frame `frame` (length prefix included) so that the answers at
-/// `positions` that succeeded become `err`; other answers stay as they were.
+/// Rewrites the response frame `frame` (length prefix included) so that each answer at a
+/// position of `failed` that succeeded becomes that position's error; other answers stay
+/// as they were.
 pub fn fail_answers(
     frame: &[u8],
-    positions: &[usize],
-    err: &ErrorReply,
+    failed: &[(usize, ErrorReply)],
 ) -> Result<BytesMut, RewriteError> {
     rewrite_answers(frame, |i, r| {
-        (r.is_ok() && positions.contains(&i)).then(|| Err(err.clone()))
+        let (_, err) = failed.iter().find(|(at, _)| *at == i)?;
+        r.is_ok().then(|| Err(err.clone()))
     })
 }
 
@@ -724,14 +725,14 @@ mod tests {
         .unwrap();
         let err = ErrorReply::new(ErrorCode::ReplicaUnavailable, "no backup");
         // Position 2 already failed: it keeps its own error.
-        let out = fail_answers(&frame, &[0, 2], &err).unwrap();
+        let out = fail_answers(&frame, &[(0, err.clone()), (2, err.clone())]).unwrap();
         let Frame::Responses(got) = decode_frame(out.freeze().slice(4..)).unwrap() else {
             panic!()
         };
         assert_eq!(got.responses[0].result, Err(err));
         assert_eq!(got.responses[1..], responses[1..]);
         assert!(matches!(
-            fail_answers(b"\x01", &[0], &ErrorReply::new(ErrorCode::Internal, "x")),
+            fail_answers(b"\x01", &[(0, ErrorReply::new(ErrorCode::Internal, "x"))]),
             Err(RewriteError::Short)
         ));
     }

@@ -1052,7 +1052,13 @@ async fn a_write_its_backup_refused_is_not_read_until_the_backup_has_it() {
     client.send(&routed(1, vec![put("v2")])).await;
     let r = client.responses().await;
     match &r[0].result {
-        Err(e) => assert_eq!(e.code, ErrorCode::ReplicaUnavailable, "{e:?}"),
+        Err(e) => {
+            assert_eq!(e.code, ErrorCode::ReplicaUnavailable, "{e:?}");
+            assert!(
+                e.message.contains("no later copy reached every backup"),
+                "{e:?}"
+            );
+        }
         other => panic!("the refused copy must fail the write, got {other:?}"),
     }
     // A reader must not see v2 now: the backup does not have it.
@@ -1151,7 +1157,13 @@ async fn a_write_its_backup_refused_fails_when_its_primary_is_deposed_meanwhile(
     assert!(backup.set_ownership(Ownership::new(2, vec![true]).unwrap()));
     let r = put_while_the_map_moves(&primary, &mut client, &key, backup_of_all(2)).await;
     match &r[0].result {
-        Err(e) => assert_eq!(e.code, ErrorCode::ReplicaUnavailable, "{e:?}"),
+        Err(e) => {
+            assert_eq!(e.code, ErrorCode::ReplicaUnavailable, "{e:?}");
+            assert!(
+                e.message.contains("stopped being the key's primary"),
+                "{e:?}"
+            );
+        }
         other => panic!("a deposed primary acknowledged the write: {other:?}"),
     }
     eventually(|| stat(&primary.stats(), "unacked_keys") == 0).await;
