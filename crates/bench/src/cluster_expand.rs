@@ -621,6 +621,7 @@ mod tests {
                 addr: std::net::SocketAddr::from(([127, 0, 0, 1], 7000 + id as u16)),
                 weight: 1,
                 lease: 0,
+                incarnation: 0,
             })
             .collect()
     }

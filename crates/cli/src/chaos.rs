@@ -1757,6 +1757,7 @@ mod kv {
                 addr: SocketAddr::from(([10, 213, 0, id as u8 + 2], 7000)),
                 weight: 1,
                 lease,
+                incarnation: 0,
             }
         }
 

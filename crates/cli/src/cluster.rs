@@ -120,7 +120,7 @@ pub async fn join(_handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Me
 /// What keeps a member in the cluster: its lease renewals and its map follower.
 #[cfg(feature = "etcd")]
 pub struct Member {
-    _registration: Registration,
+    keeper: tokio::task::JoinHandle<()>,
     follower: tokio::task::JoinHandle<()>,
     reporter: tokio::task::JoinHandle<()>,
 }
@@ -128,8 +128,64 @@ pub struct Member {
 #[cfg(feature = "etcd")]
 impl Drop for Member {
     fn drop(&mut self) {
+        self.keeper.abort();
         self.follower.abort();
         self.reporter.abort();
+    }
+}
+
+/// How often the keeper looks whether the registration is still renewed.
+#[cfg(feature = "etcd")]
+const REGISTRATION_CHECK: Duration = Duration::from_millis(100);
+/// Between attempts to register again after the lease expired.
+#[cfg(feature = "etcd")]
+const REREGISTER_BACKOFF: Duration = Duration::from_millis(200);
+
+/// Keeps this process registered. Its lease can expire while it runs — etcd stalled, or
+/// this host was cut off longer than the TTL — and it then registers again under a new
+/// lease as the same incarnation, so the controller knows it for the same process with
+/// its data (not a restart); without this, a stall that expired every replica's lease
+/// left their partitions unserved for good. If another process holds the id by then (a
+/// restarted one), this one exits: it has been replaced. Runs until aborted.
+#[cfg(feature = "etcd")]
+async fn keep_registered(
+    etcd: EtcdCluster,
+    node: Node,
+    ttl: Duration,
+    mut registration: Registration,
+    lease: tokio::sync::watch::Sender<i64>,
+) {
+    use camelot_cluster::etcd::EtcdError;
+    loop {
+        while registration.is_alive() {
+            tokio::time::sleep(REGISTRATION_CHECK).await;
+        }
+        tracing::warn!(
+            node = node.id,
+            lease = registration.lease_id(),
+            "the registration's lease expired while this server ran; registering again"
+        );
+        registration = loop {
+            match etcd.register(&node, ttl).await {
+                Ok(r) => break r,
+                Err(EtcdError::NodeTaken(id)) => {
+                    tracing::error!(
+                        "node id {id} is now registered by another process: this one exits"
+                    );
+                    std::process::exit(1);
+                }
+                Err(e) => {
+                    tracing::warn!("registering again: {e}; retrying");
+                    tokio::time::sleep(REREGISTER_BACKOFF).await;
+                }
+            }
+        };
+        tracing::info!(
+            node = node.id,
+            lease = registration.lease_id(),
+            "registered again (same incarnation)"
+        );
+        let _ = lease.send(registration.lease_id());
     }
 }
 
@@ -151,7 +207,7 @@ async fn report_loop(
     etcd: EtcdCluster,
     state: std::sync::Arc<camelot_server::ServerState>,
     node: u32,
-    lease: i64,
+    lease: tokio::sync::watch::Receiver<i64>,
 ) {
     use camelot_cluster::etcd::{Report, REPORT_PERIOD};
     let mut last = (
@@ -213,7 +269,8 @@ async fn report_loop(
         if secs >= REPORT_PERIOD.as_secs_f64() / 2.0 {
             last = now;
         }
-        if let Err(e) = etcd.put_report(&report, lease).await {
+        let lease_id = *lease.borrow();
+        if let Err(e) = etcd.put_report(&report, lease_id).await {
             tracing::warn!("publishing this node's report: {e}");
         }
     }
@@ -238,11 +295,15 @@ pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Mem
         addr: handle.local_addr(),
         weight: args.weight,
         lease: 0,
+        // Never 0 (which means "not recorded").
+        incarnation: rand::random::<u64>().max(1),
     };
+    let ttl = Duration::from_secs(args.lease_ttl);
     let registration = etcd
-        .register(&node, Duration::from_secs(args.lease_ttl))
+        .register(&node, ttl)
         .await
         .with_context(|| format!("cannot register node {id} in etcd"))?;
+    let (lease_tx, lease_rx) = tokio::sync::watch::channel(registration.lease_id());
     let state = handle.state().clone();
     let follower =
         tokio::spawn(camelot_cluster::follow::follow(
@@ -261,10 +322,11 @@ pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Mem
         etcd.clone(),
         handle.state().clone(),
         id,
-        registration.lease_id(),
+        lease_rx,
     ));
+    let keeper = tokio::spawn(keep_registered(etcd, node, ttl, registration, lease_tx));
     Ok(Some(Member {
-        _registration: registration,
+        keeper,
         follower,
         reporter,
     }))

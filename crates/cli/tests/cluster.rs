@@ -330,3 +330,35 @@ fn a_node_restarted_while_its_old_lease_lives_is_refused_before_it_serves_anythi
         "the refused node installed a map first: {text}"
     );
 }
+
+/// A server whose lease expires while it runs (etcd stalled, or it was cut off longer
+/// than the TTL; here the lease is revoked) registers again under a new lease as the same
+/// incarnation: the map's entry still names a live process, so no failover is due, and it
+/// serves its data on. Before, it stayed unregistered for good, and a stall that expired
+/// both replicas' leases left their partitions unserved (chaos kv seeds 403 and 408).
+#[test]
+fn a_server_whose_lease_expired_registers_again_as_the_same_process() {
+    let c = support::start(1, "64M", &[]);
+    let map = c.publish_initial(16, 1);
+    let client = cluster_client(&c.endpoint, &c.addrs);
+    support::wait_epoch(&client, [0], map.epoch);
+    client.put(b"k", "v").unwrap();
+    let old = c.rt.block_on(c.etcd.live_nodes()).unwrap()[0].clone();
+    assert_ne!(
+        old.incarnation, 0,
+        "a server registers with its incarnation"
+    );
+    c.rt.block_on(c.etcd.revoke_lease(old.lease)).unwrap();
+    let mut live = Vec::new();
+    wait_for("node 0 registered again", Duration::from_secs(10), || {
+        live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
+        live.first().is_some_and(|n| n.lease != old.lease)
+    });
+    assert_eq!(live[0].incarnation, old.incarnation, "{live:?}");
+    assert!(
+        camelot_cluster::failover::Alive::new(live).holds(map.node(0).unwrap()),
+        "the map's entry no longer names the process"
+    );
+    let got = client.get(b"k").unwrap().map(|v| v.value.to_vec());
+    assert_eq!(got.as_deref(), Some(&b"v"[..]));
+}

@@ -3,7 +3,7 @@
 //! over one lease TTL after the first dies. While it leads it reconciles, every tick, the
 //! map with the live registrations ([`crate::failover`]'s pure decisions):
 //!
-//! 1. **Failover** — a node whose registration is gone (or under a new lease) is dead:
+//! 1. **Failover** — a node whose registration is gone (or is a new incarnation) is dead:
 //!    its partitions are led by their most up-to-date live backup and it leaves every
 //!    replica set, in one map transaction at a new epoch. "Most up to date" is the
 //!    highest version applied for the partition, from the members' reports, asked for

@@ -454,6 +454,14 @@ impl EtcdCluster {
         .await
     }
 
+    /// Revokes lease `lease_id` at once: every key on it goes, as when it expires (for
+    /// tests and operators: what an etcd stall longer than a TTL does to a member).
+    pub async fn revoke_lease(&self, lease_id: i64) -> Result<(), EtcdError> {
+        let mut lease = self.client.lease_client();
+        bounded("lease revoke", lease.revoke(lease_id)).await?;
+        Ok(())
+    }
+
     /// Grants a lease of `ttl` and keeps it alive from a task on the current runtime
     /// until the returned [`Registration`] is dropped or revoked (it holds no key; what
     /// is attached to it is the caller's).

@@ -33,14 +33,14 @@ impl Alive {
         }
     }
 
-    /// Whether the map's entry `entry` is a live process: registered under its id at its
-    /// address and, when the map recorded a lease, under that lease. A node that
-    /// restarted (servers hold data in memory only) registers under a new lease and is,
-    /// to the map's replicas, a dead one.
+    /// Whether the map's entry `entry` is a live process: registered under its id, and
+    /// the same process ([`Node::same_process`]). A node that restarted (servers hold
+    /// data in memory only) registers as a new incarnation and is, to the map's
+    /// replicas, a dead one; one that only lost its lease and registered again is not.
     pub fn holds(&self, entry: &Node) -> bool {
         self.members
             .get(&entry.id)
-            .is_some_and(|m| m.addr == entry.addr && (entry.lease == 0 || entry.lease == m.lease))
+            .is_some_and(|m| entry.same_process(m))
     }
 
     pub fn members(&self) -> impl Iterator<Item = &Node> {
@@ -277,8 +277,7 @@ pub fn join(map: &ClusterMap, alive: &Alive) -> Option<ClusterMap> {
             }
             Some(n) if n == m => {}
             Some(n) => {
-                let same_process = n.addr == m.addr && (n.lease == 0 || n.lease == m.lease);
-                if same_process || !referenced.contains(&n.id) {
+                if n.same_process(m) || !referenced.contains(&n.id) {
                     *n = m.clone();
                     changed = true;
                 } else if n.weight != m.weight {
@@ -424,6 +423,7 @@ mod tests {
             addr: SocketAddr::from(([127, 0, 0, 1], 7000 + id as u16)),
             weight,
             lease: 100 + i64::from(id),
+            incarnation: 0,
         }
     }
 
@@ -528,6 +528,30 @@ mod tests {
         );
         assert!(filled.assignment.iter().all(|s| s.len() == 2));
         assert_eq!(filled.syncing, added);
+    }
+
+    #[test]
+    fn a_node_registered_again_as_the_same_incarnation_is_not_a_dead_one() {
+        let mut m = map(3, 6, 2);
+        for (i, n) in m.nodes.iter_mut().enumerate() {
+            n.incarnation = 100 + i as u64;
+        }
+        // Node 2's lease expired while it ran and it registered again: new lease, same
+        // incarnation. Nothing to repair; join records the new lease.
+        let mut members: Vec<Node> = m.nodes.clone();
+        members[2].lease += 1000;
+        let alive = Alive::new(members.clone());
+        assert!(alive.holds(m.node(2).unwrap()));
+        assert!(repair(&m, &alive, &Marks::default(), Promote::MostUpToDate).is_none());
+        let joined = join(&m, &alive).unwrap();
+        assert_eq!(joined.node(2), Some(&members[2]));
+        assert_eq!(joined.assignment, m.assignment, "no replica moved");
+        // A restart is a new incarnation: dead, whatever the lease.
+        members[2].incarnation += 1;
+        let alive = Alive::new(members);
+        assert!(!alive.holds(m.node(2).unwrap()));
+        let r = repair(&m, &alive, &Marks::default(), Promote::MostUpToDate).unwrap();
+        assert_eq!(r.dead, vec![2]);
     }
 
     #[test]

@@ -37,13 +37,38 @@ pub struct Node {
     /// The etcd lease of the registration this entry was taken from (0: not recorded).
     /// Servers keep their data in memory only, so a node that registers again under a
     /// new lease is a new, empty process: the controller treats the old one as dead
-    /// (drops it from every replica set) before it counts the new one as anything.
-    #[serde(default, skip_serializing_if = "lease_is_unset")]
+    /// (drops it from every replica set) before it counts the new one as anything —
+    /// unless both name the same [`Node::incarnation`].
+    #[serde(default, skip_serializing_if = "is_zero_i64")]
     pub lease: i64,
+    /// A number the server process drew when it started (0: not recorded). A process
+    /// whose lease expired while it ran (an etcd stall, a partition longer than the TTL)
+    /// registers again under a new lease with the same incarnation: the same process,
+    /// its data intact. A restart draws a new one.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub incarnation: u64,
 }
 
-fn lease_is_unset(lease: &i64) -> bool {
-    *lease == 0
+impl Node {
+    /// Whether the registration `live` is the process this map entry names: the same
+    /// address and incarnation when both recorded one, else the same lease (when the
+    /// entry recorded one).
+    pub fn same_process(&self, live: &Node) -> bool {
+        self.addr == live.addr
+            && if self.incarnation != 0 && live.incarnation != 0 {
+                self.incarnation == live.incarnation
+            } else {
+                self.lease == 0 || self.lease == live.lease
+            }
+    }
+}
+
+fn is_zero_i64(v: &i64) -> bool {
+    *v == 0
+}
+
+fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
 }
 
 fn weight_default() -> u32 {
@@ -311,6 +336,7 @@ pub(crate) fn test_nodes(n: u32) -> Vec<Node> {
             addr: SocketAddr::from(([127, 0, 0, 1], 7000 + i as u16)),
             weight: 1,
             lease: 0,
+            incarnation: 0,
         })
         .collect()
 }

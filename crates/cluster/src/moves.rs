@@ -776,6 +776,7 @@ mod replicated_tests {
             addr: SocketAddr::from(([127, 0, 0, 1], 7003)),
             weight: 1,
             lease: 0,
+            incarnation: 0,
         });
         let backup_p = (0..8).find(|p| m.replicas(*p)[1] == 0).unwrap();
         let rec = begin(&m, &[backup_p], Some(0), 3).unwrap();

@@ -404,6 +404,7 @@ mod tests {
             addr: SocketAddr::from(([127, 0, 0, 1], 7000 + id as u16)),
             weight,
             lease: 0,
+            incarnation: 0,
         }
     }
 

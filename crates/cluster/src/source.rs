@@ -74,6 +74,7 @@ mod tests {
                 addr: ([127, 0, 0, 1], 7100 + i as u16).into(),
                 weight: 1 + i,
                 lease: 0,
+                incarnation: 0,
             })
             .collect();
         let map = ClusterMap::initial(nodes, 128, 2).unwrap();

@@ -18,6 +18,7 @@ fn node(id: u32) -> Node {
         addr: SocketAddr::from(([127, 0, 0, 1], 7000 + id as u16)),
         weight: 1,
         lease: 0,
+        incarnation: 0,
     }
 }
 
