@@ -56,7 +56,8 @@ const WHOLE_WAIT_MAX: Duration = Duration::from_secs(60);
 /// the map has every node, live, with R full replicas of every partition).
 const WHOLE_LINE: &str = "whole";
 /// kv: the worker's line that node N's registration is gone and the map no longer has
-/// it (its process is dead, or alive without a lease): the runner restarts it.
+/// it: the runner restarts it if its process is dead (one still running registers again
+/// by itself).
 const LOST_LINE_PREFIX: &str = "lost ";
 /// The worker makes at most this many operations a second (unpaced it made 1,500–2,800
 /// writes on this machine): faults, not volume, are what a chaos run is for, and the
@@ -257,6 +258,13 @@ impl Servers {
         }
         self.children[i] = Some(child);
         Ok(())
+    }
+
+    /// Whether server `i`'s process is running (not killed, not exited).
+    fn is_running(&mut self, i: usize) -> bool {
+        self.children[i]
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 
     fn reap(&mut self, i: usize) {
@@ -463,8 +471,9 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     // one that would no longer be healed before the end is skipped and counted.
     //
     // The kv cluster (R=2) is the same: a node is lost until the controller has failed
-    // it over, it is back (restarted by this runner, as a supervisor would, once the
-    // worker — which sees etcd — says its registration is gone: `lost N`) and the map
+    // it over, it is back (a killed one restarted by this runner, as a supervisor would,
+    // once the worker — which sees etcd — says its registration is gone: `lost N`; one
+    // paused or cut off past its lease registers again by itself) and the map
     // has R full replicas of every partition on all three nodes again (`whole`).
     let waits_for_whole = matches!(a.face, Face::Raid5 | Face::Kv);
     let mut whole = true;
@@ -474,6 +483,15 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     let wait_whole = |servers: &mut Servers, late_repairs: &mut Vec<String>| -> Result<bool> {
         let deadline = Instant::now() + WHOLE_WAIT_MAX;
         let whole = wait_for_whole(&lines, deadline, |node| {
+            // A server still running (paused or cut off past its lease) registers again
+            // by itself; restarting it would race its new registration.
+            if servers.is_running(node) {
+                println!(
+                    "  {:>7.2} s  node {node} lost its registration: its server runs on and registers again",
+                    started.elapsed().as_secs_f64(),
+                );
+                return Ok(());
+            }
             println!(
                 "  {:>7.2} s  node {node} lost its registration: restarting h{}",
                 started.elapsed().as_secs_f64(),

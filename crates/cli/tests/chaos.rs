@@ -349,8 +349,11 @@ fn acknowledging_before_replication_makes_kv_chaos_fail() {
         out.contains("FAIL seed"),
         "no seed caught the broken servers: {runs:#?}"
     );
+    // A checker must be what caught it (not an error, not a cluster that stayed broken):
+    // the lost writes show as missing at the end or as reads no order explains.
     assert!(
-        out.contains("acknowledged writes present:") && out.contains("violations"),
+        (out.contains("acknowledged writes present:") && out.contains("violations"))
+            || out.contains("linearizable: no"),
         "{out}"
     );
 }

@@ -362,3 +362,35 @@ fn a_server_whose_lease_expired_registers_again_as_the_same_process() {
     let got = client.get(b"k").unwrap().map(|v| v.value.to_vec());
     assert_eq!(got.as_deref(), Some(&b"v"[..]));
 }
+
+/// The same after SIGSTOP past the lease's TTL, then SIGCONT (a pause, as chaos makes
+/// one): the server learns its lease is gone and registers again as the same process.
+#[test]
+fn a_server_paused_past_its_lease_registers_again_when_it_resumes() {
+    let mut c = support::start(1, "64M", &["--lease-ttl", "1"]);
+    let map = c.publish_initial(16, 1);
+    let old = c.rt.block_on(c.etcd.live_nodes()).unwrap()[0].clone();
+    let pid = c.servers[0].process_mut().pid().to_string();
+    let signal = |sig: &str| {
+        assert!(Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success());
+    };
+    signal("-STOP");
+    wait_for(
+        "the paused server's lease expired",
+        Duration::from_secs(10),
+        || c.rt.block_on(c.etcd.live_nodes()).unwrap().is_empty(),
+    );
+    signal("-CONT");
+    let mut live = Vec::new();
+    wait_for("node 0 registered again", Duration::from_secs(10), || {
+        live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
+        !live.is_empty()
+    });
+    assert_eq!(live[0].incarnation, old.incarnation, "{live:?}");
+    assert_ne!(live[0].lease, old.lease, "{live:?}");
+    assert!(camelot_cluster::failover::Alive::new(live).holds(map.node(0).unwrap()));
+}
