@@ -22,6 +22,10 @@ const HEALTH_PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 const HEALTH_POLL_INTERVAL: Duration = Duration::from_millis(50);
 /// A health answer is a few hundred bytes; more is not etcd.
 const HEALTH_REPLY_BYTES_MAX: u64 = 64 * 1024;
+/// Fresh peer ports tried when etcd finds the one it was given taken.
+const ETCD_PEER_PORT_ATTEMPTS: u32 = 3;
+/// How the OS's "in use" error reads in etcd's output, which the start error quotes.
+const ADDRESS_IN_USE: &str = "address already in use";
 
 /// A real `redis-server`: persistence off, working directory private.
 #[derive(Debug)]
@@ -129,9 +133,23 @@ pub struct EtcdServer {
 
 impl EtcdServer {
     pub fn start() -> Result<EtcdServer, TestkitError> {
-        // The peer port is never connected to by anyone but this member; picking it
-        // outside the closure keeps it the same across the launcher's port retries.
-        let peer_addr = free_loopback_addr()?;
+        // The peer port is picked free and then given up before etcd binds it, so another
+        // process may take it meanwhile; the launcher's own retries would reuse it (they
+        // pick only the client port), so a peer port that was taken gets a fresh one here.
+        let mut last_failure = None;
+        for _ in 0..ETCD_PEER_PORT_ATTEMPTS {
+            let peer_addr = free_loopback_addr()?;
+            match EtcdServer::start_with_peer(peer_addr) {
+                Ok(server) => return Ok(server),
+                Err(e) if e.to_string().contains(ADDRESS_IN_USE) => last_failure = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last_failure
+            .unwrap_or_else(|| TestkitError::Setup("etcd's peer port attempts ran out".into())))
+    }
+
+    fn start_with_peer(peer_addr: SocketAddr) -> Result<EtcdServer, TestkitError> {
         let data_dir_name = "data";
         let mut process = ServerProcess::start(ETCD, "etcd", Readiness::Accepting, |port| {
             let client_url = format!("http://127.0.0.1:{port}");
