@@ -295,7 +295,7 @@ pub(crate) fn write_with_standard_figure(
 
 /// The iperf3 stream's record for `config["sides"]`: one stream over loopback, its
 /// server started and stopped by the bench like every peer.
-fn iperf3_side(stream: &crate::peers::PeerStream) -> Result<Side, BenchError> {
+pub(crate) fn iperf3_side(stream: &crate::peers::PeerStream) -> Result<Side, BenchError> {
     let version = camelot_testkit::process::program_version(
         &camelot_testkit::servers::IPERF3,
         &["--version"],

@@ -20,6 +20,8 @@ use crate::BenchError;
 /// The issue's targets.
 pub const BUCKET_RATIO_TARGET: f64 = 0.8;
 pub const MOVED_TOLERANCE: f64 = 0.1;
+/// Moves copy at this share of an iperf3 loopback stream or better (issue 19).
+pub const COPY_RATIO_TARGET: f64 = 0.3;
 pub const THREADS_MAX: usize = 64;
 /// Longest one `camelot cluster rebalance` may take before the run is abandoned.
 pub const REBALANCE_TIME_MAX: std::time::Duration = std::time::Duration::from_secs(600);
@@ -42,6 +44,9 @@ pub struct ExpandConfig {
     /// Seconds of steady load before the first new node and after each rebalance.
     pub settle_seconds: f64,
     pub memory_bytes_per_node: u64,
+    /// Seconds of the iperf3 loopback stream the moves' copy rate is set against, run
+    /// after the cluster is stopped (0: none, and no copy-rate comparison).
+    pub iperf3_seconds: u64,
     pub quick: bool,
 }
 
@@ -59,6 +64,7 @@ impl Default for ExpandConfig {
             calibrate_seconds: 3.0,
             settle_seconds: 5.0,
             memory_bytes_per_node: 256 << 20,
+            iperf3_seconds: 2,
             quick: false,
         }
     }
@@ -70,6 +76,7 @@ impl ExpandConfig {
         self.records = 10_000;
         self.calibrate_seconds = 1.0;
         self.settle_seconds = 2.0;
+        self.iperf3_seconds = 1;
     }
 
     pub fn validate(&self) -> Result<(), BenchError> {
@@ -100,6 +107,21 @@ impl ExpandConfig {
         }
         check_seconds("calibrate seconds", self.calibrate_seconds)?;
         check_seconds("settle seconds", self.settle_seconds)?;
+        // Values only: what the starting nodes must hold at the least, before any
+        // per-record overhead; a load past it would fail half-way with OUT_OF_MEMORY.
+        let values_bytes = self
+            .records
+            .saturating_mul(self.value_bytes as u64)
+            .saturating_mul(u64::from(self.replication));
+        let room_bytes = self
+            .memory_bytes_per_node
+            .saturating_mul(u64::from(self.start_nodes));
+        if values_bytes > room_bytes {
+            return Err(BenchError::InvalidConfig(format!(
+                "{} records of {} bytes × R = {} need {values_bytes} bytes; the {} starting nodes have {room_bytes}",
+                self.records, self.value_bytes, self.replication, self.start_nodes
+            )));
+        }
         self.load(None).validate(THREADS_MAX)
     }
 
@@ -144,6 +166,45 @@ pub fn partitions_moved(
 
 /// The throughput before the expansion: the mean of the complete buckets from the second
 /// (the first holds the start-up) up to `first_change_secs`. `None` without one.
+/// One finished move as `camelot cluster rebalance` reports it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoveCopy {
+    pub bytes_copied: u64,
+    pub copy_secs: f64,
+}
+
+/// The moves that switched, read from `camelot cluster rebalance`'s output: lines
+/// `moved P partition(s) node A → B: K key(s) / BYTES value bytes copied (S scanned) in
+/// SECS s (…)`. Rolled-back moves and every other line are skipped.
+pub fn move_copies(output: &str) -> Vec<MoveCopy> {
+    output
+        .lines()
+        .filter(|l| l.starts_with("moved "))
+        .filter_map(|l| {
+            let (_, after_slash) = l.split_once(" / ")?;
+            let bytes = after_slash
+                .split_once(" value bytes copied")?
+                .0
+                .parse()
+                .ok()?;
+            let (_, after_in) = after_slash.split_once(" scanned) in ")?;
+            let secs = after_in.split_once(" s")?.0.parse().ok()?;
+            Some(MoveCopy {
+                bytes_copied: bytes,
+                copy_secs: secs,
+            })
+        })
+        .collect()
+}
+
+/// Value bytes copied per second over all `moves` (their copy times summed), or `None`
+/// when they took no measurable time.
+pub fn copy_rate_bytes_per_sec(moves: &[MoveCopy]) -> Option<f64> {
+    let secs: f64 = moves.iter().map(|m| m.copy_secs).sum();
+    let bytes: u64 = moves.iter().map(|m| m.bytes_copied).sum();
+    (secs > 0.0).then(|| bytes as f64 / secs)
+}
+
 pub fn baseline(ops: &[u64], first_change_secs: f64) -> Option<f64> {
     let end = first_change_secs.floor() as usize;
     let before: Vec<u64> = ops.iter().take(end).skip(1).copied().collect();
@@ -400,6 +461,19 @@ mod with_etcd {
         drop(reader);
         drop(clients);
         drop(nodes);
+        // After the cluster is gone, so the stream has the machine the moves had less of.
+        let iperf = if cfg.iperf3_seconds > 0 {
+            Some(crate::peers::iperf3_tcp_stream(Duration::from_secs(
+                cfg.iperf3_seconds,
+            ))?)
+        } else {
+            None
+        };
+        let copies: Vec<MoveCopy> = steps
+            .iter()
+            .flat_map(|st| move_copies(&st.tool.stdout))
+            .collect();
+        let copy_rate = copy_rate_bytes_per_sec(&copies);
 
         let ops: Vec<u64> = tally.buckets.iter().map(|b| b.ops).collect();
         let first_change = steps.first().map_or(end_secs, |s| s.added_secs);
@@ -470,6 +544,21 @@ mod with_etcd {
                     .with_target(1.0 - MOVED_TOLERANCE, false),
             );
         }
+        if let (Some(rate), Some(i)) = (copy_rate, &iperf) {
+            comparisons.push(
+                Comparison::new(
+                    format!(
+                        "moves' copy rate ({} moves, value bytes ÷ copy seconds) ÷ iperf3",
+                        copies.len()
+                    ),
+                    rate,
+                    i.bytes_per_sec,
+                    "B/s",
+                    "iperf3 stream (loopback), after the run",
+                )
+                .with_target(COPY_RATIO_TARGET, false),
+            );
+        }
         let ok_ops = tally.ops().saturating_sub(tally.failed + tally.bad_reads);
         comparisons.push(
             Comparison::new(
@@ -536,9 +625,13 @@ mod with_etcd {
             ),
             client,
         };
+        let mut sides = vec![side];
+        if let Some(i) = &iperf {
+            sides.push(crate::cluster::iperf3_side(i)?);
+        }
         let config = json!({
             "x": "second",
-            "sides": sides_json(&[side]),
+            "sides": sides_json(&sides),
             "start_nodes": cfg.start_nodes,
             "end_nodes": cfg.end_nodes,
             "partitions": cfg.partitions,
@@ -565,6 +658,10 @@ mod with_etcd {
             "primaries_per_node_after": per_node_partitions,
             "etcd": camelot_testkit::EtcdServer::version().ok(),
             "memory_bytes_per_node": cfg.memory_bytes_per_node,
+            "move_copy_bytes_per_sec": copy_rate,
+            "iperf3": iperf.as_ref().map(|i| i.command.clone()),
+            "iperf3_bytes_per_sec": iperf.as_ref().map(|i| i.bytes_per_sec),
+            "iperf3_seconds": cfg.iperf3_seconds,
             "quick": cfg.quick,
         });
         let mut result = BenchResult::new("cluster-expand", started, config, series);
@@ -646,6 +743,33 @@ mod tests {
     }
 
     #[test]
+    fn moves_are_read_from_the_rebalance_output() {
+        let out = "plan: 2 partition(s) to move in 2 move(s)\n\
+             [   0.421 s] filled node 2: 16580 key(s), 16977920 value bytes copied, 0 stale deleted, in 0.385 s\n\
+             moved 341 partition(s) node 0 → 2: 16580 key(s) / 16977920 value bytes copied (52343979 scanned) in 0.391 s (43.5 MB/s), fence 156.9 ms, 16580 key(s) cleaned up\n\
+             rolled back 3 partition(s) node 1 → 2: 5 key(s) / 999 value bytes copied (0 scanned) in 9.000 s (0.0 MB/s), fence 500.0 ms, 0 key(s) cleaned up\n\
+             moved 171 partition(s) node 1 → 3: 8319 key(s) / 8518656 value bytes copied (0 scanned) in 0.181 s (47.1 MB/s), fence none, 8319 key(s) cleaned up\n";
+        let moves = move_copies(out);
+        assert_eq!(
+            moves,
+            vec![
+                MoveCopy {
+                    bytes_copied: 16_977_920,
+                    copy_secs: 0.391
+                },
+                MoveCopy {
+                    bytes_copied: 8_518_656,
+                    copy_secs: 0.181
+                }
+            ]
+        );
+        let rate = copy_rate_bytes_per_sec(&moves).unwrap();
+        assert!((rate - (16_977_920.0 + 8_518_656.0) / 0.572).abs() < 1.0);
+        assert_eq!(copy_rate_bytes_per_sec(&[]), None);
+        assert!(move_copies("moved 3 partition(s) garbled").is_empty());
+    }
+
+    #[test]
     fn buckets_before_and_after_are_read_as_documented() {
         let ops = [5, 100, 102, 98, 40, 101, 100, 7];
         // Buckets 1..=3 are before a change at 4.2 s (bucket 0 is start-up).
@@ -679,6 +803,10 @@ mod tests {
             },
             ExpandConfig {
                 load_fraction: 0.0,
+                ..ok.clone()
+            },
+            ExpandConfig {
+                value_bytes: 16 << 10,
                 ..ok.clone()
             },
             ExpandConfig {

@@ -100,6 +100,13 @@ pub struct ExpandArgs {
     /// slots gained, against P·R/N.
     #[arg(long)]
     replication: Option<u32>,
+    /// Bytes of each record's value (default 1024).
+    #[arg(long)]
+    value_bytes: Option<usize>,
+    /// Seconds of the iperf3 loopback stream, run after the cluster is stopped, that the
+    /// moves' copy rate is set against (default 2; 0: none).
+    #[arg(long)]
+    iperf3_seconds: Option<u64>,
     /// Directory for cluster-expand.json and its figure.
     #[arg(long, default_value = "results")]
     out: PathBuf,
@@ -146,6 +153,12 @@ pub fn run(cmd: EtcdBenchCommand) -> Result<()> {
             }
             if let Some(r) = a.replication {
                 cfg.replication = r;
+            }
+            if let Some(b) = a.value_bytes {
+                cfg.value_bytes = b;
+            }
+            if let Some(s) = a.iperf3_seconds {
+                cfg.iperf3_seconds = s;
             }
             camelot_bench::cluster_expand::run(&cfg, &a.out)?
         }
