@@ -234,13 +234,7 @@ pub fn run_throughput(cfg: &ThroughputConfig, out: &Path) -> Result<PathBuf, Ben
         },
     );
     node.stop()?;
-    let iperf = if cfg.peer_seconds > 0 {
-        Some(crate::peers::iperf3_tcp_stream(Duration::from_secs(
-            cfg.peer_seconds,
-        ))?)
-    } else {
-        None
-    };
+    let iperf = crate::peers::iperf3_tcp_stream_for(cfg.peer_seconds)?;
     let mut sides = vec![camelot];
     if let Some(i) = &iperf {
         sides.push(iperf3_side(i)?);

@@ -462,13 +462,7 @@ mod with_etcd {
         drop(clients);
         drop(nodes);
         // After the cluster is gone, so the stream has the machine the moves had less of.
-        let iperf = if cfg.iperf3_seconds > 0 {
-            Some(crate::peers::iperf3_tcp_stream(Duration::from_secs(
-                cfg.iperf3_seconds,
-            ))?)
-        } else {
-            None
-        };
+        let iperf = crate::peers::iperf3_tcp_stream_for(cfg.iperf3_seconds)?;
         let copies: Vec<MoveCopy> = steps
             .iter()
             .flat_map(|st| move_copies(&st.tool.stdout))

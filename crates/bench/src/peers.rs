@@ -75,6 +75,14 @@ pub fn iperf3_tcp_stream(duration: Duration) -> Result<PeerStream, BenchError> {
     iperf3_tcp_stream_in(duration, StreamDirection::ClientToServer)
 }
 
+/// [`iperf3_tcp_stream`] for `seconds`, or nothing when a bench was told 0 (no peer).
+pub fn iperf3_tcp_stream_for(seconds: u64) -> Result<Option<PeerStream>, BenchError> {
+    if seconds == 0 {
+        return Ok(None);
+    }
+    iperf3_tcp_stream(Duration::from_secs(seconds)).map(Some)
+}
+
 /// [`iperf3_tcp_stream`] in the given direction. Either way the figure is what the
 /// receiving end counted (`end.sum_received`).
 pub fn iperf3_tcp_stream_in(

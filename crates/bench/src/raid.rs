@@ -641,13 +641,7 @@ pub fn run_compare(cfg: &CompareConfig, out: &Path) -> Result<Vec<PathBuf>, Benc
     }
     series.push(overhead);
     // After the volumes, so the stream has the machine to itself, as each level had.
-    let iperf = if cfg.peer_seconds > 0 {
-        Some(crate::peers::iperf3_tcp_stream(Duration::from_secs(
-            cfg.peer_seconds,
-        ))?)
-    } else {
-        None
-    };
+    let iperf = crate::peers::iperf3_tcp_stream_for(cfg.peer_seconds)?;
     if let Some(i) = &iperf {
         sides.insert(
             "iperf3".into(),
@@ -847,13 +841,7 @@ pub fn run_overhead(cfg: &OverheadConfig, out: &Path) -> Result<Vec<PathBuf>, Be
             node.stop()?;
         }
     }
-    let iperf = if cfg.peer_seconds > 0 {
-        Some(crate::peers::iperf3_tcp_stream(Duration::from_secs(
-            cfg.peer_seconds,
-        ))?)
-    } else {
-        None
-    };
+    let iperf = crate::peers::iperf3_tcp_stream_for(cfg.peer_seconds)?;
     let most = cfg.threads.iter().max().copied().unwrap_or(1);
     let config = json!({
         "x": "threads",
@@ -1035,13 +1023,7 @@ pub fn run_rebuild(cfg: &RebuildConfig, out: &Path) -> Result<Vec<PathBuf>, Benc
     for node in nodes.into_iter().flatten() {
         node.stop()?;
     }
-    let iperf = if cfg.peer_seconds > 0 {
-        Some(crate::peers::iperf3_tcp_stream(Duration::from_secs(
-            cfg.peer_seconds,
-        ))?)
-    } else {
-        None
-    };
+    let iperf = crate::peers::iperf3_tcp_stream_for(cfg.peer_seconds)?;
     let mut load = Series::new("4 KiB 50/50 load");
     for (x, ops) in [
         ("before", before_ops),
