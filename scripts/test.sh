@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 
 cargo fmt --all -- --check
+# The fuzz crate has a lock file of its own that a new workspace dependency must reach too;
+# checked first, so a stale one fails in seconds rather than after the whole suite.
+cargo metadata --format-version 1 --locked --manifest-path fuzz/Cargo.toml >/dev/null
 # --all-features: the etcd source too, which the default build leaves out (its build
 # needs protoc; setup.sh has installed it above).
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
