@@ -4,7 +4,7 @@
 //! same run beside, since at 1 MiB the seed's server was bound by the network.
 
 use crate::checks::{check_seconds, check_threads};
-use crate::side::{cpu_extra, sides_json, CamelotNodes, CamelotSpec, ClientSide, Placement, Side};
+use crate::side::{cpu_extra, sides_json, CamelotNodes, CamelotSpec, ClientSide, Placement};
 use crate::BenchError;
 use camelot_client::{Client, ClientConfig, ClusterMap};
 use camelot_results::output;
@@ -237,7 +237,7 @@ pub fn run_throughput(cfg: &ThroughputConfig, out: &Path) -> Result<PathBuf, Ben
     let iperf = crate::peers::iperf3_tcp_stream_for(cfg.peer_seconds)?;
     let mut sides = vec![camelot];
     if let Some(i) = &iperf {
-        sides.push(iperf3_side(i)?);
+        sides.push(crate::side::iperf3_side(i)?);
     }
     let config = json!({
         "x": "value_bytes",
@@ -285,32 +285,6 @@ pub(crate) fn write_with_standard_figure(
         .into_iter()
         .find(|f| f.extension().is_some_and(|e| e == "json"))
         .ok_or_else(|| BenchError::Setup("no JSON written".into()))
-}
-
-/// The iperf3 stream's record for `config["sides"]`: one stream over loopback, its
-/// server started and stopped by the bench like every peer.
-pub(crate) fn iperf3_side(stream: &crate::peers::PeerStream) -> Result<Side, BenchError> {
-    let version = camelot_testkit::process::program_version(
-        &camelot_testkit::servers::IPERF3,
-        &["--version"],
-    )?;
-    Ok(Side {
-        label: "iperf3".into(),
-        server: "iperf3".into(),
-        process: "separate".into(),
-        server_threads: Some(1),
-        nodes: 1,
-        version,
-        flags: vec!["-s".into(), "-1".into()],
-        command: stream.command.clone(),
-        client: ClientSide {
-            client: "iperf3 -c (one TCP stream)".into(),
-            client_threads: 1,
-            depth: 1,
-            data_model: "a byte stream".into(),
-            resp_face: false,
-        },
-    })
 }
 
 /// `bench cluster replication`: PUT latency with every write copied to one backup (R=2)

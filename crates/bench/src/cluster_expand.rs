@@ -164,8 +164,6 @@ pub fn partitions_moved(
         .count() as u32
 }
 
-/// The throughput before the expansion: the mean of the complete buckets from the second
-/// (the first holds the start-up) up to `first_change_secs`. `None` without one.
 /// One finished move as `camelot cluster rebalance` reports it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoveCopy {
@@ -205,6 +203,8 @@ pub fn copy_rate_bytes_per_sec(moves: &[MoveCopy]) -> Option<f64> {
     (secs > 0.0).then(|| bytes as f64 / secs)
 }
 
+/// The throughput before the expansion: the mean of the complete buckets from the second
+/// (the first holds the start-up) up to `first_change_secs`. `None` without one.
 pub fn baseline(ops: &[u64], first_change_secs: f64) -> Option<f64> {
     let end = first_change_secs.floor() as usize;
     let before: Vec<u64> = ops.iter().take(end).skip(1).copied().collect();
@@ -621,7 +621,7 @@ mod with_etcd {
         };
         let mut sides = vec![side];
         if let Some(i) = &iperf {
-            sides.push(crate::cluster::iperf3_side(i)?);
+            sides.push(crate::side::iperf3_side(i)?);
         }
         let config = json!({
             "x": "second",

@@ -442,6 +442,32 @@ pub fn cpu_extra(
 /// The kernel's process-time tick (10 ms).
 pub const CPU_SECONDS_RESOLUTION: f64 = 0.01;
 
+/// The iperf3 stream's record for `config["sides"]`: one stream over loopback, its
+/// server started and stopped by the bench like every peer.
+pub(crate) fn iperf3_side(stream: &crate::peers::PeerStream) -> Result<Side, BenchError> {
+    let version = camelot_testkit::process::program_version(
+        &camelot_testkit::servers::IPERF3,
+        &["--version"],
+    )?;
+    Ok(Side {
+        label: "iperf3".into(),
+        server: "iperf3".into(),
+        process: "separate".into(),
+        server_threads: Some(1),
+        nodes: 1,
+        version,
+        flags: vec!["-s".into(), "-1".into()],
+        command: stream.command.clone(),
+        client: ClientSide {
+            client: "iperf3 -c (one TCP stream)".into(),
+            client_threads: 1,
+            depth: 1,
+            data_model: "a byte stream".into(),
+            resp_face: false,
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
