@@ -270,6 +270,14 @@ fn object_ops() -> Vec<Op> {
             start: Bytes::new(),
             limit: 10,
         },
+        Op::ScanPartitions {
+            after: Some(Bytes::from_static(b"k")),
+            limit: 10,
+            partitions: 16,
+            mask: camelot_proto::partition_mask(16, [1, 9]),
+            since_version: 2,
+            keys_only: true,
+        },
         Op::Delete {
             key: Bytes::from_static(b"k"),
         },
@@ -310,6 +318,18 @@ fn write_seed_corpus() {
                     version: 3,
                     value: Bytes::from_static(b"v"),
                 }])),
+            },
+            Response {
+                id: 5,
+                result: Ok(Reply::Page(Page {
+                    items: vec![Item {
+                        key: Bytes::from_static(b"k"),
+                        version: 4,
+                        value: Bytes::new(),
+                    }],
+                    resume_after: Some(Bytes::from_static(b"k")),
+                    version_clock: 5,
+                })),
             },
         ],
     });

@@ -330,6 +330,13 @@ pub mod reply {
         }
     }
 
+    pub fn page(r: Result<Reply, ClientError>) -> Result<camelot_proto::Page, ClientError> {
+        match r? {
+            Reply::Page(page) => Ok(page),
+            other => Err(unexpected("scan_partitions", other)),
+        }
+    }
+
     pub fn region(node: NodeId, r: Result<Reply, ClientError>) -> Result<Region, ClientError> {
         match r? {
             Reply::Region(info) => Ok(Region::from_info(node, info)),

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use camelot_client::{reply, Client, ClientConfig, ClientError, NodeInfo, Pending};
-use camelot_proto::limits::{KEY_BYTES_MAX, SCAN_ITEMS_MAX};
+use camelot_proto::limits::SCAN_ITEMS_MAX;
 use camelot_proto::{Item, Op};
 
 use crate::etcd::{EtcdCluster, EtcdError, Publish, Versioned, VersionedMove};
@@ -72,7 +72,8 @@ pub struct MoveReport {
     /// Keys and value bytes copied (APPLY) to the target over every pass.
     pub keys_copied: u64,
     pub bytes_copied: u64,
-    /// Bytes read by the source scans (every key of the source, moving or not).
+    /// Key and value bytes the source's copy passes sent (the source filters by partition,
+    /// and after the first pass by version).
     pub bytes_scanned: u64,
     /// From the first scan to the fence.
     pub copy_secs: f64,
@@ -151,49 +152,95 @@ fn wait_epoch(
     }
 }
 
-/// The keys of `node` in the partitions of `mask`, page by page: `each` gets every page's
-/// moving items. Returns the bytes scanned in all.
+/// What a walk over a node's moving keys asks the node for.
+#[derive(Clone, Copy)]
+struct Walk<'a> {
+    /// A flag per partition of the map: those moving.
+    mask: &'a [bool],
+    /// Only keys written at or after this version of the node's clock (0: all).
+    since_version: u64,
+    /// Keys and versions, no values.
+    keys_only: bool,
+}
+
+impl<'a> Walk<'a> {
+    fn all(mask: &'a [bool]) -> Self {
+        Walk {
+            mask,
+            since_version: 0,
+            keys_only: false,
+        }
+    }
+
+    fn keys(mask: &'a [bool]) -> Self {
+        Walk {
+            keys_only: true,
+            ..Walk::all(mask)
+        }
+    }
+}
+
+/// What a walk read.
+struct Walked {
+    /// Key and value bytes the node sent.
+    bytes: u64,
+    /// The node's version clock as the walk began: a walk `since` it sees every write the
+    /// node took after this one began.
+    version_clock: u64,
+}
+
+/// The keys of `node` in the partitions `walk` marks, page by page: `each` gets every
+/// page's items. The node filters (SCAN_PARTITIONS), so only moving keys cross the wire.
 fn scan_moving(
     client: &Client,
     node: NodeId,
-    mask: &[bool],
+    walk: Walk<'_>,
     deadline: Option<Instant>,
     mut each: impl FnMut(Vec<Item>) -> Result<(), MoverError>,
-) -> Result<u64, MoverError> {
-    let partitions = mask.len() as u32;
-    let mut start = Bytes::new();
-    let mut scanned = 0u64;
+) -> Result<Walked, MoverError> {
+    let partitions = walk.mask.len() as u32;
+    let mask = camelot_proto::partition_mask(
+        partitions,
+        (0..partitions).filter(|p| walk.mask[*p as usize]),
+    );
+    let mut after: Option<Bytes> = None;
+    let mut walked = Walked {
+        bytes: 0,
+        version_clock: 0,
+    };
+    let mut first = true;
     loop {
         // Checked per page, so a fence overruns its limit by one page at most.
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(MoverError::FenceOverrun);
         }
-        let items = reply::items(client.call(
+        let page = reply::page(client.call(
             node,
-            Op::Scan {
-                start: start.clone(),
+            Op::ScanPartitions {
+                after: after.take(),
                 limit: SCAN_PAGE_ITEMS,
+                partitions,
+                mask: mask.clone(),
+                since_version: walk.since_version,
+                keys_only: walk.keys_only,
             },
         ))
         .map_err(|source| MoverError::Client { node, source })?;
-        let Some(last) = items.last() else {
-            return Ok(scanned);
-        };
-        let mut next = last.key.to_vec();
-        next.push(0);
-        scanned += items
+        if std::mem::take(&mut first) {
+            walked.version_clock = page.version_clock;
+        }
+        walked.bytes += page
+            .items
             .iter()
             .map(|i| (i.key.len() + i.value.len()) as u64)
             .sum::<u64>();
-        let moving = items
-            .into_iter()
-            .filter(|i| mask[camelot_proto::partition_of(&i.key, partitions) as usize])
-            .collect();
-        each(moving)?;
-        if next.len() > KEY_BYTES_MAX {
-            return Ok(scanned);
+        if !page.items.is_empty() {
+            each(page.items)?;
         }
-        start = Bytes::from(next);
+        match page.resume_after {
+            Some(k) => after = Some(k),
+            None => return Ok(walked),
+        }
     }
 }
 
@@ -208,30 +255,35 @@ struct Pass {
     keys: u64,
     bytes: u64,
     scanned: u64,
+    /// `from`'s version clock as the pass began: the next pass needs only what is newer.
+    version_clock: u64,
 }
 
-/// One pass: every moving key of `from` whose version `log` has not sent is APPLYed to
-/// `to`; the applies of one page are in flight while the next page is scanned.
+/// One pass: every moving key of `from` written at or after `since_version` whose version
+/// `log` has not sent is APPLYed to `to`; the applies of one page are in flight while the
+/// next page is scanned.
 fn copy_pass(
     client: &Client,
     (from, to): (NodeId, NodeId),
     mask: &[bool],
+    since_version: u64,
     log: &mut CopyLog,
-    mut source_keys: Option<&mut BTreeSet<Vec<u8>>>,
     deadline: Option<Instant>,
 ) -> Result<Pass, MoverError> {
     let mut pass = Pass {
         keys: 0,
         bytes: 0,
         scanned: 0,
+        version_clock: 0,
     };
     let mut in_flight: Vec<Pending> = Vec::new();
-    pass.scanned = scan_moving(client, from, mask, deadline, |items| {
+    let walk = Walk {
+        since_version,
+        ..Walk::all(mask)
+    };
+    let walked = scan_moving(client, from, walk, deadline, |items| {
         let mut ops = Vec::new();
         for item in items {
-            if let Some(keys) = source_keys.as_deref_mut() {
-                keys.insert(item.key.to_vec());
-            }
             if log.must_send(&item.key, item.version)? {
                 pass.keys += 1;
                 pass.bytes += item.value.len() as u64;
@@ -251,21 +303,31 @@ fn copy_pass(
         wait_applied(std::mem::replace(&mut in_flight, sent), to)
     })?;
     wait_applied(in_flight, to)?;
+    pass.scanned = walked.bytes;
+    pass.version_clock = walked.version_clock;
+    if walked.version_clock < since_version {
+        // `from`'s clock went back: it restarted since the last pass, and its versions
+        // no longer say what is new. Everything, then.
+        let again = copy_pass(client, (from, to), mask, 0, log, deadline)?;
+        pass.keys += again.keys;
+        pass.bytes += again.bytes;
+        pass.scanned += again.scanned;
+        pass.version_clock = again.version_clock;
+    }
     Ok(pass)
 }
 
-/// Deletes on `node` the moving keys `keep` does not name (all of them when `keep` is
-/// `None`), each by an APPLY one version above the node's. Returns how many.
+/// Deletes on `node` the moving keys `keep` does not name, each by an APPLY one version
+/// above the node's. Returns how many.
 fn delete_moving(
     client: &Client,
     node: NodeId,
     mask: &[bool],
-    keep: Option<&BTreeSet<Vec<u8>>>,
+    keep: &BTreeSet<Vec<u8>>,
     deadline: Option<Instant>,
 ) -> Result<u64, MoverError> {
     let present = scan_present(client, node, mask, deadline)?;
-    let empty = BTreeSet::new();
-    let gone = deletions(keep.unwrap_or(&empty), &present);
+    let gone = deletions(keep, &present);
     apply_deletions(client, node, &gone)?;
     Ok(gone.len() as u64)
 }
@@ -278,7 +340,7 @@ fn scan_present(
     deadline: Option<Instant>,
 ) -> Result<Vec<KeyVersion>, MoverError> {
     let mut present = Vec::new();
-    scan_moving(client, node, mask, deadline, |items| {
+    scan_moving(client, node, Walk::keys(mask), deadline, |items| {
         if present.len() + items.len() > MOVE_KEYS_MAX {
             return Err(MoveError::TooManyKeys.into());
         }
@@ -289,6 +351,24 @@ fn scan_present(
         Ok(())
     })?;
     Ok(present)
+}
+
+/// The keys `node` holds in the partitions of `mask`.
+fn scan_keys(
+    client: &Client,
+    node: NodeId,
+    mask: &[bool],
+    deadline: Option<Instant>,
+) -> Result<BTreeSet<Vec<u8>>, MoverError> {
+    let mut keys = BTreeSet::new();
+    scan_moving(client, node, Walk::keys(mask), deadline, |items| {
+        if keys.len() + items.len() > MOVE_KEYS_MAX {
+            return Err(MoveError::TooManyKeys.into());
+        }
+        keys.extend(items.into_iter().map(|i| i.key.to_vec()));
+        Ok(())
+    })?;
+    Ok(keys)
 }
 
 /// Deletes each of `gone` on `node` by an APPLY of nothing at its version.
@@ -375,16 +455,9 @@ pub fn fill_replica(
         }
     }
     let mut log = CopyLog::default();
-    let pass = copy_pass(&client, (from, to), &mask, &mut log, None, None)?;
+    let pass = copy_pass(&client, (from, to), &mask, 0, &mut log, None)?;
     let present = scan_present(&client, to, &mask, None)?;
-    let mut source_keys = BTreeSet::new();
-    scan_moving(&client, from, &mask, None, |items| {
-        if source_keys.len() + items.len() > MOVE_KEYS_MAX {
-            return Err(MoveError::TooManyKeys.into());
-        }
-        source_keys.extend(items.into_iter().map(|i| i.key.to_vec()));
-        Ok(())
-    })?;
+    let source_keys = scan_keys(&client, from, &mask, None)?;
     let gone = deletions(&source_keys, &present);
     apply_deletions(&client, to, &gone)?;
     Ok(FillReport {
@@ -562,6 +635,9 @@ impl Mover {
     fn drive(&mut self, mut resuming: bool, rollback: bool) -> Result<MoveReport, MoverError> {
         let mut report = MoveReport::default();
         let mut log = CopyLog::default();
+        // `from`'s version clock as this mover's last copy pass began (0: none yet, or
+        // resumed): the final pass copies only what was written since.
+        let mut copied_since = 0u64;
         let mut fence_started: Option<Instant> = None;
         let mut lost = 0;
         loop {
@@ -587,8 +663,15 @@ impl Mover {
                     let client = raw_client(&map.map, &[rec.from, rec.to])?;
                     let start = Instant::now();
                     for pass_no in 1..=CATCHUP_PASSES_MAX {
-                        let pass =
-                            copy_pass(&client, (rec.from, rec.to), &mask, &mut log, None, None)?;
+                        let pass = copy_pass(
+                            &client,
+                            (rec.from, rec.to),
+                            &mask,
+                            copied_since,
+                            &mut log,
+                            None,
+                        )?;
+                        copied_since = pass.version_clock;
                         report.keys_copied += pass.keys;
                         report.bytes_copied += pass.bytes;
                         report.bytes_scanned += pass.scanned;
@@ -725,29 +808,33 @@ impl Mover {
                         mask.clone()
                     };
                     if done && !self.defects.no_final_copy {
-                        let mut source_keys = BTreeSet::new();
                         let last = (|| -> Result<(Pass, u64), MoverError> {
+                            // Replicated: `to` has had every write since it joined, so
+                            // all of `from` is compared with what `to` holds. Otherwise
+                            // what this mover's passes sent, and what came after them.
                             let mut seeded;
-                            let final_log = if rec.replicated {
+                            let (final_log, since) = if rec.replicated {
                                 let present = scan_present(&client, rec.to, &mask, Some(deadline))?;
                                 seeded = CopyLog::seeded(&present)?;
-                                &mut seeded
+                                (&mut seeded, 0)
                             } else {
-                                &mut log
+                                (&mut log, copied_since)
                             };
                             let pass = copy_pass(
                                 &client,
                                 (rec.from, rec.to),
                                 &mask,
+                                since,
                                 final_log,
-                                Some(&mut source_keys),
                                 Some(deadline),
                             )?;
+                            // The fence holds `from`'s keys still: these are all of them.
+                            let source_keys = scan_keys(&client, rec.from, &mask, Some(deadline))?;
                             let deleted = delete_moving(
                                 &client,
                                 rec.to,
                                 &mask,
-                                Some(&source_keys),
+                                &source_keys,
                                 Some(deadline),
                             )?;
                             Ok((pass, deleted))
@@ -822,7 +909,15 @@ impl Mover {
                             let cleaned = wait_epoch(&client, node, after_epoch, deadline)
                                 .and_then(|reached| {
                                     reached
-                                        .then(|| delete_moving(&client, node, &mask, None, None))
+                                        .then(|| {
+                                            delete_moving(
+                                                &client,
+                                                node,
+                                                &mask,
+                                                &BTreeSet::new(),
+                                                None,
+                                            )
+                                        })
                                         .transpose()
                                 });
                             match cleaned {

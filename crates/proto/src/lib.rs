@@ -28,7 +28,9 @@ use std::fmt;
 /// 3: WRITE_IF (a WRITE guarded by an 8-byte word elsewhere, for fencing writers).
 /// 4: SWAP (a WRITE answered with the bytes it replaced) and XOR_INTO (bytes XORed into a
 /// span), so a parity update is two requests instead of four.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// 5: APPLY (a cluster peer's copy of a key at its primary's version).
+/// 6: SCAN_PARTITIONS (a mover's scan, filtered by partition and version on the server).
+pub const PROTOCOL_VERSION: u16 = 6;
 /// First bytes of a HELLO, so a stray client (HTTP, Redis) is told apart at once.
 pub const HELLO_MAGIC: [u8; 4] = *b"CMLT";
 
@@ -58,6 +60,26 @@ pub fn key_hash(key: &[u8]) -> u64 {
 /// division by zero; cluster maps never have 0.
 pub fn partition_of(key: &[u8], partitions: u32) -> u32 {
     ((key_hash(key) >> 32) % u64::from(partitions.max(1))) as u32
+}
+
+/// Bytes of a SCAN_PARTITIONS mask over `partitions` partitions: a bit each.
+pub fn partition_mask_len(partitions: u32) -> usize {
+    partitions.div_ceil(8) as usize
+}
+
+/// A SCAN_PARTITIONS mask over `partitions` marking `marked` (those out of range ignored).
+pub fn partition_mask(partitions: u32, marked: impl IntoIterator<Item = u32>) -> Bytes {
+    let mut mask = vec![0u8; partition_mask_len(partitions)];
+    for p in marked.into_iter().filter(|p| *p < partitions) {
+        mask[(p / 8) as usize] |= 1 << (p % 8);
+    }
+    Bytes::from(mask)
+}
+
+/// Whether `mask` marks partition `p` (a bit beyond the mask is unmarked).
+pub fn mask_marks(mask: &[u8], p: u32) -> bool {
+    mask.get((p / 8) as usize)
+        .is_some_and(|byte| byte & (1 << (p % 8)) != 0)
 }
 
 /// One frame, decoded.
@@ -225,6 +247,20 @@ pub enum Op {
         start: Bytes,
         limit: u32,
     },
+    /// A cluster mover's SCAN: up to `limit` objects, in key order, whose keys come after
+    /// `after` (`None`: from the first key), lie in a partition `mask` marks (bit `p % 8`
+    /// of byte `p / 8` for partition `p` of `partitions`, as [`partition_of`] computes
+    /// it), and whose version is at least `since_version` — without their values when
+    /// `keys_only`. The server examines at most [`limits::SCAN_EXAMINE_MAX`] keys per
+    /// call, so a page may be empty and not the last: [`Reply::Page`] says where to go on.
+    ScanPartitions {
+        after: Option<Bytes>,
+        limit: u32,
+        partitions: u32,
+        mask: Bytes,
+        since_version: u64,
+        keys_only: bool,
+    },
     /// A cluster peer's copy of a key at the version its primary gave it (replication,
     /// partition moves): `Some(value)` stores it, `None` deletes the key. Applied only if
     /// `version` is above the key's current version, so a resent or reordered copy never
@@ -261,10 +297,11 @@ pub enum OpKind {
     Swap = 17,
     XorInto = 18,
     Apply = 19,
+    ScanPartitions = 20,
 }
 
 impl OpKind {
-    pub const ALL: [OpKind; 19] = [
+    pub const ALL: [OpKind; 20] = [
         OpKind::Ping,
         OpKind::Stats,
         OpKind::List,
@@ -284,6 +321,7 @@ impl OpKind {
         OpKind::Swap,
         OpKind::XorInto,
         OpKind::Apply,
+        OpKind::ScanPartitions,
     ];
 
     pub fn from_u8(v: u8) -> Option<OpKind> {
@@ -311,6 +349,7 @@ impl OpKind {
             OpKind::Swap => "swap",
             OpKind::XorInto => "xor_into",
             OpKind::Apply => "apply",
+            OpKind::ScanPartitions => "scan_partitions",
         }
     }
 }
@@ -337,6 +376,7 @@ impl Op {
             Op::Swap { .. } => OpKind::Swap,
             Op::XorInto { .. } => OpKind::XorInto,
             Op::Apply { .. } => OpKind::Apply,
+            Op::ScanPartitions { .. } => OpKind::ScanPartitions,
         }
     }
 
@@ -403,6 +443,21 @@ pub enum Reply {
     Version(u64),
     /// SCAN, in key order.
     Items(Vec<Item>),
+    /// SCAN_PARTITIONS.
+    Page(Page),
+}
+
+/// One page of a SCAN_PARTITIONS walk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    /// The matching objects, in key order (empty values when the scan was keys-only).
+    pub items: Vec<Item>,
+    /// The last key the server examined: the next page starts after it. `None` when no
+    /// key is left.
+    pub resume_after: Option<Bytes>,
+    /// The version the server's next write will get at least, read as the page was:
+    /// a later walk with `since_version` at this value sees every object written since.
+    pub version_clock: u64,
 }
 
 /// One object as SCAN returns it.

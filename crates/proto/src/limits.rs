@@ -43,6 +43,11 @@ pub const KEY_BYTES_MAX: usize = 1024;
 pub const VALUE_BYTES_MAX: usize = 32 << 20;
 /// Most objects one SCAN returns.
 pub const SCAN_ITEMS_MAX: usize = 4096;
+/// Most keys one SCAN_PARTITIONS examines (matching or not): it bounds how long a page
+/// holds the server's shard locks, whatever the filter lets through.
+pub const SCAN_EXAMINE_MAX: usize = 16_384;
+/// Most partitions a SCAN_PARTITIONS mask describes (the mask is a bit per partition).
+pub const SCAN_PARTITIONS_MAX: u32 = 65_536;
 
 // The relations between these limits, checked by the compiler rather than stated in prose.
 // A frame can carry the biggest single READ/WRITE payload or value with room for headers.
@@ -53,6 +58,7 @@ const _: () = assert!(FRAME_BYTES_TARGET < FRAME_BYTES_MAX);
 // A response frame counts its items in 16 bits.
 const _: () = assert!(BATCH_OPS_MAX <= u16::MAX as usize);
 const _: () = assert!(SCAN_ITEMS_MAX <= BATCH_OPS_MAX);
+const _: () = assert!(SCAN_ITEMS_MAX <= SCAN_EXAMINE_MAX);
 // Region sizes are whole pages, and the biggest region is a whole number of them.
 const _: () = assert!(REGION_PAGE_BYTES.is_power_of_two());
 const _: () = assert!(REGION_BYTES_MAX & (REGION_PAGE_BYTES - 1) == 0);

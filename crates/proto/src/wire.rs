@@ -37,6 +37,7 @@ const TAG_WORD: u8 = 7;
 const TAG_OBJECT: u8 = 8;
 const TAG_VERSION: u8 = 9;
 const TAG_ITEMS: u8 = 10;
+const TAG_PAGE: u8 = 11;
 
 /// Bytes before the first request in a REQUESTS frame, including the length prefix.
 pub const REQUESTS_HEADER_BYTES: usize = 4 + 1 + 8 + 2;
@@ -83,6 +84,14 @@ pub(crate) fn request_encoded_len(op: &Op) -> usize {
                 KEY_HEADER_BYTES + key.len() + 8 + VALUE_HEADER_BYTES + value.len()
             }
             Op::Scan { start, .. } => KEY_HEADER_BYTES + start.len() + 4,
+            Op::ScanPartitions { after, mask, .. } => {
+                1 + after.as_ref().map_or(0, |k| KEY_HEADER_BYTES + k.len())
+                    + 4
+                    + 4
+                    + mask.len()
+                    + 8
+                    + 1
+            }
             Op::Apply { key, value, .. } => {
                 KEY_HEADER_BYTES
                     + key.len()
@@ -110,7 +119,7 @@ pub(crate) fn reply_len_max(op: &Op) -> usize {
             Op::Get { .. } => 8 + VALUE_HEADER_BYTES + VALUE_BYTES_MAX,
             Op::Put { .. } | Op::CasPut { .. } | Op::Delete { .. } | Op::Apply { .. } => 8,
             // A scan fills at most what is left of the frame; the frame limit bounds it.
-            Op::Scan { .. } => RESPONSE_OK_BUDGET_BYTES,
+            Op::Scan { .. } | Op::ScanPartitions { .. } => RESPONSE_OK_BUDGET_BYTES,
         };
     ok.max(ERROR_RESPONSE_BYTES_MAX)
 }
@@ -137,6 +146,44 @@ fn put_key(buf: &mut BytesMut, key: &[u8], what: &'static str) -> Result<(), Enc
     limit(what, key.len(), KEY_BYTES_MAX)?;
     buf.put_u16_le(key.len() as u16);
     buf.put_slice(key);
+    Ok(())
+}
+
+/// `present:u8 [key]`.
+fn put_opt_key(
+    buf: &mut BytesMut,
+    key: Option<&[u8]>,
+    what: &'static str,
+) -> Result<(), EncodeError> {
+    match key {
+        None => buf.put_u8(0),
+        Some(k) => {
+            limit(what, k.len(), KEY_BYTES_MAX)?;
+            buf.put_u8(1);
+            put_key(buf, k, what)?;
+        }
+    }
+    Ok(())
+}
+
+/// Checked before writing anything, so a failure leaves no partial reply.
+fn check_items(items: &[Item]) -> Result<(), EncodeError> {
+    limit("scan items", items.len(), SCAN_ITEMS_MAX)?;
+    for it in items {
+        limit("key", it.key.len(), KEY_BYTES_MAX)?;
+        limit("value", it.value.len(), VALUE_BYTES_MAX)?;
+    }
+    Ok(())
+}
+
+/// `count:u32 (key version:u64 value)*`; [`check_items`] first.
+fn put_items(buf: &mut BytesMut, items: &[Item]) -> Result<(), EncodeError> {
+    buf.put_u32_le(items.len() as u32);
+    for it in items {
+        put_key(buf, &it.key, "key")?;
+        buf.put_u64_le(it.version);
+        put_value(buf, &it.value)?;
+    }
     Ok(())
 }
 
@@ -283,6 +330,34 @@ fn encode_op(buf: &mut BytesMut, op: &Op, payloads: &mut Payloads<'_>) -> Result
             put_key(buf, start, "scan start key")?;
             buf.put_u32_le(*n);
         }
+        Op::ScanPartitions {
+            after,
+            limit: n,
+            partitions,
+            mask,
+            since_version,
+            keys_only,
+        } => {
+            limit("scan limit", *n as usize, SCAN_ITEMS_MAX)?;
+            limit(
+                "scan partitions",
+                *partitions as usize,
+                SCAN_PARTITIONS_MAX as usize,
+            )?;
+            if mask.len() != partition_mask_len(*partitions) {
+                return Err(EncodeError::LimitExceeded {
+                    what: "scan mask bytes (must be a bit per partition)",
+                    value: mask.len() as u64,
+                    max: partition_mask_len(*partitions) as u64,
+                });
+            }
+            put_opt_key(buf, after.as_deref(), "scan resume key")?;
+            buf.put_u32_le(*n);
+            buf.put_u32_le(*partitions);
+            buf.put_slice(mask);
+            buf.put_u64_le(*since_version);
+            buf.put_u8(u8::from(*keys_only));
+        }
         Op::Apply {
             key,
             version,
@@ -362,19 +437,19 @@ fn encode_reply(buf: &mut BytesMut, reply: &Reply) -> Result<(), EncodeError> {
             buf.put_u64_le(*v);
         }
         Reply::Items(items) => {
-            limit("scan items", items.len(), SCAN_ITEMS_MAX)?;
-            // Checked before writing anything so a failure leaves no partial reply.
-            for it in items {
-                limit("key", it.key.len(), KEY_BYTES_MAX)?;
-                limit("value", it.value.len(), VALUE_BYTES_MAX)?;
-            }
+            check_items(items)?;
             buf.put_u8(TAG_ITEMS);
-            buf.put_u32_le(items.len() as u32);
-            for it in items {
-                put_key(buf, &it.key, "key")?;
-                buf.put_u64_le(it.version);
-                put_value(buf, &it.value)?;
+            put_items(buf, items)?;
+        }
+        Reply::Page(page) => {
+            check_items(&page.items)?;
+            if let Some(k) = &page.resume_after {
+                limit("scan resume key", k.len(), KEY_BYTES_MAX)?;
             }
+            buf.put_u8(TAG_PAGE);
+            buf.put_u64_le(page.version_clock);
+            put_opt_key(buf, page.resume_after.as_deref(), "scan resume key")?;
+            put_items(buf, &page.items)?;
         }
     }
     Ok(())
@@ -761,6 +836,13 @@ impl Cursor {
         let b = self.bytes(n)?;
         String::from_utf8(b.to_vec()).map_err(|_| DecodeError::BadUtf8(what))
     }
+    fn opt_key(&mut self, what: &'static str) -> Result<Option<Bytes>, DecodeError> {
+        match self.u8()? {
+            0 => Ok(None),
+            1 => Ok(Some(self.key(what)?)),
+            _ => Err(DecodeError::Invalid("key presence flag")),
+        }
+    }
     fn key(&mut self, what: &'static str) -> Result<Bytes, DecodeError> {
         let n = self.u16()? as usize;
         check_limit(what, n as u64, KEY_BYTES_MAX as u64)?;
@@ -913,6 +995,32 @@ fn decode_op(c: &mut Cursor) -> Result<Op, DecodeError> {
             check_limit("scan limit", limit as u64, SCAN_ITEMS_MAX as u64)?;
             Op::Scan { start, limit }
         }
+        OpKind::ScanPartitions => {
+            let after = c.opt_key("scan resume key")?;
+            let limit = c.u32()?;
+            check_limit("scan limit", limit as u64, SCAN_ITEMS_MAX as u64)?;
+            let partitions = c.u32()?;
+            check_limit(
+                "scan partitions",
+                partitions as u64,
+                SCAN_PARTITIONS_MAX as u64,
+            )?;
+            let mask = c.bytes(partition_mask_len(partitions))?;
+            let since_version = c.u64()?;
+            let keys_only = match c.u8()? {
+                0 => false,
+                1 => true,
+                _ => return Err(DecodeError::Invalid("scan keys-only flag")),
+            };
+            Op::ScanPartitions {
+                after,
+                limit,
+                partitions,
+                mask,
+                since_version,
+                keys_only,
+            }
+        }
         OpKind::Apply => {
             let key = c.key("key")?;
             let version = c.u64()?;
@@ -984,21 +1092,32 @@ fn decode_reply(c: &mut Cursor) -> Result<Reply, DecodeError> {
             value: c.value()?,
         },
         TAG_VERSION => Reply::Version(c.u64()?),
-        TAG_ITEMS => {
-            let n = c.u32()? as usize;
-            let n = c.count(n, "scan items", SCAN_ITEMS_MAX, ITEM_OVERHEAD_BYTES)?;
-            let mut items = Vec::with_capacity(n);
-            for _ in 0..n {
-                items.push(Item {
-                    key: c.key("key")?,
-                    version: c.u64()?,
-                    value: c.value()?,
-                });
-            }
-            Reply::Items(items)
+        TAG_ITEMS => Reply::Items(decode_items(c)?),
+        TAG_PAGE => {
+            let version_clock = c.u64()?;
+            let resume_after = c.opt_key("scan resume key")?;
+            Reply::Page(Page {
+                items: decode_items(c)?,
+                resume_after,
+                version_clock,
+            })
         }
         t => return Err(DecodeError::UnknownReply(t)),
     })
+}
+
+fn decode_items(c: &mut Cursor) -> Result<Vec<Item>, DecodeError> {
+    let n = c.u32()? as usize;
+    let n = c.count(n, "scan items", SCAN_ITEMS_MAX, ITEM_OVERHEAD_BYTES)?;
+    let mut items = Vec::with_capacity(n);
+    for _ in 0..n {
+        items.push(Item {
+            key: c.key("key")?,
+            version: c.u64()?,
+            value: c.value()?,
+        });
+    }
+    Ok(items)
 }
 
 fn decode_error_body(c: &mut Cursor, code: ErrorCode) -> Result<ErrorReply, DecodeError> {

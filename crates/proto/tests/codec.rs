@@ -28,6 +28,28 @@ fn object_op() -> impl Strategy<Value = Op> {
             }
         }),
         (blob(40), 0..=SCAN_ITEMS_MAX as u32).prop_map(|(start, limit)| Op::Scan { start, limit }),
+        (
+            proptest::option::of(blob(40)),
+            0..=SCAN_ITEMS_MAX as u32,
+            0u32..3000,
+            any::<u64>(),
+            any::<bool>(),
+            any::<u64>(),
+        )
+            .prop_map(
+                |(after, limit, partitions, since_version, keys_only, seed)| {
+                    // Marks every partition whose bit in the seed's 64-bit cycle is set.
+                    let marked = (0..partitions).filter(|p| seed >> (p % 64) & 1 == 1);
+                    Op::ScanPartitions {
+                        after,
+                        limit,
+                        partitions,
+                        mask: partition_mask(partitions, marked),
+                        since_version,
+                        keys_only,
+                    }
+                }
+            ),
         (blob(40), any::<u64>(), proptest::option::of(blob(300))).prop_map(
             |(key, version, value)| Op::Apply {
                 key,
@@ -163,6 +185,23 @@ fn reply() -> impl Strategy<Value = Reply> {
             0..10
         )
         .prop_map(Reply::Items),
+        (
+            proptest::collection::vec(
+                (blob(40), any::<u64>(), blob(100)).prop_map(|(key, version, value)| Item {
+                    key,
+                    version,
+                    value
+                }),
+                0..10
+            ),
+            proptest::option::of(blob(40)),
+            any::<u64>()
+        )
+            .prop_map(|(items, resume_after, version_clock)| Reply::Page(Page {
+                items,
+                resume_after,
+                version_clock
+            })),
     ]
 }
 
@@ -281,6 +320,14 @@ proptest! {
             Reply::Object { .. } => Op::Get { key: Bytes::new() },
             Reply::Version(_) => Op::Put { key: Bytes::new(), value: Bytes::new() },
             Reply::Items(_) => Op::Scan { start: Bytes::new(), limit: 10 },
+            Reply::Page(_) => Op::ScanPartitions {
+                after: None,
+                limit: 10,
+                partitions: 8,
+                mask: Bytes::from_static(&[0xff]),
+                since_version: 0,
+                keys_only: false,
+            },
         };
         let mut buf = BytesMut::new();
         let mut enc = ResponseBatchEncoder::begin(&mut buf);
@@ -480,6 +527,52 @@ fn a_refused_request_defers_nothing() {
     assert!(deferred.is_empty());
     assert_eq!(enc.frame_len(), before);
     assert_eq!(enc.count(), 0);
+}
+
+#[test]
+fn partition_masks_mark_exactly_what_they_were_given() {
+    let mask = partition_mask(20, [0, 7, 8, 19, 20, 400]);
+    assert_eq!(mask.len(), 3);
+    let marked: Vec<u32> = (0..40).filter(|p| mask_marks(&mask, *p)).collect();
+    assert_eq!(marked, vec![0, 7, 8, 19]);
+}
+
+#[test]
+fn a_scan_mask_of_the_wrong_size_is_refused_both_ways() {
+    let mut buf = BytesMut::new();
+    let mut enc = RequestBatchEncoder::begin(&mut buf, 0);
+    let op = Op::ScanPartitions {
+        after: None,
+        limit: 1,
+        partitions: 1024,
+        mask: Bytes::from_static(&[0xff]),
+        since_version: 0,
+        keys_only: true,
+    };
+    assert!(enc.push(1, &op).is_err());
+    // Hand-made: a mask claiming more partitions than the limit is refused on decode.
+    let good = Op::ScanPartitions {
+        after: Some(Bytes::from_static(b"k")),
+        limit: 1,
+        partitions: 8,
+        mask: Bytes::from_static(&[0x01]),
+        since_version: 5,
+        keys_only: false,
+    };
+    let mut buf = BytesMut::new();
+    let mut enc = RequestBatchEncoder::begin(&mut buf, 0);
+    enc.push(1, &good).unwrap();
+    enc.finish().unwrap();
+    let body = split_one(&mut buf);
+    let Frame::Requests(batch) = decode_frame(body.clone()).unwrap() else {
+        panic!("not a request batch");
+    };
+    assert_eq!(batch.requests[0].op, good);
+    // The partition count sits after kind, epoch, count, id, op, flag, key, limit.
+    let at = 1 + 8 + 2 + 8 + 1 + 1 + 2 + 1 + 4;
+    let mut bad = body.to_vec();
+    bad[at..at + 4].copy_from_slice(&(SCAN_PARTITIONS_MAX + 1).to_le_bytes());
+    assert!(decode_frame(Bytes::from(bad)).is_err());
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! Executes one decoded batch against the store, straight into a response frame.
 
-use crate::objects::{no_such_key, wrong_type, Entry, ObjectStore, Value};
+use crate::objects::{no_such_key, wrong_type, Entry, ObjectStore, ScanFilter, Value};
 use crate::ownership::Ownership;
 use crate::state::{kind_index, ServerState, OP_KINDS};
 use crate::store::{Principal, RegionStore};
@@ -23,6 +23,19 @@ fn region_info_bytes(name: Option<&str>) -> usize {
     8 + 8 + 1 + 1 + name.map_or(0, str::len)
 }
 
+/// Encoded size of a list of SCAN items, with its count.
+fn items_bytes(items: &[camelot_proto::Item]) -> usize {
+    4 + items
+        .iter()
+        .map(|it| ITEM_OVERHEAD_BYTES + it.key.len() + it.value.len())
+        .sum::<usize>()
+}
+
+/// The most a SCAN_PARTITIONS reply carries besides its items: the OK header, the tag's
+/// clock, the resume key (flag, length, bytes) and the item count.
+const PAGE_REPLY_HEADER_BYTES: usize =
+    OK_HEADER_BYTES + 8 + 1 + 2 + camelot_proto::limits::KEY_BYTES_MAX + 4;
+
 /// Exact encoded size of a successful response carrying `reply`.
 pub fn reply_bytes(reply: &Reply) -> usize {
     OK_HEADER_BYTES
@@ -30,11 +43,11 @@ pub fn reply_bytes(reply: &Reply) -> usize {
             Reply::Pong | Reply::Done => 0,
             Reply::Word(_) | Reply::Version(_) => 8,
             Reply::Object { value, .. } => 8 + 4 + value.len(),
-            Reply::Items(items) => {
-                4 + items
-                    .iter()
-                    .map(|it| ITEM_OVERHEAD_BYTES + it.key.len() + it.value.len())
-                    .sum::<usize>()
+            Reply::Items(items) => items_bytes(items),
+            Reply::Page(page) => {
+                8 + 1
+                    + page.resume_after.as_ref().map_or(0, |k| 2 + k.len())
+                    + items_bytes(&page.items)
             }
             Reply::Data(d) => 4 + d.len(),
             Reply::Region(r) => region_info_bytes(r.name.as_deref()),
@@ -434,6 +447,35 @@ impl Exec<'_, '_, '_> {
                     Err(e) => self.enc.push_err(id, &e),
                 }
             }
+            Op::ScanPartitions {
+                after,
+                limit,
+                partitions,
+                mask,
+                since_version,
+                keys_only,
+            } => {
+                let budget = RESPONSE_OK_BUDGET_BYTES
+                    .saturating_sub(self.enc.frame_len())
+                    .saturating_sub(PAGE_REPLY_HEADER_BYTES);
+                let filter = ScanFilter {
+                    partitions: *partitions,
+                    mask,
+                    since_version: *since_version,
+                    keys_only: *keys_only,
+                };
+                let now = self.now();
+                match self.state.objects().scan_partitions(
+                    after.as_deref(),
+                    *limit as usize,
+                    &filter,
+                    budget,
+                    now,
+                ) {
+                    Ok(page) => self.respond_if_fits(id, Reply::Page(page)),
+                    Err(e) => self.enc.push_err(id, &e),
+                }
+            }
             Op::Read {
                 region,
                 offset,
@@ -742,6 +784,20 @@ mod tests {
                     mode: AccessMode::Private,
                 },
             ]),
+            Reply::Page(camelot_proto::Page {
+                items: vec![camelot_proto::Item {
+                    key: Bytes::from_static(b"key"),
+                    version: 9,
+                    value: Bytes::from_static(b"value"),
+                }],
+                resume_after: Some(Bytes::from_static(b"key")),
+                version_clock: 12,
+            }),
+            Reply::Page(camelot_proto::Page {
+                items: vec![],
+                resume_after: None,
+                version_clock: 0,
+            }),
         ];
         for reply in replies {
             let mut buf = BytesMut::new();

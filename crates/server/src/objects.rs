@@ -13,8 +13,10 @@
 
 use crate::budget::MemoryBudget;
 use bytes::Bytes;
-use camelot_proto::limits::{KEY_BYTES_MAX, SCAN_ITEMS_MAX, VALUE_BYTES_MAX};
-use camelot_proto::{key_hash, ErrorCode, ErrorReply, Item, ITEM_OVERHEAD_BYTES};
+use camelot_proto::limits::{KEY_BYTES_MAX, SCAN_EXAMINE_MAX, SCAN_ITEMS_MAX, VALUE_BYTES_MAX};
+use camelot_proto::{
+    key_hash, mask_marks, partition_of, ErrorCode, ErrorReply, Item, Page, ITEM_OVERHEAD_BYTES,
+};
 use parking_lot::{RwLock, RwLockReadGuard};
 use std::cmp::{Ordering as CmpOrdering, Reverse};
 use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
@@ -485,6 +487,11 @@ impl VersionClock {
         self.0.fetch_add(gap, Ordering::Relaxed);
     }
 
+    /// What the next [`VersionClock::next`] will answer at least.
+    fn peek(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
     /// Makes every later [`VersionClock::next`] answer more than `version`.
     fn advance_past(&self, version: u64) {
         self.0
@@ -584,6 +591,17 @@ impl Shard {
         (removed, freed)
     }
 
+    /// Entries with keys after `after` (all of them for `None`), in key order.
+    fn range_after<'a>(
+        &'a self,
+        after: Option<&[u8]>,
+    ) -> impl Iterator<Item = (&'a Bytes, &'a Entry)> + 'a {
+        let low = after.map_or(Bound::Unbounded, Bound::Excluded);
+        self.order
+            .range::<[u8], _>((low, Bound::Unbounded))
+            .filter_map(|k| Some((k, self.map.get(k)?)))
+    }
+
     /// Entries with keys `>= start`, in key order.
     fn range_from<'a>(&'a self, start: &[u8]) -> impl Iterator<Item = (&'a Bytes, &'a Entry)> + 'a {
         self.order
@@ -653,6 +671,15 @@ impl Drop for GateHold<'_> {
     fn drop(&mut self) {
         GATE_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
     }
+}
+
+/// What a SCAN_PARTITIONS page lets through (see `Op::ScanPartitions`).
+#[derive(Debug, Clone, Copy)]
+pub struct ScanFilter<'a> {
+    pub partitions: u32,
+    pub mask: &'a [u8],
+    pub since_version: u64,
+    pub keys_only: bool,
 }
 
 pub struct ObjectStore {
@@ -1055,6 +1082,86 @@ impl ObjectStore {
         Ok(items)
     }
 
+    /// One page of a cluster mover's walk (see `Op::ScanPartitions`): the string objects
+    /// after `after` that `filter` lets through, at most `limit` of them within
+    /// `reply_bytes_max` encoded bytes, having examined at most [`SCAN_EXAMINE_MAX`] keys.
+    /// TOO_LARGE if not even the first match fits.
+    ///
+    /// The page's version clock is read under every shard's read lock, when no write is
+    /// half-done: every write after that moment gets a version at least the clock, so a
+    /// later walk from that version misses none of them. (An APPLY may store an older
+    /// version later; moves walk a primary, whose keys only it writes.)
+    pub fn scan_partitions(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+        filter: &ScanFilter<'_>,
+        reply_bytes_max: usize,
+        now: Instant,
+    ) -> Result<Page, ErrorReply> {
+        let _gate = self.gate();
+        // At least one, so a page that is not the last always moves the walk on.
+        let limit = limit.clamp(1, SCAN_ITEMS_MAX);
+        let guards: Vec<RwLockReadGuard<'_, Shard>> =
+            self.shards.iter().map(|s| s.read()).collect();
+        let version_clock = self.clock.peek();
+        let mut merged = KeyOrder::merge(guards.iter().map(|g| g.range_after(after)));
+        let mut items = Vec::new();
+        let mut bytes = 0usize;
+        let mut examined = 0usize;
+        let mut last: Option<&Bytes> = None;
+        let done = loop {
+            if items.len() >= limit || examined >= SCAN_EXAMINE_MAX {
+                break false;
+            }
+            let Some((k, e)) = merged.next() else {
+                break true;
+            };
+            examined += 1;
+            let matching = match &e.value {
+                Value::Str(v)
+                    if e.is_live(now)
+                        && e.version >= filter.since_version
+                        && mask_marks(filter.mask, partition_of(k, filter.partitions)) =>
+                {
+                    Some(v)
+                }
+                _ => None,
+            };
+            if let Some(v) = matching {
+                let value = if filter.keys_only {
+                    Bytes::new()
+                } else {
+                    v.clone()
+                };
+                let item_bytes = ITEM_OVERHEAD_BYTES + k.len() + value.len();
+                if bytes + item_bytes > reply_bytes_max {
+                    if items.is_empty() {
+                        return Err(err(
+                            ErrorCode::TooLarge,
+                            "the next object does not fit in this batch's response frame; \
+                             scan it in a smaller batch",
+                        ));
+                    }
+                    break false;
+                }
+                bytes += item_bytes;
+                items.push(Item {
+                    key: k.clone(),
+                    version: e.version,
+                    value,
+                });
+            }
+            last = Some(k);
+        };
+        Ok(Page {
+            items,
+            // Past the end; or past the last key examined *whole* (not one cut off).
+            resume_after: if done { None } else { last.cloned() },
+            version_clock,
+        })
+    }
+
     /// One step of a Redis SCAN: live keys whose [`key_hash`] is at least `cursor`, in
     /// hash order, about `count` of them (every key sharing the last one's hash comes
     /// too), and the cursor to go on from (0 when the walk is over). Hash order, not key
@@ -1379,6 +1486,88 @@ mod tests {
             code(s.scan(b"", 50, ITEM_OVERHEAD_BYTES, now)),
             ErrorCode::TooLarge
         );
+    }
+
+    /// Every page of a SCAN_PARTITIONS walk from the start, as (key, version, value).
+    fn walk(s: &ObjectStore, filter: &ScanFilter<'_>, limit: usize) -> (Vec<Item>, usize, u64) {
+        let now = Instant::now();
+        let (mut items, mut pages, mut after) = (Vec::new(), 0, None::<Bytes>);
+        let mut clock = 0;
+        loop {
+            let page = s
+                .scan_partitions(after.as_deref(), limit, filter, usize::MAX, now)
+                .unwrap();
+            pages += 1;
+            if pages == 1 {
+                clock = page.version_clock;
+            }
+            items.extend(page.items);
+            match page.resume_after {
+                Some(k) => after = Some(k),
+                None => return (items, pages, clock),
+            }
+        }
+    }
+
+    #[test]
+    fn partition_scans_filter_by_mask_and_version_and_page_past_misses() {
+        let (s, _) = store(1 << 26);
+        let now = Instant::now();
+        let keys: Vec<String> = (0..(SCAN_EXAMINE_MAX + 3000))
+            .map(|i| format!("k{i:06}"))
+            .collect();
+        for k in &keys {
+            s.put(k.as_bytes(), b"value", now).unwrap();
+        }
+        let parts = 64;
+        let in_mask = |k: &String| partition_of(k.as_bytes(), parts).is_multiple_of(5);
+        let mask = camelot_proto::partition_mask(parts, (0..parts).filter(|p| p.is_multiple_of(5)));
+        let filter = ScanFilter {
+            partitions: parts,
+            mask: &mask,
+            since_version: 0,
+            keys_only: false,
+        };
+        let (items, pages, clock) = walk(&s, &filter, SCAN_ITEMS_MAX);
+        let want: Vec<&String> = keys.iter().filter(|k| in_mask(k)).collect();
+        let got: Vec<String> = items
+            .iter()
+            .map(|i| String::from_utf8(i.key.to_vec()).unwrap())
+            .collect();
+        assert_eq!(got.iter().collect::<Vec<_>>(), want);
+        assert!(items.iter().all(|i| &i.value[..] == b"value"));
+        // More keys than one page may examine: at least two pages, the walk went on.
+        assert!(pages >= 2, "{pages} page(s)");
+
+        // Since the first page's clock: exactly the keys written after it.
+        let later: Vec<&String> = keys.iter().step_by(97).collect();
+        for k in &later {
+            s.put(k.as_bytes(), b"newer", now).unwrap();
+        }
+        let all = camelot_proto::partition_mask(parts, 0..parts);
+        let since = ScanFilter {
+            partitions: parts,
+            mask: &all,
+            since_version: clock,
+            keys_only: true,
+        };
+        let (changed, _, _) = walk(&s, &since, 7);
+        let got: Vec<String> = changed
+            .iter()
+            .map(|i| String::from_utf8(i.key.to_vec()).unwrap())
+            .collect();
+        assert_eq!(got.iter().collect::<Vec<_>>(), later);
+        assert!(changed.iter().all(|i| i.value.is_empty()), "keys only");
+
+        // A byte budget cuts a page at a whole item and the walk resumes right after it.
+        let page = s
+            .scan_partitions(None, 50, &since, 2 * (ITEM_OVERHEAD_BYTES + 7), now)
+            .unwrap();
+        assert_eq!(page.items.len(), 2);
+        let next = s
+            .scan_partitions(page.resume_after.as_deref(), 1, &since, usize::MAX, now)
+            .unwrap();
+        assert_eq!(&next.items[0].key[..], later[2].as_bytes());
     }
 
     #[test]
