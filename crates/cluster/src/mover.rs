@@ -15,9 +15,9 @@ use camelot_proto::{Item, Op};
 use crate::etcd::{EtcdCluster, EtcdError, Publish, Versioned, VersionedMove};
 use crate::map::{ClusterMap, NodeId};
 use crate::moves::{
-    abort, begin, deletions, fence, join, led_by_from, resume_step, switch, CopyLog, KeyVersion,
-    MoveError, MoveRecord, Step, CATCHUP_PASSES_MAX, CATCHUP_SETTLED_KEYS, FENCE_MAX,
-    MOVE_KEYS_MAX,
+    abort, begin, deletions, fence, final_copy_since, join, led_by_from, resume_step, switch,
+    CopyLog, KeyVersion, MoveError, MoveRecord, Step, CATCHUP_PASSES_MAX, CATCHUP_SETTLED_KEYS,
+    FENCE_MAX, MOVE_KEYS_MAX,
 };
 
 /// How long a node may take to show an epoch before cleanup on it is given up (the keys
@@ -251,6 +251,7 @@ fn wait_applied(pending: Vec<Pending>, node: NodeId) -> Result<(), MoverError> {
     Ok(())
 }
 
+#[derive(Default)]
 struct Pass {
     keys: u64,
     bytes: u64,
@@ -400,6 +401,9 @@ pub struct FillReport {
     /// Keys the target held that the primary no longer has, deleted there.
     pub keys_deleted: u64,
     pub secs: f64,
+    /// The primary's version clock as the copy began: every write it took that the copy
+    /// may have missed has a version at least this.
+    pub version_clock: u64,
 }
 
 /// How long [`fill_replica`] waits for the primary to show the epoch that made `to` a
@@ -465,6 +469,7 @@ pub fn fill_replica(
         bytes_copied: pass.bytes,
         keys_deleted: gone.len() as u64,
         secs: start.elapsed().as_secs_f64(),
+        version_clock: pass.version_clock,
     })
 }
 
@@ -730,6 +735,7 @@ impl Mover {
                     if !self.defects.no_fill {
                         match self.fill(&map.map, &rec) {
                             Ok(r) => {
+                                copied_since = r.version_clock;
                                 report.keys_copied += r.keys_copied;
                                 report.bytes_copied += r.bytes_copied;
                                 self.say(format!(
@@ -809,35 +815,27 @@ impl Mover {
                     };
                     if done && !self.defects.no_final_copy {
                         let last = (|| -> Result<(Pass, u64), MoverError> {
-                            // Replicated: `to` has had every write since it joined, so
-                            // all of `from` is compared with what `to` holds. Otherwise
-                            // what this mover's passes sent, and what came after them.
-                            let mut seeded;
-                            let (final_log, since) = if rec.replicated {
-                                let present = scan_present(&client, rec.to, &mask, Some(deadline))?;
-                                seeded = CopyLog::seeded(&present)?;
-                                (&mut seeded, 0)
-                            } else {
-                                (&mut log, copied_since)
+                            // Both sides' keys and versions first (keys only: small). The
+                            // fence holds `from`'s still, and `to` takes writes only from
+                            // `from`, so what differs now is all there is to copy.
+                            let target = scan_present(&client, rec.to, &mask, Some(deadline))?;
+                            let source = scan_present(&client, rec.from, &mask, Some(deadline))?;
+                            let pass = match final_copy_since(&source, &target, copied_since) {
+                                None => Pass::default(),
+                                Some(since) => copy_pass(
+                                    &client,
+                                    (rec.from, rec.to),
+                                    &mask,
+                                    since,
+                                    &mut CopyLog::seeded(&target)?,
+                                    Some(deadline),
+                                )?,
                             };
-                            let pass = copy_pass(
-                                &client,
-                                (rec.from, rec.to),
-                                &mask,
-                                since,
-                                final_log,
-                                Some(deadline),
-                            )?;
-                            // The fence holds `from`'s keys still: these are all of them.
-                            let source_keys = scan_keys(&client, rec.from, &mask, Some(deadline))?;
-                            let deleted = delete_moving(
-                                &client,
-                                rec.to,
-                                &mask,
-                                &source_keys,
-                                Some(deadline),
-                            )?;
-                            Ok((pass, deleted))
+                            let source_keys: BTreeSet<Vec<u8>> =
+                                source.into_iter().map(|kv| kv.key).collect();
+                            let gone = deletions(&source_keys, &target);
+                            apply_deletions(&client, rec.to, &gone)?;
+                            Ok((pass, gone.len() as u64))
                         })();
                         match last {
                             Ok((pass, deleted)) => {

@@ -583,6 +583,28 @@ impl CopyLog {
     }
 }
 
+/// What the final pass under the fence must copy, from the source's and the target's
+/// moving keys and versions: `None` when they already agree; `Some(since)` when every key
+/// that differs has a source version of at least `since` (written after the pass that
+/// began at clock `since`: a walk from there finds them all); `Some(0)` when some older
+/// key differs too — the target lost something (a restart), so everything is walked.
+pub fn final_copy_since(source: &[KeyVersion], target: &[KeyVersion], since: u64) -> Option<u64> {
+    let held: std::collections::HashMap<&[u8], u64> = target
+        .iter()
+        .map(|kv| (kv.key.as_slice(), kv.version))
+        .collect();
+    let mut differing = source
+        .iter()
+        .filter(|kv| held.get(kv.key.as_slice()) != Some(&kv.version))
+        .peekable();
+    differing.peek()?;
+    Some(if differing.all(|kv| kv.version >= since) {
+        since
+    } else {
+        0
+    })
+}
+
 /// The target's moving keys that the source no longer has, with the version an APPLY
 /// deleting each must carry (one above the target's: APPLY keeps only newer).
 pub fn deletions(source_keys: &BTreeSet<Vec<u8>>, target: &[KeyVersion]) -> Vec<KeyVersion> {
@@ -605,6 +627,40 @@ mod tests {
 
     fn map(nodes: u32, partitions: u32) -> ClusterMap {
         ClusterMap::initial(crate::map::test_nodes(nodes), partitions, 1).unwrap()
+    }
+
+    fn kv(key: &str, version: u64) -> KeyVersion {
+        KeyVersion {
+            key: key.as_bytes().to_vec(),
+            version,
+        }
+    }
+
+    #[test]
+    fn the_final_pass_walks_from_the_last_clock_only_when_nothing_older_differs() {
+        let target = [kv("a", 3), kv("b", 5), kv("gone", 4)];
+        // Agreeing (a key only the target has is a deletion, not a copy): nothing.
+        assert_eq!(
+            final_copy_since(&[kv("a", 3), kv("b", 5)], &target, 10),
+            None
+        );
+        // Differences all written since the clock: walk from it.
+        assert_eq!(
+            final_copy_since(&[kv("a", 3), kv("b", 12), kv("new", 10)], &target, 10),
+            Some(10)
+        );
+        // The target lacks an old key (it restarted): walk everything.
+        assert_eq!(
+            final_copy_since(&[kv("a", 3), kv("b", 5), kv("old", 2)], &target, 10),
+            Some(0)
+        );
+        // The target holds an old key at another version: everything too.
+        assert_eq!(
+            final_copy_since(&[kv("a", 2), kv("b", 5)], &target, 10),
+            Some(0)
+        );
+        // No clock known (a resumed mover): everything.
+        assert_eq!(final_copy_since(&[kv("b", 12)], &target, 0), Some(0));
     }
 
     #[test]
