@@ -68,13 +68,14 @@ pub fn ownership_of(
     let mut backups = Vec::with_capacity(map.assignment.len());
     let mut backup_of = Vec::with_capacity(map.assignment.len());
     let mut stale_reads = Vec::with_capacity(map.assignment.len());
+    let mut fenced = Vec::with_capacity(map.assignment.len());
     for (p, replicas) in map.assignment.iter().enumerate() {
         let first = replicas.first() == Some(&id);
-        // Under a move's fence the listed primary serves nothing, so it copies nothing
-        // (with R > 1 its backups stay listed: without this it would be given backups
-        // of a partition it does not own, and refuse the map).
-        let primary = first && !map.is_fenced(p as u32);
-        backups.push(if primary {
+        // Under a move's fence the listed primary serves no client, but keeps its backups:
+        // it still sends them the writes it took before the fence that they have not
+        // acknowledged (see camelot_server::replicate).
+        fenced.push(first && map.is_fenced(p as u32));
+        backups.push(if first {
             replicas[1..]
                 .iter()
                 .filter_map(|n| {
@@ -94,6 +95,7 @@ pub fn ownership_of(
     }
     // A fenced partition (a move's fence) is served by nobody until the switch.
     Ownership::new(map.epoch, map.serving_primaries_of(id))?
+        .with_fenced(fenced)?
         .with_replicas(backups, backup_of)?
         .with_stale_reads(stale_reads)
 }

@@ -394,3 +394,97 @@ fn an_r2_rebalance_without_the_fill_loses_writes_and_the_checker_sees_it() {
         "no replica was found missing a write\n{said}"
     );
 }
+
+/// The final pass under the fence brings every member that stays in a moved partition's
+/// set to the old primary's state — not only the new primary. A backup that refused a
+/// copy as the fence began lacks that write, though the new primary has it (the issue
+/// 19 expansion case); here the test makes the staying backup diverge by hand while the
+/// mover holds (a key deleted there, a stray key added), and after the switch the backup
+/// holds exactly the new primary's keys of the partition.
+#[test]
+fn the_final_pass_brings_the_staying_backups_to_the_old_primarys_state() {
+    let (mut c, _) = three_nodes();
+    let writer = client(&c.endpoint, &c.addrs);
+    let m = c.map();
+    // A partition node 0 leads, and its other member (which stays: the move replaces 0).
+    let p = (0..PARTITIONS).find(|p| m.primary(*p) == Some(0)).unwrap();
+    let backup = m.replicas(p)[1];
+    let keys: Vec<String> = (0..)
+        .map(|i| format!("fenced-{i}"))
+        .filter(|k| m.partition_of(k.as_bytes()) == p)
+        .take(3)
+        .collect();
+    for k in &keys[..2] {
+        writer.put(k.as_bytes(), Bytes::from(k.clone())).unwrap();
+    }
+    c.add_node(3);
+    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
+    c.rt.block_on(c.etcd.update_map(3, move |cur| {
+        let mut next = cur.cloned().unwrap();
+        next.nodes = live.clone();
+        Ok(next)
+    }))
+    .unwrap();
+    let p_arg = p.to_string();
+    let args = [
+        "move",
+        "--from",
+        "0",
+        "--to",
+        "3",
+        &p_arg,
+        "--hold-at",
+        "copied",
+        "--hold-ms",
+        "3000",
+    ];
+    let mut mover = Tool::start(&c, &args);
+    mover.wait_line("holding at copied");
+    let b = c.map().node(backup).unwrap().addr;
+    let raw = Client::connect(
+        ClientMap {
+            epoch: 0,
+            nodes: vec![NodeInfo {
+                id: backup,
+                addr: b,
+            }],
+        },
+        ClientConfig::default(),
+    )
+    .unwrap();
+    let far = 1u64 << 40;
+    for (key, value) in [
+        (&keys[0], None),
+        (&keys[2], Some(Bytes::from_static(b"stray"))),
+    ] {
+        let op = Op::Apply {
+            key: Bytes::from(key.clone()),
+            version: far,
+            value,
+        };
+        reply::version(raw.call(backup, op)).unwrap();
+    }
+    let (status, said) = mover.finish();
+    assert!(status.success(), "cluster move: {status}\n{said}");
+    assert!(said.contains("switched at epoch"), "{said}");
+    let after = c.map();
+    assert_eq!(after.primary(p), Some(3), "{said}");
+    assert!(after.replicas(p).contains(&backup), "{said}");
+    let of_p = |node| -> BTreeMap<Vec<u8>, Bytes> {
+        node_keys(&after, node)
+            .into_iter()
+            .filter(|(k, _)| after.partition_of(k) == p)
+            .collect()
+    };
+    let (on_primary, on_backup) = (of_p(3), of_p(backup));
+    let written: Vec<&[u8]> = keys[..2].iter().map(|k| k.as_bytes()).collect();
+    assert_eq!(
+        on_primary.keys().map(Vec::as_slice).collect::<Vec<_>>(),
+        written,
+        "{said}"
+    );
+    assert_eq!(
+        on_backup, on_primary,
+        "the staying backup differs from the new primary\n{said}"
+    );
+}

@@ -15,8 +15,8 @@ use camelot_proto::{Item, Op};
 use crate::etcd::{EtcdCluster, EtcdError, Publish, Versioned, VersionedMove};
 use crate::map::{ClusterMap, NodeId};
 use crate::moves::{
-    abort, begin, deletions, fence, final_copy_since, join, led_by_from, resume_step, switch,
-    CopyLog, KeyVersion, MoveError, MoveRecord, Step, CATCHUP_PASSES_MAX, CATCHUP_SETTLED_KEYS,
+    abort, begin, deletions, fence, final_copy, join, led_by_from, resume_step, switch, CopyLog,
+    FinalCopy, KeyVersion, MoveError, MoveRecord, Step, CATCHUP_PASSES_MAX, CATCHUP_SETTLED_KEYS,
     FENCE_MAX, MOVE_KEYS_MAX,
 };
 
@@ -370,6 +370,38 @@ fn scan_keys(
         Ok(())
     })?;
     Ok(keys)
+}
+
+/// Makes `node` hold the keys of `mask` exactly as `from` holds them, both being still
+/// (under a fence: `from` takes no client writes there, and `node` takes copies only from
+/// `from`). Keys and versions are compared first (keys only: small), and only a walk that
+/// finds what differs is made — from `since` (`from`'s clock as the last copy began) when
+/// everything that differs is that recent. Returns the copy, the deletions and the plan.
+fn reconcile(
+    client: &Client,
+    (from, node): (NodeId, NodeId),
+    mask: &[bool],
+    since: u64,
+    deadline: Instant,
+) -> Result<(Pass, u64, FinalCopy), MoverError> {
+    let target = scan_present(client, node, mask, Some(deadline))?;
+    let source = scan_present(client, from, mask, Some(deadline))?;
+    let plan = final_copy(&source, &target, since);
+    let pass = match plan.since() {
+        None => Pass::default(),
+        Some(since) => copy_pass(
+            client,
+            (from, node),
+            mask,
+            since,
+            &mut CopyLog::seeded(&target)?,
+            Some(deadline),
+        )?,
+    };
+    let source_keys: BTreeSet<Vec<u8>> = source.into_iter().map(|kv| kv.key).collect();
+    let gone = deletions(&source_keys, &target);
+    apply_deletions(client, node, &gone)?;
+    Ok((pass, gone.len() as u64, plan))
 }
 
 /// Deletes each of `gone` on `node` by an APPLY of nothing at its version.
@@ -814,36 +846,67 @@ impl Mover {
                         mask.clone()
                     };
                     if done && !self.defects.no_final_copy {
-                        let last = (|| -> Result<(Pass, u64), MoverError> {
-                            // Both sides' keys and versions first (keys only: small). The
-                            // fence holds `from`'s still, and `to` takes writes only from
-                            // `from`, so what differs now is all there is to copy.
-                            let target = scan_present(&client, rec.to, &mask, Some(deadline))?;
-                            let source = scan_present(&client, rec.from, &mask, Some(deadline))?;
-                            let pass = match final_copy_since(&source, &target, copied_since) {
-                                None => Pass::default(),
-                                Some(since) => copy_pass(
+                        // Every member that stays in the fenced partitions' sets holds
+                        // what `from` holds: `to`, and (replicated) the other backups — a
+                        // copy one of them refused as the fence began reaches it now,
+                        // whatever became of `from`'s own resend.
+                        let mut members = vec![(rec.to, mask.clone())];
+                        if rec.replicated {
+                            for (p, _) in mask.iter().enumerate().filter(|(_, m)| **m) {
+                                for &n in map.map.replicas(p as u32) {
+                                    if n == rec.from || n == rec.to {
+                                        continue;
+                                    }
+                                    let at = match members.iter().position(|(m, _)| *m == n) {
+                                        Some(i) => i,
+                                        None => {
+                                            members.push((n, vec![false; mask.len()]));
+                                            members.len() - 1
+                                        }
+                                    };
+                                    members[at].1[p] = true;
+                                }
+                            }
+                        }
+                        let nodes: Vec<NodeId> = std::iter::once(rec.from)
+                            .chain(members.iter().map(|(n, _)| *n))
+                            .collect();
+                        let last = raw_client(&map.map, &nodes).and_then(|client| {
+                            let mut total = (Pass::default(), 0u64, Vec::new());
+                            for (node, node_mask) in &members {
+                                let done = reconcile(
                                     &client,
-                                    (rec.from, rec.to),
-                                    &mask,
-                                    since,
-                                    &mut CopyLog::seeded(&target)?,
-                                    Some(deadline),
-                                )?,
-                            };
-                            let source_keys: BTreeSet<Vec<u8>> =
-                                source.into_iter().map(|kv| kv.key).collect();
-                            let gone = deletions(&source_keys, &target);
-                            apply_deletions(&client, rec.to, &gone)?;
-                            Ok((pass, gone.len() as u64))
-                        })();
+                                    (rec.from, *node),
+                                    node_mask,
+                                    copied_since,
+                                    deadline,
+                                );
+                                let (pass, deleted, plan) = match done {
+                                    Ok(d) => d,
+                                    // A backup other than `to` that cannot be reached is
+                                    // dead or cut off: the failover's business, not a
+                                    // reason to undo the move.
+                                    Err(e @ MoverError::Client { .. }) if *node != rec.to => {
+                                        total.2.push(format!("node {node}: skipped ({e})"));
+                                        continue;
+                                    }
+                                    Err(e) => return Err(e),
+                                };
+                                total.0.keys += pass.keys;
+                                total.0.bytes += pass.bytes;
+                                total.0.scanned += pass.scanned;
+                                total.1 += deleted;
+                                total.2.push(format!("node {node}: {plan}"));
+                            }
+                            Ok((total.0, total.1, total.2.join("; ")))
+                        });
                         match last {
-                            Ok((pass, deleted)) => {
+                            Ok((pass, deleted, plan)) => {
                                 report.keys_copied += pass.keys;
                                 report.bytes_copied += pass.bytes;
                                 report.bytes_scanned += pass.scanned;
                                 self.say(format!(
-                                    "final pass: {} key(s) copied, {deleted} deleted on the target",
+                                    "final pass: {} key(s) copied, {deleted} deleted ({plan})",
                                     pass.keys
                                 ));
                                 done = Instant::now() < deadline;

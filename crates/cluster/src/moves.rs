@@ -583,26 +583,68 @@ impl CopyLog {
     }
 }
 
+/// What the final pass under the fence must copy (see [`final_copy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinalCopy {
+    /// Source and target agree.
+    Nothing,
+    /// `differing` keys differ, all written at or after `since`: a walk from it finds them.
+    Since { since: u64, differing: usize },
+    /// A key older than the last clock differs (`oldest`: its source version; the target
+    /// lost something, e.g. it restarted), or no clock is known: everything is walked.
+    Everything { differing: usize, oldest: u64 },
+}
+
+impl FinalCopy {
+    /// The version a walk must start from; `None` when no walk is needed.
+    pub fn since(&self) -> Option<u64> {
+        match self {
+            FinalCopy::Nothing => None,
+            FinalCopy::Since { since, .. } => Some(*since),
+            FinalCopy::Everything { .. } => Some(0),
+        }
+    }
+}
+
+impl std::fmt::Display for FinalCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FinalCopy::Nothing => write!(f, "no key differed"),
+            FinalCopy::Since { since, differing } => {
+                write!(
+                    f,
+                    "{differing} key(s) differed, walked from version {since}"
+                )
+            }
+            FinalCopy::Everything { differing, oldest } => write!(
+                f,
+                "{differing} key(s) differed, the oldest at version {oldest}: walked everything"
+            ),
+        }
+    }
+}
+
 /// What the final pass under the fence must copy, from the source's and the target's
-/// moving keys and versions: `None` when they already agree; `Some(since)` when every key
-/// that differs has a source version of at least `since` (written after the pass that
-/// began at clock `since`: a walk from there finds them all); `Some(0)` when some older
-/// key differs too — the target lost something (a restart), so everything is walked.
-pub fn final_copy_since(source: &[KeyVersion], target: &[KeyVersion], since: u64) -> Option<u64> {
+/// moving keys and versions, `since` being the source's clock as the last copy began (0:
+/// unknown). A key only the target has is a deletion, not a copy.
+pub fn final_copy(source: &[KeyVersion], target: &[KeyVersion], since: u64) -> FinalCopy {
     let held: std::collections::HashMap<&[u8], u64> = target
         .iter()
         .map(|kv| (kv.key.as_slice(), kv.version))
         .collect();
-    let mut differing = source
+    let (differing, oldest) = source
         .iter()
         .filter(|kv| held.get(kv.key.as_slice()) != Some(&kv.version))
-        .peekable();
-    differing.peek()?;
-    Some(if differing.all(|kv| kv.version >= since) {
-        since
+        .fold((0, u64::MAX), |(n, oldest), kv| {
+            (n + 1, oldest.min(kv.version))
+        });
+    if differing == 0 {
+        FinalCopy::Nothing
+    } else if since > 0 && oldest >= since {
+        FinalCopy::Since { since, differing }
     } else {
-        0
-    })
+        FinalCopy::Everything { differing, oldest }
+    }
 }
 
 /// The target's moving keys that the source no longer has, with the version an APPLY
@@ -639,28 +681,30 @@ mod tests {
     #[test]
     fn the_final_pass_walks_from_the_last_clock_only_when_nothing_older_differs() {
         let target = [kv("a", 3), kv("b", 5), kv("gone", 4)];
+        let since = |s: &[KeyVersion], clock| final_copy(s, &target, clock).since();
         // Agreeing (a key only the target has is a deletion, not a copy): nothing.
-        assert_eq!(
-            final_copy_since(&[kv("a", 3), kv("b", 5)], &target, 10),
-            None
-        );
+        assert_eq!(since(&[kv("a", 3), kv("b", 5)], 10), None);
         // Differences all written since the clock: walk from it.
+        let newer = [kv("a", 3), kv("b", 12), kv("new", 10)];
         assert_eq!(
-            final_copy_since(&[kv("a", 3), kv("b", 12), kv("new", 10)], &target, 10),
-            Some(10)
+            final_copy(&newer, &target, 10),
+            FinalCopy::Since {
+                since: 10,
+                differing: 2
+            }
         );
         // The target lacks an old key (it restarted): walk everything.
         assert_eq!(
-            final_copy_since(&[kv("a", 3), kv("b", 5), kv("old", 2)], &target, 10),
-            Some(0)
+            final_copy(&[kv("a", 3), kv("b", 5), kv("old", 2)], &target, 10),
+            FinalCopy::Everything {
+                differing: 1,
+                oldest: 2
+            }
         );
         // The target holds an old key at another version: everything too.
-        assert_eq!(
-            final_copy_since(&[kv("a", 2), kv("b", 5)], &target, 10),
-            Some(0)
-        );
+        assert_eq!(since(&[kv("a", 2), kv("b", 5)], 10), Some(0));
         // No clock known (a resumed mover): everything.
-        assert_eq!(final_copy_since(&[kv("b", 12)], &target, 0), Some(0));
+        assert_eq!(since(&[kv("b", 12)], 0), Some(0));
     }
 
     #[test]

@@ -14,6 +14,11 @@ pub struct Ownership {
     epoch: u64,
     partitions: u32,
     owned: Vec<bool>,
+    /// `fenced[p]`: this server leads partition `p` but serves no client of it (a move's
+    /// fence): it answers MOVED, yet still sends its backups the copies of writes it took
+    /// before the fence that they have not acknowledged, so those writes settle rather
+    /// than fail. Empty unless set by [`Ownership::with_fenced`].
+    fenced: Vec<bool>,
     /// Empty unless set by [`Ownership::with_replicas`]: no partition has backups.
     replicas: Replicas,
     /// `stale_reads[p]`: this server answers GETs on partition `p`, which it holds a
@@ -78,9 +83,34 @@ impl Ownership {
             epoch,
             partitions: owned.len() as u32,
             owned,
+            fenced: Vec::new(),
             replicas: Replicas::default(),
             stale_reads: Vec::new(),
         })
+    }
+
+    /// Sets the partitions this server leads under a fence (see [`Ownership::fenced`]):
+    /// never one it serves. Call before [`Ownership::with_replicas`], which then accepts
+    /// backups for them.
+    pub fn with_fenced(mut self, fenced: Vec<bool>) -> Result<Ownership, OwnershipError> {
+        if fenced.len() != self.owned.len() {
+            return Err(OwnershipError::ReplicaPartitions {
+                given: fenced.len(),
+                partitions: self.partitions,
+            });
+        }
+        if let Some(p) = (0..self.owned.len()).find(|&p| fenced[p] && self.owned[p]) {
+            return Err(OwnershipError::Replicas {
+                partition: p as u32,
+                reason: "a partition cannot be both served and fenced",
+            });
+        }
+        self.fenced = fenced;
+        Ok(self)
+    }
+
+    fn leads(&self, p: usize) -> bool {
+        self.owned.get(p).copied().unwrap_or(false) || self.fenced.get(p).copied().unwrap_or(false)
     }
 
     /// Adds the replica sets: `backups[p]`, the servers partition `p`'s writes are copied
@@ -110,12 +140,12 @@ impl Ownership {
             if set.len() > BACKUPS_PER_PARTITION_MAX {
                 return Err(bad("too many backups"));
             }
-            if !set.is_empty() && !self.owned[p] {
+            if !set.is_empty() && !self.leads(p) {
                 return Err(bad(
                     "backups given for a partition this server is not primary of",
                 ));
             }
-            if backup_of[p] && self.owned[p] {
+            if backup_of[p] && self.leads(p) {
                 return Err(bad(
                     "a server cannot be primary and backup of one partition",
                 ));
@@ -226,6 +256,12 @@ impl Ownership {
         self.owned.get(p as usize).copied().unwrap_or(false)
     }
 
+    /// Whether this server leads `key`'s partition: serves it, or holds it under a fence
+    /// (its unacknowledged writes there are still to be sent to the backups).
+    pub fn leads_key(&self, key: &[u8]) -> bool {
+        self.leads(camelot_proto::partition_of(key, self.partitions) as usize)
+    }
+
     /// Whether this ownership makes the server primary of a partition `before` did not
     /// (`None`: it had none) — a promotion or a move's switch.
     pub fn gains_primaries_over(&self, before: Option<&Ownership>) -> bool {
@@ -293,6 +329,46 @@ mod tests {
         assert_eq!(o.backups(99).count(), 0);
         assert!(o.replicates());
         assert!(!Ownership::new(5, vec![true]).unwrap().replicates());
+    }
+
+    #[test]
+    fn a_fenced_partition_keeps_its_backups_but_serves_no_client() {
+        // Partition 0 served, 1 fenced (both with a backup), 2 neither.
+        let fenced = || {
+            Ownership::new(5, vec![true, false, false])
+                .unwrap()
+                .with_fenced(vec![false, true, false])
+                .unwrap()
+        };
+        let o = fenced()
+            .with_replicas(
+                vec![vec![peer(1)], vec![peer(1)], vec![]],
+                vec![false, false, false],
+            )
+            .unwrap();
+        let key_of = |p: u32| {
+            (0u32..)
+                .map(|i| format!("k{i}"))
+                .find(|k| camelot_proto::partition_of(k.as_bytes(), 3) == p)
+                .unwrap()
+        };
+        let (k0, k1, k2) = (key_of(0), key_of(1), key_of(2));
+        assert!(o.owns_key(k0.as_bytes()) && o.leads_key(k0.as_bytes()));
+        assert!(!o.owns_key(k1.as_bytes()) && o.leads_key(k1.as_bytes()));
+        assert!(!o.owns_key(k2.as_bytes()) && !o.leads_key(k2.as_bytes()));
+        assert_eq!(o.backups(1).collect::<Vec<_>>(), [peer(1)]);
+        // Not fenced and not served: backups for it are refused; nor fenced and backup.
+        assert!(fenced()
+            .with_replicas(vec![vec![], vec![], vec![peer(1)]], vec![false; 3])
+            .is_err());
+        assert!(fenced()
+            .with_replicas(vec![vec![]; 3], vec![false, true, false])
+            .is_err());
+        // Served and fenced at once is refused.
+        assert!(Ownership::new(5, vec![true, false])
+            .unwrap()
+            .with_fenced(vec![true, false])
+            .is_err());
     }
 
     #[test]

@@ -22,9 +22,10 @@
 //! **Unacknowledged writes are not read.** Until a copy covering a write is confirmed by
 //! every backup, GETs of its key wait ([`crate::unacked`]): a reader must never see a
 //! value the promoted backup would not have. A key whose copy failed is sent again by a
-//! repair task, at whatever epoch this server is at by then, while it is still the key's
-//! primary with backups; when it is no longer the primary the claim is dropped (it serves
-//! the key to nobody), and when the partition has no backup left its state stands.
+//! repair task, at whatever epoch this server is at by then, while it still leads the key
+//! with backups (as its primary, or under a move's fence); when it no longer leads it the
+//! claim is dropped (it serves the key to nobody), and when the partition has no backup
+//! left its state stands.
 //!
 //! The grouping and the rewriting of an answer frame are pure and tested without sockets.
 
@@ -350,7 +351,10 @@ impl Replicator {
                 unacked.give_up(key);
                 continue;
             };
-            if !own.owns_key(key) {
+            // Under a move's fence this server still leads the key: its copy goes on, so
+            // the write settles (the backups are at the fence's epoch too) instead of
+            // failing, and no backup is left without a write the new primary will have.
+            if !own.leads_key(key) {
                 unacked.give_up(key);
                 continue;
             }

@@ -1148,6 +1148,48 @@ async fn a_write_its_backup_refused_is_acknowledged_once_sent_again_at_the_new_e
     backup.shutdown().await.unwrap();
 }
 
+/// A move's fence (issue 19: "stopped being the key's primary" in `bench cluster expand
+/// --replication 2`): the backup is already at the fence's epoch and refuses the copy;
+/// the primary reaches that epoch a moment later and serves the partition to no client —
+/// but still leads it, so it sends the copy again and the write is acknowledged, with
+/// the value on the backup (the new primary gets it from the move's final pass).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_in_flight_as_a_fence_begins_is_acknowledged_by_the_fenced_primary() {
+    let (primary, backup, mut client) = primary_and_backup().await;
+    let b_addr = backup.local_addr();
+    let key = Bytes::from_static(b"k");
+    assert!(backup.set_ownership(backup_of_all(2)));
+    let fenced = Ownership::new(2, vec![false])
+        .unwrap()
+        .with_fenced(vec![true])
+        .unwrap()
+        .with_replicas(
+            vec![vec![OwnershipPeer {
+                id: 1,
+                addr: b_addr,
+            }]],
+            vec![false],
+        )
+        .unwrap();
+    let r = put_while_the_map_moves(&primary, &mut client, &key, fenced).await;
+    assert!(
+        matches!(r[0].result, Ok(Reply::Version(_))),
+        "the fenced primary failed a write it could still settle: {r:?}"
+    );
+    let mut on_backup = Peer::ready(b_addr).await;
+    let r = on_backup.call(vec![Op::Get { key: key.clone() }]).await;
+    assert_eq!(object(&r[0]), Some(&b"v2"[..]), "{r:?}");
+    // Fenced: no client is served, reads included.
+    client.send(&routed(2, vec![Op::Get { key }])).await;
+    let r = client.responses().await;
+    match &r[0].result {
+        Err(e) => assert_eq!(e.code, ErrorCode::Moved, "{e:?}"),
+        other => panic!("a fenced primary served a read: {other:?}"),
+    }
+    primary.shutdown().await.unwrap();
+    backup.shutdown().await.unwrap();
+}
+
 /// And when the map that comes while the answer waits deposes the primary, the write
 /// is not acknowledged (nor ever served by the old primary).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
