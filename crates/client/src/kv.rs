@@ -90,12 +90,16 @@ fn cas_outcome(r: Result<Reply, ClientError>) -> Result<CasOutcome, ClientError>
 
 /// Times one key-value call is sent again after MOVED or STALE_EPOCH before the error
 /// is the caller's: a map changes in one step, so two or three suffice unless the servers
-/// are still catching up with it, which the backoff waits out.
-pub const REDIRECTS_MAX: u32 = 8;
+/// are still catching up with it, or a move's fence holds the partition, which the
+/// backoff waits out.
+pub const REDIRECTS_MAX: u32 = 40;
 /// First wait between redirected attempts when refreshing brought nothing newer; doubled
-/// each time up to [`REDIRECT_BACKOFF_MAX`]. Eight attempts wait at most ~0.8 s in all.
-pub const REDIRECT_BACKOFF_START: Duration = Duration::from_millis(5);
-pub const REDIRECT_BACKOFF_MAX: Duration = Duration::from_millis(200);
+/// each time up to [`REDIRECT_BACKOFF_MAX`]. The attempts wait ~0.93 s in all (longer
+/// than a move's fence may hold, `FENCE_MAX` = 400 ms). The cap is low so that a caller
+/// held by a fence goes on at most 25 ms after it lifts: with a 200 ms cap, a 80 ms fence
+/// held callers 155 ms, and the expansion bench's slowest second showed it.
+pub const REDIRECT_BACKOFF_START: Duration = Duration::from_millis(2);
+pub const REDIRECT_BACKOFF_MAX: Duration = Duration::from_millis(25);
 
 fn is_redirect(e: &ClientError) -> Option<u64> {
     match e {

@@ -601,6 +601,11 @@ impl Mover {
             all.bytes_copied += r.bytes_copied;
             all.keys_deleted += r.keys_deleted;
             all.secs += r.secs;
+            // The final pass walks `from`'s partitions (those it leads): its clock, not
+            // another primary's (clocks of two servers do not compare).
+            if primary == rec.from {
+                all.version_clock = r.version_clock;
+            }
         }
         Ok(all)
     }

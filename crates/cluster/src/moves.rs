@@ -61,7 +61,7 @@ use crate::map::{ClusterMap, NodeId, REPLICAS_MAX};
 /// partitions' writes one fence holds up, and the per-pass key list.
 pub const MOVE_PARTITIONS_MAX: usize = 1_024;
 /// Longest the partitions may stay fenced: a final pass not done within it aborts the move
-/// (the fence is lifted, writes go back to `from`). Clients retry MOVED for ~0.7 s
+/// (the fence is lifted, writes go back to `from`). Clients retry MOVED for ~0.93 s
 /// (`camelot_client::kv::REDIRECTS_MAX` backoffs), so a fence within this costs no
 /// client an error.
 pub const FENCE_MAX: Duration = Duration::from_millis(400);
@@ -590,9 +590,14 @@ pub enum FinalCopy {
     Nothing,
     /// `differing` keys differ, all written at or after `since`: a walk from it finds them.
     Since { since: u64, differing: usize },
-    /// A key older than the last clock differs (`oldest`: its source version; the target
-    /// lost something, e.g. it restarted), or no clock is known: everything is walked.
-    Everything { differing: usize, oldest: u64 },
+    /// A key older than the last clock differs (`oldest`: its source version, and what
+    /// the target holds of it; the target lost something, e.g. it restarted), or no
+    /// clock is known: everything is walked.
+    Everything {
+        differing: usize,
+        oldest: u64,
+        target_has: Option<u64>,
+    },
 }
 
 impl FinalCopy {
@@ -616,9 +621,14 @@ impl std::fmt::Display for FinalCopy {
                     "{differing} key(s) differed, walked from version {since}"
                 )
             }
-            FinalCopy::Everything { differing, oldest } => write!(
+            FinalCopy::Everything {
+                differing,
+                oldest,
+                target_has,
+            } => write!(
                 f,
-                "{differing} key(s) differed, the oldest at version {oldest}: walked everything"
+                "{differing} key(s) differed, the oldest at version {oldest} (the target's: {}): walked everything",
+                target_has.map_or("none".to_string(), |v| v.to_string())
             ),
         }
     }
@@ -632,18 +642,24 @@ pub fn final_copy(source: &[KeyVersion], target: &[KeyVersion], since: u64) -> F
         .iter()
         .map(|kv| (kv.key.as_slice(), kv.version))
         .collect();
-    let (differing, oldest) = source
-        .iter()
-        .filter(|kv| held.get(kv.key.as_slice()) != Some(&kv.version))
-        .fold((0, u64::MAX), |(n, oldest), kv| {
-            (n + 1, oldest.min(kv.version))
-        });
-    if differing == 0 {
-        FinalCopy::Nothing
-    } else if since > 0 && oldest >= since {
-        FinalCopy::Since { since, differing }
-    } else {
-        FinalCopy::Everything { differing, oldest }
+    let mut differing = 0;
+    let mut oldest: Option<&KeyVersion> = None;
+    for kv in source {
+        if held.get(kv.key.as_slice()) != Some(&kv.version) {
+            differing += 1;
+            if oldest.is_none_or(|o| kv.version < o.version) {
+                oldest = Some(kv);
+            }
+        }
+    }
+    match oldest {
+        None => FinalCopy::Nothing,
+        Some(o) if since > 0 && o.version >= since => FinalCopy::Since { since, differing },
+        Some(o) => FinalCopy::Everything {
+            differing,
+            oldest: o.version,
+            target_has: held.get(o.key.as_slice()).copied(),
+        },
     }
 }
 
@@ -698,7 +714,8 @@ mod tests {
             final_copy(&[kv("a", 3), kv("b", 5), kv("old", 2)], &target, 10),
             FinalCopy::Everything {
                 differing: 1,
-                oldest: 2
+                oldest: 2,
+                target_has: None
             }
         );
         // The target holds an old key at another version: everything too.
