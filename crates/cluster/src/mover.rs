@@ -47,6 +47,8 @@ pub enum MoverError {
     Contended(u32),
     #[error("the final pass overran the fence limit")]
     FenceOverrun,
+    #[error("a final-pass worker thread panicked")]
+    Worker,
     #[error("cannot start a runtime for etcd: {0}")]
     Runtime(std::io::Error),
 }
@@ -372,21 +374,21 @@ fn scan_keys(
     Ok(keys)
 }
 
-/// Makes `node` hold the keys of `mask` exactly as `from` holds them, both being still
-/// (under a fence: `from` takes no client writes there, and `node` takes copies only from
-/// `from`). Keys and versions are compared first (keys only: small), and only a walk that
+/// Makes `node` hold the keys of `mask` exactly as `from` holds them (`source`: `from`'s
+/// keys and versions there), both being still (under a fence: `from` takes no client
+/// writes there, and `node` takes copies only from `from`). Keys and versions are compared first (keys only: small), and only a walk that
 /// finds what differs is made — from `since` (`from`'s clock as the last copy began) when
 /// everything that differs is that recent. Returns the copy, the deletions and the plan.
 fn reconcile(
     client: &Client,
     (from, node): (NodeId, NodeId),
     mask: &[bool],
+    source: &[KeyVersion],
     since: u64,
     deadline: Instant,
 ) -> Result<(Pass, u64, FinalCopy), MoverError> {
     let target = scan_present(client, node, mask, Some(deadline))?;
-    let source = scan_present(client, from, mask, Some(deadline))?;
-    let plan = final_copy(&source, &target, since);
+    let plan = final_copy(source, &target, since);
     let pass = match plan.since() {
         None => Pass::default(),
         Some(since) => copy_pass(
@@ -398,10 +400,19 @@ fn reconcile(
             Some(deadline),
         )?,
     };
-    let source_keys: BTreeSet<Vec<u8>> = source.into_iter().map(|kv| kv.key).collect();
+    let source_keys: BTreeSet<Vec<u8>> = source.iter().map(|kv| kv.key.clone()).collect();
     let gone = deletions(&source_keys, &target);
     apply_deletions(client, node, &gone)?;
     Ok((pass, gone.len() as u64, plan))
+}
+
+/// The keys of `keys` in the partitions `mask` marks (a flag per partition of the map).
+fn within(keys: &[KeyVersion], mask: &[bool]) -> Vec<KeyVersion> {
+    let partitions = mask.len() as u32;
+    keys.iter()
+        .filter(|kv| mask[camelot_proto::partition_of(&kv.key, partitions) as usize])
+        .cloned()
+        .collect()
 }
 
 /// Deletes each of `gone` on `node` by an APPLY of nothing at its version.
@@ -877,21 +888,43 @@ impl Mover {
                             .chain(members.iter().map(|(n, _)| *n))
                             .collect();
                         let last = raw_client(&map.map, &nodes).and_then(|client| {
+                            // `from`'s keys once; the members are reconciled side by side
+                            // (the fence lasts the slowest of them, not their sum).
+                            let source = scan_present(&client, rec.from, &mask, Some(deadline))?;
+                            let outcomes = std::thread::scope(|s| {
+                                let running: Vec<_> = members
+                                    .iter()
+                                    .map(|(node, node_mask)| {
+                                        let (client, source) = (&client, &source);
+                                        let worker = s.spawn(move || {
+                                            let source = within(source, node_mask);
+                                            reconcile(
+                                                client,
+                                                (rec.from, *node),
+                                                node_mask,
+                                                &source,
+                                                copied_since,
+                                                deadline,
+                                            )
+                                        });
+                                        (*node, worker)
+                                    })
+                                    .collect();
+                                running
+                                    .into_iter()
+                                    .map(|(node, worker)| {
+                                        (node, worker.join().unwrap_or(Err(MoverError::Worker)))
+                                    })
+                                    .collect::<Vec<_>>()
+                            });
                             let mut total = (Pass::default(), 0u64, Vec::new());
-                            for (node, node_mask) in &members {
-                                let done = reconcile(
-                                    &client,
-                                    (rec.from, *node),
-                                    node_mask,
-                                    copied_since,
-                                    deadline,
-                                );
+                            for (node, done) in outcomes {
                                 let (pass, deleted, plan) = match done {
                                     Ok(d) => d,
                                     // A backup other than `to` that cannot be reached is
                                     // dead or cut off: the failover's business, not a
                                     // reason to undo the move.
-                                    Err(e @ MoverError::Client { .. }) if *node != rec.to => {
+                                    Err(e @ MoverError::Client { .. }) if node != rec.to => {
                                         total.2.push(format!("node {node}: skipped ({e})"));
                                         continue;
                                     }
