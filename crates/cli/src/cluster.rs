@@ -10,7 +10,9 @@ use anyhow::Context;
 use anyhow::{bail, Result};
 #[cfg(feature = "etcd")]
 use camelot_cluster::etcd::{EtcdCluster, Registration};
-use camelot_cluster::{ClusterMap, Node, LEASE_TTL_DEFAULT, PARTITIONS_DEFAULT, PREFIX_DEFAULT};
+use camelot_cluster::{
+    ClusterMap, Node, NodeId, LEASE_TTL_DEFAULT, PARTITIONS_DEFAULT, PREFIX_DEFAULT,
+};
 use camelot_server::ServerHandle;
 use clap::{Args, Subcommand};
 
@@ -1025,15 +1027,21 @@ async fn plan(a: SourceArgs) -> Result<()> {
     );
     let before = map.slots_per_node();
     let after = planned.slots_per_node();
+    let leads = |m: &ClusterMap, id: NodeId| m.primaries_of(id).iter().filter(|p| **p).count();
     for (id, count) in &after {
         println!(
-            "  node {id}: {} → {count}",
-            before.get(id).copied().unwrap_or(0)
+            "  node {id}: {} → {count} replicas, leading {} → {}",
+            before.get(id).copied().unwrap_or(0),
+            leads(&map, *id),
+            leads(&planned, *id)
         );
     }
     for (id, count) in &before {
         if !after.contains_key(id) {
-            println!("  node {id}: {count} → 0 (gone)");
+            println!(
+                "  node {id}: {count} → 0 replicas, leading {} → 0 (gone)",
+                leads(&map, *id)
+            );
         }
     }
     Ok(())

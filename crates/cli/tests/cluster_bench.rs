@@ -202,6 +202,47 @@ fn cluster_percentiles_quick_measures_each_node_class_on_etcd() {
 }
 
 #[cfg(feature = "etcd")]
+/// With two replicas a partition, the primaries (which serve every read) stay spread:
+/// the new map leads half on each node, and the planner hands the new nodes their share of
+/// leaders through the moves themselves (a moved primary's slot is led by its new node).
+#[test]
+fn cluster_expand_quick_at_two_replicas_spreads_the_primaries() {
+    let dir = temp_dir("expand-r2");
+    let d = dir.to_str().expect("utf-8");
+    run(
+        &[
+            "bench",
+            "cluster",
+            "expand",
+            "--quick",
+            "--replication",
+            "2",
+            "--iperf3-seconds",
+            "0",
+            "--out",
+            d,
+        ],
+        &dir,
+    );
+    let json = result(&dir, "cluster-expand");
+    let config = &json["config"];
+    assert_eq!(config["replication"], 2);
+    assert_eq!(config["bad_reads"], 0, "{}", config["problems"]);
+    assert_eq!(config["records_missing_after"], 0);
+    let partitions = positive(&config["partitions"], "partitions");
+    let per_node = config["primaries_per_node_after"]
+        .as_array()
+        .expect("after");
+    assert_eq!(per_node.len(), 4);
+    for entry in per_node {
+        let led = entry[1].as_f64().expect("a count");
+        assert!(
+            (led - partitions / 4.0).abs() <= 1.0,
+            "primaries per node {per_node:?} for {partitions} partitions"
+        );
+    }
+}
+
 #[test]
 fn cluster_expand_quick_grows_to_four_nodes_and_loses_nothing() {
     let dir = temp_dir("expand");

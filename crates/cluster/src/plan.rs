@@ -182,14 +182,38 @@ pub fn plan(map: &ClusterMap) -> Result<Plan, PlanError> {
         }
     }
 
-    let counts = target_counts(&shares, &held, slots, u64::from(p));
+    // Leaders. A kept primary goes on leading: changing it would need a fenced hand-over.
+    // Where a primary's slot moves, the joining member takes its place (the mover puts
+    // `to` where `from` was), so leaders are balanced by choosing which slot of a node to
+    // drop and which joining member pairs with a lost primary. A node leads while the old
+    // primary is kept ("pinned").
+    let leaders = LeaderShares::new(map, &live);
+    let pinned = |part: usize, kept: &[NodeId]| {
+        !kept.is_empty() && map.assignment[part].first() == kept.first()
+    };
+    let mut leads = vec![0u64; map.nodes.len()];
+    for (part, kept) in target.iter().enumerate() {
+        if pinned(part, kept) {
+            leads[live[&kept[0]]] += 1;
+        }
+    }
+    let lead_counts = leaders.counts(&leads);
+    // A node sheds a primary only by giving up that slot: among nodes equally far above
+    // their slot share, lower first the ones leading more than their count.
+    let sheds: Vec<u64> = leads
+        .iter()
+        .zip(&lead_counts)
+        .map(|(l, c)| l.saturating_sub(*c))
+        .collect();
+    let counts = target_counts(&shares, &held, &sheds, slots, u64::from(p));
 
     // Drop replicas from nodes over their count. In passes: pass k takes a replica only
     // from partitions already short by at most k, so the holes spread over as many
     // partitions as possible — a partition short of two replicas needs two distinct
     // receivers, and a new node alone can fill only one. Within a pass, from the highest
-    // partition down (deterministic). A dropped primary's first backup becomes primary:
-    // it already has the data.
+    // partition down (deterministic), one replica a partition, in three sweeps: primaries
+    // of nodes leading more than their share first, then backups, then whatever is left
+    // (a dropped primary's partition is led by the member that replaces it).
     let mut excess: Vec<u64> = held
         .iter()
         .zip(&counts)
@@ -199,13 +223,35 @@ pub fn plan(map: &ClusterMap) -> Result<Plan, PlanError> {
         if excess.iter().all(|e| *e == 0) {
             break;
         }
-        for kept in target.iter_mut().rev() {
-            if r - kept.len() > short_max {
-                continue;
-            }
-            if let Some(pos) = kept.iter().position(|id| excess[live[id]] > 0) {
-                excess[live[&kept[pos]]] -= 1;
-                kept.remove(pos);
+        let mut dropped = vec![false; target.len()];
+        for sweep in [Sweep::LeadingPrimaries, Sweep::Backups, Sweep::Any] {
+            for part in (0..target.len()).rev() {
+                let kept = &target[part];
+                if dropped[part] || r - kept.len() > short_max {
+                    continue;
+                }
+                let over = |id: &NodeId| excess[live[id]] > 0;
+                let pos = match sweep {
+                    Sweep::LeadingPrimaries => kept
+                        .first()
+                        .filter(|id| {
+                            over(id)
+                                && pinned(part, kept)
+                                && leads[live[*id]] > lead_counts[live[*id]]
+                        })
+                        .map(|_| 0),
+                    Sweep::Backups => kept.iter().skip(1).position(over).map(|i| i + 1),
+                    Sweep::Any => kept.iter().position(over),
+                };
+                if let Some(pos) = pos {
+                    let i = live[&kept[pos]];
+                    if pos == 0 && pinned(part, kept) {
+                        leads[i] -= 1;
+                    }
+                    excess[i] -= 1;
+                    target[part].remove(pos);
+                    dropped[part] = true;
+                }
             }
         }
     }
@@ -221,13 +267,32 @@ pub fn plan(map: &ClusterMap) -> Result<Plan, PlanError> {
     // path exists does a kept replica give way.
     let mut fresh: Vec<Vec<NodeId>> = vec![Vec::new(); target.len()];
     let mut forced_extra = 0;
+    // A partition whose primary is lost gets its first joining member by leadership (it
+    // will lead): the needy node leading least against its share.
+    let mut fill_leads = leads.clone();
     for part in 0..target.len() {
         while target[part].len() < r {
-            let best = (0..map.nodes.len())
-                .filter(|i| need[*i] > 0 && !target[part].contains(&map.nodes[*i].id))
-                .max_by_key(|i| (need[*i], std::cmp::Reverse(*i)));
+            let old = &map.assignment[part];
+            let leads_here = !old.first().is_some_and(|o| target[part].contains(o))
+                && target[part].iter().all(|id| old.contains(id));
+            let candidates = (0..map.nodes.len())
+                .filter(|i| need[*i] > 0 && !target[part].contains(&map.nodes[*i].id));
+            let best = if leads_here {
+                candidates.min_by_key(|i| {
+                    (
+                        leaders.above(*i, fill_leads[*i]),
+                        std::cmp::Reverse(need[*i]),
+                        *i,
+                    )
+                })
+            } else {
+                candidates.max_by_key(|i| (need[*i], std::cmp::Reverse(*i)))
+            };
             match best {
                 Some(i) => {
+                    if leads_here {
+                        fill_leads[i] += 1;
+                    }
                     target[part].push(map.nodes[i].id);
                     fresh[part].push(map.nodes[i].id);
                     need[i] -= 1;
@@ -242,12 +307,200 @@ pub fn plan(map: &ClusterMap) -> Result<Plan, PlanError> {
         }
     }
 
+    // Order each set: a pinned primary first; else one of its joining members, which
+    // pairs with the lost primary in `diff`. Which one: greedily the one leading least
+    // against its share, partitions with fewer choices first, then single swaps between
+    // free partitions while one lowers the spread.
+    let mut free: Vec<(usize, Vec<NodeId>)> = Vec::new();
+    for (part, members) in target.iter_mut().enumerate() {
+        let old = &map.assignment[part];
+        if let Some(o) = old.first().copied().filter(|o| members.contains(o)) {
+            members.retain(|id| *id != o);
+            members.insert(0, o);
+        } else {
+            let joining: Vec<NodeId> = members
+                .iter()
+                .copied()
+                .filter(|id| !old.contains(id))
+                .collect();
+            if !joining.is_empty() {
+                free.push((part, joining));
+            }
+        }
+    }
+    free.sort_by_key(|(part, joining)| (joining.len(), *part));
+    let mut chosen: Vec<NodeId> = Vec::with_capacity(free.len());
+    for (_, joining) in &free {
+        let lead = joining
+            .iter()
+            .copied()
+            .min_by_key(|id| (leaders.above(live[id], leads[live[id]]), *id))
+            .unwrap_or_default();
+        leads[live[&lead]] += 1;
+        chosen.push(lead);
+    }
+    let led_by: BTreeMap<usize, usize> =
+        free.iter().enumerate().map(|(k, (p, _))| (*p, k)).collect();
+    for _ in 0..LEADER_SWAPS_MAX {
+        let Some(swap) = leader_swap(
+            map,
+            &target,
+            &free,
+            &chosen,
+            &led_by,
+            &live,
+            &leads,
+            &lead_counts,
+        ) else {
+            break;
+        };
+        let (k, y, other) = swap;
+        let (a, x) = (free[k].0, chosen[k]);
+        if let Some(b) = other {
+            // Trade the two joining members between the partitions: same copies.
+            for id in target[a].iter_mut().filter(|id| **id == x) {
+                *id = y;
+            }
+            for id in target[b].iter_mut().filter(|id| **id == y) {
+                *id = x;
+            }
+            for (part, joining) in free.iter_mut() {
+                let (from, to) = if *part == a {
+                    (x, y)
+                } else if *part == b {
+                    (y, x)
+                } else {
+                    continue;
+                };
+                for id in joining.iter_mut().filter(|id| **id == from) {
+                    *id = to;
+                }
+            }
+        }
+        leads[live[&x]] -= 1;
+        leads[live[&y]] += 1;
+        chosen[k] = y;
+    }
+    for ((part, _), lead) in free.iter().zip(chosen) {
+        let members = &mut target[*part];
+        members.retain(|id| *id != lead);
+        members.insert(0, lead);
+    }
+
     let moves = diff(&map.assignment, &target);
     Ok(Plan {
         target,
         moves,
         forced_extra,
     })
+}
+
+/// One step toward balanced leaders: a free partition (index `k` into `free`) led by a
+/// node above its count, and `y`, a node below its count, to lead it instead — `y`
+/// already joining it (`None`), or joining partition `b` (`Some(b)`), where the two trade
+/// places. Only joining members trade, so no copy is added.
+#[allow(clippy::too_many_arguments)]
+fn leader_swap(
+    map: &ClusterMap,
+    target: &[Vec<NodeId>],
+    free: &[(usize, Vec<NodeId>)],
+    chosen: &[NodeId],
+    led_by: &BTreeMap<usize, usize>,
+    live: &BTreeMap<NodeId, usize>,
+    leads: &[u64],
+    counts: &[u64],
+) -> Option<(usize, NodeId, Option<usize>)> {
+    let under = |id: &NodeId| leads[live[id]] < counts[live[id]];
+    free.iter().enumerate().find_map(|(k, (a, joining))| {
+        let x = chosen[k];
+        if leads[live[&x]] <= counts[live[&x]] {
+            return None;
+        }
+        if let Some(y) = joining.iter().find(|y| under(y)) {
+            return Some((k, *y, None));
+        }
+        target.iter().enumerate().find_map(|(b, members)| {
+            if b == *a || members.contains(&x) {
+                return None;
+            }
+            let old = &map.assignment[b];
+            members
+                .iter()
+                .find(|y| {
+                    under(y)
+                        && !old.contains(y)
+                        && !target[*a].contains(y)
+                        && led_by.get(&b).is_none_or(|kb| chosen[*kb] != **y)
+                })
+                .map(|y| (k, *y, Some(b)))
+        })
+    })
+}
+
+/// Bound on the leader-balancing swaps of one plan (each moves one leader one step
+/// toward balance, so P suffices).
+const LEADER_SWAPS_MAX: usize = crate::map::PARTITIONS_MAX as usize;
+
+#[derive(Clone, Copy)]
+enum Sweep {
+    LeadingPrimaries,
+    Backups,
+    Any,
+}
+
+/// Each live node's share of the P leaders, `P·w / Σw` (no cap: a node can lead every
+/// partition).
+struct LeaderShares {
+    partitions: u128,
+    weights: Vec<u128>,
+    total: u128,
+}
+
+impl LeaderShares {
+    fn new(map: &ClusterMap, live: &BTreeMap<NodeId, usize>) -> Self {
+        let weights: Vec<u128> = map
+            .nodes
+            .iter()
+            .map(|n| {
+                if live.contains_key(&n.id) {
+                    u128::from(n.weight)
+                } else {
+                    0
+                }
+            })
+            .collect();
+        LeaderShares {
+            partitions: u128::from(map.partitions()),
+            total: weights.iter().sum::<u128>().max(1),
+            weights,
+        }
+    }
+
+    /// Leader counts within 1 of every share, summing to P: the floors, and one more for
+    /// the nodes with the largest remainders, the ones leading most now first (fewer
+    /// primaries to give up). A node leading more than its count sheds down to it.
+    fn counts(&self, leads: &[u64]) -> Vec<u64> {
+        let mut t: Vec<u64> = self
+            .weights
+            .iter()
+            .map(|w| (self.partitions * w / self.total) as u64)
+            .collect();
+        let left = (self.partitions as u64).saturating_sub(t.iter().sum());
+        let mut order: Vec<usize> = (0..t.len()).filter(|i| self.weights[*i] > 0).collect();
+        order.sort_by_key(|i| {
+            let rem = self.partitions * self.weights[*i] % self.total;
+            (std::cmp::Reverse(rem), std::cmp::Reverse(leads[*i]), *i)
+        });
+        for i in order.into_iter().take(left as usize) {
+            t[i] += 1;
+        }
+        t
+    }
+
+    /// How far `leads` is above node `i`'s share, times Σw.
+    fn above(&self, i: usize, leads: u64) -> i128 {
+        (u128::from(leads) * self.total) as i128 - (self.partitions * self.weights[i]) as i128
+    }
 }
 
 /// Breadth-first from `start` (a partition with a hole every needy node already fills):
@@ -333,7 +586,7 @@ fn swap_in(
 /// if the sum is over, lower nodes (each unit costs one move whichever node it is, so take
 /// the ones furthest above their share); if under, raise nodes (free: a raised node only
 /// receives), the ones furthest below their share first.
-fn target_counts(shares: &[Share], held: &[u64], slots: u64, cap: u64) -> Vec<u64> {
+fn target_counts(shares: &[Share], held: &[u64], sheds: &[u64], slots: u64, cap: u64) -> Vec<u64> {
     let bounds: Vec<(u64, u64)> = shares.iter().map(|s| s.bounds(cap)).collect();
     let mut t: Vec<u64> = held
         .iter()
@@ -350,7 +603,7 @@ fn target_counts(shares: &[Share], held: &[u64], slots: u64, cap: u64) -> Vec<u6
     while sum > slots {
         let Some(i) = (0..t.len())
             .filter(|i| t[*i] > bounds[*i].0)
-            .max_by_key(|i| (above(*i, t[*i]), std::cmp::Reverse(*i)))
+            .max_by_key(|i| (above(*i, t[*i]), sheds[*i], std::cmp::Reverse(*i)))
         else {
             break;
         };
@@ -630,6 +883,57 @@ mod tests {
                 eprintln!("replans: {runs} runs, {} with swaps, {} above the bound",
                     FORCED.load(std::sync::atomic::Ordering::Relaxed),
                     EXTRA.load(std::sync::atomic::Ordering::Relaxed));
+            }
+        }
+
+        /// A new map of equal weights: every node leads within ±1 of P/N.
+        #[test]
+        fn initial_maps_spread_leaders(n in 1u32..=8, p in 1u32..=2048, r in 1u32..=3) {
+            prop_assume!(n >= r);
+            let m = ClusterMap::initial((0..n).map(|i| node(i, 1)).collect(), p, r).unwrap();
+            let share = f64::from(p) / f64::from(n);
+            for i in 0..n {
+                let led = m.primaries_of(i).iter().filter(|x| **x).count() as f64;
+                prop_assert!((led - share).abs() <= 1.0, "node {} leads {} of {}, share {}", i, led, p, share);
+            }
+        }
+
+        /// Growing a cluster of equal weights by one or two nodes: the plan's moves, run
+        /// the way the mover runs them (`to` takes `from`'s place in the set), give the
+        /// plan's own target, primaries included, and every node then leads within ±1 of
+        /// P/N (±2 below 64 partitions).
+        #[test]
+        fn growing_keeps_leaders_balanced(n in 1u32..=7, p in 1u32..=2048, r in 1u32..=3, added in 1u32..=2) {
+            prop_assume!(n >= r);
+            let before = ClusterMap::initial((0..n).map(|i| node(i, 1)).collect(), p, r).unwrap();
+            let mut grown = before.clone();
+            for i in 0..added {
+                grown.nodes.push(node(n + i, 1));
+            }
+            let plan = plan(&grown).unwrap();
+            let mut run = before.assignment.clone();
+            for mv in &plan.moves {
+                let set = &mut run[mv.partition as usize];
+                match mv.from.and_then(|f| set.iter().position(|x| *x == f)) {
+                    Some(i) => set[i] = mv.to,
+                    None => set.push(mv.to),
+                }
+            }
+            for (part, (ran, planned)) in run.iter().zip(&plan.target).enumerate() {
+                prop_assert_eq!(ran.first(), planned.first(), "partition {}", part);
+                let mut a = ran.clone();
+                let mut b = planned.clone();
+                a.sort_unstable();
+                b.sort_unstable();
+                prop_assert_eq!(a, b);
+            }
+            // With a handful of partitions a node, the partitions where a node could give
+            // up a primary may all be taken by other nodes' drops in the same pass: ±2.
+            let slack = if p >= 64 { 1.0 } else { 2.0 };
+            let share = f64::from(p) / f64::from(n + added);
+            for i in 0..n + added {
+                let led = run.iter().filter(|s| s.first() == Some(&i)).count() as f64;
+                prop_assert!((led - share).abs() <= slack, "node {} leads {} of {}, share {}", i, led, p, share);
             }
         }
 
