@@ -375,19 +375,19 @@ fn scan_keys(
 }
 
 /// Makes `node` hold the keys of `mask` exactly as `from` holds them (`source`: `from`'s
-/// keys and versions there), both being still (under a fence: `from` takes no client
-/// writes there, and `node` takes copies only from `from`). Keys and versions are compared first (keys only: small), and only a walk that
-/// finds what differs is made — from `since` (`from`'s clock as the last copy began) when
-/// everything that differs is that recent. Returns the copy, the deletions and the plan.
+/// keys and versions there; `target`: `node`'s), both being still (under a fence: `from`
+/// takes no client writes there, and `node` takes copies only from `from`). Keys and
+/// versions are compared first (keys only: small), and only a walk that finds what differs
+/// is made — from `since` (`from`'s clock as the last copy began) when everything that
+/// differs is that recent. Returns the copy, the deletions and the plan.
 fn reconcile(
     client: &Client,
     (from, node): (NodeId, NodeId),
     mask: &[bool],
-    source: &[KeyVersion],
+    (source, target): (&[KeyVersion], Vec<KeyVersion>),
     since: u64,
     deadline: Instant,
 ) -> Result<(Pass, u64, FinalCopy), MoverError> {
-    let target = scan_present(client, node, mask, Some(deadline))?;
     let plan = final_copy(source, &target, since);
     let pass = match plan.since() {
         None => Pass::default(),
@@ -830,6 +830,7 @@ impl Mover {
                     let started = *fence_started.get_or_insert_with(Instant::now);
                     let deadline = started + FENCE_MAX;
                     let client = raw_client(&map.map, &[rec.from, rec.to])?;
+                    let mut phases = Vec::new();
                     // `from` dead (SIGKILLed under the fence): roll back, lifting the fence
                     // at once; a failover then deals with its partitions.
                     let mut done = match wait_epoch(&client, rec.from, fence_epoch, deadline) {
@@ -843,6 +844,7 @@ impl Mover {
                         }
                         Err(e) => return Err(e),
                     };
+                    phases.push(("epoch installed", started.elapsed()));
                     // A replicated move reconciles only the fenced partitions (`from`
                     // leads them), against what `to` holds: it has had every write since
                     // it joined, so only what differs is sent.
@@ -888,13 +890,33 @@ impl Mover {
                             .chain(members.iter().map(|(n, _)| *n))
                             .collect();
                         let last = raw_client(&map.map, &nodes).and_then(|client| {
-                            // `from`'s keys once; the members are reconciled side by side
-                            // (the fence lasts the slowest of them, not their sum).
-                            let source = scan_present(&client, rec.from, &mask, Some(deadline))?;
+                            // Every key scan at once — `from`'s and each member's — then
+                            // the members reconciled side by side: the fence lasts the
+                            // slowest scan and the slowest member, not their sum.
+                            let (source, targets) = std::thread::scope(|s| {
+                                let scans: Vec<_> = members
+                                    .iter()
+                                    .map(|(node, node_mask)| {
+                                        let client = &client;
+                                        s.spawn(move || {
+                                            scan_present(client, *node, node_mask, Some(deadline))
+                                        })
+                                    })
+                                    .collect();
+                                let source = scan_present(&client, rec.from, &mask, Some(deadline));
+                                let targets: Vec<_> = scans
+                                    .into_iter()
+                                    .map(|w| w.join().unwrap_or(Err(MoverError::Worker)))
+                                    .collect();
+                                (source, targets)
+                            });
+                            let source = source?;
+                            phases.push(("keys scanned", started.elapsed()));
                             let outcomes = std::thread::scope(|s| {
                                 let running: Vec<_> = members
                                     .iter()
-                                    .map(|(node, node_mask)| {
+                                    .zip(targets)
+                                    .map(|((node, node_mask), target)| {
                                         let (client, source) = (&client, &source);
                                         let worker = s.spawn(move || {
                                             let source = within(source, node_mask);
@@ -902,7 +924,7 @@ impl Mover {
                                                 client,
                                                 (rec.from, *node),
                                                 node_mask,
-                                                &source,
+                                                (&source, target?),
                                                 copied_since,
                                                 deadline,
                                             )
@@ -940,6 +962,14 @@ impl Mover {
                         });
                         match last {
                             Ok((pass, deleted, plan)) => {
+                                phases.push(("members reconciled", started.elapsed()));
+                                let phases: Vec<String> = phases
+                                    .iter()
+                                    .map(|(what, at)| {
+                                        format!("{what} at {:.1} ms", at.as_secs_f64() * 1e3)
+                                    })
+                                    .collect();
+                                let plan = format!("{plan}; {}", phases.join(", "));
                                 report.keys_copied += pass.keys;
                                 report.bytes_copied += pass.bytes;
                                 report.bytes_scanned += pass.scanned;
