@@ -488,3 +488,57 @@ fn the_final_pass_brings_the_staying_backups_to_the_old_primarys_state() {
         "the staying backup differs from the new primary\n{said}"
     );
 }
+
+/// A backup that stays in the moved partitions' sets is SIGKILLed while the mover holds
+/// after its fill: the final pass under the fence cannot reach it, skips it (a dead
+/// member is the failover's business, not a reason to undo the move) and the move
+/// switches; a controller started afterwards fails the dead node over and re-replicates,
+/// and no acknowledged write is lost.
+#[test]
+fn a_staying_backup_sigkilled_before_the_final_pass_is_skipped_and_nothing_is_lost() {
+    let (mut c, _) = three_nodes();
+    let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, WAIT_MAX);
+    writers.progress(1_000);
+    c.add_node(3);
+    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
+    c.rt.block_on(c.etcd.update_map(3, move |cur| {
+        let mut next = cur.cloned().unwrap();
+        next.nodes = live.clone();
+        Ok(next)
+    }))
+    .unwrap();
+    let m = c.map();
+    // Partitions node 0 leads with node 1 as the backup that stays.
+    let moved: Vec<String> = (0..PARTITIONS)
+        .filter(|p| m.replicas(*p) == [0, 1])
+        .map(|p| p.to_string())
+        .collect();
+    assert!(!moved.is_empty(), "no partition led by 0 and backed by 1");
+    let mut args = vec!["move", "--from", "0", "--to", "3"];
+    args.extend(moved.iter().map(String::as_str));
+    args.extend(["--hold-at", "copied", "--hold-ms", "3000"]);
+    let mut mover = Tool::start(&c, &args);
+    mover.wait_line("holding at copied");
+    c.servers[1].process_mut().kill().unwrap();
+    c.addrs.remove(1);
+    let (status, said) = mover.finish();
+    assert!(status.success(), "cluster move: {status}\n{said}");
+    assert!(said.contains("node 1: skipped"), "{said}");
+    assert!(said.contains("switched at epoch"), "{said}");
+    let after = c.map();
+    for p in &moved {
+        let p: u32 = p.parse().unwrap();
+        assert_eq!(after.primary(p), Some(3), "partition {p}: {said}");
+    }
+    let ctl = ControllerProc::start(&c.endpoint, "ctl", &[]);
+    ctl.wait_line("leader", WAIT_MAX);
+    wait_for("node 1 failed over and R restored", WAIT_MAX, || {
+        let m = c.map();
+        m.syncing.is_empty()
+            && m.node(1).is_none()
+            && (0..PARTITIONS).all(|p| m.replicas(p).len() == REPLICATION as usize)
+    });
+    writers.progress(500);
+    let said = format!("{said}\ncontroller:\n{}", ctl.output());
+    assert_none_lost(&writers.stop_and_check(&c), &said);
+}

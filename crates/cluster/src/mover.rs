@@ -320,17 +320,11 @@ fn copy_pass(
     Ok(pass)
 }
 
-/// Deletes on `node` the moving keys `keep` does not name, each by an APPLY one version
-/// above the node's. Returns how many.
-fn delete_moving(
-    client: &Client,
-    node: NodeId,
-    mask: &[bool],
-    keep: &BTreeSet<Vec<u8>>,
-    deadline: Option<Instant>,
-) -> Result<u64, MoverError> {
-    let present = scan_present(client, node, mask, deadline)?;
-    let gone = deletions(keep, &present);
+/// Deletes on `node` every key it holds in the partitions of `mask` (the old owner's
+/// cleanup), each by an APPLY one version above the node's. Returns how many.
+fn delete_all_moving(client: &Client, node: NodeId, mask: &[bool]) -> Result<u64, MoverError> {
+    let present = scan_present(client, node, mask, None)?;
+    let gone = deletions(&BTreeSet::new(), &present);
     apply_deletions(client, node, &gone)?;
     Ok(gone.len() as u64)
 }
@@ -354,24 +348,6 @@ fn scan_present(
         Ok(())
     })?;
     Ok(present)
-}
-
-/// The keys `node` holds in the partitions of `mask`.
-fn scan_keys(
-    client: &Client,
-    node: NodeId,
-    mask: &[bool],
-    deadline: Option<Instant>,
-) -> Result<BTreeSet<Vec<u8>>, MoverError> {
-    let mut keys = BTreeSet::new();
-    scan_moving(client, node, Walk::keys(mask), deadline, |items| {
-        if keys.len() + items.len() > MOVE_KEYS_MAX {
-            return Err(MoveError::TooManyKeys.into());
-        }
-        keys.extend(items.into_iter().map(|i| i.key.to_vec()));
-        Ok(())
-    })?;
-    Ok(keys)
 }
 
 /// Makes `node` hold the keys of `mask` exactly as `from` holds them (`source`: `from`'s
@@ -504,7 +480,10 @@ pub fn fill_replica(
     let mut log = CopyLog::default();
     let pass = copy_pass(&client, (from, to), &mask, 0, &mut log, None)?;
     let present = scan_present(&client, to, &mask, None)?;
-    let source_keys = scan_keys(&client, from, &mask, None)?;
+    let source_keys: BTreeSet<Vec<u8>> = scan_present(&client, from, &mask, None)?
+        .into_iter()
+        .map(|kv| kv.key)
+        .collect();
     let gone = deletions(&source_keys, &present);
     apply_deletions(&client, to, &gone)?;
     Ok(FillReport {
@@ -886,10 +865,18 @@ impl Mover {
                                 }
                             }
                         }
-                        let nodes: Vec<NodeId> = std::iter::once(rec.from)
-                            .chain(members.iter().map(|(n, _)| *n))
-                            .collect();
-                        let last = raw_client(&map.map, &nodes).and_then(|client| {
+                        // A client per member (each with `from`, to copy from it), made
+                        // in the member's own worker: a member that cannot be reached
+                        // fails only its own reconcile, never the whole pass.
+                        let member_client = |node: NodeId| {
+                            raw_client(&map.map, &[rec.from, node]).map_err(|e| match e {
+                                MoverError::Client { source, .. } => {
+                                    MoverError::Client { node, source }
+                                }
+                                e => e,
+                            })
+                        };
+                        let last = raw_client(&map.map, &[rec.from]).and_then(|client| {
                             // Every key scan at once — `from`'s and each member's — then
                             // the members reconciled side by side: the fence lasts the
                             // slowest scan and the slowest member, not their sum.
@@ -897,14 +884,21 @@ impl Mover {
                                 let scans: Vec<_> = members
                                     .iter()
                                     .map(|(node, node_mask)| {
-                                        let client = &client;
+                                        let member_client = &member_client;
                                         s.spawn(move || {
-                                            scan_present(client, *node, node_mask, Some(deadline))
+                                            let client = member_client(*node)?;
+                                            let target = scan_present(
+                                                &client,
+                                                *node,
+                                                node_mask,
+                                                Some(deadline),
+                                            )?;
+                                            Ok((client, target))
                                         })
                                     })
                                     .collect();
                                 let source = scan_present(&client, rec.from, &mask, Some(deadline));
-                                let targets: Vec<_> = scans
+                                let targets: Vec<Result<_, MoverError>> = scans
                                     .into_iter()
                                     .map(|w| w.join().unwrap_or(Err(MoverError::Worker)))
                                     .collect();
@@ -916,15 +910,16 @@ impl Mover {
                                 let running: Vec<_> = members
                                     .iter()
                                     .zip(targets)
-                                    .map(|((node, node_mask), target)| {
-                                        let (client, source) = (&client, &source);
+                                    .map(|((node, node_mask), scanned)| {
+                                        let source = &source;
                                         let worker = s.spawn(move || {
+                                            let (client, target) = scanned?;
                                             let source = within(source, node_mask);
                                             reconcile(
-                                                client,
+                                                &client,
                                                 (rec.from, *node),
                                                 node_mask,
-                                                (&source, target?),
+                                                (&source, target),
                                                 copied_since,
                                                 deadline,
                                             )
@@ -978,9 +973,17 @@ impl Mover {
                                     pass.keys
                                 ));
                                 done = Instant::now() < deadline;
+                                if !done {
+                                    self.say(format!(
+                                        "the final pass overran the fence limit ({} ms)",
+                                        FENCE_MAX.as_millis()
+                                    ));
+                                }
                             }
-                            // Overran, or a node died: the fence goes, the move rolls back.
-                            Err(MoverError::FenceOverrun | MoverError::Client { .. }) => {
+                            // Overran, or `from` or `to` is unreachable: the fence goes,
+                            // the move rolls back.
+                            Err(e @ (MoverError::FenceOverrun | MoverError::Client { .. })) => {
+                                self.say(format!("final pass failed: {e}"));
                                 done = false
                             }
                             Err(e) => return Err(e),
@@ -992,7 +995,7 @@ impl Mover {
                         (Some(m), r, "switched")
                     } else {
                         let (m, r) = abort(&map.map, &rec)?;
-                        (m, r, "fence overran its limit: rolled back")
+                        (m, r, "rolled back")
                     };
                     if self.commit(Some((&map, next.as_ref())), Some(rev), Some(&next_rec))? {
                         let fence_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -1038,15 +1041,7 @@ impl Mover {
                             let cleaned = wait_epoch(&client, node, after_epoch, deadline)
                                 .and_then(|reached| {
                                     reached
-                                        .then(|| {
-                                            delete_moving(
-                                                &client,
-                                                node,
-                                                &mask,
-                                                &BTreeSet::new(),
-                                                None,
-                                            )
-                                        })
+                                        .then(|| delete_all_moving(&client, node, &mask))
                                         .transpose()
                                 });
                             match cleaned {
