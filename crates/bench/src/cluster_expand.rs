@@ -486,6 +486,14 @@ mod with_etcd {
                 "latency_us_max".into(),
                 json!(b.latency_ns_max as f64 / 1e3),
             );
+            p.extra.insert(
+                "read_call_us_max".into(),
+                json!(b.read_call_ns_max as f64 / 1e3),
+            );
+            p.extra.insert(
+                "write_call_us_max".into(),
+                json!(b.write_call_ns_max as f64 / 1e3),
+            );
             p.extra
                 .insert("complete".into(), json!((i + 1) as f64 <= end_secs));
             throughput.points.push(p);

@@ -117,6 +117,10 @@ pub struct Bucket {
     pub failed: u64,
     pub bad_reads: u64,
     pub latency_ns_max: u64,
+    /// The longest single GET and PUT call, from when it was made (not when it was due:
+    /// a thread held up earlier makes its next calls late, not slow).
+    pub read_call_ns_max: u64,
+    pub write_call_ns_max: u64,
 }
 
 /// What the threads measured, merged.
@@ -181,6 +185,8 @@ impl Tally {
             mine.failed += theirs.failed;
             mine.bad_reads += theirs.bad_reads;
             mine.latency_ns_max = mine.latency_ns_max.max(theirs.latency_ns_max);
+            mine.read_call_ns_max = mine.read_call_ns_max.max(theirs.read_call_ns_max);
+            mine.write_call_ns_max = mine.write_call_ns_max.max(theirs.write_call_ns_max);
         }
         self.reads += other.reads;
         self.updates += other.updates;
@@ -275,6 +281,7 @@ pub fn run(
                             .node_for_key(key.as_bytes())
                             .map(|n| class_of(n).min(classes - 1))
                             .unwrap_or(0);
+                        let called = Instant::now();
                         let (failed, bad) = if read {
                             tally.reads += 1;
                             match client.get(key.as_bytes()) {
@@ -317,6 +324,15 @@ pub fn run(
                         b.failed += u64::from(failed);
                         b.bad_reads += u64::from(bad);
                         b.latency_ns_max = b.latency_ns_max.max(ns);
+                        let call_ns =
+                            u64::try_from(finished.saturating_duration_since(called).as_nanos())
+                                .unwrap_or(u64::MAX);
+                        let call_max = if read {
+                            &mut b.read_call_ns_max
+                        } else {
+                            &mut b.write_call_ns_max
+                        };
+                        *call_max = (*call_max).max(call_ns);
                         tally.failed += u64::from(failed);
                         tally.bad_reads += u64::from(bad);
                         if let (Some(d), Some(i)) = (due.as_mut(), interval) {
