@@ -126,6 +126,19 @@ fn slots_of(m: &ClusterMap, node: u32) -> usize {
     m.slots_per_node().get(&node).copied().unwrap_or(0)
 }
 
+/// Starts node `id` and puts every live node in the map (no partition yet):
+/// `cluster move` moves onto map nodes only (`rebalance` and controllers add joiners).
+fn add_node_to_map(c: &mut EtcdServers, id: u32) {
+    c.add_node(id);
+    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
+    c.rt.block_on(c.etcd.update_map(3, move |cur| {
+        let mut next = cur.cloned().unwrap();
+        next.nodes = live.clone();
+        Ok(next)
+    }))
+    .unwrap();
+}
+
 /// A `camelot cluster …` tool process whose output lines the test can wait for.
 struct Tool {
     child: Child,
@@ -283,15 +296,7 @@ fn a_replicated_move_whose_old_primary_is_sigkilled_mid_move_loses_no_acknowledg
     let (mut c, _) = three_nodes();
     let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, WAIT_MAX);
     writers.progress(1_000);
-    c.add_node(3);
-    // `cluster move` moves onto map nodes only (`rebalance` and controllers add joiners).
-    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
-    c.rt.block_on(c.etcd.update_map(3, move |cur| {
-        let mut next = cur.cloned().unwrap();
-        next.nodes = live.clone();
-        Ok(next)
-    }))
-    .unwrap();
+    add_node_to_map(&mut c, 3);
     let m = c.map();
     let led: Vec<String> = (0..PARTITIONS)
         .filter(|p| m.primary(*p) == Some(0))
@@ -417,14 +422,7 @@ fn the_final_pass_brings_the_staying_backups_to_the_old_primarys_state() {
     for k in &keys[..2] {
         writer.put(k.as_bytes(), Bytes::from(k.clone())).unwrap();
     }
-    c.add_node(3);
-    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
-    c.rt.block_on(c.etcd.update_map(3, move |cur| {
-        let mut next = cur.cloned().unwrap();
-        next.nodes = live.clone();
-        Ok(next)
-    }))
-    .unwrap();
+    add_node_to_map(&mut c, 3);
     let p_arg = p.to_string();
     let args = [
         "move",
@@ -499,14 +497,7 @@ fn a_staying_backup_sigkilled_before_the_final_pass_is_skipped_and_nothing_is_lo
     let (mut c, _) = three_nodes();
     let writers = Writers::start(&c, WRITERS, KEYS_PER_WRITER, WAIT_MAX);
     writers.progress(1_000);
-    c.add_node(3);
-    let live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
-    c.rt.block_on(c.etcd.update_map(3, move |cur| {
-        let mut next = cur.cloned().unwrap();
-        next.nodes = live.clone();
-        Ok(next)
-    }))
-    .unwrap();
+    add_node_to_map(&mut c, 3);
     let m = c.map();
     // Partitions node 0 leads with node 1 as the backup that stays.
     let moved: Vec<String> = (0..PARTITIONS)

@@ -160,6 +160,18 @@ fn region_info() -> impl Strategy<Value = RegionInfo> {
         })
 }
 
+/// Up to ten scanned items, as SCAN and SCAN_PARTITIONS answer them.
+fn items() -> impl Strategy<Value = Vec<Item>> {
+    proptest::collection::vec(
+        (blob(40), any::<u64>(), blob(100)).prop_map(|(key, version, value)| Item {
+            key,
+            version,
+            value,
+        }),
+        0..10,
+    )
+}
+
 fn error_reply() -> impl Strategy<Value = ErrorReply> {
     (1u16..40, ".{0,60}", any::<u64>())
         .prop_map(|(c, m, e)| ErrorReply::with_epoch(ErrorCode::from_u16(c), m, e))
@@ -176,32 +188,14 @@ fn reply() -> impl Strategy<Value = Reply> {
         proptest::collection::vec(("[a-z_]{1,20}", any::<u64>()), 0..10).prop_map(Reply::Stats),
         (any::<u64>(), blob(300)).prop_map(|(version, value)| Reply::Object { version, value }),
         any::<u64>().prop_map(Reply::Version),
-        proptest::collection::vec(
-            (blob(40), any::<u64>(), blob(100)).prop_map(|(key, version, value)| Item {
-                key,
-                version,
-                value
-            }),
-            0..10
-        )
-        .prop_map(Reply::Items),
-        (
-            proptest::collection::vec(
-                (blob(40), any::<u64>(), blob(100)).prop_map(|(key, version, value)| Item {
-                    key,
-                    version,
-                    value
-                }),
-                0..10
-            ),
-            proptest::option::of(blob(40)),
-            any::<u64>()
-        )
-            .prop_map(|(items, resume_after, version_clock)| Reply::Page(Page {
+        items().prop_map(Reply::Items),
+        (items(), proptest::option::of(blob(40)), any::<u64>()).prop_map(
+            |(items, resume_after, version_clock)| Reply::Page(Page {
                 items,
                 resume_after,
                 version_clock
-            })),
+            })
+        ),
     ]
 }
 

@@ -1058,28 +1058,17 @@ impl ObjectStore {
                 _ => None,
             })
         }));
-        let mut items = Vec::new();
-        let mut bytes = 0usize;
+        let mut page = ReplyItems::new(reply_bytes_max);
         for (k, (version, v)) in merged.take(limit) {
-            let item_bytes = ITEM_OVERHEAD_BYTES + k.len() + v.len();
-            if bytes + item_bytes > reply_bytes_max {
-                if items.is_empty() {
-                    return Err(err(
-                        ErrorCode::TooLarge,
-                        "the next object does not fit in this batch's response frame; \
-                         scan it in a smaller batch",
-                    ));
-                }
-                break;
-            }
-            bytes += item_bytes;
-            items.push(Item {
+            if !page.push(Item {
                 key: k.clone(),
                 version,
                 value: v.clone(),
-            });
+            })? {
+                break;
+            }
         }
-        Ok(items)
+        Ok(page.items)
     }
 
     /// One page of a cluster mover's walk (see `Op::ScanPartitions`): the string objects
@@ -1106,12 +1095,11 @@ impl ObjectStore {
             self.shards.iter().map(|s| s.read()).collect();
         let version_clock = self.clock.peek();
         let mut merged = KeyOrder::merge(guards.iter().map(|g| g.range_after(after)));
-        let mut items = Vec::new();
-        let mut bytes = 0usize;
+        let mut page = ReplyItems::new(reply_bytes_max);
         let mut examined = 0usize;
         let mut last: Option<&Bytes> = None;
         let done = loop {
-            if items.len() >= limit || examined >= SCAN_EXAMINE_MAX {
+            if page.items.len() >= limit || examined >= SCAN_EXAMINE_MAX {
                 break false;
             }
             let Some((k, e)) = merged.next() else {
@@ -1134,28 +1122,18 @@ impl ObjectStore {
                 } else {
                     v.clone()
                 };
-                let item_bytes = ITEM_OVERHEAD_BYTES + k.len() + value.len();
-                if bytes + item_bytes > reply_bytes_max {
-                    if items.is_empty() {
-                        return Err(err(
-                            ErrorCode::TooLarge,
-                            "the next object does not fit in this batch's response frame; \
-                             scan it in a smaller batch",
-                        ));
-                    }
-                    break false;
-                }
-                bytes += item_bytes;
-                items.push(Item {
+                if !page.push(Item {
                     key: k.clone(),
                     version: e.version,
                     value,
-                });
+                })? {
+                    break false;
+                }
             }
             last = Some(k);
         };
         Ok(Page {
-            items,
+            items: page.items,
             // Past the end; or past the last key examined *whole* (not one cut off).
             resume_after: if done { None } else { last.cloned() },
             version_clock,
@@ -1287,6 +1265,43 @@ impl ObjectStore {
 impl Drop for ObjectStore {
     fn drop(&mut self) {
         self.budget.uncharge(*self.charged_bytes.get_mut());
+    }
+}
+
+/// The items of one SCAN or SCAN_PARTITIONS answer, kept within the bytes its frame has
+/// room for.
+struct ReplyItems {
+    items: Vec<Item>,
+    bytes: usize,
+    bytes_max: usize,
+}
+
+impl ReplyItems {
+    fn new(bytes_max: usize) -> Self {
+        ReplyItems {
+            items: Vec::new(),
+            bytes: 0,
+            bytes_max,
+        }
+    }
+
+    /// Adds `item` if it fits: false when it does not (the answer is full), TOO_LARGE when
+    /// not even the first item fits (no page could ever carry it).
+    fn push(&mut self, item: Item) -> Result<bool, ErrorReply> {
+        let item_bytes = ITEM_OVERHEAD_BYTES + item.key.len() + item.value.len();
+        if self.bytes + item_bytes > self.bytes_max {
+            if self.items.is_empty() {
+                return Err(err(
+                    ErrorCode::TooLarge,
+                    "the next object does not fit in this batch's response frame; \
+                     scan it in a smaller batch",
+                ));
+            }
+            return Ok(false);
+        }
+        self.bytes += item_bytes;
+        self.items.push(item);
+        Ok(true)
     }
 }
 
