@@ -247,8 +247,9 @@ pub enum Op {
         start: Bytes,
         limit: u32,
     },
-    /// A cluster mover's SCAN: up to `limit` objects, in key order, whose keys come after
-    /// `after` (`None`: from the first key), lie in a partition `mask` marks (bit `p % 8`
+    /// A cluster mover's SCAN: up to `limit` objects, in an order of the server's own
+    /// choosing (`after` names a place in it), that come after `after` (`None`: from the
+    /// start), lie in a partition `mask` marks (bit `p % 8`
     /// of byte `p / 8` for partition `p` of `partitions`, as [`partition_of`] computes
     /// it), and whose version is at least `since_version` — without their values when
     /// `keys_only`. The server examines at most [`limits::SCAN_EXAMINE_MAX`] keys per
@@ -450,7 +451,7 @@ pub enum Reply {
 /// One page of a SCAN_PARTITIONS walk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Page {
-    /// The matching objects, in key order (empty values when the scan was keys-only).
+    /// The matching objects, in the walk's order (empty values when the scan was keys-only).
     pub items: Vec<Item>,
     /// The last key the server examined: the next page starts after it. `None` when no
     /// key is left.

@@ -29,9 +29,9 @@ use std::time::Instant;
 /// merge stays cheap.
 pub const SHARDS: usize = 16;
 /// What an object costs beyond its key and value bytes (its hash-map slot and entry
-/// header, and its key's second handle and node share in the shard's key order), so a
-/// flood of tiny objects still runs into the cap.
-pub const ENTRY_OVERHEAD_BYTES: u64 = 128;
+/// header, and its key's further handles and node shares in the shard's key and
+/// partition orders), so a flood of tiny objects still runs into the cap.
+pub const ENTRY_OVERHEAD_BYTES: u64 = 176;
 /// What one hash field or sorted-set member costs beyond its own bytes.
 pub const FIELD_OVERHEAD_BYTES: u64 = 48;
 /// Most fields in one hash or members in one sorted set.
@@ -536,10 +536,32 @@ pub enum Change {
 /// lookup a dozen key comparisons (a third of the Redis port's own CPU under YCSB); the
 /// second index shares the key's allocation (`Bytes` is reference-counted), and its cost
 /// is in [`ENTRY_OVERHEAD_BYTES`].
+///
+/// A third index, `by_partition`, holds the keys in [`partition_rank`] order, so a
+/// cluster mover's SCAN_PARTITIONS walks only the partitions it asks for instead of every
+/// key the server holds (a move's write fence lasts as long as those walks).
 #[derive(Default)]
 struct Shard {
     map: HashMap<Bytes, Entry>,
     order: BTreeSet<Bytes>,
+    by_partition: BTreeSet<(u32, Bytes)>,
+}
+
+/// A key's place in the shards' partition order: the partition bits of its hash (the
+/// ones [`partition_of`] reduces) reversed. For a power-of-two partition count `2^k` a
+/// partition is the keys whose hash has its `k` low partition bits, which reversed are
+/// the `k` high bits of the rank: every partition, at every such count, is one
+/// contiguous range of ranks (see [`partition_ranks`]).
+fn partition_rank(key: &[u8]) -> u32 {
+    ((key_hash(key) >> 32) as u32).reverse_bits()
+}
+
+/// The ranks of partition `p` of `partitions` (a power of two): `[start, end)`, `end`
+/// being `None` past the last rank.
+fn partition_ranks(p: u32, partitions: u32) -> (u32, Option<u32>) {
+    let width = 1u64 << (32 - partitions.trailing_zeros());
+    let start = p.reverse_bits();
+    (start, u32::try_from(u64::from(start) + width).ok())
 }
 
 impl Shard {
@@ -553,13 +575,15 @@ impl Shard {
 
     fn insert(&mut self, key: Bytes, entry: Entry) {
         if self.map.insert(key.clone(), entry).is_none() {
-            self.order.insert(key);
+            self.order.insert(key.clone());
+            self.by_partition.insert((partition_rank(&key), key));
         }
     }
 
     fn remove(&mut self, key: &[u8]) -> Option<Entry> {
-        let entry = self.map.remove(key)?;
-        self.order.remove(key);
+        let (key, entry) = self.map.remove_entry(key)?;
+        self.order.remove(&key);
+        self.by_partition.remove(&(partition_rank(&key), key));
         Some(entry)
     }
 
@@ -571,6 +595,7 @@ impl Shard {
         let freed = self.map.values().map(|e| e.charge_bytes).sum();
         self.map.clear();
         self.order.clear();
+        self.by_partition.clear();
         freed
     }
 
@@ -578,28 +603,19 @@ impl Shard {
     fn retain(&mut self, mut keep: impl FnMut(&Entry) -> bool) -> (usize, u64) {
         let (mut removed, mut freed) = (0, 0);
         let map = &mut self.map;
+        let by_partition = &mut self.by_partition;
         self.order.retain(|k| {
             let stays = map.get(k).is_some_and(&mut keep);
             if !stays {
                 if let Some(e) = map.remove(k) {
                     freed += e.charge_bytes;
                 }
+                by_partition.remove(&(partition_rank(k), k.clone()));
                 removed += 1;
             }
             stays
         });
         (removed, freed)
-    }
-
-    /// Entries with keys after `after` (all of them for `None`), in key order.
-    fn range_after<'a>(
-        &'a self,
-        after: Option<&[u8]>,
-    ) -> impl Iterator<Item = (&'a Bytes, &'a Entry)> + 'a {
-        let low = after.map_or(Bound::Unbounded, Bound::Excluded);
-        self.order
-            .range::<[u8], _>((low, Bound::Unbounded))
-            .filter_map(|k| Some((k, self.map.get(k)?)))
     }
 
     /// Entries with keys `>= start`, in key order.
@@ -608,17 +624,70 @@ impl Shard {
             .range::<[u8], _>((Bound::Included(start), Bound::Unbounded))
             .filter_map(|k| Some((k, self.map.get(k)?)))
     }
+
+    /// Entries whose rank lies in `ranges` (sorted, disjoint) and that come after `after`
+    /// (a rank and key), in partition order.
+    fn partition_range_after<'a>(
+        &'a self,
+        after: Option<&'a (u32, Bytes)>,
+        ranges: &'a [RankRange],
+    ) -> impl Iterator<Item = ((u32, &'a Bytes), &'a Entry)> + 'a {
+        // Ranges wholly before `after` give nothing: skipped without a lookup.
+        let first = after.map_or(0, |(rank, _)| {
+            ranges.partition_point(|(_, end)| end.is_some_and(|e| e <= *rank))
+        });
+        ranges[first..]
+            .iter()
+            .flat_map(move |&(start, end)| {
+                let start = (start, Bytes::new());
+                let low = match after {
+                    Some(a) if *a >= start => Bound::Excluded(a.clone()),
+                    _ => Bound::Included(start),
+                };
+                // `after` lies before `end` (the ranges before it were skipped), so the
+                // bounds are in order.
+                let high = end.map_or(Bound::Unbounded, |e| Bound::Excluded((e, Bytes::new())));
+                self.by_partition.range((low, high))
+            })
+            .filter_map(|(rank, k)| Some(((*rank, k), self.map.get(k)?)))
+    }
 }
 
-/// Shards' entries, each shard's already in key order, merged into one key order. A key
-/// lives in exactly one shard, so (key, shard) orders the heads totally.
-struct KeyOrder<'a, T, I: Iterator<Item = (&'a Bytes, T)>> {
+/// Ranks `[start, end)` (`end` `None`: to the last rank).
+type RankRange = (u32, Option<u32>);
+
+/// The rank ranges holding the partitions `filter` marks, sorted and with neighbours
+/// joined: one range each for a power-of-two partition count, else every rank (the walk
+/// then reads every key and the mask decides).
+fn marked_rank_ranges(filter: &ScanFilter<'_>) -> Vec<RankRange> {
+    if !filter.partitions.is_power_of_two() {
+        return vec![(0, None)];
+    }
+    let mut ranges: Vec<RankRange> = (0..filter.partitions)
+        .filter(|&p| mask_marks(filter.mask, p))
+        .map(|p| partition_ranks(p, filter.partitions))
+        .collect();
+    ranges.sort_unstable();
+    let mut joined: Vec<RankRange> = Vec::with_capacity(ranges.len());
+    for (start, end) in ranges {
+        match joined.last_mut() {
+            Some(last) if last.1 == Some(start) => last.1 = end,
+            _ => joined.push((start, end)),
+        }
+    }
+    joined
+}
+
+/// Shards' entries, each shard's already in order by `K` (a key, or a partition rank and
+/// key), merged into one order. A key lives in exactly one shard, so (`K`, shard) orders
+/// the heads totally.
+struct KeyOrder<K: Ord + Copy, T, I: Iterator<Item = (K, T)>> {
     iters: Vec<I>,
-    heads: BinaryHeap<Reverse<(&'a Bytes, usize)>>,
+    heads: BinaryHeap<Reverse<(K, usize)>>,
     current: Vec<Option<T>>,
 }
 
-impl<'a, T, I: Iterator<Item = (&'a Bytes, T)>> KeyOrder<'a, T, I> {
+impl<K: Ord + Copy, T, I: Iterator<Item = (K, T)>> KeyOrder<K, T, I> {
     fn merge(shards: impl IntoIterator<Item = I>) -> Self {
         let mut merged = KeyOrder {
             iters: shards.into_iter().collect(),
@@ -634,7 +703,7 @@ impl<'a, T, I: Iterator<Item = (&'a Bytes, T)>> KeyOrder<'a, T, I> {
     }
 
     /// Keeps `head` as shard `i`'s current entry (its key goes on the heap).
-    fn advance(&mut self, i: usize, head: Option<(&'a Bytes, T)>) -> Option<T> {
+    fn advance(&mut self, i: usize, head: Option<(K, T)>) -> Option<T> {
         head.map(|(k, t)| {
             self.heads.push(Reverse((k, i)));
             t
@@ -642,8 +711,8 @@ impl<'a, T, I: Iterator<Item = (&'a Bytes, T)>> KeyOrder<'a, T, I> {
     }
 }
 
-impl<'a, T, I: Iterator<Item = (&'a Bytes, T)>> Iterator for KeyOrder<'a, T, I> {
-    type Item = (&'a Bytes, T);
+impl<K: Ord + Copy, T, I: Iterator<Item = (K, T)>> Iterator for KeyOrder<K, T, I> {
+    type Item = (K, T);
 
     fn next(&mut self) -> Option<Self::Item> {
         let Reverse((k, i)) = self.heads.pop()?;
@@ -1072,9 +1141,11 @@ impl ObjectStore {
     }
 
     /// One page of a cluster mover's walk (see `Op::ScanPartitions`): the string objects
-    /// after `after` that `filter` lets through, at most `limit` of them within
-    /// `reply_bytes_max` encoded bytes, having examined at most [`SCAN_EXAMINE_MAX`] keys.
-    /// TOO_LARGE if not even the first match fits.
+    /// after `after` in partition order ([`partition_rank`], then key) that `filter` lets
+    /// through, at most `limit` of them within `reply_bytes_max` encoded bytes, having
+    /// examined at most [`SCAN_EXAMINE_MAX`] keys. With a power-of-two partition count
+    /// only the marked partitions' keys are examined. TOO_LARGE if not even the first
+    /// match fits.
     ///
     /// The page's version clock is read under every shard's read lock, when no write is
     /// half-done: every write after that moment gets a version at least the clock, so a
@@ -1094,7 +1165,14 @@ impl ObjectStore {
         let guards: Vec<RwLockReadGuard<'_, Shard>> =
             self.shards.iter().map(|s| s.read()).collect();
         let version_clock = self.clock.peek();
-        let mut merged = KeyOrder::merge(guards.iter().map(|g| g.range_after(after)));
+        let after = after.map(|a| (partition_rank(a), Bytes::copy_from_slice(a)));
+        let ranges = marked_rank_ranges(filter);
+        let mut merged = KeyOrder::merge(
+            guards
+                .iter()
+                .map(|g| g.partition_range_after(after.as_ref(), &ranges)),
+        )
+        .map(|((_, k), e)| (k, e));
         let mut page = ReplyItems::new(reply_bytes_max);
         let mut examined = 0usize;
         let mut last: Option<&Bytes> = None;
@@ -1544,15 +1622,31 @@ mod tests {
             keys_only: false,
         };
         let (items, pages, clock) = walk(&s, &filter, SCAN_ITEMS_MAX);
-        let want: Vec<&String> = keys.iter().filter(|k| in_mask(k)).collect();
+        let want: BTreeSet<&String> = keys.iter().filter(|k| in_mask(k)).collect();
         let got: Vec<String> = items
             .iter()
             .map(|i| String::from_utf8(i.key.to_vec()).unwrap())
             .collect();
-        assert_eq!(got.iter().collect::<Vec<_>>(), want);
+        assert_eq!(got.len(), want.len(), "each marked key once");
+        assert_eq!(got.iter().collect::<BTreeSet<_>>(), want);
         assert!(items.iter().all(|i| &i.value[..] == b"value"));
-        // More keys than one page may examine: at least two pages, the walk went on.
-        assert!(pages >= 2, "{pages} page(s)");
+        // Only the marked partitions' keys were examined: the fifth of the keys they hold
+        // came in one page, though the store holds more than a page may examine.
+        assert!(want.len() < SCAN_ITEMS_MAX && keys.len() > SCAN_EXAMINE_MAX);
+        assert_eq!(pages, 1, "the walk examined unmarked partitions' keys");
+        // Every partition: more keys than one page may examine, so the walk went on.
+        let all = camelot_proto::partition_mask(parts, 0..parts);
+        let (every, all_pages, _) = walk(
+            &s,
+            &ScanFilter {
+                mask: &all,
+                keys_only: true,
+                ..filter
+            },
+            SCAN_ITEMS_MAX,
+        );
+        assert_eq!(every.len(), keys.len());
+        assert!(all_pages >= 2, "{all_pages} page(s)");
 
         // Since the first page's clock: exactly the keys written after it.
         let later: Vec<&String> = keys.iter().step_by(97).collect();
@@ -1571,7 +1665,11 @@ mod tests {
             .iter()
             .map(|i| String::from_utf8(i.key.to_vec()).unwrap())
             .collect();
-        assert_eq!(got.iter().collect::<Vec<_>>(), later);
+        assert_eq!(got.len(), later.len());
+        assert_eq!(
+            got.iter().collect::<BTreeSet<_>>(),
+            later.iter().copied().collect::<BTreeSet<_>>()
+        );
         assert!(changed.iter().all(|i| i.value.is_empty()), "keys only");
 
         // A byte budget cuts a page at a whole item and the walk resumes right after it.
@@ -1579,10 +1677,80 @@ mod tests {
             .scan_partitions(None, 50, &since, 2 * (ITEM_OVERHEAD_BYTES + 7), now)
             .unwrap();
         assert_eq!(page.items.len(), 2);
+        assert_eq!(page.items[..], changed[..2]);
         let next = s
             .scan_partitions(page.resume_after.as_deref(), 1, &since, usize::MAX, now)
             .unwrap();
-        assert_eq!(&next.items[0].key[..], later[2].as_bytes());
+        assert_eq!(next.items[0], changed[2]);
+    }
+
+    #[test]
+    fn every_power_of_two_partition_is_one_range_of_ranks() {
+        let keys: Vec<Vec<u8>> = (0..4000u32)
+            .map(|i| format!("user{i}").into_bytes())
+            .collect();
+        for k in 0..=16 {
+            let partitions = 1u32 << k;
+            for key in &keys {
+                let p = partition_of(key, partitions);
+                let (start, end) = partition_ranks(p, partitions);
+                let rank = partition_rank(key);
+                assert!(
+                    rank >= start && end.is_none_or(|e| rank < e),
+                    "{key:?} of partition {p} / {partitions}: rank {rank} outside [{start}, {end:?})"
+                );
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever the partition count (a power of two or not), mask, page size and
+        /// the inserts and deletes before it, a SCAN_PARTITIONS walk returns each marked
+        /// key exactly once and nothing else.
+        #[test]
+        fn a_partition_walk_returns_exactly_the_marked_keys(
+            keys in proptest::collection::btree_set("[a-z0-9]{1,12}", 0..300),
+            deleted in proptest::collection::vec(proptest::bool::ANY, 300),
+            partitions in proptest::prop_oneof![
+                proptest::strategy::Strategy::prop_map(0u32..=10, |k| 1 << k),
+                1u32..2000,
+            ],
+            marked in proptest::collection::vec(proptest::bool::ANY, 64),
+            limit in 1usize..40,
+        ) {
+            let (s, _) = store(1 << 26);
+            let now = Instant::now();
+            let mut live = BTreeSet::new();
+            for (i, k) in keys.iter().enumerate() {
+                s.put(k.as_bytes(), b"v", now).unwrap();
+                if deleted[i] {
+                    s.delete(k.as_bytes(), now).unwrap();
+                } else {
+                    live.insert(k.clone());
+                }
+            }
+            let is_marked = |p: u32| marked[(p as usize) % marked.len()];
+            let mask = camelot_proto::partition_mask(
+                partitions,
+                (0..partitions).filter(|&p| is_marked(p)),
+            );
+            let filter = ScanFilter { partitions, mask: &mask, since_version: 0, keys_only: true };
+            let (items, _, _) = walk(&s, &filter, limit);
+            let got: Vec<String> =
+                items.iter().map(|i| String::from_utf8(i.key.to_vec()).unwrap()).collect();
+            let want: BTreeSet<String> = live
+                .into_iter()
+                .filter(|k| is_marked(partition_of(k.as_bytes(), partitions)))
+                .collect();
+            proptest::prop_assert_eq!(got.len(), want.len());
+            proptest::prop_assert_eq!(got.into_iter().collect::<BTreeSet<_>>(), want);
+            // The orders hold exactly the stored keys: none left behind by a delete.
+            for shard in s.shards.iter() {
+                let shard = shard.read();
+                proptest::prop_assert_eq!(shard.order.len(), shard.map.len());
+                proptest::prop_assert_eq!(shard.by_partition.len(), shard.map.len());
+            }
+        }
     }
 
     #[test]
@@ -1610,6 +1778,10 @@ mod tests {
         assert!(s.scan(b"", 10, usize::MAX, later).unwrap().is_empty());
         assert_eq!(s.sweep_expired(later), 1);
         assert_eq!(budget.used(), 0);
+        assert!(
+            s.shards.iter().all(|sh| sh.read().by_partition.is_empty()),
+            "the sweep left the key in the partition order"
+        );
         assert_eq!(s.sweep_expired(later), 0);
     }
 
