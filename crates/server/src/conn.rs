@@ -709,7 +709,7 @@ impl Conn {
             self.log.writes.clear();
             tokio::spawn(async move {
                 if rep.replicate(&own, &writes).await.is_err() {
-                    rep.repair_soon();
+                    rep.repair_soon(own.epoch());
                 }
                 drop(claims);
             });
@@ -734,7 +734,7 @@ impl Conn {
             .map(|c| c.ticket().map(|t| unacked.await_cover(c.key(), t)))
             .collect();
         drop(claims);
-        Replicator::repair_soon(&self.shared.replicator);
+        Replicator::repair_soon(&self.shared.replicator, own.epoch());
         loop {
             let notice = unacked.settled_notice();
             if covers.iter().flatten().all(|c| c.outcome().is_some()) {

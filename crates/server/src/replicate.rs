@@ -312,16 +312,23 @@ impl Replicator {
     }
 
     /// Starts the repair task unless one runs: it sends again the keys whose copies
-    /// failed (see the module documentation), until none is left.
-    pub fn repair_soon(self: &Arc<Self>) {
+    /// failed (see the module documentation), until none is left. `routed_epoch`: the
+    /// epoch the failed copies went out at. Most are refused by a backup already at the
+    /// next epoch, so each pass runs as soon as this server's epoch is past the one
+    /// the last attempt used (at the latest after [`REPAIR_INTERVAL`]): under a move's
+    /// short fence, a pass that waited the whole interval could find the move switched
+    /// and the write's partition led elsewhere, and the write would fail.
+    pub fn repair_soon(self: &Arc<Self>, routed_epoch: u64) {
         use std::sync::atomic::Ordering;
         if self.repairing.swap(true, Ordering::AcqRel) {
             return;
         }
         let me = Arc::clone(self);
         tokio::spawn(async move {
+            let mut tried_epoch = routed_epoch;
             loop {
-                tokio::time::sleep(REPAIR_INTERVAL).await;
+                me.state.epoch_moved_on(tried_epoch, REPAIR_INTERVAL).await;
+                tried_epoch = me.state.epoch();
                 if me.repair_pass().await == 0 {
                     me.repairing.store(false, Ordering::Release);
                     // A failure noted after the pass found none, but before the flag

@@ -167,6 +167,10 @@ pub struct ServerState {
     /// The partitions this server owns, when it is a member of a cluster whose map it
     /// follows; its epoch is the server's epoch while it is set.
     ownership: parking_lot::RwLock<Option<Arc<Ownership>>>,
+    /// Woken each time a newer ownership is installed (the replication repair waits on
+    /// it: a copy refused for a stale epoch goes again as soon as this server has caught
+    /// up, not a whole repair interval later).
+    ownership_changed: tokio::sync::Notify,
     /// Listening beyond loopback with no token: anyone who can reach the port is served.
     /// Shown in STATS so `camelot stats` can warn long after the start-up log scrolled by.
     exposed_without_token: AtomicBool,
@@ -206,6 +210,7 @@ impl ServerState {
             stats: Stats::default(),
             epoch: AtomicU64::new(epoch),
             ownership: parking_lot::RwLock::new(None),
+            ownership_changed: tokio::sync::Notify::new(),
             exposed_without_token: AtomicBool::new(false),
             throttle: std::sync::OnceLock::new(),
             applied: parking_lot::RwLock::new(Arc::new([])),
@@ -353,7 +358,29 @@ impl ServerState {
         }
         self.epoch.store(ownership.epoch(), Ordering::Release);
         *slot = Some(Arc::new(ownership));
+        drop(slot);
+        self.ownership_changed.notify_waiters();
         true
+    }
+
+    /// Returns once the server's epoch is not `epoch`, or after `wait_max`.
+    pub async fn epoch_moved_on(&self, epoch: u64, wait_max: std::time::Duration) {
+        let deadline = tokio::time::sleep(wait_max);
+        tokio::pin!(deadline);
+        loop {
+            let changed = self.ownership_changed.notified();
+            tokio::pin!(changed);
+            // Registered before the epoch is read, so an install between the two still
+            // wakes this wait.
+            changed.as_mut().enable();
+            if self.epoch() != epoch {
+                return;
+            }
+            tokio::select! {
+                _ = &mut deadline => return,
+                _ = changed => {}
+            }
+        }
     }
 
     /// The counters STATS returns, in a fixed order.
@@ -441,6 +468,39 @@ mod exposure_tests {
 mod tests {
     use super::*;
     use camelot_proto::limits::{STATS_ENTRIES_MAX, STAT_NAME_BYTES_MAX};
+
+    #[tokio::test]
+    async fn an_epoch_wait_ends_at_the_next_install_or_at_its_limit() {
+        use std::time::Duration;
+        let st = Arc::new(ServerState::new(MemoryBudget::new(1 << 20), 0));
+        let own = |epoch| Ownership::new(epoch, vec![true; 4]).unwrap();
+        assert!(st.set_ownership(own(10)));
+        let bound = Duration::from_secs(10);
+        let hour = Duration::from_secs(3600);
+        // Already past the epoch asked about: no wait.
+        tokio::time::timeout(bound, st.epoch_moved_on(9, hour))
+            .await
+            .expect("the epoch had already moved on");
+        // Woken by the install, not by its hour-long limit.
+        let waiting = tokio::spawn({
+            let st = Arc::clone(&st);
+            async move { st.epoch_moved_on(10, hour).await }
+        });
+        // On this one-thread runtime, the waiter runs up to its wait meanwhile.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiting.is_finished());
+        assert!(st.set_ownership(own(11)));
+        tokio::time::timeout(bound, waiting)
+            .await
+            .expect("the install woke the wait")
+            .unwrap();
+        // Nothing installed: the limit ends it.
+        tokio::time::timeout(bound, st.epoch_moved_on(11, Duration::from_millis(5)))
+            .await
+            .expect("the limit ended the wait");
+    }
 
     #[test]
     fn kind_index_matches_all() {
