@@ -146,6 +146,17 @@ struct Tool {
     seen: Vec<String>,
 }
 
+/// `camelot cluster move --from 0 --to 3 PARTITIONS`, holding after its fill for
+/// `hold_ms`; returns once it says it holds.
+fn held_move(c: &EtcdServers, partitions: &[String], hold_ms: &str) -> Tool {
+    let mut args = vec!["move", "--from", "0", "--to", "3"];
+    args.extend(partitions.iter().map(String::as_str));
+    args.extend(["--hold-at", "copied", "--hold-ms", hold_ms]);
+    let mut mover = Tool::start(c, &args);
+    mover.wait_line("holding at copied");
+    mover
+}
+
 impl Tool {
     fn start(c: &EtcdServers, args: &[&str]) -> Tool {
         let mut child = Command::new(bin())
@@ -303,11 +314,7 @@ fn a_replicated_move_whose_old_primary_is_sigkilled_mid_move_loses_no_acknowledg
         .map(|p| p.to_string())
         .collect();
     assert!(!led.is_empty());
-    let mut args = vec!["move", "--from", "0", "--to", "3"];
-    args.extend(led.iter().map(String::as_str));
-    args.extend(["--hold-at", "copied", "--hold-ms", "6000"]);
-    let mut mover = Tool::start(&c, &args);
-    mover.wait_line("holding at copied");
+    let mover = held_move(&c, &led, "6000");
     c.servers[0].process_mut().kill().unwrap();
     // Clients start from the live nodes (they learn the map from etcd).
     c.addrs.remove(0);
@@ -423,21 +430,7 @@ fn the_final_pass_brings_the_staying_backups_to_the_old_primarys_state() {
         writer.put(k.as_bytes(), Bytes::from(k.clone())).unwrap();
     }
     add_node_to_map(&mut c, 3);
-    let p_arg = p.to_string();
-    let args = [
-        "move",
-        "--from",
-        "0",
-        "--to",
-        "3",
-        &p_arg,
-        "--hold-at",
-        "copied",
-        "--hold-ms",
-        "3000",
-    ];
-    let mut mover = Tool::start(&c, &args);
-    mover.wait_line("holding at copied");
+    let mover = held_move(&c, &[p.to_string()], "3000");
     let b = c.map().node(backup).unwrap().addr;
     let raw = Client::connect(
         ClientMap {
@@ -505,11 +498,7 @@ fn a_staying_backup_sigkilled_before_the_final_pass_is_skipped_and_nothing_is_lo
         .map(|p| p.to_string())
         .collect();
     assert!(!moved.is_empty(), "no partition led by 0 and backed by 1");
-    let mut args = vec!["move", "--from", "0", "--to", "3"];
-    args.extend(moved.iter().map(String::as_str));
-    args.extend(["--hold-at", "copied", "--hold-ms", "3000"]);
-    let mut mover = Tool::start(&c, &args);
-    mover.wait_line("holding at copied");
+    let mover = held_move(&c, &moved, "3000");
     c.servers[1].process_mut().kill().unwrap();
     c.addrs.remove(1);
     let (status, said) = mover.finish();

@@ -120,9 +120,27 @@ fn routed_client(map: &ClusterMap, nodes: &[NodeId], epoch: u64) -> Result<Clien
         },
         ClientConfig::default(),
     )
-    .map_err(|source| MoverError::Client {
-        node: nodes.first().copied().unwrap_or_default(),
-        source,
+    .map_err(|source| {
+        // The node whose address the error names, so a rollback blames the right one.
+        let addr = match &source {
+            ClientError::Connect { addr, .. }
+            | ClientError::Auth { addr, .. }
+            | ClientError::Handshake { addr, .. }
+            | ClientError::Io { addr, .. }
+            | ClientError::Protocol { addr, .. }
+            | ClientError::ConnectionLost { addr } => Some(*addr),
+            _ => None,
+        };
+        let named = addr.and_then(|a| {
+            nodes
+                .iter()
+                .copied()
+                .find(|id| map.node(*id).is_some_and(|n| n.addr == a))
+        });
+        MoverError::Client {
+            node: named.or(nodes.first().copied()).unwrap_or_default(),
+            source,
+        }
     })
 }
 
@@ -868,14 +886,7 @@ impl Mover {
                         // A client per member (each with `from`, to copy from it), made
                         // in the member's own worker: a member that cannot be reached
                         // fails only its own reconcile, never the whole pass.
-                        let member_client = |node: NodeId| {
-                            raw_client(&map.map, &[rec.from, node]).map_err(|e| match e {
-                                MoverError::Client { source, .. } => {
-                                    MoverError::Client { node, source }
-                                }
-                                e => e,
-                            })
-                        };
+                        let member_client = |node: NodeId| raw_client(&map.map, &[rec.from, node]);
                         let last = raw_client(&map.map, &[rec.from]).and_then(|client| {
                             // Every key scan at once — `from`'s and each member's — then
                             // the members reconciled side by side: the fence lasts the

@@ -343,17 +343,17 @@ pub fn plan(map: &ClusterMap) -> Result<Plan, PlanError> {
         free.iter().enumerate().map(|(k, (p, _))| (*p, k)).collect();
     let mut checks_left = LEADER_SWAP_CHECKS_MAX;
     for _ in 0..LEADER_SWAPS_MAX {
-        let Some(swap) = leader_swap(
+        let search = LeaderSwapSearch {
             map,
-            &target,
-            &free,
-            &chosen,
-            &led_by,
-            &live,
-            &leads,
-            &lead_counts,
-            &mut checks_left,
-        ) else {
+            target: &target,
+            free: &free,
+            chosen: &chosen,
+            led_by: &led_by,
+            live: &live,
+            leads: &leads,
+            counts: &lead_counts,
+        };
+        let Some(swap) = leader_swap(search, &mut checks_left) else {
             break;
         };
         let (k, y, other) = swap;
@@ -392,22 +392,39 @@ pub fn plan(map: &ClusterMap) -> Result<Plan, PlanError> {
     })
 }
 
+/// What [`leader_swap`] searches: the plan's sets so far, its free partitions (no pinned
+/// primary; their joining members) with the leader chosen for each (`led_by`: partition →
+/// index into `free`), and each live node's leader count against its target.
+#[derive(Clone, Copy)]
+struct LeaderSwapSearch<'a> {
+    map: &'a ClusterMap,
+    target: &'a [Vec<NodeId>],
+    free: &'a [(usize, Vec<NodeId>)],
+    chosen: &'a [NodeId],
+    led_by: &'a BTreeMap<usize, usize>,
+    live: &'a BTreeMap<NodeId, usize>,
+    leads: &'a [u64],
+    counts: &'a [u64],
+}
+
 /// One step toward balanced leaders: a free partition (index `k` into `free`) led by a
 /// node above its count, and `y`, a node below its count, to lead it instead — `y`
 /// already joining it (`None`), or joining partition `b` (`Some(b)`), where the two trade
 /// places. Only joining members trade, so no copy is added.
-#[allow(clippy::too_many_arguments)]
 fn leader_swap(
-    map: &ClusterMap,
-    target: &[Vec<NodeId>],
-    free: &[(usize, Vec<NodeId>)],
-    chosen: &[NodeId],
-    led_by: &BTreeMap<usize, usize>,
-    live: &BTreeMap<NodeId, usize>,
-    leads: &[u64],
-    counts: &[u64],
+    search: LeaderSwapSearch<'_>,
     checks_left: &mut u64,
 ) -> Option<(usize, NodeId, Option<usize>)> {
+    let LeaderSwapSearch {
+        map,
+        target,
+        free,
+        chosen,
+        led_by,
+        live,
+        leads,
+        counts,
+    } = search;
     let under = |id: &NodeId| leads[live[id]] < counts[live[id]];
     for (k, (a, joining)) in free.iter().enumerate() {
         *checks_left = checks_left.checked_sub(1)?;
