@@ -56,6 +56,8 @@ pub struct MemberArgs {
 pub fn configure(args: &MemberArgs, cfg: &mut camelot_server::ServerConfig) {
     cfg.replication_timeout = std::time::Duration::from_millis(args.replication_timeout_ms);
     cfg.unsafe_ack_before_replication = args.unsafe_ack_before_replication;
+    // A member of an etcd cluster is where partitions move from and to.
+    cfg.partition_index = args.etcd.is_some();
 }
 
 /// What node `id` serves under `map`: the partitions it is primary of, their backups

@@ -97,6 +97,10 @@ pub struct ServerConfig {
     /// How long a write on a partition with backups waits for them before it is
     /// answered REPLICA_UNAVAILABLE (see [`replicate`]).
     pub replication_timeout: Duration,
+    /// Keep the partition-order key index (see [`objects`]): a cluster node's, so a
+    /// partition move's scans read only the moving partitions. Costs every new key one
+    /// more index insert; a lone server leaves it off.
+    pub partition_index: bool,
     /// Deliberately broken: answer writes before their backups have them (the copies go
     /// out afterwards). Only for showing that a failover test's checker catches the
     /// writes this loses; never set it otherwise.
@@ -125,6 +129,7 @@ impl ServerConfig {
             principal_tokens: principals::PrincipalTokens::default(),
             ops_per_sec_max: None,
             replication_timeout: replicate::REPLICATION_TIMEOUT_DEFAULT,
+            partition_index: false,
             unsafe_ack_before_replication: false,
         }
     }
@@ -293,12 +298,16 @@ impl ServerHandle {
             Some(addr) => Some(bind(addr).await?),
             None => None,
         };
-        let state = Arc::new(ServerState::with_limits(
+        let mut state = ServerState::with_limits(
             MemoryBudget::new(config.memory_bytes_max),
             MemoryBudget::new(config.connection_buffers_bytes_max),
             config.epoch,
             config.quota,
-        ));
+        );
+        if config.partition_index {
+            state.objects_mut().index_partitions();
+        }
+        let state = Arc::new(state);
         let limits = AcceptLimits {
             connections_max: config.connections_max,
             unauthenticated_max: config

@@ -29,8 +29,9 @@ use std::time::Instant;
 /// merge stays cheap.
 pub const SHARDS: usize = 16;
 /// What an object costs beyond its key and value bytes (its hash-map slot and entry
-/// header, and its key's further handles and node shares in the shard's key and
-/// partition orders), so a flood of tiny objects still runs into the cap.
+/// header, and its key's further handles and node shares in the shard's key order and,
+/// on a cluster node, partition order), so a flood of tiny objects still runs into the
+/// cap. One figure for both kinds of server, so a key costs the same wherever it moves.
 pub const ENTRY_OVERHEAD_BYTES: u64 = 176;
 /// What one hash field or sorted-set member costs beyond its own bytes.
 pub const FIELD_OVERHEAD_BYTES: u64 = 48;
@@ -537,14 +538,16 @@ pub enum Change {
 /// second index shares the key's allocation (`Bytes` is reference-counted), and its cost
 /// is in [`ENTRY_OVERHEAD_BYTES`].
 ///
-/// A third index, `by_partition`, holds the keys in [`partition_rank`] order, so a
-/// cluster mover's SCAN_PARTITIONS walks only the partitions it asks for instead of every
-/// key the server holds (a move's write fence lasts as long as those walks).
+/// On a cluster node a third index, `by_partition`, holds the keys in
+/// [`partition_rank`] order, so a mover's SCAN_PARTITIONS walks only the partitions it
+/// asks for instead of every key the server holds (a move's write fence lasts as long as
+/// those walks). `None` elsewhere: it costs every new key a third insert (measured: about
+/// a tenth more server CPU loading YCSB records), which a lone server has no use for.
 #[derive(Default)]
 struct Shard {
     map: HashMap<Bytes, Entry>,
     order: BTreeSet<Bytes>,
-    by_partition: BTreeSet<(u32, Bytes)>,
+    by_partition: Option<BTreeSet<(u32, Bytes)>>,
 }
 
 /// A key's place in the shards' partition order: the partition bits of its hash (the
@@ -576,14 +579,18 @@ impl Shard {
     fn insert(&mut self, key: Bytes, entry: Entry) {
         if self.map.insert(key.clone(), entry).is_none() {
             self.order.insert(key.clone());
-            self.by_partition.insert((partition_rank(&key), key));
+            if let Some(by_partition) = &mut self.by_partition {
+                by_partition.insert((partition_rank(&key), key));
+            }
         }
     }
 
     fn remove(&mut self, key: &[u8]) -> Option<Entry> {
         let (key, entry) = self.map.remove_entry(key)?;
         self.order.remove(&key);
-        self.by_partition.remove(&(partition_rank(&key), key));
+        if let Some(by_partition) = &mut self.by_partition {
+            by_partition.remove(&(partition_rank(&key), key));
+        }
         Some(entry)
     }
 
@@ -595,7 +602,9 @@ impl Shard {
         let freed = self.map.values().map(|e| e.charge_bytes).sum();
         self.map.clear();
         self.order.clear();
-        self.by_partition.clear();
+        if let Some(by_partition) = &mut self.by_partition {
+            by_partition.clear();
+        }
         freed
     }
 
@@ -610,12 +619,25 @@ impl Shard {
                 if let Some(e) = map.remove(k) {
                     freed += e.charge_bytes;
                 }
-                by_partition.remove(&(partition_rank(k), k.clone()));
+                if let Some(by_partition) = by_partition.as_mut() {
+                    by_partition.remove(&(partition_rank(k), k.clone()));
+                }
                 removed += 1;
             }
             stays
         });
         (removed, freed)
+    }
+
+    /// Entries with keys after `after` (all of them for `None`), in key order.
+    fn range_after<'a>(
+        &'a self,
+        after: Option<&[u8]>,
+    ) -> impl Iterator<Item = (&'a Bytes, &'a Entry)> + 'a {
+        let low = after.map_or(Bound::Unbounded, Bound::Excluded);
+        self.order
+            .range::<[u8], _>((low, Bound::Unbounded))
+            .filter_map(|k| Some((k, self.map.get(k)?)))
     }
 
     /// Entries with keys `>= start`, in key order.
@@ -626,12 +648,13 @@ impl Shard {
     }
 
     /// Entries whose rank lies in `ranges` (sorted, disjoint) and that come after `after`
-    /// (a rank and key), in partition order.
+    /// (a rank and key), in partition order. Nothing without the partition index.
     fn partition_range_after<'a>(
         &'a self,
         after: Option<&'a (u32, Bytes)>,
         ranges: &'a [RankRange],
     ) -> impl Iterator<Item = ((u32, &'a Bytes), &'a Entry)> + 'a {
+        let index = self.by_partition.as_ref();
         // Ranges wholly before `after` give nothing: skipped without a lookup.
         let first = after.map_or(0, |(rank, _)| {
             ranges.partition_point(|(_, end)| end.is_some_and(|e| e <= *rank))
@@ -647,7 +670,9 @@ impl Shard {
                 // `after` lies before `end` (the ranges before it were skipped), so the
                 // bounds are in order.
                 let high = end.map_or(Bound::Unbounded, |e| Bound::Excluded((e, Bytes::new())));
-                self.by_partition.range((low, high))
+                index
+                    .into_iter()
+                    .flat_map(move |i| i.range((low.clone(), high.clone())))
             })
             .filter_map(|(rank, k)| Some(((*rank, k), self.map.get(k)?)))
     }
@@ -806,6 +831,24 @@ impl ObjectStore {
         }
         let _restore = Restore(outer);
         f()
+    }
+
+    /// Keeps the partition-order index from now on (built from the keys already here),
+    /// for a server that follows a cluster map. Before the store is shared, so no walk
+    /// ever sees the order change under it.
+    pub fn index_partitions(&mut self) {
+        for shard in self.shards.iter_mut() {
+            let shard = shard.get_mut();
+            if shard.by_partition.is_none() {
+                shard.by_partition = Some(
+                    shard
+                        .order
+                        .iter()
+                        .map(|k| (partition_rank(k), k.clone()))
+                        .collect(),
+                );
+            }
+        }
     }
 
     fn shard(&self, key: &[u8]) -> &RwLock<Shard> {
@@ -1141,11 +1184,12 @@ impl ObjectStore {
     }
 
     /// One page of a cluster mover's walk (see `Op::ScanPartitions`): the string objects
-    /// after `after` in partition order ([`partition_rank`], then key) that `filter` lets
-    /// through, at most `limit` of them within `reply_bytes_max` encoded bytes, having
-    /// examined at most [`SCAN_EXAMINE_MAX`] keys. With a power-of-two partition count
-    /// only the marked partitions' keys are examined. TOO_LARGE if not even the first
-    /// match fits.
+    /// after `after` that `filter` lets through, at most `limit` of them within
+    /// `reply_bytes_max` encoded bytes, having examined at most [`SCAN_EXAMINE_MAX`] keys.
+    /// TOO_LARGE if not even the first match fits. With the partition index (a cluster
+    /// node's) the walk is in partition order ([`partition_rank`], then key) and, at a
+    /// power-of-two partition count, examines only the marked partitions' keys; without
+    /// it, in key order through every key.
     ///
     /// The page's version clock is read under every shard's read lock, when no write is
     /// half-done: every write after that moment gets a version at least the clock, so a
@@ -1165,14 +1209,29 @@ impl ObjectStore {
         let guards: Vec<RwLockReadGuard<'_, Shard>> =
             self.shards.iter().map(|s| s.read()).collect();
         let version_clock = self.clock.peek();
-        let after = after.map(|a| (partition_rank(a), Bytes::copy_from_slice(a)));
-        let ranges = marked_rank_ranges(filter);
-        let mut merged = KeyOrder::merge(
-            guards
-                .iter()
-                .map(|g| g.partition_range_after(after.as_ref(), &ranges)),
-        )
-        .map(|((_, k), e)| (k, e));
+        // Fixed for the store's life (see `index_partitions`), so every page of one walk
+        // is in the same order.
+        let indexed = guards.iter().all(|g| g.by_partition.is_some());
+        let after_rank = after
+            .filter(|_| indexed)
+            .map(|a| (partition_rank(a), Bytes::copy_from_slice(a)));
+        let ranges = if indexed {
+            marked_rank_ranges(filter)
+        } else {
+            Vec::new()
+        };
+        let mut merged: Box<dyn Iterator<Item = (&Bytes, &Entry)>> = if indexed {
+            Box::new(
+                KeyOrder::merge(
+                    guards
+                        .iter()
+                        .map(|g| g.partition_range_after(after_rank.as_ref(), &ranges)),
+                )
+                .map(|((_, k), e)| (k, e)),
+            )
+        } else {
+            Box::new(KeyOrder::merge(guards.iter().map(|g| g.range_after(after))))
+        };
         let mut page = ReplyItems::new(reply_bytes_max);
         let mut examined = 0usize;
         let mut last: Option<&Bytes> = None;
@@ -1393,6 +1452,13 @@ mod tests {
         (ObjectStore::new(Arc::clone(&budget)), budget)
     }
 
+    /// A cluster node's store: with the partition-order index.
+    fn indexed_store(cap_bytes: u64) -> (ObjectStore, Arc<MemoryBudget>) {
+        let (mut s, budget) = store(cap_bytes);
+        s.index_partitions();
+        (s, budget)
+    }
+
     fn code<T: std::fmt::Debug>(r: Result<T, ErrorReply>) -> ErrorCode {
         r.expect_err("expected an error").code
     }
@@ -1604,7 +1670,7 @@ mod tests {
 
     #[test]
     fn partition_scans_filter_by_mask_and_version_and_page_past_misses() {
-        let (s, _) = store(1 << 26);
+        let (s, _) = indexed_store(1 << 26);
         let now = Instant::now();
         let keys: Vec<String> = (0..(SCAN_EXAMINE_MAX + 3000))
             .map(|i| format!("k{i:06}"))
@@ -1634,6 +1700,22 @@ mod tests {
         // came in one page, though the store holds more than a page may examine.
         assert!(want.len() < SCAN_ITEMS_MAX && keys.len() > SCAN_EXAMINE_MAX);
         assert_eq!(pages, 1, "the walk examined unmarked partitions' keys");
+        // Without the index (a lone server's store), the same keys through every key.
+        let (plain, _) = store(1 << 26);
+        for k in &keys {
+            plain.put(k.as_bytes(), b"value", now).unwrap();
+        }
+        let (walked, plain_pages, _) = walk(&plain, &filter, SCAN_ITEMS_MAX);
+        let walked: Vec<String> = walked
+            .iter()
+            .map(|i| String::from_utf8(i.key.to_vec()).unwrap())
+            .collect();
+        assert_eq!(
+            walked.iter().collect::<Vec<_>>(),
+            want.iter().copied().collect::<Vec<_>>(),
+            "key order"
+        );
+        assert!(plain_pages >= 2, "{plain_pages} page(s)");
         // Every partition: more keys than one page may examine, so the walk went on.
         let all = camelot_proto::partition_mask(parts, 0..parts);
         let (every, all_pages, _) = walk(
@@ -1717,11 +1799,16 @@ mod tests {
             ],
             marked in proptest::collection::vec(proptest::bool::ANY, 64),
             limit in 1usize..40,
+            // Where the partition index starts (past the end: a lone server's store).
+            indexed_from in 0usize..400,
         ) {
-            let (s, _) = store(1 << 26);
+            let (mut s, _) = store(1 << 26);
             let now = Instant::now();
             let mut live = BTreeSet::new();
             for (i, k) in keys.iter().enumerate() {
+                if i == indexed_from {
+                    s.index_partitions();
+                }
                 s.put(k.as_bytes(), b"v", now).unwrap();
                 if deleted[i] {
                     s.delete(k.as_bytes(), now).unwrap();
@@ -1748,14 +1835,18 @@ mod tests {
             for shard in s.shards.iter() {
                 let shard = shard.read();
                 proptest::prop_assert_eq!(shard.order.len(), shard.map.len());
-                proptest::prop_assert_eq!(shard.by_partition.len(), shard.map.len());
+                let indexed = shard.by_partition.as_ref().map(BTreeSet::len);
+                proptest::prop_assert_eq!(
+                    indexed,
+                    (indexed_from < keys.len()).then_some(shard.map.len())
+                );
             }
         }
     }
 
     #[test]
     fn expired_objects_vanish_and_give_memory_back() {
-        let (s, budget) = store(1 << 20);
+        let (s, budget) = indexed_store(1 << 20);
         let now = Instant::now();
         let later = now + Duration::from_secs(10);
         s.modify(
@@ -1779,7 +1870,11 @@ mod tests {
         assert_eq!(s.sweep_expired(later), 1);
         assert_eq!(budget.used(), 0);
         assert!(
-            s.shards.iter().all(|sh| sh.read().by_partition.is_empty()),
+            s.shards.iter().all(|sh| sh
+                .read()
+                .by_partition
+                .as_ref()
+                .is_some_and(BTreeSet::is_empty)),
             "the sweep left the key in the partition order"
         );
         assert_eq!(s.sweep_expired(later), 0);

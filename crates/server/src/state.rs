@@ -298,6 +298,11 @@ impl ServerState {
         &self.objects
     }
 
+    /// The objects before the state is shared (to set up the store's indexes).
+    pub fn objects_mut(&mut self) -> &mut ObjectStore {
+        &mut self.objects
+    }
+
     pub fn stats(&self) -> &Stats {
         &self.stats
     }
