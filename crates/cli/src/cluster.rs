@@ -795,13 +795,14 @@ async fn up(a: UpArgs) -> Result<()> {
     }
     let slow_from = a.nodes - a.slow_nodes;
     let mut signals = Signals::install()?;
+    // Every child is started from this, the main, thread and dies with this process:
+    // stopped by a signal it stops them in order; SIGKILLed, the kernel kills them.
+    camelot_testkit::lifeline::children_die_with_this_process();
     // Started here, stopped (killed, its temporary directory removed) when this returns.
     let (own_etcd, endpoint) = match &a.etcd {
         Some(url) => (None, url.clone()),
         None => {
-            let etcd = tokio::task::spawn_blocking(camelot_testkit::EtcdServer::start)
-                .await
-                .context("etcd start-up task")?
+            let etcd = camelot_testkit::EtcdServer::start()
                 .context("cannot start etcd (is Debian's etcd-server installed?)")?;
             let url = etcd.endpoint();
             (Some(etcd), url)
@@ -831,10 +832,8 @@ async fn up(a: UpArgs) -> Result<()> {
             args.push(a.slow_ops_per_sec.to_string());
         }
         let options = CamelotServerOptions { resp: false, args };
-        let binary = binary.clone();
-        let server = tokio::task::spawn_blocking(move || CamelotServer::start(&binary, &options))
-            .await
-            .context("server start-up task")?
+        // Here, not on a blocking-pool thread: see `children_die_with_this_process`.
+        let server = CamelotServer::start(&binary, &options)
             .with_context(|| format!("cannot start server {id}"))?;
         servers.push(server);
     }
@@ -863,8 +862,12 @@ async fn up(a: UpArgs) -> Result<()> {
         })
         .await
         .context("cannot write the cluster map")?;
+    let etcd_pid = own_etcd
+        .as_ref()
+        .map(|e| format!(", pid {}", e.process().pid()))
+        .unwrap_or_default();
     println!(
-        "camelot cluster up: etcd {endpoint} (prefix {})",
+        "camelot cluster up: etcd {endpoint} (prefix {}{etcd_pid})",
         a.etcd_prefix
     );
     for (id, s) in servers.iter().enumerate() {
@@ -901,6 +904,7 @@ async fn up(a: UpArgs) -> Result<()> {
         if a.auto_rebalance {
             cmd.arg("--auto-rebalance");
         }
+        camelot_testkit::lifeline::tie_to_this_thread(&mut cmd);
         let child = cmd
             .spawn()
             .with_context(|| format!("cannot start controller {i}"))?;

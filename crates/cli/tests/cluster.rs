@@ -394,3 +394,98 @@ fn a_server_paused_past_its_lease_registers_again_when_it_resumes() {
     assert_ne!(live[0].lease, old.lease, "{live:?}");
     assert!(camelot_cluster::failover::Alive::new(live).holds(map.node(0).unwrap()));
 }
+
+/// Whether process `pid` has ended (gone, or a zombie nobody has reaped yet).
+fn ended(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the command name, which is in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
+    }
+}
+
+/// SIGKILLs what a failed run left behind.
+struct KillOnDrop(Vec<u32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+    }
+}
+
+/// `cluster up` SIGKILLed runs no destructor: its etcd, servers and controller must still
+/// go with it (the kernel's parent-death signal), not run on with nobody to stop them.
+#[test]
+fn cluster_up_sigkilled_takes_etcd_its_servers_and_its_controllers_with_it() {
+    let mut child = Command::new(bin())
+        .args(["cluster", "up", "--nodes", "2", "--partitions", "16"])
+        .args(["--controllers", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let up = Up { child };
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !lines
+        .iter()
+        .any(|l: &String| l.starts_with("Ctrl-C to stop"))
+    {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => lines.push(l),
+            Err(e) => panic!("cluster up printed {lines:?} then {e}"),
+        }
+    }
+    // "…(prefix P, pid N)", "  node I: ADDR pid N (…", "  controller I: pid N".
+    let pids: Vec<u32> = lines
+        .iter()
+        .filter_map(|l| {
+            let (_, after) = l.split_once("pid ")?;
+            after
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(pids.len(), 4, "etcd, two servers, a controller: {lines:?}");
+    let leftovers = KillOnDrop(pids.clone());
+    assert!(
+        pids.iter().all(|p| !ended(*p)),
+        "all running before the kill"
+    );
+
+    let mut up = up;
+    up.child.kill().unwrap();
+    up.child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let running: Vec<u32> = pids.iter().copied().filter(|p| !ended(*p)).collect();
+        if running.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still running 10 s after `cluster up` was SIGKILLed: {running:?} of {lines:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(leftovers);
+}

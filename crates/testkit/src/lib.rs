@@ -4,10 +4,12 @@
 //!
 //! Any crate's tests may depend on this one (the rvm tests need Redis, the cluster's will
 //! need etcd); so may the benches, which start the peers they compare against and Camelot
-//! the same way. It depends on no other Camelot crate.
-#![forbid(unsafe_code)]
+//! the same way. It depends on no other Camelot crate. Its one `unsafe` block is in
+//! [`lifeline`] (a child's parent-death signal, set between fork and exec).
+#![deny(unsafe_code)]
 
 pub mod error;
+pub mod lifeline;
 pub mod process;
 pub mod servers;
 

@@ -178,23 +178,24 @@ pub fn spawn(
     };
     let stdout = create(&stdout_path)?;
     let stderr = create(&stderr_path)?;
-    let child = Command::new(peer.program.as_ref())
+    let mut command = Command::new(peer.program.as_ref());
+    command
         .args(args)
         .current_dir(&scratch.path)
         .stdin(Stdio::null())
         .stdout(stdout)
-        .stderr(stderr)
-        .spawn()
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => TestkitError::Missing {
-                program: peer.program.to_string(),
-                package: peer.package.to_string(),
-            },
-            _ => TestkitError::Failed {
-                program: peer.program.to_string(),
-                detail: format!("cannot start it: {e}"),
-            },
-        })?;
+        .stderr(stderr);
+    crate::lifeline::apply(&mut command);
+    let child = command.spawn().map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => TestkitError::Missing {
+            program: peer.program.to_string(),
+            package: peer.package.to_string(),
+        },
+        _ => TestkitError::Failed {
+            program: peer.program.to_string(),
+            detail: format!("cannot start it: {e}"),
+        },
+    })?;
     Ok(ChildGuard {
         child,
         stdout_path,
