@@ -171,28 +171,28 @@ pub struct MoveCopy {
     pub copy_secs: f64,
 }
 
-/// The moves that switched, read from `camelot cluster rebalance`'s output: lines
-/// `moved P partition(s) node A → B: K key(s) / BYTES value bytes copied (S scanned) in
-/// SECS s (…)`. Rolled-back moves and every other line are skipped.
-pub fn move_copies(output: &str) -> Vec<MoveCopy> {
-    output
+/// The moves that switched, from the JSON line `camelot cluster rebalance --json` prints
+/// last (rolled-back moves are skipped). An error when there is none: a rebalance whose
+/// report cannot be read must not pass for one that moved nothing.
+pub fn move_copies(output: &str) -> Result<Vec<MoveCopy>, BenchError> {
+    let line = output
         .lines()
-        .filter(|l| l.starts_with("moved "))
-        .filter_map(|l| {
-            let (_, after_slash) = l.split_once(" / ")?;
-            let bytes = after_slash
-                .split_once(" value bytes copied")?
-                .0
-                .parse()
-                .ok()?;
-            let (_, after_in) = after_slash.split_once(" scanned) in ")?;
-            let secs = after_in.split_once(" s")?.0.parse().ok()?;
-            Some(MoveCopy {
-                bytes_copied: bytes,
-                copy_secs: secs,
-            })
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .ok_or_else(|| {
+            BenchError::Setup("`cluster rebalance --json` printed no report line".into())
+        })?;
+    let report: camelot_cluster::mover::RebalanceReport = serde_json::from_str(line)
+        .map_err(|e| BenchError::Setup(format!("`cluster rebalance --json`'s report: {e}")))?;
+    Ok(report
+        .moves
+        .iter()
+        .filter(|m| m.switched)
+        .map(|m| MoveCopy {
+            bytes_copied: m.bytes_copied,
+            copy_secs: m.copy_secs,
         })
-        .collect()
+        .collect())
 }
 
 /// Value bytes copied per second over all `moves` (their copy times summed), or `None`
@@ -393,7 +393,8 @@ mod with_etcd {
                     }
                     let before = nodes.map()?;
                     let rebalance_started_secs = secs();
-                    let tool = nodes.run_tool(&["cluster", "rebalance"], REBALANCE_TIME_MAX)?;
+                    let tool =
+                        nodes.run_tool(&["cluster", "rebalance", "--json"], REBALANCE_TIME_MAX)?;
                     let after = nodes.map()?;
                     nodes.wait_installed(after.epoch)?;
                     let rebalanced_secs = secs();
@@ -463,10 +464,10 @@ mod with_etcd {
         drop(nodes);
         // After the cluster is gone, so the stream has the machine the moves had less of.
         let iperf = crate::peers::iperf3_tcp_stream_for(cfg.iperf3_seconds)?;
-        let copies: Vec<MoveCopy> = steps
-            .iter()
-            .flat_map(|st| move_copies(&st.tool.stdout))
-            .collect();
+        let mut copies: Vec<MoveCopy> = Vec::new();
+        for st in &steps {
+            copies.extend(move_copies(&st.tool.stdout)?);
+        }
         let copy_rate = copy_rate_bytes_per_sec(&copies);
 
         let ops: Vec<u64> = tally.buckets.iter().map(|b| b.ops).collect();
@@ -648,7 +649,7 @@ mod with_etcd {
             "pacing": "each thread at its share of the rate; latency from when an operation was due",
             "calibrate_seconds": cfg.calibrate_seconds,
             "settle_seconds": cfg.settle_seconds,
-            "rebalance": "camelot cluster rebalance --etcd URL (adds the live nodes to the map, then the planner's moves, one per (from, to) pair)",
+            "rebalance": "camelot cluster rebalance --json --etcd URL (adds the live nodes to the map, then the planner's moves, one per (from, to) pair)",
             "steps": steps_json,
             "baseline_ops_per_sec": base,
             "run_seconds": end_secs,
@@ -745,13 +746,27 @@ mod tests {
     }
 
     #[test]
-    fn moves_are_read_from_the_rebalance_output() {
-        let out = "plan: 2 partition(s) to move in 2 move(s)\n\
-             [   0.421 s] filled node 2: 16580 key(s), 16977920 value bytes copied, 0 stale deleted, in 0.385 s\n\
-             moved 341 partition(s) node 0 → 2: 16580 key(s) / 16977920 value bytes copied (52343979 scanned) in 0.391 s (43.5 MB/s), fence 156.9 ms, 16580 key(s) cleaned up\n\
-             rolled back 3 partition(s) node 1 → 2: 5 key(s) / 999 value bytes copied (0 scanned) in 9.000 s (0.0 MB/s), fence 500.0 ms, 0 key(s) cleaned up\n\
-             moved 171 partition(s) node 1 → 3: 8319 key(s) / 8518656 value bytes copied (0 scanned) in 0.181 s (47.1 MB/s), fence none, 8319 key(s) cleaned up\n";
-        let moves = move_copies(out);
+    fn moves_are_read_from_the_rebalance_report() {
+        use camelot_cluster::mover::{MoveReport, RebalanceReport};
+        let made = |switched, bytes_copied, copy_secs| MoveReport {
+            switched,
+            bytes_copied,
+            copy_secs,
+            ..MoveReport::default()
+        };
+        let report = RebalanceReport {
+            moves: vec![
+                made(true, 16_977_920, 0.391),
+                made(false, 999, 9.0),
+                made(true, 8_518_656, 0.181),
+            ],
+        };
+        let out = format!(
+            "plan: 3 partition(s) to move in 3 move(s)\n\
+             moved 341 partition(s) node 0 → 2: the lines for people\n{}\n",
+            serde_json::to_string(&report).unwrap()
+        );
+        let moves = move_copies(&out).unwrap();
         assert_eq!(
             moves,
             vec![
@@ -768,7 +783,9 @@ mod tests {
         let rate = copy_rate_bytes_per_sec(&moves).unwrap();
         assert!((rate - (16_977_920.0 + 8_518_656.0) / 0.572).abs() < 1.0);
         assert_eq!(copy_rate_bytes_per_sec(&[]), None);
-        assert!(move_copies("moved 3 partition(s) garbled").is_empty());
+        // No report, or a garbled one, is an error rather than "nothing moved".
+        assert!(move_copies("moved 3 partition(s) node 0 → 2: …").is_err());
+        assert!(move_copies("{\"moves\": [garbled").is_err());
     }
 
     #[test]

@@ -435,6 +435,10 @@ pub struct MoveArgs {
 pub struct RebalanceArgs {
     #[command(flatten)]
     mover: MoverArgs,
+    /// After the lines for people, one line of JSON with every move's report (keys and
+    /// bytes copied, copy seconds, fence milliseconds, switched or rolled back).
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -688,8 +692,10 @@ fn move_partitions(a: MoveArgs) -> Result<()> {
 #[cfg(feature = "etcd")]
 fn rebalance(a: RebalanceArgs) -> Result<()> {
     let mut m = mover(&a.mover)?;
+    let mut report = camelot_cluster::mover::RebalanceReport::default();
     if let Some(r) = m.resume(false)? {
         print_report(&r);
+        report.moves.push(r);
     }
     let live = m.live_nodes()?;
     let map = m.read_map()?.map;
@@ -733,7 +739,11 @@ fn rebalance(a: RebalanceArgs) -> Result<()> {
             done += chunk.len();
             print_report(&r);
             println!("progress: {done}/{total} partition(s) moved ({from} → {to})");
+            report.moves.push(r);
         }
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
     }
     Ok(())
 }

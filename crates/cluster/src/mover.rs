@@ -64,7 +64,7 @@ pub struct Defects {
 }
 
 /// What one move did.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MoveReport {
     pub partitions: usize,
     pub from: NodeId,
@@ -82,6 +82,13 @@ pub struct MoveReport {
     /// From the fence's commit to the switch's (or the rollback's).
     pub fence_ms: Option<f64>,
     pub keys_deleted: u64,
+}
+
+/// What `camelot cluster rebalance --json` prints last, on one line: every move it made
+/// or finished, in order (for scripts and the expansion bench, instead of its prose).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RebalanceReport {
+    pub moves: Vec<MoveReport>,
 }
 
 pub struct Mover {
