@@ -263,6 +263,28 @@ fn cluster_up_starts_etcd_servers_and_the_map() {
     let map = rt.block_on(etcd.read_map()).unwrap().unwrap().map;
     let addrs: Vec<_> = map.nodes.iter().map(|n| n.addr).collect();
     let client = cluster_client(&endpoint, &addrs);
+    // Members keep the partition index a move's scans walk. (STATS at epoch 0, which a
+    // server checks against no map: one may not have installed the map yet.)
+    let raw = Client::connect(
+        ClientMap {
+            epoch: 0,
+            nodes: map
+                .nodes
+                .iter()
+                .map(|n| camelot_client::NodeInfo {
+                    id: n.id,
+                    addr: n.addr,
+                })
+                .collect(),
+        },
+        ClientConfig::default(),
+    )
+    .unwrap();
+    for n in &map.nodes {
+        let stats = raw.stats(n.id).unwrap();
+        let indexed = stats.iter().find(|(k, _)| k == "partition_index");
+        assert_eq!(indexed.map(|(_, v)| *v), Some(1), "node {}", n.id);
+    }
     for i in 0..50 {
         client
             .put(format!("up{i}").as_bytes(), value("x", i))

@@ -851,6 +851,11 @@ impl ObjectStore {
         }
     }
 
+    /// Whether the store keeps the partition-order index (see `index_partitions`).
+    pub fn partition_indexed(&self) -> bool {
+        self.shards.iter().all(|s| s.read().by_partition.is_some())
+    }
+
     fn shard(&self, key: &[u8]) -> &RwLock<Shard> {
         &self.shards[(key_hash(key) as usize) & (SHARDS - 1)]
     }

@@ -424,6 +424,11 @@ impl ServerState {
         out.push(("epoch".to_owned(), self.epoch()));
         // Keys whose latest write is not yet on every backup (reads of them wait).
         out.push(("unacked_keys".to_owned(), self.unacked.len() as u64));
+        // 1 on a cluster member: its SCAN_PARTITIONS reads only the partitions asked for.
+        out.push((
+            "partition_index".to_owned(),
+            u64::from(self.objects.partition_indexed()),
+        ));
         out.push(("resp_commands".to_owned(), load(&s.resp_commands)));
         out.push((
             STAT_EXPOSED_WITHOUT_TOKEN.to_owned(),
@@ -525,6 +530,8 @@ mod tests {
         assert_eq!(get("epoch"), Some(3));
         assert_eq!(get("ops_fetch_add"), Some(0));
         assert_eq!(get("ops_resp_strings"), Some(0));
+        // A lone server's store keeps no partition index.
+        assert_eq!(get("partition_index"), Some(0));
         let mut by_group = [0; RESP_GROUPS.len()];
         by_group[0] = 2;
         by_group[4] = 1;
