@@ -708,10 +708,13 @@ impl Conn {
             let (rep, own, writes) = (Arc::clone(rep), Arc::clone(own), self.log.writes.clone());
             self.log.writes.clear();
             tokio::spawn(async move {
-                if rep.replicate(&own, &writes).await.is_err() {
+                let failed = rep.replicate(&own, &writes).await.is_err();
+                // Claims first: a repair pass skips keys still claimed, and one that ran
+                // at once (the epoch already past) would find nothing and stop.
+                drop(claims);
+                if failed {
                     rep.repair_soon(own.epoch());
                 }
-                drop(claims);
             });
             return Ok(());
         }

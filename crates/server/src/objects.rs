@@ -1193,8 +1193,9 @@ impl ObjectStore {
     /// `reply_bytes_max` encoded bytes, having examined at most [`SCAN_EXAMINE_MAX`] keys.
     /// TOO_LARGE if not even the first match fits. With the partition index (a cluster
     /// node's) the walk is in partition order ([`partition_rank`], then key) and, at a
-    /// power-of-two partition count, examines only the marked partitions' keys; without
-    /// it, in key order through every key.
+    /// power-of-two partition count, examines only the marked partitions' keys (looking
+    /// into each marked range once per shard, which the examined bound does not count:
+    /// at most 16 × the partition count); without it, in key order through every key.
     ///
     /// The page's version clock is read under every shard's read lock, when no write is
     /// half-done: every write after that moment gets a version at least the clock, so a
@@ -1211,20 +1212,15 @@ impl ObjectStore {
         let _gate = self.gate();
         // At least one, so a page that is not the last always moves the walk on.
         let limit = limit.clamp(1, SCAN_ITEMS_MAX);
+        // Before the locks: writers wait while they are held.
+        let after_rank = after.map(|a| (partition_rank(a), Bytes::copy_from_slice(a)));
+        let ranges = marked_rank_ranges(filter);
         let guards: Vec<RwLockReadGuard<'_, Shard>> =
             self.shards.iter().map(|s| s.read()).collect();
         let version_clock = self.clock.peek();
         // Fixed for the store's life (see `index_partitions`), so every page of one walk
         // is in the same order.
         let indexed = guards.iter().all(|g| g.by_partition.is_some());
-        let after_rank = after
-            .filter(|_| indexed)
-            .map(|a| (partition_rank(a), Bytes::copy_from_slice(a)));
-        let ranges = if indexed {
-            marked_rank_ranges(filter)
-        } else {
-            Vec::new()
-        };
         let mut merged: Box<dyn Iterator<Item = (&Bytes, &Entry)>> = if indexed {
             Box::new(
                 KeyOrder::merge(
