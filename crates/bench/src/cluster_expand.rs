@@ -182,7 +182,7 @@ pub fn move_copies(output: &str) -> Result<Vec<MoveCopy>, BenchError> {
         .ok_or_else(|| {
             BenchError::Setup("`cluster rebalance --json` printed no report line".into())
         })?;
-    let report: camelot_cluster::mover::RebalanceReport = serde_json::from_str(line)
+    let report: camelot_cluster::moves::RebalanceReport = serde_json::from_str(line)
         .map_err(|e| BenchError::Setup(format!("`cluster rebalance --json`'s report: {e}")))?;
     Ok(report
         .moves
@@ -747,7 +747,7 @@ mod tests {
 
     #[test]
     fn moves_are_read_from_the_rebalance_report() {
-        use camelot_cluster::mover::{MoveReport, RebalanceReport};
+        use camelot_cluster::moves::{MoveReport, RebalanceReport};
         let made = |switched, bytes_copied, copy_secs| MoveReport {
             switched,
             bytes_copied,

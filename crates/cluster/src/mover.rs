@@ -63,33 +63,7 @@ pub struct Defects {
     pub no_fill: bool,
 }
 
-/// What one move did.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct MoveReport {
-    pub partitions: usize,
-    pub from: NodeId,
-    pub to: NodeId,
-    /// Completed (switched) or rolled back.
-    pub switched: bool,
-    /// Keys and value bytes copied (APPLY) to the target over every pass.
-    pub keys_copied: u64,
-    pub bytes_copied: u64,
-    /// Key and value bytes the source's copy passes sent (the source filters by partition,
-    /// and after the first pass by version).
-    pub bytes_scanned: u64,
-    /// From the first scan to the fence.
-    pub copy_secs: f64,
-    /// From the fence's commit to the switch's (or the rollback's).
-    pub fence_ms: Option<f64>,
-    pub keys_deleted: u64,
-}
-
-/// What `camelot cluster rebalance --json` prints last, on one line: every move it made
-/// or finished, in order (for scripts and the expansion bench, instead of its prose).
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct RebalanceReport {
-    pub moves: Vec<MoveReport>,
-}
+pub use crate::moves::{MoveReport, RebalanceReport};
 
 pub struct Mover {
     rt: tokio::runtime::Runtime,
