@@ -541,8 +541,8 @@ pub enum Change {
 /// On a cluster node a third index, `by_partition`, holds the keys in
 /// [`partition_rank`] order, so a mover's SCAN_PARTITIONS walks only the partitions it
 /// asks for instead of every key the server holds (a move's write fence lasts as long as
-/// those walks). `None` elsewhere: it costs every new key a third insert (measured: about
-/// a tenth more server CPU loading YCSB records), which a lone server has no use for.
+/// those walks). `None` elsewhere: it costs every new key a third insert (measured: a fifth
+/// more server CPU loading YCSB records), which a lone server has no use for.
 #[derive(Default)]
 struct Shard {
     map: HashMap<Bytes, Entry>,
