@@ -5,6 +5,8 @@
 # (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A fresh clone gains nothing from incremental state, and it took 4.5 GB of the disk.
+export CARGO_INCREMENTAL=0
 
 ./scripts/setup.sh
 
