@@ -191,10 +191,12 @@ impl Drop for Up {
     }
 }
 
-#[test]
-fn cluster_up_starts_etcd_servers_and_the_map() {
+/// Starts `camelot cluster <args>` and reads its stdout until a line starting with
+/// `until` (60 s at most), returning the running process and the lines read so far.
+fn start_up(args: &[&str], until: &str) -> (Up, Vec<String>) {
     let mut child = Command::new(bin())
-        .args(["cluster", "up", "--nodes", "3", "--partitions", "96"])
+        .arg("cluster")
+        .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -212,13 +214,19 @@ fn cluster_up_starts_etcd_servers_and_the_map() {
     });
     let mut lines = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !lines.iter().any(|l: &String| l.starts_with("map epoch")) {
+    while !lines.iter().any(|l: &String| l.starts_with(until)) {
         let left = deadline.saturating_duration_since(Instant::now());
         match rx.recv_timeout(left) {
             Ok(l) => lines.push(l),
             Err(e) => panic!("cluster up printed {lines:?} then {e}"),
         }
     }
+    (up, lines)
+}
+
+#[test]
+fn cluster_up_starts_etcd_servers_and_the_map() {
+    let (up, lines) = start_up(&["up", "--nodes", "3", "--partitions", "96"], "map epoch");
     let endpoint = lines[0]
         .split_whitespace()
         .find(|w| w.starts_with("http://127.0.0.1:"))
@@ -445,36 +453,18 @@ impl Drop for KillOnDrop {
 /// go with it (the kernel's parent-death signal), not run on with nobody to stop them.
 #[test]
 fn cluster_up_sigkilled_takes_etcd_its_servers_and_its_controllers_with_it() {
-    let mut child = Command::new(bin())
-        .args(["cluster", "up", "--nodes", "2", "--partitions", "16"])
-        .args(["--controllers", "1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let up = Up { child };
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut lines = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !lines
-        .iter()
-        .any(|l: &String| l.starts_with("Ctrl-C to stop"))
-    {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(l) => lines.push(l),
-            Err(e) => panic!("cluster up printed {lines:?} then {e}"),
-        }
-    }
+    let (up, lines) = start_up(
+        &[
+            "up",
+            "--nodes",
+            "2",
+            "--partitions",
+            "16",
+            "--controllers",
+            "1",
+        ],
+        "Ctrl-C to stop",
+    );
     // "…(prefix P, pid N)", "  node I: ADDR pid N (…", "  controller I: pid N".
     let pids: Vec<u32> = lines
         .iter()

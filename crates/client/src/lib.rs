@@ -179,6 +179,20 @@ impl ClientError {
             _ => None,
         }
     }
+
+    /// The server this error came from, when the error names one; a caller that spoke
+    /// to several uses it to blame the right one.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        match self {
+            ClientError::Connect { addr, .. }
+            | ClientError::Auth { addr, .. }
+            | ClientError::Handshake { addr, .. }
+            | ClientError::Io { addr, .. }
+            | ClientError::Protocol { addr, .. }
+            | ClientError::ConnectionLost { addr } => Some(*addr),
+            _ => None,
+        }
+    }
 }
 
 /// A region on one node: what ALLOC or LOOKUP returned, plus where it lives.

@@ -103,16 +103,7 @@ fn routed_client(map: &ClusterMap, nodes: &[NodeId], epoch: u64) -> Result<Clien
     )
     .map_err(|source| {
         // The node whose address the error names, so a rollback blames the right one.
-        let addr = match &source {
-            ClientError::Connect { addr, .. }
-            | ClientError::Auth { addr, .. }
-            | ClientError::Handshake { addr, .. }
-            | ClientError::Io { addr, .. }
-            | ClientError::Protocol { addr, .. }
-            | ClientError::ConnectionLost { addr } => Some(*addr),
-            _ => None,
-        };
-        let named = addr.and_then(|a| {
+        let named = source.addr().and_then(|a| {
             nodes
                 .iter()
                 .copied()

@@ -787,6 +787,8 @@ pub struct ObjectStore {
     charged_bytes: AtomicU64,
     /// Objects with an expiry; the sweeper does nothing while this is zero.
     expiring: AtomicU64,
+    /// Every shard keeps `by_partition` (set once, before the store is shared).
+    partition_indexed: bool,
 }
 
 impl ObjectStore {
@@ -798,6 +800,7 @@ impl ObjectStore {
             clock: VersionClock(AtomicU64::new(1)),
             charged_bytes: AtomicU64::new(0),
             expiring: AtomicU64::new(0),
+            partition_indexed: false,
         }
     }
 
@@ -849,11 +852,12 @@ impl ObjectStore {
                 );
             }
         }
+        self.partition_indexed = true;
     }
 
     /// Whether the store keeps the partition-order index (see `index_partitions`).
     pub fn partition_indexed(&self) -> bool {
-        self.shards.iter().all(|s| s.read().by_partition.is_some())
+        self.partition_indexed
     }
 
     fn shard(&self, key: &[u8]) -> &RwLock<Shard> {
@@ -1212,15 +1216,21 @@ impl ObjectStore {
         let _gate = self.gate();
         // At least one, so a page that is not the last always moves the walk on.
         let limit = limit.clamp(1, SCAN_ITEMS_MAX);
+        // Fixed for the store's life (see `index_partitions`), so every page of one walk
+        // is in the same order.
+        let indexed = self.partition_indexed;
         // Before the locks: writers wait while they are held.
-        let after_rank = after.map(|a| (partition_rank(a), Bytes::copy_from_slice(a)));
-        let ranges = marked_rank_ranges(filter);
+        let (after_rank, ranges) = if indexed {
+            (
+                after.map(|a| (partition_rank(a), Bytes::copy_from_slice(a))),
+                marked_rank_ranges(filter),
+            )
+        } else {
+            (None, Vec::new())
+        };
         let guards: Vec<RwLockReadGuard<'_, Shard>> =
             self.shards.iter().map(|s| s.read()).collect();
         let version_clock = self.clock.peek();
-        // Fixed for the store's life (see `index_partitions`), so every page of one walk
-        // is in the same order.
-        let indexed = guards.iter().all(|g| g.by_partition.is_some());
         let mut merged: Box<dyn Iterator<Item = (&Bytes, &Entry)>> = if indexed {
             Box::new(
                 KeyOrder::merge(
