@@ -1,7 +1,9 @@
 //! `camelot bench middlebox cas` (issue 20, seed 002's cas_vs_swap): one shared word,
 //! 1…64 clients each incrementing it with CAS, straight to a `camelot server` process and
 //! through a `camelot proxy` process with `--conn-map 1 --cas-to-write`; successful
-//! increments per second for both, and the proxy's requests per proxy CPU-second.
+//! increments per second for both, and the proxy's requests per proxy CPU-second. Then
+//! the same with batching (the issue's "≥ 1 M with batching"): each client CASes
+//! `batch_words` shared words in one frame per round, direct and through the proxy.
 
 use crate::BenchError;
 use camelot_client::{AccessMode, Client, ClientConfig, ClusterMap, Region};
@@ -22,12 +24,21 @@ pub const CLIENTS_MAX: usize = 256;
 pub const SEED_PROXY_OPS_PER_CORE_S: f64 = 2.8e6;
 /// The issue's floor for CAS→WRITE ÷ CAS direct at 32 clients.
 pub const CAS_TO_WRITE_RATIO_TARGET: f64 = 5.0;
+/// The issue's goal for proxy operations per proxy CPU-second, with batching.
+pub const PROXY_OPS_PER_CPU_S_GOAL: f64 = 1e6;
+/// Most shared words one batched round may CAS (8 bytes each, in one 4 KiB region).
+pub const BATCH_WORDS_MAX: usize = 512;
 
 #[derive(Debug, Clone)]
 pub struct CasConfig {
     pub clients: Vec<usize>,
     pub seconds_per_point: f64,
     pub quick: bool,
+    /// Shared words each client CASes in one frame per round in the batched point (0:
+    /// no batched point).
+    pub batch_words: usize,
+    /// Clients of the batched point.
+    pub batch_clients: usize,
 }
 
 impl CasConfig {
@@ -40,6 +51,8 @@ impl CasConfig {
             },
             seconds_per_point: if quick { 1.0 } else { 5.0 },
             quick,
+            batch_words: 32,
+            batch_clients: 32,
         }
     }
 
@@ -47,6 +60,13 @@ impl CasConfig {
         if self.clients.is_empty() || self.clients.iter().any(|&c| c == 0 || c > CLIENTS_MAX) {
             return Err(BenchError::InvalidConfig(format!(
                 "clients are 1 to {CLIENTS_MAX}"
+            )));
+        }
+        if self.batch_words > BATCH_WORDS_MAX
+            || (self.batch_words > 0 && !(1..=CLIENTS_MAX).contains(&self.batch_clients))
+        {
+            return Err(BenchError::InvalidConfig(format!(
+                "a batch is 0 to {BATCH_WORDS_MAX} words, for 1 to {CLIENTS_MAX} clients"
             )));
         }
         if !(self.seconds_per_point.is_finite()
@@ -107,6 +127,109 @@ fn hammer(
                         cur += 1;
                     } else {
                         cur = before;
+                    }
+                }
+                Ok((attempts, wins))
+            })
+        })
+        .collect();
+    start.wait();
+    let t = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(seconds));
+    stop.store(true, Ordering::Relaxed);
+    let mut attempts = 0;
+    let mut increments = 0;
+    for th in threads {
+        let (a, w) = th
+            .join()
+            .map_err(|_| BenchError::Setup("a client thread panicked".into()))?
+            .map_err(BenchError::Setup)?;
+        attempts += a;
+        increments += w;
+    }
+    let elapsed = t.elapsed().as_secs_f64();
+    Ok(Measured {
+        increments_per_s: increments as f64 / elapsed,
+        attempts,
+        increments,
+    })
+}
+
+/// Whose words a batched client CASes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sharing {
+    /// Words 0..`words`, the same for every client: contended, so most CASes fail, and
+    /// the proxy answers those itself from the value it knows.
+    Shared,
+    /// A block of `words` words per client: every CAS wins, and the proxy turns each into
+    /// a WRITE upstream.
+    Own,
+}
+
+impl Sharing {
+    fn label(self) -> &'static str {
+        match self {
+            Sharing::Shared => "shared",
+            Sharing::Own => "own",
+        }
+    }
+}
+
+/// `clients` threads, each with its own connection, incrementing `words` words of
+/// `region` (`Sharing::Own`: words of its own) for `seconds`: every round sends one CAS
+/// per word (from the last value seen there) in one batch and waits for all of them.
+fn hammer_batched(
+    map: &ClusterMap,
+    region: &Region,
+    clients: usize,
+    words: usize,
+    sharing: Sharing,
+    seconds: f64,
+) -> Result<Measured, BenchError> {
+    let config = ClientConfig {
+        connections_per_node: 1,
+        ..ClientConfig::default()
+    };
+    let conns: Vec<Client> = (0..clients)
+        .map(|_| Client::connect(map.clone(), config.clone()))
+        .collect::<Result<_, _>>()
+        .map_err(|e| BenchError::Setup(format!("connect: {e}")))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Arc::new(Barrier::new(clients + 1));
+    let threads: Vec<_> = conns
+        .into_iter()
+        .enumerate()
+        .map(|(client, c)| {
+            let (stop, start, region) = (stop.clone(), start.clone(), region.clone());
+            let base = match sharing {
+                Sharing::Shared => 0,
+                Sharing::Own => (client * words * 8) as u64,
+            };
+            std::thread::spawn(move || -> Result<(u64, u64), String> {
+                let mut cur: Vec<u64> = c
+                    .read(&region, base, (words * 8) as u32)
+                    .map_err(|e| e.to_string())?
+                    .chunks_exact(8)
+                    .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+                    .collect();
+                start.wait();
+                let (mut attempts, mut wins) = (0u64, 0u64);
+                while !stop.load(Ordering::Relaxed) {
+                    let ops = cur
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &v)| (region.node, region.cas_op(base + i as u64 * 8, v, v + 1)));
+                    let pendings = c.submit_many(ops).map_err(|e| e.to_string())?;
+                    for (slot, pending) in cur.iter_mut().zip(pendings) {
+                        let before = camelot_client::reply::word(pending.wait())
+                            .map_err(|e| e.to_string())?;
+                        attempts += 1;
+                        if before == *slot {
+                            wins += 1;
+                            *slot += 1;
+                        } else {
+                            *slot = before;
+                        }
                     }
                 }
                 Ok((attempts, wins))
@@ -248,9 +371,96 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
             at_32 = (Some(d.increments_per_s), Some(p.increments_per_s));
         }
     }
+    // The batched points: the same two sides, each client CASing `batch_words` words in
+    // one frame per round; first words every client shares, then words of its own.
+    let mut batched_series = Vec::new();
+    let mut batched = Vec::new();
+    if cfg.batch_words > 0 {
+        let (n, w) = (cfg.batch_clients, cfg.batch_words);
+        let proxy_client = Client::connect(via.clone(), ClientConfig::default())
+            .map_err(|e| BenchError::Setup(format!("connect to the proxy: {e}")))?;
+        for sharing in [Sharing::Shared, Sharing::Own] {
+            let total_words = match sharing {
+                Sharing::Shared => w,
+                Sharing::Own => w * n,
+            };
+            let fresh_words = || {
+                admin
+                    .alloc_with((total_words * 8) as u64, None, AccessMode::Shared)
+                    .map_err(|e| BenchError::Setup(format!("alloc: {e}")))
+            };
+            let region = fresh_words()?;
+            let d = hammer_batched(&direct, &region, n, w, sharing, cfg.seconds_per_point)?;
+            check_words(
+                &admin,
+                &region,
+                total_words,
+                d.increments,
+                "direct, batched",
+            )?;
+            let _ = admin.free(&region);
+            let region = fresh_words()?;
+            let before = proxy_cas_counts(&proxy_client)?;
+            let cpu0 = proxy.cpu_seconds()?;
+            let p = hammer_batched(&via, &region, n, w, sharing, cfg.seconds_per_point)?;
+            let cpu = proxy.cpu_seconds()? - cpu0;
+            let after = proxy_cas_counts(&proxy_client)?;
+            check_words(&admin, &region, total_words, p.increments, "proxy, batched")?;
+            let _ = admin.free(&region);
+            let ops_per_cpu_s = if cpu > 0.0 {
+                p.attempts as f64 / cpu
+            } else {
+                f64::NAN
+            };
+            let how = format!("{w} {} words per frame", sharing.label());
+            eprintln!(
+                "{n:>3} clients × {how}: direct {:>9.0} incr/s, via proxy {:>9.0} incr/s ({:.2}×), proxy {:.0} ops/CPU-s",
+                d.increments_per_s,
+                p.increments_per_s,
+                p.increments_per_s / d.increments_per_s,
+                ops_per_cpu_s
+            );
+            let mut ds = Series::new(format!("CAS direct, {how}"));
+            let mut dp = Point::new(n);
+            dp.ops_per_sec = Some(d.increments_per_s);
+            dp.extra.insert("cas_attempts".into(), json!(d.attempts));
+            dp.extra.insert("increments".into(), json!(d.increments));
+            ds.points.push(dp);
+            let mut ps = Series::new(format!("CAS→WRITE via proxy, {how}"));
+            let mut pp = Point::new(n);
+            pp.ops_per_sec = Some(p.increments_per_s);
+            pp.extra.insert("cas_attempts".into(), json!(p.attempts));
+            pp.extra.insert("increments".into(), json!(p.increments));
+            pp.extra.insert("proxy_cpu_s".into(), json!(cpu));
+            pp.extra
+                .insert("proxy_ops_per_cpu_s".into(), json!(ops_per_cpu_s));
+            for (name, (b, a)) in [
+                "proxy_cas_converted",
+                "proxy_cas_failed_locally",
+                "proxy_cas_forwarded",
+            ]
+            .into_iter()
+            .zip(before.into_iter().zip(after))
+            {
+                pp.extra.insert(name.into(), json!(a.saturating_sub(b)));
+            }
+            ps.points.push(pp);
+            batched_series.extend([ds, ps]);
+            batched.push((
+                how,
+                n,
+                d.increments_per_s,
+                p.increments_per_s,
+                ops_per_cpu_s,
+            ));
+        }
+    }
     let config = json!({
         "x": "clients",
         "clients": cfg.clients,
+        "batch_words": cfg.batch_words,
+        "batch_clients": cfg.batch_clients,
+        "batched_workload": "each client: one frame per round with a CAS(last seen, last seen + 1) on each of batch_words words, then waits for all answers; 'shared': the same words for every client, 'own': a block of words per client",
         "seconds_per_point": cfg.seconds_per_point,
         "quick": cfg.quick,
         "workload": "one shared 8-byte word; each client: CAS(last seen, last seen + 1), a failed CAS's answer is the next guess",
@@ -264,7 +474,7 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
         "middlebox-cas",
         started,
         config,
-        vec![direct_series, proxy_series],
+        [vec![direct_series, proxy_series], batched_series].concat(),
     );
     result.references.push(Reference {
         label: "seed 002: 2.8 M ops/s per middlebox core".into(),
@@ -292,7 +502,82 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
             "seed 002's middlebox (per core)",
         ));
     }
+    for (how, n, d, p, ops_per_cpu_s) in batched {
+        result.comparisons.push(Comparison::new(
+            format!("CAS→WRITE via proxy ÷ CAS direct, {n} clients × {how}"),
+            p,
+            d,
+            "increments/s",
+            "CAS direct, batched the same way (same run)",
+        ));
+        if ops_per_cpu_s.is_finite() {
+            // The goal, 1 M, as a share of the seed's figure it is reported beside.
+            result.comparisons.push(
+                Comparison::new(
+                    format!(
+                        "proxy CAS answered per proxy CPU-second, {n} clients × {how} (goal 1 M)"
+                    ),
+                    ops_per_cpu_s,
+                    SEED_PROXY_OPS_PER_CORE_S,
+                    "ops/CPU-s",
+                    "seed 002's middlebox (per core)",
+                )
+                .with_target(PROXY_OPS_PER_CPU_S_GOAL / SEED_PROXY_OPS_PER_CORE_S, false),
+            );
+        }
+    }
     Ok(vec![output::write_result(out, &result)?])
+}
+
+/// Words read per request when checking the batched points' totals.
+const CHECK_READ_WORDS: usize = 8192;
+
+/// The proxy's CAS counters: converted to WRITEs, failed from the value it knew,
+/// forwarded as CAS.
+fn proxy_cas_counts(proxy: &Client) -> Result<[u64; 3], BenchError> {
+    let stats = proxy
+        .stats(0)
+        .map_err(|e| BenchError::Setup(format!("proxy stats: {e}")))?;
+    let get = |name: &str| {
+        stats
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| *v)
+            .ok_or_else(|| BenchError::Setup(format!("the proxy's stats lack {name}")))
+    };
+    Ok([
+        get("proxy_cas_converted")?,
+        get("proxy_cas_failed_locally")?,
+        get("proxy_cas_forwarded")?,
+    ])
+}
+
+/// Fails unless words 0..`words` of `region` sum to `increments`: every increment a
+/// client counted is on the server, and nothing else is.
+fn check_words(
+    admin: &Client,
+    region: &Region,
+    words: usize,
+    increments: u64,
+    side: &str,
+) -> Result<(), BenchError> {
+    let mut moved = 0u64;
+    for first in (0..words).step_by(CHECK_READ_WORDS) {
+        let n = CHECK_READ_WORDS.min(words - first);
+        let bytes = admin
+            .read(region, (first * 8) as u64, (n * 8) as u32)
+            .map_err(|e| BenchError::Setup(format!("read the words: {e}")))?;
+        moved += bytes
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+            .sum::<u64>();
+    }
+    if moved != increments {
+        return Err(BenchError::Check(format!(
+            "{side}: {increments} increments counted, the words moved {moved}"
+        )));
+    }
+    Ok(())
 }
 
 // ---- Clover YCSB load, direct and through the proxy: the bandwidth and tail benches ----

@@ -111,6 +111,13 @@ pub struct MiddleboxCasArgs {
     /// Seconds per point.
     #[arg(long)]
     seconds: Option<f64>,
+    /// Shared words each client CASes in one frame per round, in the batched point that
+    /// follows the one-word points (0: no batched point).
+    #[arg(long, value_name = "WORDS", default_value_t = 32)]
+    batch: usize,
+    /// Clients of the batched point.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    batch_clients: usize,
     /// Directory for middlebox-cas.json.
     #[arg(long, default_value = "results")]
     out: std::path::PathBuf,
@@ -126,6 +133,8 @@ pub fn bench(command: MiddleboxCommand) -> Result<()> {
             if let Some(s) = a.seconds {
                 cfg.seconds_per_point = s;
             }
+            cfg.batch_words = a.batch;
+            cfg.batch_clients = a.batch_clients;
             let binary = std::env::current_exe().context("cannot tell where this program is")?;
             for path in camelot_bench::middlebox::run_cas(&cfg, &binary, &a.out)? {
                 println!("wrote {}", path.display());

@@ -640,6 +640,10 @@ fn the_cas_bench_writes_its_result() {
             "1,4",
             "--seconds",
             "0.3",
+            "--batch",
+            "8",
+            "--batch-clients",
+            "4",
         ])
         .arg("--out")
         .arg(&dir.path)
@@ -654,13 +658,51 @@ fn the_cas_bench_writes_its_result() {
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(json["bench"], "middlebox-cas");
     assert_eq!(json["config"]["quick"], true);
+    assert_eq!(json["config"]["batch_words"], 8);
     let series = json["series"].as_array().unwrap();
-    assert_eq!(series.len(), 2);
-    for s in series {
-        assert_eq!(s["points"].as_array().unwrap().len(), 2);
-        for p in s["points"].as_array().unwrap() {
+    assert_eq!(
+        series.len(),
+        6,
+        "one word, shared words, own words: direct and proxy each"
+    );
+    for (i, s) in series.iter().enumerate() {
+        let points = s["points"].as_array().unwrap();
+        assert_eq!(points.len(), if i < 2 { 2 } else { 1 }, "{s}");
+        for p in points {
             assert!(p["ops_per_sec"].as_f64().unwrap() > 0.0, "{p}");
         }
+    }
+    // Through the proxy, every CAS was one of a frame of 8, and each was converted,
+    // failed from the known value or forwarded.
+    for at in [3, 5] {
+        let p = &series[at]["points"][0];
+        assert_eq!(p["x"].as_f64(), Some(4.0), "{p}");
+        let e = &p["extra"];
+        let attempts = e["cas_attempts"].as_u64().unwrap();
+        assert_eq!(attempts % 8, 0, "{p}");
+        let counted: u64 = [
+            "proxy_cas_converted",
+            "proxy_cas_failed_locally",
+            "proxy_cas_forwarded",
+        ]
+        .iter()
+        .map(|k| e[k].as_u64().unwrap())
+        .sum();
+        assert_eq!(counted, attempts, "{p}");
+    }
+    // Words of its own: every CAS wins, so none fails at the proxy.
+    let own = &series[5]["points"][0]["extra"];
+    assert_eq!(own["increments"], own["cas_attempts"], "{own}");
+    assert_eq!(own["proxy_cas_failed_locally"], 0, "{own}");
+    let comparisons = json["comparisons"].as_array().unwrap();
+    for how in ["shared", "own"] {
+        let name = format!("4 clients × 8 {how} words per frame (goal 1 M)");
+        assert!(
+            comparisons
+                .iter()
+                .any(|c| c["name"].as_str().unwrap().contains(&name)),
+            "{name}: {comparisons:?}"
+        );
     }
 }
 
