@@ -317,7 +317,9 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
     let mut best_proxy_ops_per_cpu_s: f64 = 0.0;
     for &n in &cfg.clients {
         let region = fresh_word()?;
-        let d = hammer(&direct, &region, n, cfg.seconds_per_point)?;
+        let (d, d_server_cpu) = server_cpu(&server, || {
+            hammer(&direct, &region, n, cfg.seconds_per_point)
+        })?;
         let moved = word(&admin, &region)?;
         if moved != d.increments {
             return Err(BenchError::Check(format!(
@@ -328,7 +330,8 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
         let _ = admin.free(&region);
         let region = fresh_word()?;
         let cpu0 = proxy.cpu_seconds()?;
-        let p = hammer(&via, &region, n, cfg.seconds_per_point)?;
+        let (p, p_server_cpu) =
+            server_cpu(&server, || hammer(&via, &region, n, cfg.seconds_per_point))?;
         let cpu = proxy.cpu_seconds()? - cpu0;
         // Every increment counted was a CAS the proxy answered after its WRITE was done.
         let moved = word(&admin, &region)?;
@@ -351,12 +354,14 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
         dp.ops_per_sec = Some(d.increments_per_s);
         dp.extra.insert("cas_attempts".into(), json!(d.attempts));
         dp.extra.insert("increments".into(), json!(d.increments));
+        dp.extra.insert("server_cpu_s".into(), json!(d_server_cpu));
         direct_series.points.push(dp);
         let mut pp = Point::new(n);
         pp.ops_per_sec = Some(p.increments_per_s);
         pp.extra.insert("cas_attempts".into(), json!(p.attempts));
         pp.extra.insert("increments".into(), json!(p.increments));
         pp.extra.insert("proxy_cpu_s".into(), json!(cpu));
+        pp.extra.insert("server_cpu_s".into(), json!(p_server_cpu));
         pp.extra
             .insert("proxy_ops_per_cpu_s".into(), json!(ops_per_cpu_s));
         proxy_series.points.push(pp);
@@ -390,7 +395,9 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
                     .map_err(|e| BenchError::Setup(format!("alloc: {e}")))
             };
             let region = fresh_words()?;
-            let d = hammer_batched(&direct, &region, n, w, sharing, cfg.seconds_per_point)?;
+            let (d, d_server_cpu) = server_cpu(&server, || {
+                hammer_batched(&direct, &region, n, w, sharing, cfg.seconds_per_point)
+            })?;
             check_words(
                 &admin,
                 &region,
@@ -402,7 +409,9 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
             let region = fresh_words()?;
             let before = proxy_cas_counts(&proxy_client)?;
             let cpu0 = proxy.cpu_seconds()?;
-            let p = hammer_batched(&via, &region, n, w, sharing, cfg.seconds_per_point)?;
+            let (p, p_server_cpu) = server_cpu(&server, || {
+                hammer_batched(&via, &region, n, w, sharing, cfg.seconds_per_point)
+            })?;
             let cpu = proxy.cpu_seconds()? - cpu0;
             let after = proxy_cas_counts(&proxy_client)?;
             check_words(&admin, &region, total_words, p.increments, "proxy, batched")?;
@@ -425,6 +434,8 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
             dp.ops_per_sec = Some(d.increments_per_s);
             dp.extra.insert("cas_attempts".into(), json!(d.attempts));
             dp.extra.insert("increments".into(), json!(d.increments));
+            dp.extra.insert("server_cpu_s".into(), json!(d_server_cpu));
+            dp.extra.insert("server_cpu_s".into(), json!(d_server_cpu));
             ds.points.push(dp);
             let mut ps = Series::new(format!("CAS→WRITE via proxy, {how}"));
             let mut pp = Point::new(n);
@@ -432,6 +443,8 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
             pp.extra.insert("cas_attempts".into(), json!(p.attempts));
             pp.extra.insert("increments".into(), json!(p.increments));
             pp.extra.insert("proxy_cpu_s".into(), json!(cpu));
+            pp.extra.insert("server_cpu_s".into(), json!(p_server_cpu));
+            pp.extra.insert("server_cpu_s".into(), json!(p_server_cpu));
             pp.extra
                 .insert("proxy_ops_per_cpu_s".into(), json!(ops_per_cpu_s));
             for (name, (b, a)) in [
@@ -469,6 +482,7 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
         "proxy": format!("camelot proxy run {}", proxy_flags.join(" ")),
         "client": "camelot-client, one connection per client thread",
         "proxy_ops": "every CAS the proxy answered, per CPU-second of the proxy process",
+        "cpu": "server_cpu_s per point: CPU seconds of the server process over that side; proxy_cpu_s the same of the proxy",
     });
     let mut result = BenchResult::new(
         "middlebox-cas",
@@ -527,6 +541,16 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
         }
     }
     Ok(vec![output::write_result(out, &result)?])
+}
+
+/// What `f` returns, and the CPU seconds the server process used meanwhile.
+fn server_cpu<T>(
+    server: &CamelotServer,
+    f: impl FnOnce() -> Result<T, BenchError>,
+) -> Result<(T, f64), BenchError> {
+    let before = server.process().cpu_seconds()?;
+    let out = f()?;
+    Ok((out, server.process().cpu_seconds()? - before))
 }
 
 /// Words read per request when checking the batched points' totals.

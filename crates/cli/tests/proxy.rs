@@ -670,6 +670,7 @@ fn the_cas_bench_writes_its_result() {
         assert_eq!(points.len(), if i < 2 { 2 } else { 1 }, "{s}");
         for p in points {
             assert!(p["ops_per_sec"].as_f64().unwrap() > 0.0, "{p}");
+            assert!(p["extra"]["server_cpu_s"].as_f64().is_some(), "{p}");
         }
     }
     // Through the proxy, every CAS was one of a frame of 8, and each was converted,
