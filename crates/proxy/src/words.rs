@@ -8,8 +8,10 @@
 //! expected value matches becomes a WRITE (and succeeds), a CAS whose expected value
 //! does not match is answered at once with the known value (it would have failed).
 //!
-//! The table is bounded by a byte budget (`--memory`): past it the oldest entry is
-//! forgotten, which only means the next CAS on that word passes through.
+//! The table is bounded by a byte budget (`--memory`): past it an entry is forgotten,
+//! which only means the next CAS on that word passes through. Eviction is second chance
+//! (CLOCK): an entry set again since it last came to the queue's front goes round once
+//! more, so a word in use stays while updating it costs no queue slot.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -31,6 +33,8 @@ struct Entry {
     word: Word,
     /// When it was inserted, to match the eviction queue.
     stamp: u64,
+    /// Set again since it last came to the queue's front: spared once by eviction.
+    referenced: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,7 +59,8 @@ pub struct WordStats {
 #[derive(Debug)]
 pub struct Words {
     map: BTreeMap<(RegionId, u64), Entry>,
-    /// Keys in insertion order; entries replaced since are skipped by stamp.
+    /// Keys in insertion order (or of their second chance); slots of entries removed
+    /// since are skipped by stamp.
     order: VecDeque<((RegionId, u64), u64)>,
     entries_max: usize,
     next_stamp: u64,
@@ -88,24 +93,49 @@ impl Words {
         if self.entries_max == 0 {
             return;
         }
+        // Advanced on every put: a forwarded CAS's ticket is the stamp it would get.
         let stamp = self.next_stamp;
         self.next_stamp += 1;
-        if self.map.insert(key, Entry { word, stamp }).is_none() {
-            while self.map.len() > self.entries_max {
-                self.evict_oldest();
-            }
+        if let Some(e) = self.map.get_mut(&key) {
+            // Its queue slot stays live (same stamp): no new slot, no compaction.
+            e.word = word;
+            e.referenced = true;
+            return;
+        }
+        self.map.insert(
+            key,
+            Entry {
+                word,
+                stamp,
+                referenced: false,
+            },
+        );
+        while self.map.len() > self.entries_max {
+            self.evict_one();
         }
         self.order.push_back((key, stamp));
         self.compact();
     }
 
-    fn evict_oldest(&mut self) {
+    /// Removes the entry nearest the queue's front that was not set again since it got
+    /// there; those that were go to the back once. Ends: each live slot is spared at
+    /// most once per call, and the map is not empty when this is called.
+    fn evict_one(&mut self) {
         while let Some((key, stamp)) = self.order.pop_front() {
-            if self.map.get(&key).is_some_and(|e| e.stamp == stamp) {
-                self.map.remove(&key);
-                self.stats.evictions += 1;
-                return;
+            let Some(e) = self.map.get_mut(&key) else {
+                continue;
+            };
+            if e.stamp != stamp {
+                continue;
             }
+            if e.referenced {
+                e.referenced = false;
+                self.order.push_back((key, stamp));
+                continue;
+            }
+            self.map.remove(&key);
+            self.stats.evictions += 1;
+            return;
         }
     }
 
@@ -324,6 +354,25 @@ mod tests {
         assert_eq!(none.len(), 0);
         assert!(matches!(
             none.cas(1, 0, 0, 1, true),
+            CasDecision::Forward { .. }
+        ));
+    }
+
+    #[test]
+    fn a_word_set_again_gets_a_second_chance_and_takes_no_queue_slot() {
+        let mut w = Words::new(2 * ENTRY_BYTES);
+        w.write(1, 0, &1u64.to_le_bytes());
+        w.write(1, 8, &2u64.to_le_bytes());
+        for v in 0..1_000u64 {
+            w.write(1, 0, &v.to_le_bytes());
+        }
+        assert_eq!(w.order.len(), 2, "updates of a present word queue nothing");
+        // A third word evicts word 8, the one not set again, though word 0 is older.
+        w.write(1, 16, &3u64.to_le_bytes());
+        assert_eq!(w.stats.evictions, 1);
+        assert_eq!(w.cas(1, 0, 999, 1_000, true), CasDecision::Convert);
+        assert!(matches!(
+            w.cas(1, 8, 2, 3, true),
             CasDecision::Forward { .. }
         ));
     }
