@@ -87,15 +87,21 @@ struct Measured {
     increments: u64,
 }
 
-/// `clients` threads, each with its own connection, incrementing word 0 by CAS for
-/// `seconds`: read once, then CAS from the last value seen (a failed CAS returns the
-/// current value, so a retry needs no read).
-fn hammer(
+/// Runs `clients` threads, each with its own connection, for `seconds`. Each calls
+/// `work(index, client, stop, start)`, which sets up, waits on `start`, runs until
+/// `stop`, and returns its (CAS attempts, wins).
+fn run_clients<F>(
     map: &ClusterMap,
-    region: &Region,
     clients: usize,
     seconds: f64,
-) -> Result<Measured, BenchError> {
+    work: F,
+) -> Result<Measured, BenchError>
+where
+    F: Fn(usize, Client, &AtomicBool, &Barrier) -> Result<(u64, u64), String>
+        + Send
+        + Sync
+        + 'static,
+{
     let config = ClientConfig {
         connections_per_node: 1,
         ..ClientConfig::default()
@@ -106,31 +112,13 @@ fn hammer(
         .map_err(|e| BenchError::Setup(format!("connect: {e}")))?;
     let stop = Arc::new(AtomicBool::new(false));
     let start = Arc::new(Barrier::new(clients + 1));
+    let work = Arc::new(work);
     let threads: Vec<_> = conns
         .into_iter()
-        .map(|c| {
-            let (stop, start, region) = (stop.clone(), start.clone(), region.clone());
-            std::thread::spawn(move || -> Result<(u64, u64), String> {
-                let mut cur = {
-                    let b = c.read(&region, 0, 8).map_err(|e| e.to_string())?;
-                    let mut w = [0u8; 8];
-                    w.copy_from_slice(&b[..8]);
-                    u64::from_le_bytes(w)
-                };
-                start.wait();
-                let (mut attempts, mut wins) = (0u64, 0u64);
-                while !stop.load(Ordering::Relaxed) {
-                    let before = c.cas(&region, 0, cur, cur + 1).map_err(|e| e.to_string())?;
-                    attempts += 1;
-                    if before == cur {
-                        wins += 1;
-                        cur += 1;
-                    } else {
-                        cur = before;
-                    }
-                }
-                Ok((attempts, wins))
-            })
+        .enumerate()
+        .map(|(i, c)| {
+            let (stop, start, work) = (stop.clone(), start.clone(), work.clone());
+            std::thread::spawn(move || work(i, c, &stop, &start))
         })
         .collect();
     start.wait();
@@ -155,6 +143,38 @@ fn hammer(
     })
 }
 
+/// `clients` threads incrementing word 0 by CAS: read once, then CAS from the last value
+/// seen (a failed CAS returns the current value, so a retry needs no read).
+fn hammer(
+    map: &ClusterMap,
+    region: &Region,
+    clients: usize,
+    seconds: f64,
+) -> Result<Measured, BenchError> {
+    let region = region.clone();
+    run_clients(map, clients, seconds, move |_, c, stop, start| {
+        let mut cur = {
+            let b = c.read(&region, 0, 8).map_err(|e| e.to_string())?;
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[..8]);
+            u64::from_le_bytes(w)
+        };
+        start.wait();
+        let (mut attempts, mut wins) = (0u64, 0u64);
+        while !stop.load(Ordering::Relaxed) {
+            let before = c.cas(&region, 0, cur, cur + 1).map_err(|e| e.to_string())?;
+            attempts += 1;
+            if before == cur {
+                wins += 1;
+                cur += 1;
+            } else {
+                cur = before;
+            }
+        }
+        Ok((attempts, wins))
+    })
+}
+
 /// Whose words a batched client CASes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Sharing {
@@ -175,9 +195,9 @@ impl Sharing {
     }
 }
 
-/// `clients` threads, each with its own connection, incrementing `words` words of
-/// `region` (`Sharing::Own`: words of its own) for `seconds`: every round sends one CAS
-/// per word (from the last value seen there) in one batch and waits for all of them.
+/// `clients` threads incrementing `words` words of `region` (`Sharing::Own`: words of
+/// its own): every round sends one CAS per word (from the last value seen there) in one
+/// batch and waits for all of them.
 fn hammer_batched(
     map: &ClusterMap,
     region: &Region,
@@ -186,75 +206,39 @@ fn hammer_batched(
     sharing: Sharing,
     seconds: f64,
 ) -> Result<Measured, BenchError> {
-    let config = ClientConfig {
-        connections_per_node: 1,
-        ..ClientConfig::default()
-    };
-    let conns: Vec<Client> = (0..clients)
-        .map(|_| Client::connect(map.clone(), config.clone()))
-        .collect::<Result<_, _>>()
-        .map_err(|e| BenchError::Setup(format!("connect: {e}")))?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let start = Arc::new(Barrier::new(clients + 1));
-    let threads: Vec<_> = conns
-        .into_iter()
-        .enumerate()
-        .map(|(client, c)| {
-            let (stop, start, region) = (stop.clone(), start.clone(), region.clone());
-            let base = match sharing {
-                Sharing::Shared => 0,
-                Sharing::Own => (client * words * 8) as u64,
-            };
-            std::thread::spawn(move || -> Result<(u64, u64), String> {
-                let mut cur: Vec<u64> = c
-                    .read(&region, base, (words * 8) as u32)
-                    .map_err(|e| e.to_string())?
-                    .chunks_exact(8)
-                    .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
-                    .collect();
-                start.wait();
-                let (mut attempts, mut wins) = (0u64, 0u64);
-                while !stop.load(Ordering::Relaxed) {
-                    let ops = cur
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &v)| (region.node, region.cas_op(base + i as u64 * 8, v, v + 1)));
-                    let pendings = c.submit_many(ops).map_err(|e| e.to_string())?;
-                    for (slot, pending) in cur.iter_mut().zip(pendings) {
-                        let before = camelot_client::reply::word(pending.wait())
-                            .map_err(|e| e.to_string())?;
-                        attempts += 1;
-                        if before == *slot {
-                            wins += 1;
-                            *slot += 1;
-                        } else {
-                            *slot = before;
-                        }
-                    }
+    let region = region.clone();
+    run_clients(map, clients, seconds, move |client, c, stop, start| {
+        let base = match sharing {
+            Sharing::Shared => 0,
+            Sharing::Own => (client * words * 8) as u64,
+        };
+        let mut cur: Vec<u64> = c
+            .read(&region, base, (words * 8) as u32)
+            .map_err(|e| e.to_string())?
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+            .collect();
+        start.wait();
+        let (mut attempts, mut wins) = (0u64, 0u64);
+        while !stop.load(Ordering::Relaxed) {
+            let ops = cur
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| (region.node, region.cas_op(base + i as u64 * 8, v, v + 1)));
+            let pendings = c.submit_many(ops).map_err(|e| e.to_string())?;
+            for (slot, pending) in cur.iter_mut().zip(pendings) {
+                let before =
+                    camelot_client::reply::word(pending.wait()).map_err(|e| e.to_string())?;
+                attempts += 1;
+                if before == *slot {
+                    wins += 1;
+                    *slot += 1;
+                } else {
+                    *slot = before;
                 }
-                Ok((attempts, wins))
-            })
-        })
-        .collect();
-    start.wait();
-    let t = Instant::now();
-    std::thread::sleep(Duration::from_secs_f64(seconds));
-    stop.store(true, Ordering::Relaxed);
-    let mut attempts = 0;
-    let mut increments = 0;
-    for th in threads {
-        let (a, w) = th
-            .join()
-            .map_err(|_| BenchError::Setup("a client thread panicked".into()))?
-            .map_err(BenchError::Setup)?;
-        attempts += a;
-        increments += w;
-    }
-    let elapsed = t.elapsed().as_secs_f64();
-    Ok(Measured {
-        increments_per_s: increments as f64 / elapsed,
-        attempts,
-        increments,
+            }
+        }
+        Ok((attempts, wins))
     })
 }
 
