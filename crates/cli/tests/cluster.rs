@@ -485,6 +485,22 @@ fn cluster_up_sigkilled_takes_etcd_its_servers_and_its_controllers_with_it() {
     );
 
     let mut up = up;
+    let up_pid = up.child.id();
+    let owned_by_up = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(std::env::temp_dir())
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                    n.starts_with("camelot-peer-") && n.contains(&format!("-{up_pid}-"))
+                })
+            })
+            .collect()
+    };
+    // Its scratch directories: etcd's data, the servers' working directories.
+    let owned = owned_by_up();
+    assert_eq!(owned.len(), 3, "etcd's and two servers': {owned:?}");
     up.child.kill().unwrap();
     up.child.wait().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -500,4 +516,10 @@ fn cluster_up_sigkilled_takes_etcd_its_servers_and_its_controllers_with_it() {
         std::thread::sleep(Duration::from_millis(20));
     }
     drop(leftovers);
+
+    // They outlive it; the next sweep, which every camelot process makes once (and
+    // which another test's process may make first), removes them.
+    camelot_testkit::process::remove_orphaned_scratch_dirs();
+    let still = owned_by_up();
+    assert!(still.is_empty(), "not swept: {still:?}");
 }

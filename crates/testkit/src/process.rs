@@ -107,15 +107,23 @@ pub struct ScratchDir {
     pub path: PathBuf,
 }
 
+/// The prefix of every scratch directory's name: `camelot-peer-{tag}-{pid}-{seq}-{nanos}`.
+const SCRATCH_PREFIX: &str = "camelot-peer-";
+
 impl ScratchDir {
     pub fn new(tag: &str) -> Result<ScratchDir, TestkitError> {
         static SEQUENCE: AtomicU64 = AtomicU64::new(0);
+        // Once per process: what owners SIGKILLed earlier left behind.
+        static SWEEP: std::sync::Once = std::sync::Once::new();
+        SWEEP.call_once(|| {
+            remove_orphaned_scratch_dirs();
+        });
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
         let path = std::env::temp_dir().join(format!(
-            "camelot-peer-{tag}-{}-{}-{nanos}",
+            "{SCRATCH_PREFIX}{tag}-{}-{}-{nanos}",
             std::process::id(),
             SEQUENCE.fetch_add(1, Ordering::Relaxed)
         ));
@@ -133,6 +141,53 @@ impl Drop for ScratchDir {
         // Best effort: a leftover directory in /tmp is not worth failing a run over.
         let _ = std::fs::remove_dir_all(&self.path);
     }
+}
+
+/// Removes the scratch directories whose owning process has ended without removing
+/// them (SIGKILLed, its destructors never ran); returns how many went. A directory whose
+/// owner is alive, or whose name is not a scratch directory's, is left alone, and so is
+/// everything when `/proc` cannot tell which processes are alive.
+pub fn remove_orphaned_scratch_dirs() -> usize {
+    if !Path::new("/proc/self").exists() {
+        return 0;
+    }
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        // Not followed: a link is never ours to remove through.
+        if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(scratch_owner) else {
+            continue;
+        };
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        if std::fs::remove_dir_all(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// The owner's pid in a scratch directory's name (the tag may itself hold dashes).
+fn scratch_owner(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix(SCRATCH_PREFIX)?;
+    let mut fields = rest.rsplitn(4, '-');
+    let (nanos, seq, pid, tag) = (
+        fields.next()?,
+        fields.next()?,
+        fields.next()?,
+        fields.next()?,
+    );
+    if tag.is_empty() || nanos.parse::<u128>().is_err() || seq.parse::<u64>().is_err() {
+        return None;
+    }
+    pid.parse().ok()
 }
 
 /// Owns a child process: dropping it kills and reaps the child.
@@ -611,6 +666,59 @@ impl ServerProcess {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn a_scratch_dirs_owner_is_read_back_from_its_name(
+            tag in "[a-z0-9-]{1,20}",
+            pid in any::<u32>(),
+            seq in any::<u64>(),
+            nanos in any::<u128>(),
+        ) {
+            let name = format!("{SCRATCH_PREFIX}{tag}-{pid}-{seq}-{nanos}");
+            prop_assert_eq!(scratch_owner(&name), Some(pid));
+        }
+    }
+
+    #[test]
+    fn names_not_of_scratch_dirs_have_no_owner() {
+        for name in [
+            "camelot-peer-",
+            "camelot-peer-12-3-4",
+            "camelot-peer-tag-x-3-4",
+            "camelot-peer-tag-12-3-y",
+            "other-tag-12-3-4",
+        ] {
+            assert_eq!(scratch_owner(name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn only_scratch_dirs_of_ended_owners_are_removed() {
+        let mut child = Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let tmp = std::env::temp_dir();
+        let orphan = tmp.join(format!("{SCRATCH_PREFIX}sweep-test-{dead}-0-1"));
+        let ours = tmp.join(format!(
+            "{SCRATCH_PREFIX}sweep-test-{}-0-1",
+            std::process::id()
+        ));
+        for d in [&orphan, &ours] {
+            std::fs::create_dir_all(d.join("data")).unwrap();
+        }
+        // The pid of `true` could be taken again meanwhile; then nothing is removed,
+        // which is the safe side, and the assertion below says so.
+        assert!(
+            !Path::new(&format!("/proc/{dead}")).exists(),
+            "pid {dead} reused"
+        );
+        remove_orphaned_scratch_dirs();
+        let (orphan_left, ours_left) = (orphan.exists(), ours.exists());
+        let _ = std::fs::remove_dir_all(&ours);
+        assert!(!orphan_left, "{orphan:?} left");
+        assert!(ours_left, "a live owner's directory was removed");
+    }
 
     #[test]
     fn listening_sockets_are_found_in_proc_net_tcp() {
