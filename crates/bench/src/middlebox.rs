@@ -153,12 +153,8 @@ fn hammer(
 ) -> Result<Measured, BenchError> {
     let region = region.clone();
     run_clients(map, clients, seconds, move |_, c, stop, start| {
-        let mut cur = {
-            let b = c.read(&region, 0, 8).map_err(|e| e.to_string())?;
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&b[..8]);
-            u64::from_le_bytes(w)
-        };
+        let b = c.read(&region, 0, 8).map_err(|e| e.to_string())?;
+        let mut cur = words_in(&b).next().ok_or("a short read of the word")?;
         start.wait();
         let (mut attempts, mut wins) = (0u64, 0u64);
         while !stop.load(Ordering::Relaxed) {
@@ -212,12 +208,10 @@ fn hammer_batched(
             Sharing::Shared => 0,
             Sharing::Own => (client * words * 8) as u64,
         };
-        let mut cur: Vec<u64> = c
+        let b = c
             .read(&region, base, (words * 8) as u32)
-            .map_err(|e| e.to_string())?
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
-            .collect();
+            .map_err(|e| e.to_string())?;
+        let mut cur: Vec<u64> = words_in(&b).collect();
         start.wait();
         let (mut attempts, mut wins) = (0u64, 0u64);
         while !stop.load(Ordering::Relaxed) {
@@ -242,13 +236,87 @@ fn hammer_batched(
     })
 }
 
-fn word(client: &Client, region: &Region) -> Result<u64, BenchError> {
-    let b = client
-        .read(region, 0, 8)
-        .map_err(|e| BenchError::Setup(format!("read the word: {e}")))?;
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[..8]);
-    Ok(u64::from_le_bytes(w))
+/// The little-endian 8-byte words in `bytes` (a short tail is left out).
+fn words_in(bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    bytes
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+}
+
+/// One side of a point, as `cas_side` measured it.
+struct Side {
+    measured: Measured,
+    server_cpu_s: f64,
+    /// The proxy's CPU seconds and its CAS counters' growth (`proxy_cas_counts`).
+    proxy: Option<(f64, [u64; 3])>,
+}
+
+/// One side of a point: a fresh region of at least `words` words, `hammer` run on it
+/// while the server's (and the proxy's) CPU seconds and CAS counters are read, the words
+/// checked against the increments counted, the region freed. A fresh region for every
+/// side: the proxy vouches only for words whose every write it has seen, so words the
+/// direct side moved must never reach it.
+fn cas_side(
+    admin: &Client,
+    server: &CamelotServer,
+    proxy: Option<(&ServerProcess, &ClusterMap)>,
+    words: usize,
+    name: &str,
+    hammer: impl FnOnce(&Region) -> Result<Measured, BenchError>,
+) -> Result<Side, BenchError> {
+    let region = admin
+        .alloc_with((words as u64 * 8).max(4096), None, AccessMode::Shared)
+        .map_err(|e| BenchError::Setup(format!("alloc: {e}")))?;
+    let counts_before = proxy.map(|(_, c)| proxy_cas_counts(c)).transpose()?;
+    let (measured, server_cpu_s, proxy_cpu_s) =
+        cpu_during(server, proxy.map(|(p, _)| p), || hammer(&region))?;
+    let counts_after = proxy.map(|(_, c)| proxy_cas_counts(c)).transpose()?;
+    // Every increment counted through the proxy was a CAS it answered after its WRITE
+    // was done.
+    check_words(admin, &region, words, measured.increments, name)?;
+    let _ = admin.free(&region);
+    let proxy = counts_before
+        .zip(counts_after)
+        .map(|(b, a)| (proxy_cpu_s, [0, 1, 2].map(|i| a[i].saturating_sub(b[i]))));
+    Ok(Side {
+        measured,
+        server_cpu_s,
+        proxy,
+    })
+}
+
+impl Side {
+    /// Its point at `clients`, and (through the proxy) the CAS the proxy answered per
+    /// proxy CPU-second (NaN when no CPU time was seen).
+    fn point(&self, clients: usize) -> (Point, f64) {
+        let m = &self.measured;
+        let mut pt = Point::new(clients);
+        pt.ops_per_sec = Some(m.increments_per_s);
+        pt.extra.insert("cas_attempts".into(), json!(m.attempts));
+        pt.extra.insert("increments".into(), json!(m.increments));
+        pt.extra
+            .insert("server_cpu_s".into(), json!(self.server_cpu_s));
+        let mut ops_per_cpu_s = f64::NAN;
+        if let Some((cpu, counts)) = self.proxy {
+            if cpu > 0.0 {
+                ops_per_cpu_s = m.attempts as f64 / cpu;
+            }
+            pt.extra.insert("proxy_cpu_s".into(), json!(cpu));
+            pt.extra
+                .insert("proxy_ops_per_cpu_s".into(), json!(ops_per_cpu_s));
+            for (name, n) in [
+                "proxy_cas_converted",
+                "proxy_cas_failed_locally",
+                "proxy_cas_forwarded",
+            ]
+            .into_iter()
+            .zip(counts)
+            {
+                pt.extra.insert(name.into(), json!(n));
+            }
+        }
+        (pt, ops_per_cpu_s)
+    }
 }
 
 pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf>, BenchError> {
@@ -287,77 +355,34 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
     let via = ClusterMap::from_addrs(&[proxy.addr()]);
     let admin = Client::connect(direct.clone(), ClientConfig::default())
         .map_err(|e| BenchError::Setup(format!("connect: {e}")))?;
-    // A fresh word for every point and side: the proxy vouches only for words whose
-    // every write it has seen, so a word the direct side moved must never reach it.
-    let fresh_word = || {
-        admin
-            .alloc_with(4096, None, AccessMode::Shared)
-            .map_err(|e| BenchError::Setup(format!("alloc: {e}")))
-    };
+    let via_proxy = Some((&proxy, &via));
+    let secs = cfg.seconds_per_point;
 
     let mut direct_series = Series::new("CAS direct");
     let mut proxy_series = Series::new("CAS→WRITE via proxy");
     let mut at_32 = (None, None);
     let mut best_proxy_ops_per_cpu_s: f64 = 0.0;
     for &n in &cfg.clients {
-        let region = fresh_word()?;
-        let (d, d_server_cpu) = server_cpu(&server, || {
-            hammer(&direct, &region, n, cfg.seconds_per_point)
+        let d = cas_side(&admin, &server, None, 1, "direct", |r| {
+            hammer(&direct, r, n, secs)
         })?;
-        let moved = word(&admin, &region)?;
-        if moved != d.increments {
-            return Err(BenchError::Check(format!(
-                "direct: {} increments counted, the word moved {moved}",
-                d.increments
-            )));
-        }
-        let _ = admin.free(&region);
-        let region = fresh_word()?;
-        let cpu0 = proxy.cpu_seconds()?;
-        let (p, p_server_cpu) =
-            server_cpu(&server, || hammer(&via, &region, n, cfg.seconds_per_point))?;
-        let cpu = proxy.cpu_seconds()? - cpu0;
-        // Every increment counted was a CAS the proxy answered after its WRITE was done.
-        let moved = word(&admin, &region)?;
-        if moved != p.increments {
-            return Err(BenchError::Check(format!(
-                "proxy: {} increments counted, the word moved {moved}",
-                p.increments
-            )));
-        }
-        let _ = admin.free(&region);
-        let ops_per_cpu_s = if cpu > 0.0 {
-            p.attempts as f64 / cpu
-        } else {
-            f64::NAN
-        };
+        let p = cas_side(&admin, &server, via_proxy, 1, "proxy", |r| {
+            hammer(&via, r, n, secs)
+        })?;
+        let (dp, _) = d.point(n);
+        let (pp, ops_per_cpu_s) = p.point(n);
+        direct_series.points.push(dp);
+        proxy_series.points.push(pp);
         if ops_per_cpu_s.is_finite() {
             best_proxy_ops_per_cpu_s = best_proxy_ops_per_cpu_s.max(ops_per_cpu_s);
         }
-        let mut dp = Point::new(n);
-        dp.ops_per_sec = Some(d.increments_per_s);
-        dp.extra.insert("cas_attempts".into(), json!(d.attempts));
-        dp.extra.insert("increments".into(), json!(d.increments));
-        dp.extra.insert("server_cpu_s".into(), json!(d_server_cpu));
-        direct_series.points.push(dp);
-        let mut pp = Point::new(n);
-        pp.ops_per_sec = Some(p.increments_per_s);
-        pp.extra.insert("cas_attempts".into(), json!(p.attempts));
-        pp.extra.insert("increments".into(), json!(p.increments));
-        pp.extra.insert("proxy_cpu_s".into(), json!(cpu));
-        pp.extra.insert("server_cpu_s".into(), json!(p_server_cpu));
-        pp.extra
-            .insert("proxy_ops_per_cpu_s".into(), json!(ops_per_cpu_s));
-        proxy_series.points.push(pp);
+        let (d, p) = (d.measured.increments_per_s, p.measured.increments_per_s);
         eprintln!(
-            "{n:>3} clients: direct {:>9.0} incr/s, via proxy {:>9.0} incr/s ({:.2}×), proxy {:.0} ops/CPU-s",
-            d.increments_per_s,
-            p.increments_per_s,
-            p.increments_per_s / d.increments_per_s,
-            ops_per_cpu_s
+            "{n:>3} clients: direct {d:>9.0} incr/s, via proxy {p:>9.0} incr/s ({:.2}×), proxy {ops_per_cpu_s:.0} ops/CPU-s",
+            p / d,
         );
         if n == 32 {
-            at_32 = (Some(d.increments_per_s), Some(p.increments_per_s));
+            at_32 = (Some(d), Some(p));
         }
     }
     // The batched points: the same two sides, each client CASing `batch_words` words in
@@ -366,90 +391,36 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
     let mut batched = Vec::new();
     if cfg.batch_words > 0 {
         let (n, w) = (cfg.batch_clients, cfg.batch_words);
-        let proxy_client = Client::connect(via.clone(), ClientConfig::default())
-            .map_err(|e| BenchError::Setup(format!("connect to the proxy: {e}")))?;
         for sharing in [Sharing::Shared, Sharing::Own] {
             let total_words = match sharing {
                 Sharing::Shared => w,
                 Sharing::Own => w * n,
             };
-            let fresh_words = || {
-                admin
-                    .alloc_with((total_words * 8) as u64, None, AccessMode::Shared)
-                    .map_err(|e| BenchError::Setup(format!("alloc: {e}")))
-            };
-            let region = fresh_words()?;
-            let (d, d_server_cpu) = server_cpu(&server, || {
-                hammer_batched(&direct, &region, n, w, sharing, cfg.seconds_per_point)
+            let d = cas_side(&admin, &server, None, total_words, "direct, batched", |r| {
+                hammer_batched(&direct, r, n, w, sharing, secs)
             })?;
-            check_words(
+            let p = cas_side(
                 &admin,
-                &region,
+                &server,
+                via_proxy,
                 total_words,
-                d.increments,
-                "direct, batched",
+                "proxy, batched",
+                |r| hammer_batched(&via, r, n, w, sharing, secs),
             )?;
-            let _ = admin.free(&region);
-            let region = fresh_words()?;
-            let before = proxy_cas_counts(&proxy_client)?;
-            let cpu0 = proxy.cpu_seconds()?;
-            let (p, p_server_cpu) = server_cpu(&server, || {
-                hammer_batched(&via, &region, n, w, sharing, cfg.seconds_per_point)
-            })?;
-            let cpu = proxy.cpu_seconds()? - cpu0;
-            let after = proxy_cas_counts(&proxy_client)?;
-            check_words(&admin, &region, total_words, p.increments, "proxy, batched")?;
-            let _ = admin.free(&region);
-            let ops_per_cpu_s = if cpu > 0.0 {
-                p.attempts as f64 / cpu
-            } else {
-                f64::NAN
-            };
             let how = format!("{w} {} words per frame", sharing.label());
+            let (dp, _) = d.point(n);
+            let (pp, ops_per_cpu_s) = p.point(n);
+            let (d, p) = (d.measured.increments_per_s, p.measured.increments_per_s);
             eprintln!(
-                "{n:>3} clients × {how}: direct {:>9.0} incr/s, via proxy {:>9.0} incr/s ({:.2}×), proxy {:.0} ops/CPU-s",
-                d.increments_per_s,
-                p.increments_per_s,
-                p.increments_per_s / d.increments_per_s,
-                ops_per_cpu_s
+                "{n:>3} clients × {how}: direct {d:>9.0} incr/s, via proxy {p:>9.0} incr/s ({:.2}×), proxy {ops_per_cpu_s:.0} ops/CPU-s",
+                p / d,
             );
             let mut ds = Series::new(format!("CAS direct, {how}"));
-            let mut dp = Point::new(n);
-            dp.ops_per_sec = Some(d.increments_per_s);
-            dp.extra.insert("cas_attempts".into(), json!(d.attempts));
-            dp.extra.insert("increments".into(), json!(d.increments));
-            dp.extra.insert("server_cpu_s".into(), json!(d_server_cpu));
-            dp.extra.insert("server_cpu_s".into(), json!(d_server_cpu));
             ds.points.push(dp);
             let mut ps = Series::new(format!("CAS→WRITE via proxy, {how}"));
-            let mut pp = Point::new(n);
-            pp.ops_per_sec = Some(p.increments_per_s);
-            pp.extra.insert("cas_attempts".into(), json!(p.attempts));
-            pp.extra.insert("increments".into(), json!(p.increments));
-            pp.extra.insert("proxy_cpu_s".into(), json!(cpu));
-            pp.extra.insert("server_cpu_s".into(), json!(p_server_cpu));
-            pp.extra.insert("server_cpu_s".into(), json!(p_server_cpu));
-            pp.extra
-                .insert("proxy_ops_per_cpu_s".into(), json!(ops_per_cpu_s));
-            for (name, (b, a)) in [
-                "proxy_cas_converted",
-                "proxy_cas_failed_locally",
-                "proxy_cas_forwarded",
-            ]
-            .into_iter()
-            .zip(before.into_iter().zip(after))
-            {
-                pp.extra.insert(name.into(), json!(a.saturating_sub(b)));
-            }
             ps.points.push(pp);
             batched_series.extend([ds, ps]);
-            batched.push((
-                how,
-                n,
-                d.increments_per_s,
-                p.increments_per_s,
-                ops_per_cpu_s,
-            ));
+            batched.push((how, n, d, p, ops_per_cpu_s));
         }
     }
     let config = json!({
@@ -527,23 +498,33 @@ pub fn run_cas(cfg: &CasConfig, binary: &Path, out: &Path) -> Result<Vec<PathBuf
     Ok(vec![output::write_result(out, &result)?])
 }
 
-/// What `f` returns, and the CPU seconds the server process used meanwhile.
-fn server_cpu<T>(
+/// What `f` returns, and the CPU seconds the server process and the proxy process (0
+/// without one) used meanwhile.
+fn cpu_during<T>(
     server: &CamelotServer,
+    proxy: Option<&ServerProcess>,
     f: impl FnOnce() -> Result<T, BenchError>,
-) -> Result<(T, f64), BenchError> {
-    let before = server.process().cpu_seconds()?;
+) -> Result<(T, f64, f64), BenchError> {
+    let s0 = server.process().cpu_seconds()?;
+    let p0 = proxy.map(ServerProcess::cpu_seconds).transpose()?;
     let out = f()?;
-    Ok((out, server.process().cpu_seconds()? - before))
+    let server_cpu = server.process().cpu_seconds()? - s0;
+    let proxy_cpu = match (proxy, p0) {
+        (Some(p), Some(p0)) => p.cpu_seconds()? - p0,
+        _ => 0.0,
+    };
+    Ok((out, server_cpu, proxy_cpu))
 }
 
 /// Words read per request when checking the batched points' totals.
 const CHECK_READ_WORDS: usize = 8192;
 
 /// The proxy's CAS counters: converted to WRITEs, failed from the value it knew,
-/// forwarded as CAS.
-fn proxy_cas_counts(proxy: &Client) -> Result<[u64; 3], BenchError> {
-    let stats = proxy
+/// forwarded as CAS. A connection of its own, closed at once, so none is held open
+/// beside the measured clients.
+fn proxy_cas_counts(proxy: &ClusterMap) -> Result<[u64; 3], BenchError> {
+    let stats = Client::connect(proxy.clone(), ClientConfig::default())
+        .map_err(|e| BenchError::Setup(format!("connect to the proxy: {e}")))?
         .stats(0)
         .map_err(|e| BenchError::Setup(format!("proxy stats: {e}")))?;
     let get = |name: &str| {
@@ -575,10 +556,7 @@ fn check_words(
         let bytes = admin
             .read(region, (first * 8) as u64, (n * 8) as u32)
             .map_err(|e| BenchError::Setup(format!("read the words: {e}")))?;
-        moved += bytes
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
-            .sum::<u64>();
+        moved += words_in(&bytes).sum::<u64>();
     }
     if moved != increments {
         return Err(BenchError::Check(format!(
@@ -1215,15 +1193,7 @@ fn measured_side(
     map: &ClusterMap,
     cfg: &CloverLoadConfig,
 ) -> Result<(CloverSide, f64, f64), BenchError> {
-    let s0 = server.process().cpu_seconds()?;
-    let p0 = proxy.map(ServerProcess::cpu_seconds).transpose()?;
-    let side = clover_side(map, cfg)?;
-    let server_cpu = server.process().cpu_seconds()? - s0;
-    let proxy_cpu = match (proxy, p0) {
-        (Some(p), Some(p0)) => p.cpu_seconds()? - p0,
-        _ => 0.0,
-    };
-    Ok((side, server_cpu, proxy_cpu))
+    cpu_during(server, proxy, || clover_side(map, cfg))
 }
 
 fn speedup_point(
