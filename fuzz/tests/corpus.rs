@@ -291,6 +291,7 @@ fn write_seed_corpus() {
         version: PROTOCOL_VERSION,
         token: Bytes::from_static(b"s3cret"),
         principal: "alice".into(),
+        fence: None,
     });
     let responses = Frame::Responses(ResponseBatch {
         responses: vec![
@@ -344,6 +345,7 @@ fn write_seed_corpus() {
             body_of(&Frame::HelloOk(HelloOk {
                 version: 2,
                 epoch: 3,
+                fence_generation: 1,
             })),
         ),
         ("decode_frame", "regions", body_of(&reqs[0])),

@@ -16,6 +16,19 @@ pub enum ProxyCommand {
     Run(ProxyArgs),
     /// Print a proxy's counters.
     Stats(ProxyStatsArgs),
+    /// Before clients go to the memory servers directly, past a proxy that died or is
+    /// being retired: fence the servers, so nothing the proxy still had queued there
+    /// runs after them, and a proxy with --cas-to-write that is still alive stops.
+    Fence(ProxyFenceArgs),
+}
+
+#[derive(Args)]
+pub struct ProxyFenceArgs {
+    /// The memory servers (host:port, native ports) — not the proxies.
+    #[arg(required = true, value_delimiter = ',')]
+    servers: Vec<String>,
+    #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(Args)]
@@ -206,7 +219,29 @@ pub fn run(command: ProxyCommand) -> Result<()> {
     match command {
         ProxyCommand::Run(a) => run_proxy(a),
         ProxyCommand::Stats(a) => stats(a),
+        ProxyCommand::Fence(a) => fence(a),
     }
+}
+
+fn fence(a: ProxyFenceArgs) -> Result<()> {
+    let addrs = a
+        .servers
+        .iter()
+        .map(|s| crate::resolve(s))
+        .collect::<Result<Vec<_>>>()?;
+    let config = ClientConfig {
+        token: a.token.map(String::into_bytes),
+        connections_per_node: 1,
+        ..ClientConfig::default()
+    };
+    let client = camelot_client::Client::connect(ClusterMap::from_addrs(&addrs), config)?;
+    for (node, generation) in client.fence()? {
+        let addr = addrs
+            .get(node as usize)
+            .map_or_else(String::new, |a| a.to_string());
+        println!("{addr}: fenced (generation {generation})");
+    }
+    Ok(())
 }
 
 fn stats(a: ProxyStatsArgs) -> Result<()> {

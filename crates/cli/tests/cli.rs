@@ -156,6 +156,7 @@ fn sigterm_answers_in_flight_requests_and_exits_zero() {
             version: PROTOCOL_VERSION,
             token: Bytes::new(),
             principal: String::new(),
+            fence: None,
         }),
     );
     assert!(matches!(recv(&mut s, &mut buf), Some(Frame::HelloOk(_))));

@@ -80,6 +80,7 @@ fn hello() -> BytesMut {
         version: PROTOCOL_VERSION,
         token: Bytes::new(),
         principal: String::new(),
+        fence: None,
     }))
 }
 

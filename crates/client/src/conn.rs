@@ -317,7 +317,7 @@ fn handshake(
         addr,
         source: Arc::new(e),
     };
-    let buf = hello_frame(config)?;
+    let buf = hello_frame(config, addr)?;
     stream
         .set_write_timeout(Some(config.connect_timeout))
         .map_err(io)?;
@@ -349,7 +349,7 @@ fn handshake(
     }
     let mut body = vec![0u8; n];
     (&*stream).read_exact(&mut body).map_err(io)?;
-    hello_answer(addr, Bytes::from(body))
+    hello_answer(addr, Bytes::from(body), config)
 }
 
 struct Writer {

@@ -252,7 +252,10 @@ impl LoopConn {
                     source: Arc::new(e),
                 })?;
             stream.set_nodelay(true).map_err(io)?;
-            stream.write_all(&hello_frame(config)?).await.map_err(io)?;
+            stream
+                .write_all(&hello_frame(config, addr)?)
+                .await
+                .map_err(io)?;
             let n = stream.read_u32_le().await.map_err(|e| {
                 if e.kind() == std::io::ErrorKind::UnexpectedEof {
                     ClientError::Handshake {
@@ -271,7 +274,7 @@ impl LoopConn {
             }
             let mut body = vec![0u8; n];
             stream.read_exact(&mut body).await.map_err(io)?;
-            hello_answer(addr, Bytes::from(body))?;
+            hello_answer(addr, Bytes::from(body), config)?;
             Ok(stream)
         };
         let stream = tokio::time::timeout(config.connect_timeout, handshake)

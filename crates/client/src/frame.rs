@@ -28,14 +28,18 @@ pub(crate) struct Submission {
     pub slot: Arc<Completion>,
 }
 
-/// A HELLO frame for `config`'s token and principal.
-pub(crate) fn hello_frame(config: &ClientConfig) -> Result<BytesMut, ClientError> {
+/// A HELLO frame to `addr` for `config`'s token, principal and fence session.
+pub(crate) fn hello_frame(
+    config: &ClientConfig,
+    addr: SocketAddr,
+) -> Result<BytesMut, ClientError> {
     let mut buf = BytesMut::new();
     encode_frame(
         &Frame::Hello(Hello {
             version: PROTOCOL_VERSION,
             token: Bytes::from(config.token.clone().unwrap_or_default()),
             principal: config.principal.clone().unwrap_or_default(),
+            fence: config.fence_session.as_ref().map(|s| s.generation(addr)),
         }),
         &mut buf,
     )
@@ -47,10 +51,20 @@ pub(crate) fn hello_frame(config: &ClientConfig) -> Result<BytesMut, ClientError
 /// before anything is buffered for it.
 pub(crate) const HELLO_ANSWER_BYTES_MAX: usize = 4096;
 
-/// The cluster epoch from the server's answer to HELLO (its body, length removed).
-pub(crate) fn hello_answer(addr: SocketAddr, body: Bytes) -> Result<u64, ClientError> {
+/// The cluster epoch from the server's answer to HELLO (its body, length removed); a
+/// fence session notes the generation it joined at.
+pub(crate) fn hello_answer(
+    addr: SocketAddr,
+    body: Bytes,
+    config: &ClientConfig,
+) -> Result<u64, ClientError> {
     match decode_frame(body) {
-        Ok(Frame::HelloOk(ok)) => Ok(ok.epoch),
+        Ok(Frame::HelloOk(ok)) => {
+            if let Some(session) = &config.fence_session {
+                session.joined(addr, ok.fence_generation);
+            }
+            Ok(ok.epoch)
+        }
         Ok(Frame::Fatal(e)) if e.code == ErrorCode::AuthFailed => Err(ClientError::Auth {
             addr,
             message: e.message,
@@ -349,6 +363,7 @@ pub(crate) fn complete_frame(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::FenceSession;
     use camelot_proto::{ErrorReply, FrameDecoder, HelloOk, Reply, Response, ResponseBatch};
     use proptest::prelude::*;
 
@@ -509,13 +524,58 @@ mod tests {
     }
 
     #[test]
+    fn a_fence_session_joins_once_per_server_and_presents_that_generation_after() {
+        let session = FenceSession::new();
+        let config = ClientConfig {
+            fence_session: Some(session.clone()),
+            ..ClientConfig::default()
+        };
+        let other: SocketAddr = "127.0.0.1:2".parse().expect("addr");
+        let presented = |to: SocketAddr| {
+            let mut hello = hello_frame(&config, to).expect("hello");
+            let body = FrameDecoder::split_frame(&mut hello)
+                .expect("ok")
+                .expect("frame");
+            match decode_frame(body) {
+                Ok(Frame::Hello(h)) => h.fence,
+                other => panic!("not a HELLO: {other:?}"),
+            }
+        };
+        assert_eq!(
+            presented(addr()),
+            Some(0),
+            "the first HELLO joins at the current"
+        );
+        let accepted = |generation: u64| {
+            let mut buf = BytesMut::new();
+            let ok = Frame::HelloOk(HelloOk {
+                version: PROTOCOL_VERSION,
+                epoch: 0,
+                fence_generation: generation,
+            });
+            encode_frame(&ok, &mut buf).expect("encode");
+            let body = FrameDecoder::split_frame(&mut buf)
+                .expect("ok")
+                .expect("frame");
+            hello_answer(addr(), body, &config).expect("accepted");
+        };
+        accepted(5);
+        assert_eq!(presented(addr()), Some(5));
+        // A later answer (a reconnection's) does not move it: the server refuses a
+        // generation a fence has passed, and that refusal is the point.
+        accepted(9);
+        assert_eq!(presented(addr()), Some(5));
+        assert_eq!(presented(other), Some(0), "generations are per server");
+    }
+
+    #[test]
     fn the_handshake_round_trips_and_refusals_are_typed() {
         let config = ClientConfig {
             token: Some(b"s3cret".to_vec()),
             principal: Some("alice".into()),
             ..ClientConfig::default()
         };
-        let mut hello = hello_frame(&config).expect("hello");
+        let mut hello = hello_frame(&config, addr()).expect("hello");
         let body = FrameDecoder::split_frame(&mut hello)
             .expect("ok")
             .expect("frame");
@@ -533,13 +593,15 @@ mod tests {
             let body = FrameDecoder::split_frame(&mut buf)
                 .expect("ok")
                 .expect("frame");
-            hello_answer(addr(), body)
+            hello_answer(addr(), body, &ClientConfig::default())
         };
         let ok = answer(Frame::HelloOk(HelloOk {
             version: PROTOCOL_VERSION,
             epoch: 42,
+            fence_generation: 1,
         }));
         assert_eq!(ok.expect("accepted"), 42);
+        assert_eq!(h.fence, None, "an ordinary client is no fenceable session");
         let refused = answer(Frame::Fatal(ErrorReply::new(
             ErrorCode::AuthFailed,
             "bad token",
@@ -553,7 +615,7 @@ mod tests {
             ..ClientConfig::default()
         };
         assert!(matches!(
-            hello_frame(&long),
+            hello_frame(&long, addr()),
             Err(ClientError::InvalidArgument(_))
         ));
     }

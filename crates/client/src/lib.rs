@@ -84,6 +84,44 @@ pub struct ClientConfig {
     /// answering them wakes no other CPU (see `affinity.rs`). Unpinned threads are
     /// unaffected. Off: every thread is spread by arrival order, for comparison.
     pub cpu_local: bool,
+    /// Makes every connection a *fenceable session* (see [`camelot_proto::Hello::fence`]):
+    /// after a [`Client::fence`] at its server, none of its requests still queued there
+    /// runs, and it cannot connect there again. For a proxy whose requests are only
+    /// right while all traffic passes through it (CAS→WRITE). `None` (default): ordinary
+    /// connections.
+    pub fence_session: Option<FenceSession>,
+}
+
+/// The generations a fenceable session joined at, per server, shared by every connection
+/// of the clients configured with it: a reconnection presents the generation the first
+/// connection got, so a server that has been fenced since refuses it.
+#[derive(Debug, Clone, Default)]
+pub struct FenceSession {
+    generations: Arc<Mutex<Vec<(SocketAddr, u64)>>>,
+}
+
+impl FenceSession {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// What a HELLO to `addr` presents: 0 (join at the current generation) the first
+    /// time, the generation joined at after that.
+    pub fn generation(&self, addr: SocketAddr) -> u64 {
+        self.generations
+            .lock()
+            .iter()
+            .find(|(a, _)| *a == addr)
+            .map_or(0, |(_, g)| *g)
+    }
+
+    /// Notes the generation `addr` accepted; the first one a server gives is kept.
+    pub(crate) fn joined(&self, addr: SocketAddr, generation: u64) {
+        let mut generations = self.generations.lock();
+        if !generations.iter().any(|(a, _)| *a == addr) {
+            generations.push((addr, generation));
+        }
+    }
 }
 
 /// Most frames a client may ask to keep in flight ahead of answers.
@@ -128,6 +166,7 @@ impl Default for ClientConfig {
             request_timeout: Duration::from_secs(10),
             queue_requests_max: QUEUE_REQUESTS_MAX_DEFAULT,
             frames_ahead: 2,
+            fence_session: None,
             cpu_local: true,
         }
     }
@@ -777,6 +816,24 @@ impl Client {
                 got: format!("{other:?}"),
             }),
         }
+    }
+
+    /// Fences every node of the map (see [`camelot_proto::Op::Fence`]): once this returns,
+    /// no request of a fenceable session (a proxy's upstream connection) runs on any of
+    /// them again, even one still queued in a server's socket when its proxy died. What
+    /// a client does before it goes to the servers directly. Returns each node's fence
+    /// generation after it.
+    pub fn fence(&self) -> Result<Vec<(NodeId, u64)>, ClientError> {
+        let map = self.map();
+        map.node_ids()
+            .map(|node| match self.call(node, Op::Fence)? {
+                Reply::Word(generation) => Ok((node, generation)),
+                other => Err(ClientError::UnexpectedReply {
+                    expected: "fence",
+                    got: format!("{other:?}"),
+                }),
+            })
+            .collect()
     }
 
     pub fn stats(&self, node: NodeId) -> Result<Vec<(String, u64)>, ClientError> {

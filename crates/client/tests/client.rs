@@ -574,6 +574,7 @@ fn silent_server() -> (std::net::SocketAddr, thread::JoinHandle<()>) {
             &Frame::HelloOk(HelloOk {
                 version: PROTOCOL_VERSION,
                 epoch: 0,
+                fence_generation: 1,
             }),
             &mut out,
         )

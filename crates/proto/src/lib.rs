@@ -30,7 +30,9 @@ use std::fmt;
 /// span), so a parity update is two requests instead of four.
 /// 5: APPLY (a cluster peer's copy of a key at its primary's version).
 /// 6: SCAN_PARTITIONS (a mover's scan, filtered by partition and version on the server).
-pub const PROTOCOL_VERSION: u16 = 6;
+/// 7: fenceable sessions (HELLO's `fence`, HELLO_OK's `fence_generation`), FENCE, and the
+/// error FENCED.
+pub const PROTOCOL_VERSION: u16 = 7;
 /// First bytes of a HELLO, so a stray client (HTTP, Redis) is told apart at once.
 pub const HELLO_MAGIC: [u8; 4] = *b"CMLT";
 
@@ -101,6 +103,14 @@ pub struct Hello {
     /// Who the client says it is: the owner of the regions it allocates. Empty means
     /// [`PRINCIPAL_DEFAULT`]. At most [`limits::PRINCIPAL_BYTES_MAX`] bytes.
     pub principal: String,
+    /// `Some`: this connection is a *fenceable session* — one that sends requests whose
+    /// meaning depends on all traffic to a word passing through its sender (a proxy's
+    /// CAS→WRITE). A [`Op::Fence`] closes every such session, and none of its batches runs
+    /// after the fence is answered. `Some(0)` joins at the server's current fence
+    /// generation (given back in [`HelloOk::fence_generation`]); `Some(g)` is refused with
+    /// [`ErrorCode::Fenced`] unless `g` is still current, so a fenced sender cannot come
+    /// back by reconnecting.
+    pub fence: Option<u64>,
 }
 
 /// The principal of a client that names none.
@@ -140,6 +150,8 @@ pub struct HelloOk {
     pub version: u16,
     /// The cluster-map epoch the server believes in.
     pub epoch: u64,
+    /// The server's fence generation (starts at 1; each [`Op::Fence`] adds one).
+    pub fence_generation: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -273,6 +285,12 @@ pub enum Op {
         version: u64,
         value: Option<Bytes>,
     },
+    /// Closes every fenceable session (see [`Hello::fence`]) of this server: answered
+    /// ([`Reply::Word`], the server's fence generation after it) once no batch of theirs
+    /// is running, and none of their batches runs after. What a client sends before it
+    /// goes to the server directly, past a proxy that may be dead with requests still in
+    /// the server's socket buffers.
+    Fence,
 }
 
 /// Operation kinds, as counted in STATS and carried on the wire.
@@ -299,10 +317,11 @@ pub enum OpKind {
     XorInto = 18,
     Apply = 19,
     ScanPartitions = 20,
+    Fence = 21,
 }
 
 impl OpKind {
-    pub const ALL: [OpKind; 20] = [
+    pub const ALL: [OpKind; 21] = [
         OpKind::Ping,
         OpKind::Stats,
         OpKind::List,
@@ -323,6 +342,7 @@ impl OpKind {
         OpKind::XorInto,
         OpKind::Apply,
         OpKind::ScanPartitions,
+        OpKind::Fence,
     ];
 
     pub fn from_u8(v: u8) -> Option<OpKind> {
@@ -351,6 +371,7 @@ impl OpKind {
             OpKind::XorInto => "xor_into",
             OpKind::Apply => "apply",
             OpKind::ScanPartitions => "scan_partitions",
+            OpKind::Fence => "fence",
         }
     }
 }
@@ -378,6 +399,7 @@ impl Op {
             Op::XorInto { .. } => OpKind::XorInto,
             Op::Apply { .. } => OpKind::Apply,
             Op::ScanPartitions { .. } => OpKind::ScanPartitions,
+            Op::Fence => OpKind::Fence,
         }
     }
 
@@ -572,6 +594,9 @@ pub enum ErrorCode {
     /// by re-reading first). Which backups serve is the cluster controller's decision,
     /// never the primary's, so the primary fails the write rather than drop the copy.
     ReplicaUnavailable,
+    /// A fenceable session (see [`Hello::fence`]) was closed by a FENCE, or asked to
+    /// join at a generation a FENCE has passed.
+    Fenced,
     Unknown(u16),
 }
 
@@ -603,6 +628,7 @@ impl ErrorCode {
             ErrorCode::Forbidden => 18,
             ErrorCode::Moved => 19,
             ErrorCode::ReplicaUnavailable => 20,
+            ErrorCode::Fenced => 21,
             ErrorCode::Unknown(c) => c,
         }
     }
@@ -629,6 +655,7 @@ impl ErrorCode {
             18 => ErrorCode::Forbidden,
             19 => ErrorCode::Moved,
             20 => ErrorCode::ReplicaUnavailable,
+            21 => ErrorCode::Fenced,
             c => ErrorCode::Unknown(c),
         }
     }
@@ -657,6 +684,7 @@ impl fmt::Display for ErrorCode {
             ErrorCode::Forbidden => "FORBIDDEN",
             ErrorCode::Moved => "MOVED",
             ErrorCode::ReplicaUnavailable => "REPLICA_UNAVAILABLE",
+            ErrorCode::Fenced => "FENCED",
             ErrorCode::Unknown(c) => return write!(f, "UNKNOWN_ERROR_{c}"),
         };
         f.write_str(s)

@@ -52,7 +52,8 @@ pub const RESPONSE_OK_BUDGET_BYTES: usize =
 
 const REGION_INFO_BYTES_MAX: usize = 8 + 8 + 1 + 1 + NAME_BYTES_MAX;
 /// The largest HELLO body: what a server may accept before the handshake.
-pub const HELLO_BODY_BYTES_MAX: usize = 1 + 4 + 2 + 1 + TOKEN_BYTES_MAX + 1 + PRINCIPAL_BYTES_MAX;
+pub const HELLO_BODY_BYTES_MAX: usize =
+    1 + 4 + 2 + 1 + TOKEN_BYTES_MAX + 1 + PRINCIPAL_BYTES_MAX + 8;
 const STATS_REPLY_BYTES_MAX: usize = 2 + STATS_ENTRIES_MAX * (1 + STAT_NAME_BYTES_MAX + 8);
 const LIST_REPLY_BYTES_MAX: usize = 4 + LIST_ENTRIES_MAX * REGION_INFO_BYTES_MAX;
 /// A key on the wire: `len:u16 bytes`.
@@ -65,7 +66,7 @@ pub const ITEM_OVERHEAD_BYTES: usize = KEY_HEADER_BYTES + 8 + VALUE_HEADER_BYTES
 pub(crate) fn request_encoded_len(op: &Op) -> usize {
     8 + 1
         + match op {
-            Op::Ping | Op::Stats | Op::List => 0,
+            Op::Ping | Op::Stats | Op::List | Op::Fence => 0,
             Op::Alloc { name, .. } => 8 + 1 + name.as_ref().map_or(0, |n| n.len()) + 1,
             Op::Lookup { name } => 1 + name.len(),
             Op::Free { .. } => 8,
@@ -115,7 +116,7 @@ pub(crate) fn reply_len_max(op: &Op) -> usize {
             Op::Read { len, .. } => 4 + *len as usize,
             Op::Swap { data, .. } => 4 + data.len(),
             Op::XorInto { .. } => 0,
-            Op::Cas { .. } | Op::FetchAdd { .. } | Op::WriteIf { .. } => 8,
+            Op::Cas { .. } | Op::FetchAdd { .. } | Op::WriteIf { .. } | Op::Fence => 8,
             Op::Get { .. } => 8 + VALUE_HEADER_BYTES + VALUE_BYTES_MAX,
             Op::Put { .. } | Op::CasPut { .. } | Op::Delete { .. } | Op::Apply { .. } => 8,
             // A scan fills at most what is left of the frame; the frame limit bounds it.
@@ -215,7 +216,7 @@ impl Payloads<'_> {
 fn encode_op(buf: &mut BytesMut, op: &Op, payloads: &mut Payloads<'_>) -> Result<(), EncodeError> {
     buf.put_u8(op.kind() as u8);
     match op {
-        Op::Ping | Op::Stats | Op::List => {}
+        Op::Ping | Op::Stats | Op::List | Op::Fence => {}
         Op::Alloc { size, name, mode } => {
             buf.put_u64_le(*size);
             match name {
@@ -509,12 +510,16 @@ pub fn encode_frame(frame: &Frame, buf: &mut BytesMut) -> Result<(), EncodeError
             buf.put_u8(h.token.len() as u8);
             buf.put_slice(&h.token);
             put_short_str(buf, &h.principal, "principal")?;
+            if let Some(g) = h.fence {
+                buf.put_u64_le(g);
+            }
             end_frame(buf, start)
         }
         Frame::HelloOk(h) => {
             begin_frame(buf, KIND_HELLO_OK);
             buf.put_u16_le(h.version);
             buf.put_u64_le(h.epoch);
+            buf.put_u64_le(h.fence_generation);
             end_frame(buf, start)
         }
         Frame::Requests(batch) => {
@@ -893,6 +898,7 @@ fn decode_op(c: &mut Cursor) -> Result<Op, DecodeError> {
     let kind = OpKind::from_u8(code).ok_or(DecodeError::UnknownOp(code))?;
     Ok(match kind {
         OpKind::Ping => Op::Ping,
+        OpKind::Fence => Op::Fence,
         OpKind::Stats => Op::Stats,
         OpKind::List => Op::List,
         OpKind::Alloc => {
@@ -1153,15 +1159,22 @@ pub fn decode_frame(body: Bytes) -> Result<Frame, DecodeError> {
             } else {
                 String::new()
             };
+            let fence = if c.buf.has_remaining() {
+                Some(c.u64()?)
+            } else {
+                None
+            };
             Frame::Hello(Hello {
                 version,
                 token,
                 principal,
+                fence,
             })
         }
         KIND_HELLO_OK => Frame::HelloOk(HelloOk {
             version: c.u16()?,
             epoch: c.u64()?,
+            fence_generation: c.u64()?,
         }),
         KIND_REQUESTS => {
             let epoch = c.u64()?;

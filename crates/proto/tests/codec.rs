@@ -64,6 +64,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         object_op(),
         Just(Op::Ping),
+        Just(Op::Fence),
         Just(Op::Stats),
         Just(Op::List),
         (0..REGION_BYTES_MAX, proptest::option::of(name()), mode())
@@ -204,15 +205,22 @@ fn frame() -> impl Strategy<Value = Frame> {
         (
             any::<u16>(),
             proptest::collection::vec(any::<u8>(), 0..=TOKEN_BYTES_MAX),
-            "[a-z0-9._-]{0,64}"
+            "[a-z0-9._-]{0,64}",
+            proptest::option::of(any::<u64>())
         )
-            .prop_map(|(version, token, principal)| Frame::Hello(Hello {
+            .prop_map(|(version, token, principal, fence)| Frame::Hello(Hello {
                 version,
                 token: Bytes::from(token),
                 principal,
+                fence,
             })),
-        (any::<u16>(), any::<u64>())
-            .prop_map(|(version, epoch)| Frame::HelloOk(HelloOk { version, epoch })),
+        (any::<u16>(), any::<u64>(), any::<u64>()).prop_map(
+            |(version, epoch, fence_generation)| Frame::HelloOk(HelloOk {
+                version,
+                epoch,
+                fence_generation
+            })
+        ),
         (
             any::<u64>(),
             proptest::collection::vec((any::<u64>(), op()), 0..20)
@@ -399,6 +407,7 @@ fn a_version_1_hello_decodes_with_no_principal() {
             version: 1,
             token: Bytes::from_static(b"tok"),
             principal: String::new(),
+            fence: None,
         })
     );
 }
@@ -410,6 +419,7 @@ fn principals_and_modes_are_bounded_and_checked() {
         version: PROTOCOL_VERSION,
         token: Bytes::new(),
         principal: "p".repeat(PRINCIPAL_BYTES_MAX + 1),
+        fence: None,
     };
     assert!(encode_frame(&Frame::Hello(long), &mut buf).is_err());
     assert!(buf.is_empty());
@@ -426,6 +436,7 @@ fn principals_and_modes_are_bounded_and_checked() {
         version: PROTOCOL_VERSION,
         token: Bytes::from(vec![7u8; TOKEN_BYTES_MAX]),
         principal: "p".repeat(PRINCIPAL_BYTES_MAX),
+        fence: Some(u64::MAX),
     };
     encode_frame(&Frame::Hello(biggest), &mut buf).unwrap();
     assert_eq!(buf.len(), 4 + HELLO_BODY_BYTES_MAX);

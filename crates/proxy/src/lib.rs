@@ -23,9 +23,23 @@
 //! counters. It acts towards the server as one principal of its own, so through it
 //! clients reach shared regions, not each other's private ones.
 //!
-//! Fail-stop: with `cas_to_write`, an upstream connection that fails leaves the proxy
-//! unsure what its in-flight WRITEs did, so it answers nothing more and `serve` returns
-//! [`ProxyError::FailStop`] (the binary then exits); clients go to the server directly.
+//! Answers from what the proxy knows (a CAS failed on a known word, a cached READ) wait
+//! until every mutation sent before them on their lane is applied at the server
+//! (`Lane::once_applied`): what the proxy knows includes writes it decided and sent that
+//! a crash could still lose, and no client may see one of those before the server has it.
+//! Likewise a link made by CAS→WRITE becomes the key's known tail only once applied.
+//!
+//! Fail-stop: with `cas_to_write` or `read_cache`, an upstream connection that fails
+//! leaves the proxy unsure what its in-flight writes did, so it answers nothing more and
+//! `serve` returns [`ProxyError::FailStop`] (the binary then exits); clients go to the
+//! server directly.
+//!
+//! Falling back: with `cas_to_write` the upstream connections are fenceable sessions
+//! (`ClientConfig::fence_session`). A client that gives up on the proxy calls
+//! `Client::fence` on the servers before its first direct request: a dead proxy's
+//! converted WRITEs may still sit in a server's socket buffer, and run after a direct
+//! CAS on the same word would break linearizability; after the fence none of them runs,
+//! and a live proxy that was fenced stops (its lanes cannot reconnect).
 #![forbid(unsafe_code)]
 
 mod cache;
@@ -34,7 +48,7 @@ mod words;
 
 use bytes::{Bytes, BytesMut};
 use cache::ReadCache;
-use camelot_client::{ClientConfig, ClientError, ClusterMap, LoopClient};
+use camelot_client::{ClientConfig, ClientError, ClusterMap, FenceSession, LoopClient};
 use camelot_proto::{
     decode_frame, encode_frame, ErrorCode, ErrorReply, Frame, FrameDecoder, HelloOk, Op, Reply,
     ResponseBatchEncoder, HELLO_BODY_BYTES_MAX, PROTOCOL_VERSION,
@@ -177,6 +191,10 @@ impl ProxyServer {
             token: config.token.clone(),
             connections_per_node: 1,
             request_timeout: config.upstream_timeout,
+            // A WRITE made of a CAS is right only while every request to its word passes
+            // here: the lanes are fenceable, so clients that go to the server directly
+            // (after a FENCE) are never overtaken by one of them still queued there.
+            fence_session: config.cas_to_write.then(FenceSession::new),
             ..ClientConfig::default()
         };
         let mut proxy = Proxy {
@@ -265,6 +283,128 @@ impl ProxyServer {
 struct Lane {
     client: LoopClient,
     state: Mutex<LaneState>,
+    /// Requests that may change bytes, numbered as they are sent (under `state`, so in
+    /// the order decided, which is the order on the wire).
+    mutations_sent: AtomicU64,
+    /// Up to which number they are applied at the server.
+    applied: tokio::sync::watch::Sender<Applied>,
+    /// With answers from what the proxy knows: the lane's mutations, in order, to a task
+    /// that awaits their answers as they come and marks them applied. Their callers'
+    /// tasks could not: a client's answers are awaited in its frames' order, behind
+    /// answers that may wait for another client's mutation (which would then wait for
+    /// the first: a cycle; seen as clients with no answer in 30 s).
+    tracker: Option<mpsc::Sender<Tracked>>,
+}
+
+/// A mutation for the lane's tracker: its number, its answer to come, where to pass it.
+type Tracked = (
+    u64,
+    camelot_client::LoopPending,
+    tokio::sync::oneshot::Sender<Result<Reply, ClientError>>,
+);
+
+/// Mutations a lane's tracker may hold unanswered: the client's own queue bound, so the
+/// tracker is never what stops a lane.
+const TRACKED_MAX: usize = camelot_client::QUEUE_REQUESTS_MAX_DEFAULT;
+
+/// What the server has done of a lane's mutations: all those numbered up to `through`
+/// are applied (one connection's answers come in order, so an answer to one says every
+/// earlier one was applied too); `broken` once the connection failed.
+#[derive(Debug, Clone, Copy, Default)]
+struct Applied {
+    through: u64,
+    broken: bool,
+}
+
+type Pending = Pin<Box<dyn Future<Output = Result<Reply, ClientError>> + Send>>;
+
+/// Requests whose effect on region bytes the word table and the caches must wait for.
+fn mutates(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Write { .. }
+            | Op::Cas { .. }
+            | Op::FetchAdd { .. }
+            | Op::WriteIf { .. }
+            | Op::Swap { .. }
+            | Op::XorInto { .. }
+            | Op::Free { .. }
+    )
+}
+
+impl Lane {
+    /// `answers_locally`: the proxy answers from what it knows, so mutations are tracked
+    /// (a task per lane, spawned here: call inside the runtime).
+    fn new(client: LoopClient, state: LaneState, answers_locally: bool) -> Lane {
+        let (applied, _) = tokio::sync::watch::channel(Applied::default());
+        let tracker = answers_locally.then(|| {
+            let (tx, rx) = mpsc::channel(TRACKED_MAX);
+            tokio::spawn(track(rx, applied.clone()));
+            tx
+        });
+        Lane {
+            client,
+            state: Mutex::new(state),
+            mutations_sent: AtomicU64::new(0),
+            applied,
+            tracker,
+        }
+    }
+
+    /// Sends `op`. A tracked mutation gets the lane's next number, and its answer marks it
+    /// (and every one before it) applied. A mutation is sent under `state`, with its
+    /// decision.
+    async fn send(&self, op: Op) -> Result<Pending, ClientError> {
+        let tracker = self.tracker.as_ref().filter(|_| mutates(&op));
+        let (pending, tracker) = match (self.client.submit(0, op).await, tracker) {
+            (Ok(p), None) => return Ok(Box::pin(p)),
+            (Ok(p), Some(t)) => (p, t),
+            (Err(e), _) => {
+                self.broke();
+                return Err(e);
+            }
+        };
+        let number = self.mutations_sent.fetch_add(1, Ordering::SeqCst) + 1;
+        let (reply_to, answer) = tokio::sync::oneshot::channel();
+        if tracker.send((number, pending, reply_to)).await.is_err() {
+            self.broke();
+            return Err(ClientError::AlreadyTaken);
+        }
+        Ok(Box::pin(async move {
+            answer.await.unwrap_or(Err(ClientError::AlreadyTaken))
+        }))
+    }
+
+    fn broke(&self) {
+        broke(&self.applied);
+    }
+
+    /// An answer the proxy gives from what it knows (a CAS failed on a known word, a
+    /// cached READ), decided now under `state`: given once every mutation sent before it
+    /// on this lane is applied. What the proxy knows includes what it decided and sent
+    /// but the server has not applied yet; answering from that at once would let a
+    /// client see a write that a proxy killed now never delivers (the fence drops it).
+    fn once_applied(&self, answer: Result<Reply, ErrorReply>) -> Answer {
+        let needed = self.mutations_sent.load(Ordering::SeqCst);
+        if self.applied.borrow().through >= needed {
+            return ready(answer);
+        }
+        let mut applied = self.applied.subscribe();
+        Box::pin(async move {
+            let ok = applied
+                .wait_for(|a| a.through >= needed || a.broken)
+                .await
+                .is_ok_and(|a| a.through >= needed);
+            if ok {
+                answer
+            } else {
+                Err(ErrorReply::new(
+                    ErrorCode::Internal,
+                    "the upstream connection failed before this answer's writes were applied",
+                ))
+            }
+        })
+    }
 }
 
 struct LaneState {
@@ -349,6 +489,64 @@ fn lane_index(region: Option<u64>, lanes: usize) -> usize {
     }
 }
 
+/// A lane's tracker: its mutations' answers in order (as they come), each marking it
+/// applied (or the lane broken) before it goes to whoever awaits it.
+async fn track(mut rx: mpsc::Receiver<Tracked>, applied: tokio::sync::watch::Sender<Applied>) {
+    while let Some((number, pending, reply_to)) = rx.recv().await {
+        let r = pending.await;
+        match &r {
+            // Refused on its own, it changed nothing, and its caller forgets what it taught.
+            Ok(_) => advance(&applied, number),
+            Err(e) if !ends_connection(e) => advance(&applied, number),
+            Err(_) => broke(&applied),
+        }
+        // The caller may be gone (its client left): the mark above is what mattered.
+        let _ = reply_to.send(r);
+    }
+}
+
+fn advance(applied: &tokio::sync::watch::Sender<Applied>, number: u64) {
+    applied.send_if_modified(|a| {
+        let newer = a.through < number;
+        a.through = a.through.max(number);
+        newer
+    });
+}
+
+/// Whether an upstream error ended the connection, so requests in flight on it were not
+/// applied (and those after it go on another one). The client reports a FATAL frame to
+/// every request in flight as a server error with the fatal's code: for the requests
+/// the proxy sends (none too large, none malformed), these codes come only in a FATAL —
+/// a fence, a shutdown, an eviction or a buffer budget — while a request refused on its
+/// own (out of bounds, no such region, unaligned, forbidden) was executed and changed
+/// nothing.
+fn ends_connection(e: &ClientError) -> bool {
+    match e {
+        ClientError::Server(r) => !matches!(
+            r.code,
+            ErrorCode::OutOfBounds
+                | ErrorCode::NoSuchRegion
+                | ErrorCode::Unaligned
+                | ErrorCode::Forbidden
+                | ErrorCode::BadRequest
+                | ErrorCode::NameNotFound
+                | ErrorCode::NameExists
+                | ErrorCode::QuotaExceeded
+                | ErrorCode::NoSuchKey
+                | ErrorCode::VersionConflict
+                | ErrorCode::WrongType
+                | ErrorCode::StaleEpoch
+                | ErrorCode::Moved
+                | ErrorCode::ReplicaUnavailable
+        ),
+        _ => true,
+    }
+}
+
+fn broke(applied: &tokio::sync::watch::Sender<Applied>) {
+    applied.send_if_modified(|a| !std::mem::replace(&mut a.broken, true));
+}
+
 impl LaneState {
     /// Bytes whose value is now unknown here (a failed request, FETCH_ADD, …).
     fn forget(&mut self, region: u64, offset: u64, len: u64) {
@@ -361,10 +559,14 @@ impl LaneState {
 
 impl Proxy {
     fn upstream_error(&self, e: ClientError) -> ErrorReply {
-        if let ClientError::Server(reply) = e {
-            return reply;
+        let fenced = matches!(&e, ClientError::Server(r) if r.code == ErrorCode::Fenced);
+        if !ends_connection(&e) {
+            if let ClientError::Server(reply) = e {
+                return reply;
+            }
         }
-        if self.cas_to_write {
+        // Both answer from what they know, some of it sent and maybe never applied.
+        if self.cas_to_write || self.read_cache || fenced {
             // See the crate doc: nothing this proxy knows can be trusted any more.
             tracing::error!(error = %e, "upstream connection failed; stopping (fail-stop)");
             self.failed.store(true, Ordering::SeqCst);
@@ -510,6 +712,14 @@ impl Proxy {
         if let Op::Stats = op {
             return ready(Ok(Reply::Stats(self.stats_list().await)));
         }
+        if let Op::Fence = op {
+            // Through a proxy it would fence the proxy's own lanes: a client falls back
+            // by fencing the servers, which it reaches without this proxy.
+            return ready(Err(ErrorReply::new(
+                ErrorCode::BadRequest,
+                "FENCE goes to the servers directly, not through a proxy",
+            )));
+        }
         let lane = lanes[lane_index(region_of(&op), lanes.len())].clone();
         if !(self.cas_to_write || self.read_cache || self.write_cache) {
             return self.forward(&lane, op).await;
@@ -613,10 +823,14 @@ impl Proxy {
             .words
             .cas(region, offset, expected, new, self.cas_to_write)
         {
-            CasDecision::Fail(v) => ready(Ok(Reply::Word(v))),
+            CasDecision::Fail(v) => lane.once_applied(Ok(Reply::Word(v))),
             CasDecision::Convert => {
-                // Won now: the WRITE is queued in order before anything after it.
-                self.with_chains(|wc| wc.cas_won(region, offset, expected, new));
+                // Won now: the WRITE is queued in order before anything after it on this
+                // lane. Not yet on the others: the link is learned (and READs are sent to
+                // the new tail as linked, on the tail's lane) only once the server has it,
+                // or a redirected READ could overtake the WRITE and call an unlinked node
+                // linked (seen: a stale read after a completed write, with CAS→WRITE and
+                // the read cache on).
                 let bytes = new.to_le_bytes();
                 if let Some(c) = st.cache.as_mut() {
                     c.write(region, offset, &bytes);
@@ -626,7 +840,7 @@ impl Proxy {
                     offset,
                     data: Bytes::copy_from_slice(&bytes),
                 };
-                let sent = lane.client.submit(0, self.counted(write)).await;
+                let sent = lane.send(self.counted(write)).await;
                 drop(st);
                 let proxy = self.clone();
                 Box::pin(async move {
@@ -635,7 +849,10 @@ impl Proxy {
                         Err(e) => Err(e),
                     };
                     match r {
-                        Ok(Reply::Done) => Ok(Reply::Word(expected)),
+                        Ok(Reply::Done) => {
+                            proxy.with_chains(|wc| wc.cas_won(region, offset, expected, new));
+                            Ok(Reply::Word(expected))
+                        }
                         Ok(other) => Err(ErrorReply::new(
                             ErrorCode::Internal,
                             format!("upstream answered a WRITE with {other:?}"),
@@ -657,7 +874,7 @@ impl Proxy {
                     expected,
                     new,
                 };
-                let sent = lane.client.submit(0, self.counted(op)).await;
+                let sent = lane.send(self.counted(op)).await;
                 drop(st);
                 let proxy = self.clone();
                 Box::pin(async move {
@@ -710,7 +927,7 @@ impl Proxy {
             offset,
             data,
         };
-        let sent = lane.client.submit(0, self.counted(op)).await;
+        let sent = lane.send(self.counted(op)).await;
         drop(st);
         let proxy = self.clone();
         Box::pin(async move {
@@ -813,10 +1030,10 @@ impl Proxy {
             return self.forward(&lane, op).await;
         };
         if let Some(hit) = cache.get(region, offset, len) {
-            return ready(Ok(Reply::Data(hit)));
+            return lane.once_applied(Ok(Reply::Data(hit)));
         }
         let ticket = cache.ticket(region, offset, len);
-        let sent = lane.client.submit(0, self.counted(op)).await;
+        let sent = lane.send(self.counted(op)).await;
         drop(st);
         let proxy = self.clone();
         Box::pin(async move {
@@ -867,8 +1084,8 @@ impl Proxy {
         })
     }
 
-    async fn forward(self: &Arc<Self>, lane: &Lane, op: Op) -> Answer {
-        let sent = lane.client.submit(0, self.counted(op)).await;
+    async fn forward(self: &Arc<Self>, lane: &Arc<Lane>, op: Op) -> Answer {
+        let sent = lane.send(self.counted(op)).await;
         let proxy = self.clone();
         Box::pin(async move {
             let r = match sent {
@@ -889,13 +1106,14 @@ impl Proxy {
             self.upstream_config.clone(),
         )
         .await?;
-        Ok(Arc::new(Lane {
+        Ok(Arc::new(Lane::new(
             client,
-            state: Mutex::new(LaneState {
+            LaneState {
                 words: Words::new(words_bytes),
                 cache: cache_bytes.and_then(ReadCache::new),
-            }),
-        }))
+            },
+            self.cas_to_write || self.read_cache,
+        )))
     }
 }
 
@@ -960,6 +1178,8 @@ async fn handshake(proxy: &Proxy, stream: &mut TcpStream) -> Result<(), String> 
         &Frame::HelloOk(HelloOk {
             version: PROTOCOL_VERSION,
             epoch: 0,
+            // A proxy fences nothing: its clients' FENCEs go to the servers.
+            fence_generation: 0,
         }),
         &mut buf,
     )

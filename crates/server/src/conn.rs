@@ -12,7 +12,7 @@ use crate::unacked::Cover;
 use bytes::{Bytes, BytesMut};
 use camelot_proto::{
     decode_frame, encode_frame, DecodeError, ErrorCode, ErrorReply, Frame, FrameDecoder, HelloOk,
-    ResponseBatchEncoder, HELLO_BODY_BYTES_MAX, PRINCIPAL_DEFAULT, PROTOCOL_VERSION,
+    Op, ResponseBatchEncoder, HELLO_BODY_BYTES_MAX, PRINCIPAL_DEFAULT, PROTOCOL_VERSION,
 };
 use std::collections::VecDeque;
 use std::fmt;
@@ -295,6 +295,8 @@ pub(crate) struct Conn {
     principal: Principal,
     /// The last batch's writes that must reach backups (kept for its allocation).
     log: WriteLog,
+    /// A fenceable session's generation (see `Hello::fence`); `None` for the rest.
+    fence: Option<u64>,
 }
 
 /// Resolves once shutdown is requested, or the handle that could request it is gone.
@@ -443,6 +445,7 @@ impl Conn {
             bufs,
             principal: Principal::from(PRINCIPAL_DEFAULT),
             log: WriteLog::default(),
+            fence: None,
         })
     }
 
@@ -520,9 +523,27 @@ impl Conn {
         if !hello.principal.is_empty() {
             self.principal = Principal::from(hello.principal);
         }
+        let fence_generation = self.shared.state.fence_generation();
+        if let Some(generation) = hello.fence {
+            if generation != 0 && generation != fence_generation {
+                self.shared.state.stats().session_fenced();
+                let msg = format!(
+                    "this session was fenced (its generation {generation}, the server's \
+                     {fence_generation}): its clients went to the server directly"
+                );
+                return Err(self.fatal(ErrorCode::Fenced, msg).await);
+            }
+            // A fence between here and the first batch is caught by that batch's check.
+            self.fence = Some(if generation == 0 {
+                fence_generation
+            } else {
+                generation
+            });
+        }
         let ok = Frame::HelloOk(HelloOk {
             version: PROTOCOL_VERSION,
             epoch: self.shared.state.epoch(),
+            fence_generation,
         });
         // Sent with the answers to whatever the client pipelined behind its HELLO.
         encode_frame(&ok, &mut self.bufs.out)
@@ -655,6 +676,22 @@ impl Conn {
             if !wait.is_zero() {
                 tokio::time::sleep(wait).await;
             }
+            // Waits here, holding nothing, for the sessions' running batches.
+            if batch.requests.iter().any(|r| matches!(r.op, Op::Fence)) {
+                self.shared.state.fence().await;
+            }
+            let session = match self.fence {
+                None => None,
+                Some(generation) => match self.shared.state.unfenced(generation).await {
+                    Some(guard) => Some(guard),
+                    None => {
+                        self.shared.state.stats().session_fenced();
+                        let msg = "this session was fenced: its clients went to the server \
+                                   directly, so nothing more of it runs";
+                        return Err(self.fatal(ErrorCode::Fenced, msg).await);
+                    }
+                },
+            };
             let start = self.bufs.out.len();
             let mut enc = ResponseBatchEncoder::begin(&mut self.bufs.out);
             let res = exec_logged(
@@ -665,6 +702,7 @@ impl Conn {
                 Some(&mut self.log),
             )
             .and_then(|()| enc.finish());
+            drop(session);
             drop(batch);
             if let Err(e) = res {
                 self.bufs.out.truncate(start);

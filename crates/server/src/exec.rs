@@ -482,6 +482,12 @@ impl Exec<'_, '_, '_> {
                 len,
             } => self.read(id, *region, *offset, *len as usize),
             Op::Ping => self.guarded(id, OK_HEADER_BYTES, |_, _| Ok(Reply::Pong)),
+            // The connection ran the fence before the batch (it must wait, and this may
+            // not); the answer is the generation it left.
+            Op::Fence => {
+                let generation = self.state.fence_generation();
+                self.guarded(id, WORD_REPLY_BYTES, |_, _| Ok(Reply::Word(generation)))
+            }
             Op::Stats => {
                 let reply = Reply::Stats(self.state.stats_snapshot());
                 self.respond_if_fits(id, reply)

@@ -593,6 +593,7 @@ impl Link {
             version: PROTOCOL_VERSION,
             token: Bytes::from(self.token.clone().unwrap_or_default()),
             principal: LINK_PRINCIPAL.to_owned(),
+            fence: None,
         });
         encode_frame(&hello, &mut out).map_err(invalid)?;
         stream.write_all(&out).await?;

@@ -42,6 +42,8 @@ pub struct Stats {
     connections_current: AtomicU64,
     connections_total: AtomicU64,
     connections_refused: AtomicU64,
+    /// Fenceable sessions closed (or refused at HELLO) because a FENCE passed them.
+    sessions_fenced: AtomicU64,
     /// Connections that have not yet authenticated (native: no HELLO yet; Redis port with
     /// a token: no successful AUTH yet). Kept apart so they cannot crowd out real clients.
     connections_unauthenticated: AtomicU64,
@@ -112,6 +114,10 @@ impl Stats {
         self.connections_unauthenticated.load(Ordering::Acquire)
     }
 
+    pub fn session_fenced(&self) {
+        self.sessions_fenced.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn connection_refused(&self) {
         self.connections_refused.fetch_add(1, Ordering::Relaxed);
     }
@@ -155,6 +161,9 @@ impl Stats {
     }
 }
 
+/// A server's first fence generation; 0 in a HELLO means "whatever it is now".
+pub const FENCE_GENERATION_FIRST: u64 = 1;
+
 pub struct ServerState {
     /// What connections' input and output buffers may hold together: a budget of its
     /// own beside the data's, so heavy traffic never makes an ALLOC fail and a full store
@@ -186,6 +195,14 @@ pub struct ServerState {
     /// Keys with a write its backups have not acknowledged: never served to a reader
     /// while so (see [`crate::unacked`]).
     unacked: Arc<crate::unacked::Unacked>,
+    /// Fenceable sessions (`Hello::fence`): each of their batches runs holding a read
+    /// guard of this lock and only if it still holds the session's generation; a FENCE
+    /// takes it for writing (so it waits for the batches running) and moves the
+    /// generation on (so no later batch of theirs runs). Tokio's lock is fair: sessions
+    /// arriving behind a waiting fence cannot starve it.
+    fences: Arc<tokio::sync::RwLock<u64>>,
+    /// The generation in `fences`, for readers that must not wait on the lock.
+    fence_generation: AtomicU64,
 }
 
 impl ServerState {
@@ -216,7 +233,34 @@ impl ServerState {
             applied: parking_lot::RwLock::new(Arc::new([])),
             throttled_ns: AtomicU64::new(0),
             unacked: Arc::new(crate::unacked::Unacked::default()),
+            fences: Arc::new(tokio::sync::RwLock::new(FENCE_GENERATION_FIRST)),
+            fence_generation: AtomicU64::new(FENCE_GENERATION_FIRST),
         }
+    }
+
+    /// The fence generation now: what a session joining with `Hello::fence == Some(0)`
+    /// is given.
+    pub fn fence_generation(&self) -> u64 {
+        self.fence_generation.load(Ordering::Acquire)
+    }
+
+    /// Ends every fenceable session: returns once no batch of theirs is running, with
+    /// the new generation, under which none of theirs will run again.
+    pub async fn fence(&self) -> u64 {
+        let mut generation = self.fences.write().await;
+        *generation += 1;
+        self.fence_generation.store(*generation, Ordering::Release);
+        *generation
+    }
+
+    /// For a session of `generation`: a guard to hold while its batch runs, or `None`
+    /// once a fence has passed it.
+    pub async fn unfenced(
+        &self,
+        generation: u64,
+    ) -> Option<tokio::sync::OwnedRwLockReadGuard<u64>> {
+        let now = Arc::clone(&self.fences).read_owned().await;
+        (*now == generation).then_some(now)
     }
 
     /// See [`crate::unacked`].
@@ -406,6 +450,8 @@ impl ServerState {
             "connections_refused".to_owned(),
             load(&s.connections_refused),
         ));
+        out.push(("sessions_fenced".to_owned(), load(&s.sessions_fenced)));
+        out.push(("fence_generation".to_owned(), self.fence_generation()));
         out.push((
             "connections_unauthenticated".to_owned(),
             load(&s.connections_unauthenticated),

@@ -101,6 +101,7 @@ async fn native_hello(s: &mut TcpStream, token: &[u8]) -> Frame {
             version: PROTOCOL_VERSION,
             token: Bytes::copy_from_slice(token),
             principal: String::new(),
+            fence: None,
         }),
         &mut buf,
     )

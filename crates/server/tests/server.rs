@@ -39,6 +39,7 @@ fn hello(token: &[u8]) -> Frame {
         version: PROTOCOL_VERSION,
         token: Bytes::copy_from_slice(token),
         principal: String::new(),
+        fence: None,
     })
 }
 
@@ -47,6 +48,7 @@ fn hello_as(principal: &str) -> Frame {
         version: PROTOCOL_VERSION,
         token: Bytes::new(),
         principal: principal.into(),
+        fence: None,
     })
 }
 
@@ -189,7 +191,8 @@ async fn handshake_reports_version_and_epoch() {
         p.recv().await,
         Some(Frame::HelloOk(HelloOk {
             version: PROTOCOL_VERSION,
-            epoch: 7
+            epoch: 7,
+            fence_generation: 1,
         }))
     );
     let r = p.responses().await;
@@ -228,6 +231,7 @@ async fn admitted(addr: SocketAddr, principal: &str, token: &[u8]) -> bool {
         version: PROTOCOL_VERSION,
         token: Bytes::copy_from_slice(token),
         principal: principal.into(),
+        fence: None,
     }))
     .await;
     match p.recv().await {
@@ -273,6 +277,7 @@ async fn version_mismatch_is_fatal() {
         version: PROTOCOL_VERSION + 1,
         token: Bytes::new(),
         principal: String::new(),
+        fence: None,
     }))
     .await;
     assert_eq!(fatal_code(p.recv().await), ErrorCode::VersionMismatch);
@@ -1258,4 +1263,124 @@ async fn a_deposed_primary_never_serves_the_write_its_backup_refused() {
     assert_eq!(object(&r[0]), Some(&b"v1"[..]), "{r:?}");
     primary.shutdown().await.unwrap();
     backup.shutdown().await.unwrap();
+}
+
+fn hello_fenced(generation: u64) -> Frame {
+    Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token: Bytes::new(),
+        principal: String::new(),
+        fence: Some(generation),
+    })
+}
+
+/// A fenceable session's requests still queued at the server when a FENCE is answered
+/// never run, and the session cannot come back: a proxy that died with converted WRITEs
+/// in flight cannot overtake the clients that went to the server directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_stops_a_sessions_queued_requests_and_its_return() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    // ~2 MB of one-op frames: far more than the socket buffers hold, so most of it is
+    // still queued (in the sender or the server's socket) when the fence comes.
+    const FRAMES: u64 = 50_000;
+    let server = start(config()).await;
+    let addr = server.local_addr();
+    let mut direct = Peer::ready(addr).await;
+    let id = region_id(
+        &direct
+            .call(vec![alloc_op(4096, "counter", AccessMode::Private)])
+            .await[0],
+    );
+    let mut session = Peer::connect(addr).await;
+    session.send(&hello_fenced(0)).await;
+    let generation = match session.recv().await {
+        Some(Frame::HelloOk(ok)) => ok.fence_generation,
+        other => panic!("expected HELLO_OK, got {other:?}"),
+    };
+    let mut bytes = BytesMut::new();
+    for i in 0..FRAMES {
+        let add = Op::FetchAdd {
+            region: id,
+            offset: 0,
+            delta: 1,
+        };
+        encode_frame(&requests(i, vec![add]), &mut bytes).unwrap();
+    }
+    let Peer { stream, mut buf } = session;
+    let (mut rd, mut wr) = stream.into_split();
+    let writer = tokio::spawn(async move { wr.write_all(&bytes).await.is_ok() });
+    let answered = Arc::new(AtomicU64::new(0));
+    let reader = {
+        let answered = answered.clone();
+        tokio::spawn(async move {
+            loop {
+                while let Some(body) = FrameDecoder::split_frame(&mut buf).unwrap() {
+                    match decode_frame(body).unwrap() {
+                        Frame::Responses(r) => {
+                            answered.fetch_add(r.responses.len() as u64, Ordering::SeqCst);
+                        }
+                        Frame::Fatal(e) => return Some(e.code),
+                        other => panic!("unexpected {other:?}"),
+                    }
+                }
+                match timeout(WAIT, rd.read_buf(&mut buf)).await {
+                    Ok(Ok(n)) if n > 0 => {}
+                    _ => return None,
+                }
+            }
+        })
+    };
+    eventually(|| answered.load(Ordering::SeqCst) > 0).await;
+    let fenced = direct.call(vec![Op::Fence]).await;
+    assert_eq!(fenced[0].result, Ok(Reply::Word(generation + 1)));
+    let counter = |r: &Response| match &r.result {
+        Ok(Reply::Data(d)) => u64::from_le_bytes(d[..8].try_into().unwrap()),
+        other => panic!("expected data, got {other:?}"),
+    };
+    let read = Op::Read {
+        region: id,
+        offset: 0,
+        len: 8,
+    };
+    let at_fence = counter(&direct.call(vec![read.clone()]).await[0]);
+    let end = timeout(WAIT, reader)
+        .await
+        .expect("the session was not closed");
+    assert_eq!(end.expect("reader"), Some(ErrorCode::Fenced));
+    // The kernel may have taken every byte (loopback buffers grow to megabytes) or
+    // refused the rest once the session closed: either way, nothing more runs.
+    timeout(WAIT, writer)
+        .await
+        .expect("writer")
+        .expect("writer");
+    let after = counter(&direct.call(vec![read]).await[0]);
+    assert_eq!(
+        after, at_fence,
+        "a request of the session ran after the fence"
+    );
+    assert_eq!(
+        after,
+        answered.load(Ordering::SeqCst),
+        "what ran is exactly what was answered"
+    );
+    assert!(
+        after < FRAMES,
+        "the session's backlog ran to the end: {after}"
+    );
+    // The fenced generation is refused; a new session joins the new one.
+    let mut back = Peer::connect(addr).await;
+    back.send(&hello_fenced(generation)).await;
+    assert_eq!(fatal_code(back.recv().await), ErrorCode::Fenced);
+    let mut fresh = Peer::connect(addr).await;
+    fresh.send(&hello_fenced(0)).await;
+    match fresh.recv().await {
+        Some(Frame::HelloOk(ok)) => assert_eq!(ok.fence_generation, generation + 1),
+        other => panic!("expected HELLO_OK, got {other:?}"),
+    }
+    assert_eq!(fresh.call(vec![Op::Ping]).await[0].result, Ok(Reply::Pong));
+    let stats = server.stats();
+    assert_eq!(stat(&stats, "sessions_fenced"), 2);
+    assert_eq!(stat(&stats, "fence_generation"), generation + 1);
+    server.shutdown().await.unwrap();
 }
