@@ -54,6 +54,9 @@ pub struct FillTicket {
 struct Entry {
     data: Vec<u8>,
     stamp: u64,
+    /// The newest lane mutation patched into it (see [`ReadCache::deciding`]); 0 while
+    /// it holds only what the server answered.
+    by: u64,
 }
 
 #[derive(Debug)]
@@ -64,6 +67,8 @@ pub struct ReadCache {
     bytes: u64,
     bytes_max: u64,
     next_stamp: u64,
+    /// The number the mutation decided next will carry.
+    deciding: u64,
     pub stats: CacheStats,
 }
 
@@ -100,6 +105,7 @@ impl ReadCache {
             bytes: table,
             bytes_max,
             next_stamp: 1,
+            deciding: 0,
             stats: CacheStats::default(),
         })
     }
@@ -109,8 +115,20 @@ impl ReadCache {
         self.bytes
     }
 
+    /// The number of the mutation the next decisions send (see `Words::deciding`).
+    pub fn deciding(&mut self, number: u64) {
+        self.deciding = number;
+    }
+
     /// A READ's bytes if an entry holds them all.
+    #[cfg(test)]
     pub fn get(&mut self, region: RegionId, offset: u64, len: u32) -> Option<Bytes> {
+        self.get_taught(region, offset, len).map(|(b, _)| b)
+    }
+
+    /// [`ReadCache::get`], with the newest mutation patched into what it answers: the
+    /// answer waits for it to be applied (0: nothing to wait for).
+    pub fn get_taught(&mut self, region: RegionId, offset: u64, len: u32) -> Option<(Bytes, u64)> {
         let len = u64::from(len);
         if len > CACHED_READ_BYTES_MAX {
             return None;
@@ -123,7 +141,7 @@ impl ReadCache {
             .find(|(&(_, o), e)| o + e.data.len() as u64 >= offset + len)
             .map(|(&(_, o), e)| {
                 let at = (offset - o) as usize;
-                Bytes::copy_from_slice(&e.data[at..at + len as usize])
+                (Bytes::copy_from_slice(&e.data[at..at + len as usize]), e.by)
             });
         match found {
             Some(b) => {
@@ -182,6 +200,7 @@ impl ReadCache {
             Entry {
                 data: data.to_vec(),
                 stamp,
+                by: 0,
             },
         );
         self.bytes += cost;
@@ -249,6 +268,7 @@ impl ReadCache {
                 let dst = (from - o) as usize..(to - o) as usize;
                 let src = (from - offset) as usize..(to - offset) as usize;
                 e.data[dst].copy_from_slice(&data[src]);
+                e.by = e.by.max(self.deciding);
             }
         }
     }
@@ -282,6 +302,28 @@ impl ReadCache {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn an_answer_names_the_newest_mutation_patched_into_it() {
+        let mut c = ReadCache::new(1 << 20).unwrap();
+        let t = c.ticket(1, 0, 64).unwrap();
+        c.fill(t, &[1; 64]);
+        assert_eq!(c.get_taught(1, 0, 8).map(|(_, by)| by), Some(0));
+        c.deciding(3);
+        c.write(1, 8, &[2; 8]);
+        c.deciding(4);
+        c.write(1, 40, &[3; 8]);
+        let (bytes, by) = c.get_taught(1, 0, 64).unwrap();
+        assert_eq!(
+            (&bytes[8..10], &bytes[40..42], by),
+            (&[2, 2][..], &[3, 3][..], 4)
+        );
+        // Refilled from the server after a forget: nothing to wait for.
+        c.forget(1, 0, 64);
+        let t = c.ticket(1, 0, 64).unwrap();
+        c.fill(t, &[5; 64]);
+        assert_eq!(c.get_taught(1, 0, 8).map(|(_, by)| by), Some(0));
+    }
 
     #[test]
     fn hits_inside_an_entry_and_writes_patch_it() {

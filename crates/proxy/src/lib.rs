@@ -379,14 +379,23 @@ impl Lane {
         broke(&self.applied);
     }
 
+    /// The number the next tracked mutation sent on this lane will carry (0 when none
+    /// are tracked); ask under `state`, with the decision it goes with.
+    fn next_number(&self) -> u64 {
+        match self.tracker {
+            Some(_) => self.mutations_sent.load(Ordering::SeqCst) + 1,
+            None => 0,
+        }
+    }
+
     /// An answer the proxy gives from what it knows (a CAS failed on a known word, a
-    /// cached READ), decided now under `state`: given once every mutation sent before it
-    /// on this lane is applied. What the proxy knows includes what it decided and sent
+    /// cached READ), decided now under `state`: given once mutation `needed` — the newest
+    /// that taught what it answers, 0 for none — is applied, and so every one before it
+    /// on this lane. What the proxy knows includes what it decided and sent
     /// but the server has not applied yet; answering from that at once would let a
     /// client see a write that a proxy killed now never delivers (the fence drops it).
-    fn once_applied(&self, answer: Result<Reply, ErrorReply>) -> Answer {
-        let needed = self.mutations_sent.load(Ordering::SeqCst);
-        if self.applied.borrow().through >= needed {
+    fn once_applied(&self, answer: Result<Reply, ErrorReply>, needed: u64) -> Answer {
+        if needed == 0 || self.applied.borrow().through >= needed {
             return ready(answer);
         }
         let mut applied = self.applied.subscribe();
@@ -548,6 +557,14 @@ fn broke(applied: &tokio::sync::watch::Sender<Applied>) {
 }
 
 impl LaneState {
+    /// What the decisions made next teach is marked with `number`, the mutation they send.
+    fn deciding(&mut self, number: u64) {
+        self.words.deciding(number);
+        if let Some(c) = self.cache.as_mut() {
+            c.deciding(number);
+        }
+    }
+
     /// Bytes whose value is now unknown here (a failed request, FETCH_ADD, …).
     fn forget(&mut self, region: u64, offset: u64, len: u64) {
         self.words.forget(region, offset, len);
@@ -819,11 +836,15 @@ impl Proxy {
         new: u64,
     ) -> Answer {
         let mut st = lane.state.lock().await;
+        st.deciding(lane.next_number());
         match st
             .words
             .cas(region, offset, expected, new, self.cas_to_write)
         {
-            CasDecision::Fail(v) => lane.once_applied(Ok(Reply::Word(v))),
+            CasDecision::Fail(v) => {
+                let by = st.words.taught_by(region, offset);
+                lane.once_applied(Ok(Reply::Word(v)), by)
+            }
             CasDecision::Convert => {
                 // Won now: the WRITE is queued in order before anything after it on this
                 // lane. Not yet on the others: the link is learned (and READs are sent to
@@ -917,6 +938,7 @@ impl Proxy {
     ) -> Answer {
         let len = data.len() as u64;
         let mut st = lane.state.lock().await;
+        st.deciding(lane.next_number());
         st.words.write(region, offset, &data);
         if let Some(c) = st.cache.as_mut() {
             c.write(region, offset, &data);
@@ -1029,8 +1051,8 @@ impl Proxy {
             drop(st);
             return self.forward(&lane, op).await;
         };
-        if let Some(hit) = cache.get(region, offset, len) {
-            return lane.once_applied(Ok(Reply::Data(hit)));
+        if let Some((hit, by)) = cache.get_taught(region, offset, len) {
+            return lane.once_applied(Ok(Reply::Data(hit)), by);
         }
         let ticket = cache.ticket(region, offset, len);
         let sent = lane.send(self.counted(op)).await;

@@ -35,6 +35,9 @@ struct Entry {
     stamp: u64,
     /// Set again since it last came to the queue's front: spared once by eviction.
     referenced: bool,
+    /// The number of the lane's mutation that taught it (see [`Words::deciding`]); 0
+    /// when it came from the server's answer, so it is applied already.
+    by: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +67,8 @@ pub struct Words {
     order: VecDeque<((RegionId, u64), u64)>,
     entries_max: usize,
     next_stamp: u64,
+    /// The number the mutation decided next will carry (see [`Words::deciding`]).
+    deciding: u64,
     pub stats: WordStats,
 }
 
@@ -75,6 +80,7 @@ impl Words {
             order: VecDeque::new(),
             entries_max: usize::try_from(bytes_max / ENTRY_BYTES).unwrap_or(usize::MAX),
             next_stamp: 1,
+            deciding: 0,
             stats: WordStats::default(),
         }
     }
@@ -89,7 +95,24 @@ impl Words {
         self.map.len() as u64 * ENTRY_BYTES
     }
 
+    /// The number of the mutation the next decisions send: what they teach is marked
+    /// with it, so an answer given from it can wait for that mutation alone to be
+    /// applied. 0 (the default): nothing to wait for.
+    pub fn deciding(&mut self, number: u64) {
+        self.deciding = number;
+    }
+
+    /// The mutation a known word's value waits on (0: applied; see [`Words::deciding`]).
+    pub fn taught_by(&self, region: RegionId, offset: u64) -> u64 {
+        self.map.get(&(region, offset)).map_or(0, |e| e.by)
+    }
+
     fn put(&mut self, key: (RegionId, u64), word: Word) {
+        let by = self.deciding;
+        self.put_by(key, word, by);
+    }
+
+    fn put_by(&mut self, key: (RegionId, u64), word: Word, by: u64) {
         if self.entries_max == 0 {
             return;
         }
@@ -100,6 +123,7 @@ impl Words {
             // Its queue slot stays live (same stamp): no new slot, no compaction.
             e.word = word;
             e.referenced = true;
+            e.by = by;
             return;
         }
         self.map.insert(
@@ -108,6 +132,7 @@ impl Words {
                 word,
                 stamp,
                 referenced: false,
+                by,
             },
         );
         while self.map.len() > self.entries_max {
@@ -200,6 +225,7 @@ impl Words {
         if let Some(e) = self.map.get_mut(&key) {
             if e.word == Word::Pending(ticket) {
                 e.word = Word::Known(if before == expected { new } else { before });
+                e.by = 0;
                 self.stats.learned += 1;
             }
         }
@@ -285,6 +311,26 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn a_known_word_names_the_mutation_that_taught_it() {
+        let mut w = Words::new(1 << 20);
+        w.deciding(5);
+        w.write(1, 0, &7u64.to_le_bytes());
+        assert_eq!(w.taught_by(1, 0), 5);
+        w.deciding(6);
+        assert_eq!(w.cas(1, 0, 7, 8, true), CasDecision::Convert);
+        assert_eq!(w.taught_by(1, 0), 6);
+        assert_eq!(w.cas(1, 0, 7, 9, true), CasDecision::Fail(8));
+        // What the server answered is applied already.
+        w.deciding(7);
+        let CasDecision::Forward { ticket } = w.cas(1, 64, 1, 2, true) else {
+            panic!("an unknown word is forwarded");
+        };
+        w.cas_answered(1, 64, ticket, 1, 2, 1);
+        assert_eq!(w.taught_by(1, 64), 0);
+        assert_eq!(w.taught_by(2, 0), 0, "unknown words wait on nothing");
+    }
 
     #[test]
     fn a_written_word_converts_the_next_cas() {
