@@ -276,13 +276,8 @@ fn a_fenced_proxy_stops_and_a_fence_goes_to_the_servers_only() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert!(!p.is_running(), "the fenced proxy kept running");
-    let sessions_fenced = direct
-        .stats(0)
-        .unwrap()
-        .into_iter()
-        .find(|(n, _)| n == "sessions_fenced")
-        .map(|(_, v)| v);
-    assert!(sessions_fenced >= Some(1), "{sessions_fenced:?}");
+    let sessions_fenced = stat(&direct, "sessions_fenced");
+    assert!(sessions_fenced >= 1, "{sessions_fenced}");
 }
 
 #[test]

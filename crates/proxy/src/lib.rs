@@ -504,8 +504,8 @@ async fn track(mut rx: mpsc::Receiver<Tracked>, applied: tokio::sync::watch::Sen
     while let Some((number, pending, reply_to)) = rx.recv().await {
         let r = pending.await;
         match &r {
-            // Refused on its own, it changed nothing, and its caller forgets what it taught.
             Ok(_) => advance(&applied, number),
+            // Refused on its own, it changed nothing, and its caller forgets what it taught.
             Err(e) if !ends_connection(e) => advance(&applied, number),
             Err(_) => broke(&applied),
         }
@@ -576,14 +576,14 @@ impl LaneState {
 
 impl Proxy {
     fn upstream_error(&self, e: ClientError) -> ErrorReply {
-        let fenced = matches!(&e, ClientError::Server(r) if r.code == ErrorCode::Fenced);
         if !ends_connection(&e) {
             if let ClientError::Server(reply) = e {
                 return reply;
             }
         }
-        // Both answer from what they know, some of it sent and maybe never applied.
-        if self.cas_to_write || self.read_cache || fenced {
+        // Both answer from what they know, some of it sent and maybe never applied. A
+        // FENCED session ends its connection, and only `cas_to_write` lanes are fenceable.
+        if self.cas_to_write || self.read_cache {
             // See the crate doc: nothing this proxy knows can be trusted any more.
             tracing::error!(error = %e, "upstream connection failed; stopping (fail-stop)");
             self.failed.store(true, Ordering::SeqCst);
@@ -841,9 +841,8 @@ impl Proxy {
             .words
             .cas(region, offset, expected, new, self.cas_to_write)
         {
-            CasDecision::Fail(v) => {
-                let by = st.words.taught_by(region, offset);
-                lane.once_applied(Ok(Reply::Word(v)), by)
+            CasDecision::Fail { value, taught_by } => {
+                lane.once_applied(Ok(Reply::Word(value)), taught_by)
             }
             CasDecision::Convert => {
                 // Won now: the WRITE is queued in order before anything after it on this
@@ -1106,7 +1105,7 @@ impl Proxy {
         })
     }
 
-    async fn forward(self: &Arc<Self>, lane: &Arc<Lane>, op: Op) -> Answer {
+    async fn forward(self: &Arc<Self>, lane: &Lane, op: Op) -> Answer {
         let sent = lane.send(self.counted(op)).await;
         let proxy = self.clone();
         Box::pin(async move {

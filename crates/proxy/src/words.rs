@@ -46,8 +46,8 @@ pub enum CasDecision {
     Forward { ticket: u64 },
     /// Known to match: send a WRITE of `new` instead and answer `expected`.
     Convert,
-    /// Known not to match: answer this value at once.
-    Fail(u64),
+    /// Known not to match: answer `value` once mutation `taught_by` (0: none) is applied.
+    Fail { value: u64, taught_by: u64 },
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -103,7 +103,8 @@ impl Words {
     }
 
     /// The mutation a known word's value waits on (0: applied; see [`Words::deciding`]).
-    pub fn taught_by(&self, region: RegionId, offset: u64) -> u64 {
+    #[cfg(test)]
+    fn taught_by(&self, region: RegionId, offset: u64) -> u64 {
         self.map.get(&(region, offset)).map_or(0, |e| e.by)
     }
 
@@ -192,6 +193,7 @@ impl Words {
         if convert {
             if let Some(Entry {
                 word: Word::Known(v),
+                by,
                 ..
             }) = self.map.get(&key).copied()
             {
@@ -201,7 +203,10 @@ impl Words {
                     return CasDecision::Convert;
                 }
                 self.stats.failed_locally += 1;
-                return CasDecision::Fail(v);
+                return CasDecision::Fail {
+                    value: v,
+                    taught_by: by,
+                };
             }
         }
         self.stats.forwarded += 1;
@@ -321,7 +326,13 @@ mod tests {
         w.deciding(6);
         assert_eq!(w.cas(1, 0, 7, 8, true), CasDecision::Convert);
         assert_eq!(w.taught_by(1, 0), 6);
-        assert_eq!(w.cas(1, 0, 7, 9, true), CasDecision::Fail(8));
+        assert_eq!(
+            w.cas(1, 0, 7, 9, true),
+            CasDecision::Fail {
+                value: 8,
+                taught_by: 6
+            }
+        );
         // What the server answered is applied already.
         w.deciding(7);
         let CasDecision::Forward { ticket } = w.cas(1, 64, 1, 2, true) else {
@@ -338,7 +349,13 @@ mod tests {
         assert_eq!(w.cas(1, 0, 5, 6, true), CasDecision::Forward { ticket: 1 });
         w.write(1, 64, &7u64.to_le_bytes());
         assert_eq!(w.cas(1, 64, 7, 8, true), CasDecision::Convert);
-        assert_eq!(w.cas(1, 64, 7, 9, true), CasDecision::Fail(8));
+        assert_eq!(
+            w.cas(1, 64, 7, 9, true),
+            CasDecision::Fail {
+                value: 8,
+                taught_by: 0
+            }
+        );
         // Without conversion nothing is answered here.
         assert!(matches!(
             w.cas(1, 64, 8, 9, false),
@@ -467,7 +484,7 @@ mod tests {
                                 prop_assert_eq!(cur, e);
                                 mem.insert(o, n);
                             }
-                            CasDecision::Fail(v) => {
+                            CasDecision::Fail { value: v, .. } => {
                                 prop_assert_eq!(v, cur);
                                 prop_assert_ne!(cur, e);
                             }
