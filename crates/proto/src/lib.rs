@@ -265,7 +265,8 @@ pub enum Op {
     /// of byte `p / 8` for partition `p` of `partitions`, as [`partition_of`] computes
     /// it), and whose version is at least `since_version` — without their values when
     /// `keys_only`. The server examines at most [`limits::SCAN_EXAMINE_MAX`] keys per
-    /// call, so a page may be empty and not the last: [`Reply::Page`] says where to go on.
+    /// call, and ends a page once its items pass [`limits::SCAN_PAGE_BYTES_TARGET`] bytes,
+    /// so a page may be short or empty and not the last: [`Reply::Page`] says where to go on.
     ScanPartitions {
         after: Option<Bytes>,
         limit: u32,

@@ -13,7 +13,9 @@
 
 use crate::budget::MemoryBudget;
 use bytes::Bytes;
-use camelot_proto::limits::{KEY_BYTES_MAX, SCAN_EXAMINE_MAX, SCAN_ITEMS_MAX, VALUE_BYTES_MAX};
+use camelot_proto::limits::{
+    KEY_BYTES_MAX, SCAN_EXAMINE_MAX, SCAN_ITEMS_MAX, SCAN_PAGE_BYTES_TARGET, VALUE_BYTES_MAX,
+};
 use camelot_proto::{
     key_hash, mask_marks, partition_of, ErrorCode, ErrorReply, Item, Page, ITEM_OVERHEAD_BYTES,
 };
@@ -1277,6 +1279,10 @@ impl ObjectStore {
                 })? {
                     break false;
                 }
+                if page.bytes >= SCAN_PAGE_BYTES_TARGET {
+                    last = Some(k);
+                    break false;
+                }
             }
             last = Some(k);
         };
@@ -1775,6 +1781,37 @@ mod tests {
             .scan_partitions(page.resume_after.as_deref(), 1, &since, usize::MAX, now)
             .unwrap();
         assert_eq!(next.items[0], changed[2]);
+    }
+
+    #[test]
+    fn a_partition_page_ends_once_its_values_pass_the_byte_target() {
+        let (s, _) = indexed_store(1 << 28);
+        let now = Instant::now();
+        let value = vec![7u8; 1 << 20];
+        let keys: Vec<String> = (0..9).map(|i| format!("big{i}")).collect();
+        for k in &keys {
+            s.put(k.as_bytes(), &value, now).unwrap();
+        }
+        let parts = 8;
+        let all = camelot_proto::partition_mask(parts, 0..parts);
+        let filter = ScanFilter {
+            partitions: parts,
+            mask: &all,
+            since_version: 0,
+            keys_only: false,
+        };
+        // Each page stops at the first item that takes it to the target, so no page
+        // holds more than the target plus one item, though the budget would allow all.
+        let per_page = SCAN_PAGE_BYTES_TARGET.div_ceil(value.len());
+        let (items, pages, _) = walk(&s, &filter, SCAN_ITEMS_MAX);
+        assert_eq!(items.len(), keys.len(), "every key once");
+        assert_eq!(pages, keys.len().div_ceil(per_page), "{pages} page(s)");
+        // Keys only, the same keys fit one page.
+        let keys_only = ScanFilter {
+            keys_only: true,
+            ..filter
+        };
+        assert_eq!(walk(&s, &keys_only, SCAN_ITEMS_MAX).1, 1);
     }
 
     #[test]
