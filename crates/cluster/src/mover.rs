@@ -195,41 +195,31 @@ fn scan_moving(
         partitions,
         (0..partitions).filter(|p| walk.mask[*p as usize]),
     );
-    let scan = |after: Option<Bytes>| -> Result<Pending, MoverError> {
-        // Checked per page, so a fence overruns its limit by one page at most.
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Err(MoverError::FenceOverrun);
-        }
-        client
-            .submit(
-                node,
-                Op::ScanPartitions {
-                    after,
-                    limit: SCAN_PAGE_ITEMS,
-                    partitions,
-                    mask: mask.clone(),
-                    since_version: walk.since_version,
-                    keys_only: walk.keys_only,
-                },
-            )
-            .map_err(|source| MoverError::Client { node, source })
-    };
+    let mut after: Option<Bytes> = None;
     let mut walked = Walked {
         bytes: 0,
         version_clock: 0,
     };
     let mut first = true;
-    let mut next = Some(scan(None)?);
-    while let Some(asked) = next.take() {
-        let page =
-            reply::page(asked.wait()).map_err(|source| MoverError::Client { node, source })?;
+    loop {
+        // Checked per page, so a fence overruns its limit by one page at most.
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(MoverError::FenceOverrun);
+        }
+        let page = reply::page(client.call(
+            node,
+            Op::ScanPartitions {
+                after: after.take(),
+                limit: SCAN_PAGE_ITEMS,
+                partitions,
+                mask: mask.clone(),
+                since_version: walk.since_version,
+                keys_only: walk.keys_only,
+            },
+        ))
+        .map_err(|source| MoverError::Client { node, source })?;
         if std::mem::take(&mut first) {
             walked.version_clock = page.version_clock;
-        }
-        // The next page is asked for before this one is handled, so the node scans it
-        // while `each` works.
-        if let Some(k) = page.resume_after {
-            next = Some(scan(Some(k))?);
         }
         walked.bytes += page
             .items
@@ -239,8 +229,11 @@ fn scan_moving(
         if !page.items.is_empty() {
             each(page.items)?;
         }
+        match page.resume_after {
+            Some(k) => after = Some(k),
+            None => return Ok(walked),
+        }
     }
-    Ok(walked)
 }
 
 fn wait_applied(pending: Vec<Pending>, node: NodeId) -> Result<(), MoverError> {

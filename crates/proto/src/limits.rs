@@ -44,10 +44,13 @@ pub const VALUE_BYTES_MAX: usize = 32 << 20;
 /// Most objects one SCAN returns.
 pub const SCAN_ITEMS_MAX: usize = 4096;
 /// Not a limit but where a SCAN_PARTITIONS page ends: once its items reach this many
-/// bytes the page goes, although a frame could carry thirty times more. A mover applies
-/// one page while the next is scanned, so one page of a whole move would leave both
-/// ends idle in turn, and cost each side a fresh buffer the size of the move.
-pub const SCAN_PAGE_BYTES_TARGET: usize = FRAME_BYTES_TARGET;
+/// bytes the page goes, although a frame could carry fifteen times more. A mover applies
+/// one page while the next is scanned, so one page of a whole move left both ends idle
+/// in turn, and cost each side a fresh buffer the size of the move. Not smaller: pages
+/// of 1 KiB records end at their item count near here, as before this target, and
+/// 2 MiB pages there coincided with the load lagging ~300 ms behind a move's start
+/// (3 runs of 6 of `bench cluster expand --replication 2`, none of 12 without).
+pub const SCAN_PAGE_BYTES_TARGET: usize = 4 << 20;
 /// Most keys one SCAN_PARTITIONS examines (matching or not): it bounds how long a page
 /// holds the server's shard locks, whatever the filter lets through.
 pub const SCAN_EXAMINE_MAX: usize = 16_384;
