@@ -179,10 +179,6 @@ pub struct Replicator {
     ack_early: bool,
     /// Whether a repair task is running (at most one).
     repairing: std::sync::atomic::AtomicBool,
-    /// The oldest epoch of failed copies noted since the repair task last looked
-    /// (`u64::MAX`: none), and its wake-up: see [`Replicator::repair_soon`].
-    repair_asked: std::sync::atomic::AtomicU64,
-    repair_nudge: tokio::sync::Notify,
 }
 
 impl Replicator {
@@ -194,8 +190,6 @@ impl Replicator {
             links: parking_lot::Mutex::new(HashMap::new()),
             ack_early: false,
             repairing: std::sync::atomic::AtomicBool::new(false),
-            repair_asked: std::sync::atomic::AtomicU64::new(u64::MAX),
-            repair_nudge: tokio::sync::Notify::new(),
         }
     }
 
@@ -324,36 +318,16 @@ impl Replicator {
     /// the last attempt used (at the latest after [`REPAIR_INTERVAL`]): under a move's
     /// short fence, a pass that waited the whole interval could find the move switched
     /// and the write's partition led elsewhere, and the write would fail.
-    ///
-    /// A failure noted while the task runs tells it its epoch too: a copy that went out
-    /// at an epoch this server has left can be sent again at once. Without that, a task
-    /// that had just made a pass at a move's fence epoch waited for the *next* epoch —
-    /// the switch — before looking again, found the partition led elsewhere, and failed a
-    /// write the final pass had already handed over (seen in `bench cluster expand
-    /// --replication 2`: "then this server stopped being the key's primary").
     pub fn repair_soon(self: &Arc<Self>, routed_epoch: u64) {
         use std::sync::atomic::Ordering;
-        self.repair_asked.fetch_min(routed_epoch, Ordering::AcqRel);
-        self.repair_nudge.notify_one();
         if self.repairing.swap(true, Ordering::AcqRel) {
             return;
         }
         let me = Arc::clone(self);
         tokio::spawn(async move {
-            // The epoch the last attempt at the stalled keys went out at: a pass is due
-            // once this server's epoch differs from it.
-            let mut tried_epoch = u64::MAX;
+            let mut tried_epoch = routed_epoch;
             loop {
-                let deadline = tokio::time::Instant::now() + REPAIR_INTERVAL;
-                loop {
-                    tried_epoch = tried_epoch.min(me.repair_asked.swap(u64::MAX, Ordering::AcqRel));
-                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-                    tokio::select! {
-                        _ = me.state.epoch_moved_on(tried_epoch, left) => break,
-                        // A new failure: look at its epoch (the interval runs on).
-                        _ = me.repair_nudge.notified() => {}
-                    }
-                }
+                me.state.epoch_moved_on(tried_epoch, REPAIR_INTERVAL).await;
                 tried_epoch = me.state.epoch();
                 if me.repair_pass().await == 0 {
                     me.repairing.store(false, Ordering::Release);
