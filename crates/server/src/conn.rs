@@ -757,7 +757,14 @@ impl Conn {
             return Ok(());
         }
         let deadline = tokio::time::Instant::now() + rep.timeout();
-        let result = rep.replicate(own, &self.log.writes).await;
+        let mut result = rep.replicate(own, &self.log.writes).await;
+        if result.is_err()
+            && rep
+                .resend_at_next_epoch(own, &self.log.writes, deadline)
+                .await
+        {
+            result = Ok(());
+        }
         let Err(e) = result else {
             // Settled only now: the copies are confirmed.
             drop(claims);

@@ -311,6 +311,50 @@ impl Replicator {
         Ok(())
     }
 
+    /// After `writes`' copies under `own` failed: waits (at most [`REPAIR_INTERVAL`], and
+    /// not past `deadline`) for this server to leave `own`'s epoch, then sends them again
+    /// under the new map — if this server still leads every key there (as primary, or
+    /// under a move's fence) and each has a backup. True if the copies then reached every
+    /// backup; false otherwise, and the caller falls back to the repair task. Hold the writes' claims while this runs, so
+    /// the repair task leaves these keys to it.
+    ///
+    /// Why the writer sends again itself: most failed copies were refused by a backup
+    /// already at the next epoch, which this server installs a moment later. Left to the
+    /// shared repair task, such a write could miss a move's short fence: a task that had
+    /// just made a pass at the fence's epoch (for other keys) waited for the *next* epoch,
+    /// the switch, before looking again, found the partition led elsewhere and failed a
+    /// write the final pass had already handed over (`bench cluster expand --replication
+    /// 2`: "then this server stopped being the key's primary"). Waking that task on every
+    /// failure instead made the load fall behind at the first move, so it was dropped.
+    pub async fn resend_at_next_epoch(
+        &self,
+        own: &Ownership,
+        writes: &[(usize, Bytes)],
+        deadline: tokio::time::Instant,
+    ) -> bool {
+        let wait = deadline
+            .saturating_duration_since(tokio::time::Instant::now())
+            .min(REPAIR_INTERVAL);
+        self.state.epoch_moved_on(own.epoch(), wait).await;
+        let Some(now) = self.state.ownership() else {
+            return false;
+        };
+        let all_led = writes.iter().all(|(_, key)| {
+            now.leads_key(key)
+                && now
+                    .backups(partition_of(key, now.partitions()))
+                    .next()
+                    .is_some()
+        });
+        if now.epoch() == own.epoch() || !all_led {
+            return false;
+        }
+        matches!(
+            tokio::time::timeout_at(deadline, self.replicate(&now, writes)).await,
+            Ok(Ok(()))
+        )
+    }
+
     /// Starts the repair task unless one runs: it sends again the keys whose copies
     /// failed (see the module documentation), until none is left. `routed_epoch`: the
     /// epoch the failed copies went out at. Most are refused by a backup already at the
