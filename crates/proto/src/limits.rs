@@ -47,9 +47,10 @@ pub const SCAN_ITEMS_MAX: usize = 4096;
 /// bytes the page goes, although a frame could carry fifteen times more. A mover applies
 /// one page while the next is scanned, so one page of a whole move left both ends idle
 /// in turn, and cost each side a fresh buffer the size of the move. Not smaller: pages
-/// of 1 KiB records end at their item count near here, as before this target, and
-/// 2 MiB pages there coincided with the load lagging ~300 ms behind a move's start
-/// (3 runs of 6 of `bench cluster expand --replication 2`, none of 12 without).
+/// of 1 KiB records end at their item count near here, as before this target, and with
+/// 2 MiB pages the load fell more than 250 ms behind at a move's start more often
+/// (`bench cluster expand --replication 2`: 9 runs of 18, against 4 of 30 without;
+/// BENCHMARKS.md, twelfth session).
 pub const SCAN_PAGE_BYTES_TARGET: usize = 4 << 20;
 /// Most keys one SCAN_PARTITIONS examines (matching or not): it bounds how long a page
 /// holds the server's shard locks, whatever the filter lets through.

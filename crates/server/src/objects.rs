@@ -1279,12 +1279,11 @@ impl ObjectStore {
                 })? {
                     break false;
                 }
-                if page.bytes >= SCAN_PAGE_BYTES_TARGET {
-                    last = Some(k);
-                    break false;
-                }
             }
             last = Some(k);
+            if page.bytes >= SCAN_PAGE_BYTES_TARGET {
+                break false;
+            }
         };
         Ok(Page {
             items: page.items,
