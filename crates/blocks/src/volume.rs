@@ -229,7 +229,7 @@ fn is_member_failure(e: &ClientError) -> bool {
         | ClientError::ConnectionLost { .. }
         | ClientError::Handshake { .. }
         | ClientError::Protocol { .. } => true,
-        ClientError::Server(r) => {
+        ClientError::Server(r) | ClientError::Fatal { reply: r, .. } => {
             matches!(r.code, ErrorCode::NoSuchRegion | ErrorCode::ShuttingDown)
         }
         _ => false,

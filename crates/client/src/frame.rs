@@ -314,7 +314,7 @@ pub(crate) fn decode_answer(
     let protocol = |reason: String| ClientError::Protocol { addr, reason };
     match decode_frame(body).map_err(|e| protocol(e.to_string()))? {
         Frame::Responses(b) => Ok(b),
-        Frame::Fatal(e) => Err(ClientError::Server(e)),
+        Frame::Fatal(reply) => Err(ClientError::Fatal { addr, reply }),
         other => Err(protocol(format!("unexpected frame {other:?}"))),
     }
 }
@@ -515,7 +515,7 @@ mod tests {
             .expect("frame");
         assert!(matches!(
             decode_answer(addr(), body),
-            Err(ClientError::Server(_))
+            Err(ClientError::Fatal { reply, .. }) if reply.code == ErrorCode::TooLarge
         ));
         assert!(matches!(
             decode_answer(addr(), Bytes::from_static(b"\xffgarbage")),

@@ -194,8 +194,15 @@ pub enum ClientError {
     Timeout { after: Duration },
     #[error("connection to {addr} lost")]
     ConnectionLost { addr: SocketAddr },
+    /// The server answered this request with an error; the connection goes on.
     #[error("server error {0}")]
     Server(ErrorReply),
+    /// The server ended the connection with a FATAL frame (a fence, a shutdown, an
+    /// eviction, a buffer budget): every request in flight on it gets this, applied or
+    /// not, like a lost connection — unlike [`ClientError::Server`], which says the
+    /// request was executed and refused on its own.
+    #[error("server {addr} ended the connection: {reply}")]
+    Fatal { addr: SocketAddr, reply: ErrorReply },
     #[error("node {0} is not in the cluster map")]
     UnknownNode(NodeId),
     #[error("the cluster map has no nodes")]
@@ -214,7 +221,7 @@ impl ClientError {
     /// The server's error code, when the server answered with an error.
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
-            ClientError::Server(e) => Some(e.code),
+            ClientError::Server(e) | ClientError::Fatal { reply: e, .. } => Some(e.code),
             _ => None,
         }
     }
@@ -228,7 +235,8 @@ impl ClientError {
             | ClientError::Handshake { addr, .. }
             | ClientError::Io { addr, .. }
             | ClientError::Protocol { addr, .. }
-            | ClientError::ConnectionLost { addr } => Some(*addr),
+            | ClientError::ConnectionLost { addr }
+            | ClientError::Fatal { addr, .. } => Some(*addr),
             _ => None,
         }
     }

@@ -522,34 +522,13 @@ fn advance(applied: &tokio::sync::watch::Sender<Applied>, number: u64) {
     });
 }
 
-/// Whether an upstream error ended the connection, so requests in flight on it were not
-/// applied (and those after it go on another one). The client reports a FATAL frame to
-/// every request in flight as a server error with the fatal's code: for the requests
-/// the proxy sends (none too large, none malformed), these codes come only in a FATAL —
-/// a fence, a shutdown, an eviction or a buffer budget — while a request refused on its
-/// own (out of bounds, no such region, unaligned, forbidden) was executed and changed
-/// nothing.
+/// Whether an upstream error ended the connection, so requests in flight on it may not
+/// have been applied (and those after it go on another one). A request the server
+/// refused on its own (out of bounds, no such region, unaligned, forbidden, a conflict)
+/// was executed and changed nothing; anything else — a FATAL frame (a fence, a shutdown,
+/// an eviction, a buffer budget), a lost connection, a timeout — leaves it unknown.
 fn ends_connection(e: &ClientError) -> bool {
-    match e {
-        ClientError::Server(r) => !matches!(
-            r.code,
-            ErrorCode::OutOfBounds
-                | ErrorCode::NoSuchRegion
-                | ErrorCode::Unaligned
-                | ErrorCode::Forbidden
-                | ErrorCode::BadRequest
-                | ErrorCode::NameNotFound
-                | ErrorCode::NameExists
-                | ErrorCode::QuotaExceeded
-                | ErrorCode::NoSuchKey
-                | ErrorCode::VersionConflict
-                | ErrorCode::WrongType
-                | ErrorCode::StaleEpoch
-                | ErrorCode::Moved
-                | ErrorCode::ReplicaUnavailable
-        ),
-        _ => true,
-    }
+    !matches!(e, ClientError::Server(_))
 }
 
 fn broke(applied: &tokio::sync::watch::Sender<Applied>) {
