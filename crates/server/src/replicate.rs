@@ -21,8 +21,9 @@
 //!
 //! **Unacknowledged writes are not read.** Until a copy covering a write is confirmed by
 //! every backup, GETs of its key wait ([`crate::unacked`]): a reader must never see a
-//! value the promoted backup would not have. A key whose copy failed is sent again by a
-//! repair task, at whatever epoch this server is at by then, while it still leads the key
+//! value the promoted backup would not have. A write whose copy failed is first sent again
+//! by its writer once this server has the next map ([`Replicator::resend_at_next_epoch`]);
+//! failing that, a key whose copy failed is sent again by a repair task, at whatever epoch this server is at by then, while it still leads the key
 //! with backups (as its primary, or under a move's fence); when it no longer leads it the
 //! claim is dropped (it serves the key to nobody), and when the partition has no backup
 //! left its state stands.
