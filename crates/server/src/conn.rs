@@ -32,6 +32,11 @@ pub(crate) const READ_CHUNK_BYTES: usize = 64 << 10;
 /// Responses are coalesced across pipelined frames, but past this much we write anyway:
 /// a few small request frames can ask for very large READs.
 const OUT_FLUSH_BYTES: usize = 1 << 20;
+/// How long a batch routed at a newer epoch than this server's waits for the server to
+/// install it, unless configured otherwise (then it is refused STALE_EPOCH, as before).
+/// A map reaches every server's watch within a few ms; one that lags longer is cut off
+/// from the map or overloaded. Only the sending connection's own batches wait.
+pub const AHEAD_EPOCH_WAIT_DEFAULT: Duration = Duration::from_millis(100);
 /// A buffer that grew past this for one big frame is replaced once empty, so an idle
 /// connection does not keep pinning up to a frame's worth of memory.
 const BUF_KEEP_BYTES: usize = 4 << 20;
@@ -56,6 +61,8 @@ pub(crate) struct Shared {
     pub principal_tokens: PrincipalTokens,
     pub handshake_timeout: Duration,
     pub idle_timeout: Option<Duration>,
+    /// See [`AHEAD_EPOCH_WAIT_DEFAULT`].
+    pub ahead_epoch_wait: Duration,
     /// Copies this server's writes to their partitions' backups before they are answered.
     pub replicator: Arc<Replicator>,
 }
@@ -675,6 +682,20 @@ impl Conn {
             let wait = self.shared.state.throttle_wait(batch.requests.len() as u64);
             if !wait.is_zero() {
                 tokio::time::sleep(wait).await;
+            }
+            // Routed at a map this server has not installed yet: its sender (a client, or
+            // a primary copying to this backup) read it first. Waits for it, holding
+            // nothing, rather than refusing at once: at every epoch change one server
+            // installs the map before another, and a copy refused by a backup a moment
+            // behind its primary fails its write if a move's switch comes before the
+            // repair's next pass (`bench cluster expand --replication 2`).
+            if batch.epoch > self.shared.state.epoch() {
+                self.shared.state.stats().batch_ahead_of_epoch();
+                self.flush().await?;
+                self.shared
+                    .state
+                    .epoch_reached(batch.epoch, self.shared.ahead_epoch_wait)
+                    .await;
             }
             // Waits here, holding nothing, for the sessions' running batches.
             if batch.requests.iter().any(|r| matches!(r.op, Op::Fence)) {

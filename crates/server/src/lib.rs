@@ -27,6 +27,7 @@ pub use store::{Principal, Quota, Region, RegionStore, Usage};
 
 use camelot_proto::limits::TOKEN_BYTES_MAX;
 use camelot_proto::ErrorCode;
+pub use conn::AHEAD_EPOCH_WAIT_DEFAULT;
 use conn::{Conn, OpenConnection, Shared};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -97,6 +98,9 @@ pub struct ServerConfig {
     /// How long a write on a partition with backups waits for them before it is
     /// answered REPLICA_UNAVAILABLE (see [`replicate`]).
     pub replication_timeout: Duration,
+    /// How long a native batch routed at an epoch this server has not installed yet waits
+    /// for it before it is refused STALE_EPOCH (`AHEAD_EPOCH_WAIT_DEFAULT`).
+    pub ahead_epoch_wait: Duration,
     /// Keep the partition-order key index (see [`objects`]): a cluster node's, so a
     /// partition move's scans read only the moving partitions. Costs every new key one
     /// more index insert; a lone server leaves it off.
@@ -128,6 +132,7 @@ impl ServerConfig {
             require_token: false,
             principal_tokens: principals::PrincipalTokens::default(),
             ops_per_sec_max: None,
+            ahead_epoch_wait: AHEAD_EPOCH_WAIT_DEFAULT,
             replication_timeout: replicate::REPLICATION_TIMEOUT_DEFAULT,
             partition_index: false,
             unsafe_ack_before_replication: false,
@@ -380,6 +385,7 @@ impl ServerHandle {
             principal_tokens: config.principal_tokens,
             handshake_timeout: config.handshake_timeout,
             idle_timeout: config.idle_timeout,
+            ahead_epoch_wait: config.ahead_epoch_wait,
             replicator: Arc::new(
                 replicate::Replicator::new(
                     Arc::clone(&state),

@@ -44,6 +44,8 @@ pub struct Stats {
     connections_refused: AtomicU64,
     /// Fenceable sessions closed (or refused at HELLO) because a FENCE passed them.
     sessions_fenced: AtomicU64,
+    /// Batches routed at an epoch this server had not installed yet, which waited for it.
+    batches_ahead_of_epoch: AtomicU64,
     /// Connections that have not yet authenticated (native: no HELLO yet; Redis port with
     /// a token: no successful AUTH yet). Kept apart so they cannot crowd out real clients.
     connections_unauthenticated: AtomicU64,
@@ -116,6 +118,10 @@ impl Stats {
 
     pub fn session_fenced(&self) {
         self.sessions_fenced.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn batch_ahead_of_epoch(&self) {
+        self.batches_ahead_of_epoch.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn connection_refused(&self) {
@@ -367,6 +373,8 @@ impl ServerState {
 
     pub fn set_epoch(&self, epoch: u64) {
         self.epoch.store(epoch, Ordering::Release);
+        // Batches routed at this epoch may be waiting for it (`epoch_reached`).
+        self.ownership_changed.notify_waiters();
     }
 
     /// The partitions this server owns, if it follows a cluster map.
@@ -412,6 +420,23 @@ impl ServerState {
         true
     }
 
+    /// Returns true once the server's epoch is at least `epoch`, false if it is not
+    /// after `wait_max`.
+    pub async fn epoch_reached(&self, epoch: u64, wait_max: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + wait_max;
+        loop {
+            let now = self.epoch();
+            if now >= epoch {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            self.epoch_moved_on(now, left).await;
+        }
+    }
+
     /// Returns once the server's epoch is not `epoch`, or after `wait_max`.
     pub async fn epoch_moved_on(&self, epoch: u64, wait_max: std::time::Duration) {
         let deadline = tokio::time::sleep(wait_max);
@@ -451,6 +476,10 @@ impl ServerState {
             load(&s.connections_refused),
         ));
         out.push(("sessions_fenced".to_owned(), load(&s.sessions_fenced)));
+        out.push((
+            "batches_ahead_of_epoch".to_owned(),
+            load(&s.batches_ahead_of_epoch),
+        ));
         out.push(("fence_generation".to_owned(), self.fence_generation()));
         out.push((
             "connections_unauthenticated".to_owned(),

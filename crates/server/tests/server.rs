@@ -1195,6 +1195,71 @@ async fn a_write_in_flight_as_a_fence_begins_is_acknowledged_by_the_fenced_prima
     backup.shutdown().await.unwrap();
 }
 
+/// A batch routed at a map the server has not installed yet — its sender read it first:
+/// a client, or a primary whose copies reach a backup a moment behind it — waits for the
+/// server to install it, and is then executed, not refused. (Refused, a primary's copy
+/// failed its write whenever a move switched before the repair's next pass: issue 19.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_routed_at_the_next_epoch_waits_for_the_server_to_install_it() {
+    let mut cfg = config();
+    // Long, so that the map installed below is installed while the batch waits however
+    // slow the machine: what is tested is the wait, not its length.
+    cfg.ahead_epoch_wait = WAIT;
+    let server = start(cfg).await;
+    assert!(server.set_ownership(Ownership::new(1, vec![true]).unwrap()));
+    let mut client = Peer::ready(server.local_addr()).await;
+    let put = Op::Put {
+        key: Bytes::from_static(b"k"),
+        value: Bytes::from_static(b"v"),
+    };
+    let write = async {
+        client.send(&routed(2, vec![put])).await;
+        client.responses().await
+    };
+    let new_map = async {
+        eventually(|| stat(&server.stats(), "batches_ahead_of_epoch") == 1).await;
+        assert!(server.set_ownership(Ownership::new(2, vec![true]).unwrap()));
+    };
+    let r = tokio::join!(write, new_map).0;
+    assert!(
+        matches!(r[0].result, Ok(Reply::Version(_))),
+        "a batch routed at the next epoch was not executed once it came: {r:?}"
+    );
+    server.shutdown().await.unwrap();
+}
+
+/// And one whose map never comes is refused STALE_EPOCH, with the server's epoch, once
+/// the wait is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_routed_at_an_epoch_that_never_comes_is_refused_after_the_wait() {
+    let mut cfg = config();
+    cfg.ahead_epoch_wait = Duration::from_millis(50);
+    let server = start(cfg).await;
+    assert!(server.set_ownership(Ownership::new(1, vec![true]).unwrap()));
+    let mut client = Peer::ready(server.local_addr()).await;
+    let started = std::time::Instant::now();
+    client
+        .send(&routed(
+            7,
+            vec![Op::Get {
+                key: Bytes::from_static(b"k"),
+            }],
+        ))
+        .await;
+    let r = client.responses().await;
+    match &r[0].result {
+        Err(e) => assert_eq!((e.code, e.epoch), (ErrorCode::StaleEpoch, 1), "{e:?}"),
+        other => panic!("expected STALE_EPOCH, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() >= Duration::from_millis(50),
+        "refused before the wait was over: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(stat(&server.stats(), "batches_ahead_of_epoch"), 1);
+    server.shutdown().await.unwrap();
+}
+
 /// And when the map that comes while the answer waits deposes the primary, the write
 /// is not acknowledged (nor ever served by the old primary).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
