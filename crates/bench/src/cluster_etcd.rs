@@ -184,7 +184,7 @@ impl EtcdNodes {
     }
 
     /// A client at epoch 0 over every node (never redirected: for stats).
-    fn raw_client(&self) -> Result<Client, BenchError> {
+    pub(crate) fn raw_client(&self) -> Result<Client, BenchError> {
         Client::connect(
             camelot_client::ClusterMap::from_addrs(&self.addrs()),
             ClientConfig::default(),

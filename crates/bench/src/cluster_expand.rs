@@ -23,6 +23,14 @@ pub const MOVED_TOLERANCE: f64 = 0.1;
 /// Moves copy at this share of an iperf3 loopback stream or better (issue 19).
 pub const COPY_RATIO_TARGET: f64 = 0.3;
 pub const THREADS_MAX: usize = 64;
+/// Server counters the result sums over the nodes: copies a backup refused at another
+/// epoch, and how the writes behind them ended.
+const REPLICA_COUNTERS: [&str; 4] = [
+    "batches_ahead_of_epoch",
+    "replica_copies_failed",
+    "replica_resends_acknowledged",
+    "replica_writes_failed",
+];
 /// Longest one `camelot cluster rebalance` may take before the run is abandoned.
 pub const REBALANCE_TIME_MAX: std::time::Duration = std::time::Duration::from_secs(600);
 
@@ -446,6 +454,24 @@ mod with_etcd {
             }
         }
         let final_map = nodes.map()?;
+        // How often a copy met a backup at another epoch, and how it ended: summed over
+        // the nodes (a server without a counter adds nothing).
+        let probe = nodes.raw_client()?;
+        let mut replica_counters = serde_json::Map::new();
+        for n in &final_map.nodes {
+            let stats = probe
+                .stats(n.id)
+                .map_err(|e| BenchError::Setup(format!("stats of node {}: {e}", n.id)))?;
+            for (k, v) in stats {
+                if REPLICA_COUNTERS.contains(&k.as_str()) {
+                    let sum = replica_counters
+                        .get(&k)
+                        .and_then(serde_json::Value::as_u64)
+                        .unwrap_or(0);
+                    replica_counters.insert(k, json!(sum + v));
+                }
+            }
+        }
         let per_node_partitions: Vec<(u32, usize)> = final_map
             .nodes
             .iter()
@@ -658,6 +684,7 @@ mod with_etcd {
             "bad_reads": tally.bad_reads,
             "problems": tally.problems,
             "records_missing_after": missing,
+            "server_counters_summed": replica_counters,
             "primaries_per_node_after": per_node_partitions,
             "etcd": camelot_testkit::EtcdServer::version().ok(),
             "memory_bytes_per_node": cfg.memory_bytes_per_node,

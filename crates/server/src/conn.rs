@@ -779,12 +779,14 @@ impl Conn {
         }
         let deadline = tokio::time::Instant::now() + rep.timeout();
         let mut result = rep.replicate(own, &self.log.writes).await;
-        if result.is_err()
-            && rep
+        if result.is_err() {
+            let resent = rep
                 .resend_at_next_epoch(own, &self.log.writes, deadline)
-                .await
-        {
-            result = Ok(());
+                .await;
+            self.shared.state.stats().replica_copies_failed(resent);
+            if resent {
+                result = Ok(());
+            }
         }
         let Err(e) = result else {
             // Settled only now: the copies are confirmed.
@@ -839,6 +841,10 @@ impl Conn {
             return Ok(());
         }
         debug!(peer = %self.peer, error = %e, writes = failed.len(), "writes not acknowledged");
+        self.shared
+            .state
+            .stats()
+            .replica_writes_failed(failed.len() as u64);
         self.rewrite_out(start, fail_answers(&self.bufs.out[start..], &failed))
             .await
     }

@@ -46,6 +46,12 @@ pub struct Stats {
     sessions_fenced: AtomicU64,
     /// Batches routed at an epoch this server had not installed yet, which waited for it.
     batches_ahead_of_epoch: AtomicU64,
+    /// Client batches (of a primary) whose copies to a backup failed at first.
+    replica_copies_failed: AtomicU64,
+    /// Of those, the batches acknowledged by the writer's own resend at the next map.
+    replica_resends_acknowledged: AtomicU64,
+    /// Writes answered REPLICA_UNAVAILABLE: applied here, never acknowledged.
+    replica_writes_failed: AtomicU64,
     /// Connections that have not yet authenticated (native: no HELLO yet; Redis port with
     /// a token: no successful AUTH yet). Kept apart so they cannot crowd out real clients.
     connections_unauthenticated: AtomicU64,
@@ -122,6 +128,20 @@ impl Stats {
 
     pub fn batch_ahead_of_epoch(&self) {
         self.batches_ahead_of_epoch.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A batch's copies failed; `resent`: the writer's resend then acknowledged them.
+    pub fn replica_copies_failed(&self, resent: bool) {
+        self.replica_copies_failed.fetch_add(1, Ordering::Relaxed);
+        if resent {
+            self.replica_resends_acknowledged
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub fn replica_writes_failed(&self, writes: u64) {
+        self.replica_writes_failed
+            .fetch_add(writes, Ordering::Relaxed);
     }
 
     pub fn connection_refused(&self) {
@@ -479,6 +499,18 @@ impl ServerState {
         out.push((
             "batches_ahead_of_epoch".to_owned(),
             load(&s.batches_ahead_of_epoch),
+        ));
+        out.push((
+            "replica_copies_failed".to_owned(),
+            load(&s.replica_copies_failed),
+        ));
+        out.push((
+            "replica_resends_acknowledged".to_owned(),
+            load(&s.replica_resends_acknowledged),
+        ));
+        out.push((
+            "replica_writes_failed".to_owned(),
+            load(&s.replica_writes_failed),
         ));
         out.push(("fence_generation".to_owned(), self.fence_generation()));
         out.push((
