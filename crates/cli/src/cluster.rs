@@ -97,11 +97,22 @@ pub fn ownership_of(
         // Replica reads only from full backups: one still being filled may lack keys.
         stale_reads.push(backup && !map.is_syncing(p as u32, id));
     }
+    // Where a mover may ask this server to push its pages: the map's other servers.
+    let peers = map
+        .nodes
+        .iter()
+        .filter(|n| n.id != id)
+        .map(|n| Peer {
+            id: n.id,
+            addr: n.addr,
+        })
+        .collect();
     // A fenced partition (a move's fence) is served by nobody until the switch.
     Ownership::new(map.epoch, map.serving_primaries_of(id))?
         .with_fenced(fenced)?
         .with_replicas(backups, backup_of)?
-        .with_stale_reads(stale_reads)
+        .with_stale_reads(stale_reads)?
+        .with_peers(peers)
 }
 
 /// Why this build cannot reach etcd, and how to get one that can.

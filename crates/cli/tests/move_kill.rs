@@ -3,7 +3,8 @@
 //! --rollback` leaves the map as before the move — partitions on the source, unfenced,
 //! no move record — never half-applied. With the target killed, every write acknowledged
 //! on the source is still there. (With the source killed and R = 1 its data died with it;
-//! what is checked then is the map and that the target kept no scratch copies.)
+//! what is checked then is the map and that the target kept no scratch copies.) The target
+//! is also killed while the source is pushing it the first pass's pages itself.
 #![cfg(feature = "etcd")]
 
 use std::collections::BTreeMap;
@@ -71,10 +72,25 @@ fn mover(endpoint: &str, args: &[&str], on_hold: impl FnOnce()) -> (bool, String
     (status.success(), format!("{}\n{err}", seen.join("\n")))
 }
 
-/// Kills `victim` (0: the source, 1: the target) while the mover holds after its copy
-/// passes; the mover goes on, fails, and is rolled back.
-fn kill_mid_move(victim: usize) {
-    let mut c = support::start(2, "64M", &[]);
+/// Values of the bulk a push is killed in the middle of: enough pages (of 4 MiB) that
+/// the target's first APPLYs come well before the walk's end, even in a release build.
+const BULK_KEYS: usize = 1_500;
+const BULK_VALUE_BYTES: usize = 64 << 10;
+
+/// When the victim is killed.
+#[derive(Clone, Copy, PartialEq)]
+enum Kill {
+    /// While the mover holds after its copy passes.
+    AfterCopy,
+    /// As soon as the target has applied a first pushed copy, while the source is still
+    /// pushing the first pass's pages (checked: the pass never ends).
+    MidPush,
+}
+
+/// Kills `victim` (0: the source, 1: the target) at `when`; the mover goes on, fails,
+/// and is rolled back.
+fn kill_mid_move(victim: usize, when: Kill) {
+    let mut c = support::start(2, "256M", &[]);
     let before = c.publish_initial(PARTITIONS, 1);
     let parts: Vec<String> = (0..PARTITIONS)
         .filter(|p| before.primary(*p) == Some(0))
@@ -84,6 +100,27 @@ fn kill_mid_move(victim: usize) {
     // The servers at the map's epoch before anyone writes.
     let raw = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
     support::wait_epoch(&raw, 0..2, before.epoch);
+    let mut bulk: Vec<Vec<u8>> = Vec::new();
+    if when == Kill::MidPush {
+        let value = Bytes::from(vec![b'b'; BULK_VALUE_BYTES]);
+        for i in 0.. {
+            let k = format!("bulk-{i:06}").into_bytes();
+            if before.primary(camelot_proto::partition_of(&k, PARTITIONS)) == Some(0) {
+                reply::version(raw.call(
+                    0,
+                    Op::Put {
+                        key: Bytes::from(k.clone()),
+                        value: value.clone(),
+                    },
+                ))
+                .unwrap();
+                bulk.push(k);
+                if bulk.len() == BULK_KEYS {
+                    break;
+                }
+            }
+        }
+    }
 
     // One writer on node 0's keys (the source's), last acknowledged value per key.
     let writer = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
@@ -119,12 +156,38 @@ fn kill_mid_move(victim: usize) {
     });
 
     let mut args: Vec<&str> = parts.iter().map(String::as_str).collect();
-    args.extend(["--to", "1", "--hold-at", "copied", "--hold-ms", "300"]);
-    let server = &mut c.servers[victim];
-    let (ok, out) = mover(&c.endpoint, &args, || {
-        server.process_mut().kill().unwrap(); // SIGKILL
-    });
+    args.extend(["--to", "1"]);
+    let (ok, out) = if when == Kill::AfterCopy {
+        args.extend(["--hold-at", "copied", "--hold-ms", "300"]);
+        let server = &mut c.servers[victim];
+        mover(&c.endpoint, &args, || {
+            server.process_mut().kill().unwrap(); // SIGKILL
+        })
+    } else {
+        let (server, endpoint) = (&mut c.servers[victim], &c.endpoint);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let target = Client::connect(
+                    ClientMap::from_addrs(&c.addrs[1..]),
+                    ClientConfig::default(),
+                )
+                .unwrap();
+                wait_for("the target's first pushed copy", MOVER_TIME_MAX, || {
+                    let stats = target.stats(0).unwrap();
+                    stats.iter().any(|(n, v)| n == "ops_apply" && *v > 0)
+                });
+                server.process_mut().kill().unwrap(); // SIGKILL
+            });
+            mover(endpoint, &args, || {})
+        })
+    };
     assert!(!ok, "the mover succeeded with node {victim} killed:\n{out}");
+    if when == Kill::MidPush {
+        assert!(
+            !out.contains("pass 1:"),
+            "the kill came after the first pass, not in its pushes:\n{out}"
+        );
+    }
     stop.store(true, Ordering::Relaxed);
     thread.join().unwrap();
     let rec = c.rt.block_on(c.etcd.read_move()).unwrap();
@@ -153,6 +216,11 @@ fn kill_mid_move(victim: usize) {
         // About half the keys are the source's; the target's failed once it died and were
         // dropped from the book (their outcome unknown).
         assert!(acked.len() > KEYS / 4, "{} keys checked", acked.len());
+        let bulk_lost = bulk
+            .iter()
+            .filter(|k| reader.get(k).unwrap().map(|x| x.value.len()) != Some(BULK_VALUE_BYTES))
+            .count();
+        assert_eq!(bulk_lost, 0, "bulk values lost on the source");
         let lost: Vec<&String> = acked
             .iter()
             .filter(|(k, v)| {
@@ -199,10 +267,18 @@ fn kill_mid_move(victim: usize) {
 
 #[test]
 fn a_target_killed_mid_move_is_rolled_back_with_no_acknowledged_write_lost() {
-    kill_mid_move(1);
+    kill_mid_move(1, Kill::AfterCopy);
 }
 
 #[test]
 fn a_source_killed_mid_move_is_rolled_back_not_half_applied() {
-    kill_mid_move(0);
+    kill_mid_move(0, Kill::AfterCopy);
+}
+
+/// The source pushes the first pass's pages to the target itself; the target dies under
+/// them. The source answers the page as not copied (its data untouched), the mover
+/// fails inside the pass, and the rollback restores the map.
+#[test]
+fn a_target_killed_while_the_source_pushes_it_pages_is_rolled_back_with_nothing_lost() {
+    kill_mid_move(1, Kill::MidPush);
 }

@@ -47,7 +47,7 @@ pub enum MoverError {
     Contended(u32),
     #[error("the final pass overran the fence limit")]
     FenceOverrun,
-    #[error("a final-pass worker thread panicked")]
+    #[error("a mover's worker thread panicked")]
     Worker,
     #[error("cannot start a runtime for etcd: {0}")]
     Runtime(std::io::Error),
@@ -153,6 +153,9 @@ struct Walk<'a> {
     since_version: u64,
     /// Keys and versions, no values.
     keys_only: bool,
+    /// The node `from` copies each page to itself (SCAN_PARTITIONS' `push_to`); the
+    /// pages then come back with keys and versions only.
+    push_to: Option<NodeId>,
 }
 
 impl<'a> Walk<'a> {
@@ -161,6 +164,7 @@ impl<'a> Walk<'a> {
             mask,
             since_version: 0,
             keys_only: false,
+            push_to: None,
         }
     }
 
@@ -172,10 +176,20 @@ impl<'a> Walk<'a> {
     }
 }
 
+/// Walks a [`push_pass`] makes side by side, each on a connection of its own: two, so
+/// that the target applies one page while the source reads and sends the next (with one,
+/// each end waits for the other).
+const PUSH_WALKS: usize = 2;
+
+/// A pushed walk: what it read, and the keys and versions `from` pushed.
+type WalkedKeys = (Walked, Vec<(Bytes, u64)>);
+
 /// What a walk read.
 struct Walked {
-    /// Key and value bytes the node sent.
+    /// Key and value bytes the node sent (or pushed).
     bytes: u64,
+    /// Value bytes the node pushed.
+    pushed_bytes: u64,
     /// The node's version clock as the walk began: a walk `since` it sees every write the
     /// node took after this one began.
     version_clock: u64,
@@ -198,6 +212,7 @@ fn scan_moving(
     let mut after: Option<Bytes> = None;
     let mut walked = Walked {
         bytes: 0,
+        pushed_bytes: 0,
         version_clock: 0,
     };
     let mut first = true;
@@ -215,6 +230,7 @@ fn scan_moving(
                 mask: mask.clone(),
                 since_version: walk.since_version,
                 keys_only: walk.keys_only,
+                push_to: walk.push_to,
             },
         ))
         .map_err(|source| MoverError::Client { node, source })?;
@@ -225,7 +241,9 @@ fn scan_moving(
             .items
             .iter()
             .map(|i| (i.key.len() + i.value.len()) as u64)
-            .sum::<u64>();
+            .sum::<u64>()
+            + page.pushed_bytes;
+        walked.pushed_bytes += page.pushed_bytes;
         if !page.items.is_empty() {
             each(page.items)?;
         }
@@ -253,8 +271,9 @@ struct Pass {
 }
 
 /// One pass: every moving key of `from` written at or after `since_version` whose version
-/// `log` has not sent is APPLYed to `to`; the applies of one page are in flight while the
-/// next page is scanned.
+/// `log` has not sent is APPLYed to `to` from here; the applies of one page are in flight
+/// while the next page is scanned. The fence's final pass, which sends only what `log`
+/// lacks and checks its deadline per page; the passes before it are [`push_pass`]es.
 fn copy_pass(
     client: &Client,
     (from, to): (NodeId, NodeId),
@@ -302,6 +321,85 @@ fn copy_pass(
         // `from`'s clock went back: it restarted since the last pass, and its versions
         // no longer say what is new. Everything, then.
         let again = copy_pass(client, (from, to), mask, 0, log, deadline)?;
+        pass.keys += again.keys;
+        pass.bytes += again.bytes;
+        pass.scanned += again.scanned;
+        pass.version_clock = again.version_clock;
+    }
+    Ok(pass)
+}
+
+/// One pass like [`copy_pass`]'s, but `from` pushes its pages to `to` itself
+/// (SCAN_PARTITIONS' `push_to`), so the values cross loopback once instead of twice
+/// through this process. It pushes all it finds — it does not know `log`, and an APPLY
+/// already applied is a no-op — and answers keys and versions, which `log` records. The
+/// moving partitions are shared out over `clients` (connections to `from`), one walk
+/// each, so that `to` applies one page while `from` reads and sends another.
+fn push_pass(
+    clients: &[Client],
+    (from, to): (NodeId, NodeId),
+    mask: &[bool],
+    since_version: u64,
+    log: &mut CopyLog,
+) -> Result<Pass, MoverError> {
+    let moving: Vec<usize> = (0..mask.len()).filter(|p| mask[*p]).collect();
+    let walks = clients.len().min(moving.len()).max(1);
+    let shares: Vec<Vec<bool>> = (0..walks)
+        .map(|w| {
+            let mut share = vec![false; mask.len()];
+            for p in moving.iter().skip(w).step_by(walks) {
+                share[*p] = true;
+            }
+            share
+        })
+        .collect();
+    let walked: Vec<Result<WalkedKeys, MoverError>> = std::thread::scope(|s| {
+        let running: Vec<_> = shares
+            .iter()
+            .zip(clients)
+            .map(|(share, client)| {
+                s.spawn(move || {
+                    let mut seen: Vec<(Bytes, u64)> = Vec::new();
+                    let walk = Walk {
+                        since_version,
+                        push_to: Some(to),
+                        ..Walk::all(share)
+                    };
+                    let walked = scan_moving(client, from, walk, None, |items| {
+                        if seen.len() + items.len() > MOVE_KEYS_MAX {
+                            return Err(MoveError::TooManyKeys.into());
+                        }
+                        seen.extend(items.into_iter().map(|i| (i.key, i.version)));
+                        Ok(())
+                    })?;
+                    Ok((walked, seen))
+                })
+            })
+            .collect();
+        running
+            .into_iter()
+            .map(|w| w.join().unwrap_or(Err(MoverError::Worker)))
+            .collect()
+    });
+    let mut pass = Pass {
+        version_clock: u64::MAX,
+        ..Pass::default()
+    };
+    for w in walked {
+        let (walked, seen) = w?;
+        for (key, version) in seen {
+            if log.must_send(&key, version)? {
+                pass.keys += 1;
+            }
+        }
+        pass.bytes += walked.pushed_bytes;
+        pass.scanned += walked.bytes;
+        // The earliest walk's: the next pass then misses no write of any.
+        pass.version_clock = pass.version_clock.min(walked.version_clock);
+    }
+    if pass.version_clock < since_version {
+        // `from`'s clock went back: it restarted since the last pass (see `copy_pass`).
+        let again = push_pass(clients, (from, to), mask, 0, log)?;
         pass.keys += again.keys;
         pass.bytes += again.bytes;
         pass.scanned += again.scanned;
@@ -460,7 +558,10 @@ pub fn fill_replica(
             });
         }
     }
-    let client = routed_client(map, &[from, to], epoch)?;
+    let clients = (0..PUSH_WALKS)
+        .map(|_| routed_client(map, &[from, to], epoch))
+        .collect::<Result<Vec<_>, _>>()?;
+    let client = &clients[0];
     let mut mask = vec![false; map.partitions() as usize];
     for p in partitions {
         if let Some(m) = mask.get_mut(*p as usize) {
@@ -468,14 +569,14 @@ pub fn fill_replica(
         }
     }
     let mut log = CopyLog::default();
-    let pass = copy_pass(&client, (from, to), &mask, 0, &mut log, None)?;
-    let present = scan_present(&client, to, &mask, None)?;
-    let source_keys: BTreeSet<Vec<u8>> = scan_present(&client, from, &mask, None)?
+    let pass = push_pass(&clients, (from, to), &mask, 0, &mut log)?;
+    let present = scan_present(client, to, &mask, None)?;
+    let source_keys: BTreeSet<Vec<u8>> = scan_present(client, from, &mask, None)?
         .into_iter()
         .map(|kv| kv.key)
         .collect();
     let gone = deletions(&source_keys, &present);
-    apply_deletions(&client, to, &gone)?;
+    apply_deletions(client, to, &gone)?;
     Ok(FillReport {
         keys_copied: pass.keys,
         bytes_copied: pass.bytes,
@@ -682,17 +783,13 @@ impl Mover {
             resuming = false;
             match step {
                 Step::Copy => {
-                    let client = raw_client(&map.map, &[rec.from, rec.to])?;
+                    let clients = (0..PUSH_WALKS)
+                        .map(|_| raw_client(&map.map, &[rec.from, rec.to]))
+                        .collect::<Result<Vec<_>, _>>()?;
                     let start = Instant::now();
                     for pass_no in 1..=CATCHUP_PASSES_MAX {
-                        let pass = copy_pass(
-                            &client,
-                            (rec.from, rec.to),
-                            &mask,
-                            copied_since,
-                            &mut log,
-                            None,
-                        )?;
+                        let pass =
+                            push_pass(&clients, (rec.from, rec.to), &mask, copied_since, &mut log)?;
                         copied_since = pass.version_clock;
                         report.keys_copied += pass.keys;
                         report.bytes_copied += pass.bytes;

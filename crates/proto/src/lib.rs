@@ -32,7 +32,9 @@ use std::fmt;
 /// 6: SCAN_PARTITIONS (a mover's scan, filtered by partition and version on the server).
 /// 7: fenceable sessions (HELLO's `fence`, HELLO_OK's `fence_generation`), FENCE, and the
 /// error FENCED.
-pub const PROTOCOL_VERSION: u16 = 7;
+/// 8: SCAN_PARTITIONS's `push_to` (the source of a move copies a page to the target
+/// itself, so the values cross loopback once instead of twice).
+pub const PROTOCOL_VERSION: u16 = 8;
 /// First bytes of a HELLO, so a stray client (HTTP, Redis) is told apart at once.
 pub const HELLO_MAGIC: [u8; 4] = *b"CMLT";
 
@@ -267,6 +269,12 @@ pub enum Op {
     /// `keys_only`. The server examines at most [`limits::SCAN_EXAMINE_MAX`] keys per
     /// call, and ends a page once its items pass [`limits::SCAN_PAGE_BYTES_TARGET`] bytes,
     /// so a page may be short or empty and not the last: [`Reply::Page`] says where to go on.
+    ///
+    /// With `push_to`, the server itself copies the page's objects (APPLY, at the versions
+    /// it found) to that node of its cluster map, and answers once the node has applied
+    /// them all, with the items' keys and versions only. Refused when the server has no
+    /// map or the node is not in it (or is the server itself): a client cannot make a
+    /// server connect anywhere else.
     ScanPartitions {
         after: Option<Bytes>,
         limit: u32,
@@ -274,6 +282,7 @@ pub enum Op {
         mask: Bytes,
         since_version: u64,
         keys_only: bool,
+        push_to: Option<u32>,
     },
     /// A cluster peer's copy of a key at the version its primary gave it (replication,
     /// partition moves): `Some(value)` stores it, `None` deletes the key. Applied only if
@@ -482,6 +491,9 @@ pub struct Page {
     /// The version the server's next write will get at least, read as the page was:
     /// a later walk with `since_version` at this value sees every object written since.
     pub version_clock: u64,
+    /// Value bytes this page copied to the `push_to` node (0 for a page not pushed): its
+    /// items come without their values.
+    pub pushed_bytes: u64,
 }
 
 /// One object as SCAN returns it.

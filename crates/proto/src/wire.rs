@@ -92,6 +92,8 @@ pub(crate) fn request_encoded_len(op: &Op) -> usize {
                     + mask.len()
                     + 8
                     + 1
+                    + 1
+                    + 4
             }
             Op::Apply { key, value, .. } => {
                 KEY_HEADER_BYTES
@@ -338,6 +340,7 @@ fn encode_op(buf: &mut BytesMut, op: &Op, payloads: &mut Payloads<'_>) -> Result
             mask,
             since_version,
             keys_only,
+            push_to,
         } => {
             limit("scan limit", *n as usize, SCAN_ITEMS_MAX)?;
             limit(
@@ -358,6 +361,9 @@ fn encode_op(buf: &mut BytesMut, op: &Op, payloads: &mut Payloads<'_>) -> Result
             buf.put_slice(mask);
             buf.put_u64_le(*since_version);
             buf.put_u8(u8::from(*keys_only));
+            // Fixed width, so `request_encoded_len` needs no case for it.
+            buf.put_u8(u8::from(push_to.is_some()));
+            buf.put_u32_le(push_to.unwrap_or(0));
         }
         Op::Apply {
             key,
@@ -449,6 +455,7 @@ fn encode_reply(buf: &mut BytesMut, reply: &Reply) -> Result<(), EncodeError> {
             }
             buf.put_u8(TAG_PAGE);
             buf.put_u64_le(page.version_clock);
+            buf.put_u64_le(page.pushed_bytes);
             put_opt_key(buf, page.resume_after.as_deref(), "scan resume key")?;
             put_items(buf, &page.items)?;
         }
@@ -1018,6 +1025,11 @@ fn decode_op(c: &mut Cursor) -> Result<Op, DecodeError> {
                 1 => true,
                 _ => return Err(DecodeError::Invalid("scan keys-only flag")),
             };
+            let push_to = match (c.u8()?, c.u32()?) {
+                (0, 0) => None,
+                (1, node) => Some(node),
+                _ => return Err(DecodeError::Invalid("scan push flag")),
+            };
             Op::ScanPartitions {
                 after,
                 limit,
@@ -1025,6 +1037,7 @@ fn decode_op(c: &mut Cursor) -> Result<Op, DecodeError> {
                 mask,
                 since_version,
                 keys_only,
+                push_to,
             }
         }
         OpKind::Apply => {
@@ -1101,11 +1114,13 @@ fn decode_reply(c: &mut Cursor) -> Result<Reply, DecodeError> {
         TAG_ITEMS => Reply::Items(decode_items(c)?),
         TAG_PAGE => {
             let version_clock = c.u64()?;
+            let pushed_bytes = c.u64()?;
             let resume_after = c.opt_key("scan resume key")?;
             Reply::Page(Page {
                 items: decode_items(c)?,
                 resume_after,
                 version_clock,
+                pushed_bytes,
             })
         }
         t => return Err(DecodeError::UnknownReply(t)),

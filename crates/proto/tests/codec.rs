@@ -35,9 +35,10 @@ fn object_op() -> impl Strategy<Value = Op> {
             any::<u64>(),
             any::<bool>(),
             any::<u64>(),
+            proptest::option::of(any::<u32>()),
         )
             .prop_map(
-                |(after, limit, partitions, since_version, keys_only, seed)| {
+                |(after, limit, partitions, since_version, keys_only, seed, push_to)| {
                     // Marks every partition whose bit in the seed's 64-bit cycle is set.
                     let marked = (0..partitions).filter(|p| seed >> (p % 64) & 1 == 1);
                     Op::ScanPartitions {
@@ -47,6 +48,7 @@ fn object_op() -> impl Strategy<Value = Op> {
                         mask: partition_mask(partitions, marked),
                         since_version,
                         keys_only,
+                        push_to,
                     }
                 }
             ),
@@ -190,13 +192,20 @@ fn reply() -> impl Strategy<Value = Reply> {
         (any::<u64>(), blob(300)).prop_map(|(version, value)| Reply::Object { version, value }),
         any::<u64>().prop_map(Reply::Version),
         items().prop_map(Reply::Items),
-        (items(), proptest::option::of(blob(40)), any::<u64>()).prop_map(
-            |(items, resume_after, version_clock)| Reply::Page(Page {
-                items,
-                resume_after,
-                version_clock
-            })
-        ),
+        (
+            items(),
+            proptest::option::of(blob(40)),
+            any::<u64>(),
+            any::<u64>()
+        )
+            .prop_map(
+                |(items, resume_after, version_clock, pushed_bytes)| Reply::Page(Page {
+                    items,
+                    resume_after,
+                    version_clock,
+                    pushed_bytes,
+                })
+            ),
     ]
 }
 
@@ -329,6 +338,7 @@ proptest! {
                 mask: Bytes::from_static(&[0xff]),
                 since_version: 0,
                 keys_only: false,
+                push_to: None,
             },
         };
         let mut buf = BytesMut::new();
@@ -553,6 +563,7 @@ fn a_scan_mask_of_the_wrong_size_is_refused_both_ways() {
         mask: Bytes::from_static(&[0xff]),
         since_version: 0,
         keys_only: true,
+        push_to: None,
     };
     assert!(enc.push(1, &op).is_err());
     // Hand-made: a mask claiming more partitions than the limit is refused on decode.
@@ -563,6 +574,7 @@ fn a_scan_mask_of_the_wrong_size_is_refused_both_ways() {
         mask: Bytes::from_static(&[0x01]),
         since_version: 5,
         keys_only: false,
+        push_to: Some(3),
     };
     let mut buf = BytesMut::new();
     let mut enc = RequestBatchEncoder::begin(&mut buf, 0);
@@ -578,6 +590,18 @@ fn a_scan_mask_of_the_wrong_size_is_refused_both_ways() {
     let mut bad = body.to_vec();
     bad[at..at + 4].copy_from_slice(&(SCAN_PARTITIONS_MAX + 1).to_le_bytes());
     assert!(decode_frame(Bytes::from(bad)).is_err());
+    // The push flag and node end the op (and the batch): a flag other than 0 or 1, or a
+    // node beside a flag of 0, is refused rather than read as some push.
+    let flag_at = body.len() - 5;
+    for (flag, node) in [(2u8, 3u32), (0, 3)] {
+        let mut bad = body.to_vec();
+        bad[flag_at] = flag;
+        bad[flag_at + 1..].copy_from_slice(&node.to_le_bytes());
+        assert!(
+            decode_frame(Bytes::from(bad)).is_err(),
+            "flag {flag} node {node}"
+        );
+    }
 }
 
 #[test]

@@ -5,7 +5,7 @@ use crate::exec::answer_deferred_reads;
 use crate::exec::{exec_logged, WriteLog};
 use crate::ownership::Ownership;
 use crate::principals::PrincipalTokens;
-use crate::replicate::{fail_answers, rewrite_answers, Replicator, RewriteError};
+use crate::replicate::{fail_answers, rewrite_answers, PushLink, Replicator, RewriteError};
 use crate::state::{Refusal, ServerState};
 use crate::store::Principal;
 use crate::unacked::Cover;
@@ -304,6 +304,10 @@ pub(crate) struct Conn {
     log: WriteLog,
     /// A fenceable session's generation (see `Hello::fence`); `None` for the rest.
     fence: Option<u64>,
+    /// Where this connection's pushed pages go (see `WriteLog::pushes`): one link, made
+    /// on first use, to the last target named, and closed with the connection. A link of
+    /// its own, so a mover walking on two connections has two pages in flight.
+    push_link: Option<PushLink>,
 }
 
 /// Resolves once shutdown is requested, or the handle that could request it is gone.
@@ -453,6 +457,7 @@ impl Conn {
             principal: Principal::from(PRINCIPAL_DEFAULT),
             log: WriteLog::default(),
             fence: None,
+            push_link: None,
         })
     }
 
@@ -730,6 +735,7 @@ impl Conn {
                 warn!(peer = %self.peer, error = %e, "cannot encode a response frame; closing");
                 return Err(self.fatal(ErrorCode::Internal, e.to_string()).await);
             }
+            self.push_pages(start).await?;
             self.replicate(start).await?;
             if let Err(e) = self.bufs.settle_out() {
                 return Err(self.over_budget(e).await);
@@ -741,6 +747,37 @@ impl Conn {
         // The empty buffer may still own a frame-sized allocation.
         self.bufs.shrink_in(BUF_KEEP_BYTES, READ_CHUNK_BYTES);
         Ok(())
+    }
+
+    /// Holds the answers of the batch just executed (at `start` in the output) until the
+    /// pages it pushed are applied by their targets; a page that is not is answered
+    /// REPLICA_UNAVAILABLE (its copies may be in part applied: APPLY is idempotent, and
+    /// the mover walks again).
+    async fn push_pages(&mut self, start: usize) -> Result<(), End> {
+        if self.log.pushes.is_empty() {
+            return Ok(());
+        }
+        let pushes = std::mem::take(&mut self.log.pushes);
+        let mut failed = Vec::new();
+        for page in pushes.iter().filter(|p| !p.copies.is_empty()) {
+            let link = match self.push_link.take() {
+                Some(l) if l.to() == page.to => l,
+                _ => self.shared.replicator.push_link(page.to),
+            };
+            let link = self.push_link.insert(link);
+            if let Err(e) = link.push(page.epoch, &page.copies).await {
+                let reply = ErrorReply::new(
+                    ErrorCode::ReplicaUnavailable,
+                    format!("the page's copies were not all applied by {e}"),
+                );
+                failed.push((page.at, reply));
+            }
+        }
+        if failed.is_empty() {
+            return Ok(());
+        }
+        self.rewrite_out(start, fail_answers(&self.bufs.out[start..], &failed))
+            .await
     }
 
     /// Holds the answers of the batch just executed (at `start` in the output) until its

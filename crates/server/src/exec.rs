@@ -1,7 +1,7 @@
 //! Executes one decoded batch against the store, straight into a response frame.
 
 use crate::objects::{no_such_key, wrong_type, Entry, ObjectStore, ScanFilter, Value};
-use crate::ownership::Ownership;
+use crate::ownership::{Ownership, Peer};
 use crate::state::{kind_index, ServerState, OP_KINDS};
 use crate::store::{Principal, RegionStore};
 use camelot_proto::limits::IO_BYTES_MAX;
@@ -32,9 +32,9 @@ fn items_bytes(items: &[camelot_proto::Item]) -> usize {
 }
 
 /// The most a SCAN_PARTITIONS reply carries besides its items: the OK header, the tag's
-/// clock, the resume key (flag, length, bytes) and the item count.
+/// clock and pushed bytes, the resume key (flag, length, bytes) and the item count.
 const PAGE_REPLY_HEADER_BYTES: usize =
-    OK_HEADER_BYTES + 8 + 1 + 2 + camelot_proto::limits::KEY_BYTES_MAX + 4;
+    OK_HEADER_BYTES + 8 + 8 + 1 + 2 + camelot_proto::limits::KEY_BYTES_MAX + 4;
 
 /// Exact encoded size of a successful response carrying `reply`.
 pub fn reply_bytes(reply: &Reply) -> usize {
@@ -45,7 +45,8 @@ pub fn reply_bytes(reply: &Reply) -> usize {
             Reply::Object { value, .. } => 8 + 4 + value.len(),
             Reply::Items(items) => items_bytes(items),
             Reply::Page(page) => {
-                8 + 1
+                8 + 8
+                    + 1
                     + page.resume_after.as_ref().map_or(0, |k| 2 + k.len())
                     + items_bytes(&page.items)
             }
@@ -98,6 +99,9 @@ pub struct WriteLog {
     /// (the answer's position, the key). Each was answered REPLICA_UNAVAILABLE for now;
     /// the connection waits for the key to settle and answers it again.
     pub deferred_reads: Vec<(usize, bytes::Bytes)>,
+    /// SCAN_PARTITIONS pages with `push_to`: each is answered only once `to` has applied
+    /// its copies. Filled for every batch of a connection, replicating or not.
+    pub pushes: Vec<PushPage>,
 }
 
 impl WriteLog {
@@ -105,7 +109,21 @@ impl WriteLog {
         self.writes.clear();
         self.pending.clear();
         self.deferred_reads.clear();
+        self.pushes.clear();
     }
+}
+
+/// A page of a mover's walk that this server copies to another server itself.
+#[derive(Debug)]
+pub struct PushPage {
+    /// The answer's position in the response frame.
+    pub at: usize,
+    pub to: Peer,
+    /// The epoch the page's batch was routed at (0: none), which its copies carry too: a
+    /// target that has moved on to another map refuses them, as it would the mover's.
+    pub epoch: u64,
+    /// The page's objects as APPLYs, at the versions the walk found.
+    pub copies: Vec<Op>,
 }
 
 /// The placeholder answer of a deferred read, and the final one when its key does not
@@ -212,7 +230,8 @@ pub fn exec_logged(
         log.clear();
         log.ownership = snapshot.clone().filter(|o| o.replicates());
     }
-    let log = log.filter(|l| l.ownership.is_some());
+    // Only a connection, which can wait for the copies before answering, takes pushes.
+    let mut pushes = log.is_some().then(Vec::new);
     let ownership = if batch.epoch == 0 { None } else { snapshot };
     let epoch = ownership
         .as_ref()
@@ -240,13 +259,17 @@ pub fn exec_logged(
         too_large: OnceCell::new(),
         now: OnceCell::new(),
         ownership,
-        log,
+        log: log.as_deref_mut().filter(|l| l.ownership.is_some()),
+        pushes: pushes.as_mut(),
     };
     let res = batch.requests.iter().try_for_each(|req| {
         ops[kind_index(req.op.kind())] += 1;
         ex.one(req.id, &req.op)
     });
     state.stats().add_batch(&ops);
+    if let (Some(log), Some(pushes)) = (log, pushes) {
+        log.pushes = pushes;
+    }
     res
 }
 
@@ -276,6 +299,8 @@ struct Exec<'s, 'e, 'b> {
     ownership: Option<Arc<Ownership>>,
     // Set when some partition this server is primary of has backups.
     log: Option<&'e mut WriteLog>,
+    // Set when the batch came on a connection (see `WriteLog::pushes`).
+    pushes: Option<&'e mut Vec<PushPage>>,
 }
 
 impl Exec<'_, '_, '_> {
@@ -308,6 +333,32 @@ impl Exec<'_, '_, '_> {
     }
 
     /// For replies built before their size is known; they have no side effects to undo.
+    /// The server a SCAN_PARTITIONS may push to: another server of this one's map, and
+    /// only on a connection (which waits for the copies before it answers).
+    fn push_target(&self, node: u32) -> Result<Peer, ErrorReply> {
+        if self.pushes.is_none() {
+            return Err(ErrorReply::new(
+                ErrorCode::BadRequest,
+                "a SCAN_PARTITIONS with push_to is taken only on a connection",
+            ));
+        }
+        let Some(own) = self.state.ownership() else {
+            return Err(ErrorReply::new(
+                ErrorCode::BadRequest,
+                "this server follows no cluster map, so it pushes to no server",
+            ));
+        };
+        own.peer(node).ok_or_else(|| {
+            ErrorReply::new(
+                ErrorCode::BadRequest,
+                format!(
+                    "node {node} is not another server of this server's map (epoch {})",
+                    own.epoch()
+                ),
+            )
+        })
+    }
+
     fn respond_if_fits(&mut self, id: u64, reply: Reply) -> Result<(), EncodeError> {
         if !self.fits(reply_bytes(&reply)) {
             return self.too_large(id);
@@ -454,7 +505,12 @@ impl Exec<'_, '_, '_> {
                 mask,
                 since_version,
                 keys_only,
+                push_to,
             } => {
+                let to = match push_to.map(|node| self.push_target(node)).transpose() {
+                    Ok(to) => to,
+                    Err(e) => return self.enc.push_err(id, &e),
+                };
                 let budget = RESPONSE_OK_BUDGET_BYTES
                     .saturating_sub(self.enc.frame_len())
                     .saturating_sub(PAGE_REPLY_HEADER_BYTES);
@@ -462,7 +518,8 @@ impl Exec<'_, '_, '_> {
                     partitions: *partitions,
                     mask,
                     since_version: *since_version,
-                    keys_only: *keys_only,
+                    // A pushed page needs its values, though its answer carries none.
+                    keys_only: *keys_only && to.is_none(),
                 };
                 let now = self.now();
                 match self.state.objects().scan_partitions(
@@ -472,7 +529,29 @@ impl Exec<'_, '_, '_> {
                     budget,
                     now,
                 ) {
-                    Ok(page) => self.respond_if_fits(id, Reply::Page(page)),
+                    Ok(mut page) => {
+                        if let (Some(to), Some(pushes)) = (to, self.pushes.as_deref_mut()) {
+                            let copies = page
+                                .items
+                                .iter_mut()
+                                .map(|i| {
+                                    page.pushed_bytes += i.value.len() as u64;
+                                    Op::Apply {
+                                        key: i.key.clone(),
+                                        version: i.version,
+                                        value: Some(std::mem::take(&mut i.value)),
+                                    }
+                                })
+                                .collect();
+                            pushes.push(PushPage {
+                                at: self.enc.count(),
+                                to,
+                                epoch: self.ownership.as_ref().map_or(0, |o| o.epoch()),
+                                copies,
+                            });
+                        }
+                        self.respond_if_fits(id, Reply::Page(page))
+                    }
                     Err(e) => self.enc.push_err(id, &e),
                 }
             }
@@ -798,11 +877,13 @@ mod tests {
                 }],
                 resume_after: Some(Bytes::from_static(b"key")),
                 version_clock: 12,
+                pushed_bytes: 0,
             }),
             Reply::Page(camelot_proto::Page {
                 items: vec![],
                 resume_after: None,
                 version_clock: 0,
+                pushed_bytes: 8,
             }),
         ];
         for reply in replies {
@@ -1155,7 +1236,7 @@ mod tests {
 
     #[test]
     fn writes_on_partitions_with_backups_are_logged_and_backups_answer_moved() {
-        use crate::ownership::{Peer, Role};
+        use crate::ownership::Role;
         let st = ServerState::new(MemoryBudget::new(1 << 20), 0);
         // Primary of 726 ("user1") with one backup; backup of "user2"'s partition.
         let p2 = camelot_proto::partition_of(b"user2", 1024) as usize;

@@ -1290,6 +1290,7 @@ impl ObjectStore {
             // Past the end; or past the last key examined *whole* (not one cut off).
             resume_after: if done { None } else { last.cloned() },
             version_clock,
+            pushed_bytes: 0,
         })
     }
 

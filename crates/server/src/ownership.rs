@@ -8,6 +8,8 @@ use std::net::SocketAddr;
 pub const OWNERSHIP_PARTITIONS_MAX: u32 = 65_536;
 /// Backups one partition may have (the cluster crate's R ≤ 8, less the primary).
 pub const BACKUPS_PER_PARTITION_MAX: usize = 7;
+/// Other servers one ownership may name as push targets (the cluster crate's node limit).
+pub const PEERS_MAX: usize = 1024;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ownership {
@@ -21,6 +23,10 @@ pub struct Ownership {
     fenced: Vec<bool>,
     /// Empty unless set by [`Ownership::with_replicas`]: no partition has backups.
     replicas: Replicas,
+    /// The other servers of the map, which a mover may ask this one to copy a page of
+    /// its partitions to (`SCAN_PARTITIONS` with `push_to`). Empty unless set by
+    /// [`Ownership::with_peers`]: then it pushes nowhere.
+    peers: Vec<Peer>,
     /// `stale_reads[p]`: this server answers GETs on partition `p`, which it holds a
     /// full backup of, from clients that chose a replica read ("may be stale"). Empty
     /// unless set by [`Ownership::with_stale_reads`].
@@ -63,6 +69,8 @@ pub enum OwnershipError {
     Partitions(usize),
     #[error("replica lists for {given} partitions, but the ownership has {partitions}")]
     ReplicaPartitions { given: usize, partitions: u32 },
+    #[error("the map's servers: {0}")]
+    Peers(&'static str),
     #[error("partition {partition}: {reason}")]
     Replicas {
         partition: u32,
@@ -85,8 +93,29 @@ impl Ownership {
             owned,
             fenced: Vec::new(),
             replicas: Replicas::default(),
+            peers: Vec::new(),
             stale_reads: Vec::new(),
         })
+    }
+
+    /// Sets the map's other servers (see [`Ownership::peer`]): at most [`PEERS_MAX`],
+    /// each id once.
+    pub fn with_peers(mut self, peers: Vec<Peer>) -> Result<Ownership, OwnershipError> {
+        if peers.len() > PEERS_MAX {
+            return Err(OwnershipError::Peers("more servers than a map may have"));
+        }
+        let mut ids: Vec<u32> = peers.iter().map(|p| p.id).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            return Err(OwnershipError::Peers("the same server id twice"));
+        }
+        self.peers = peers;
+        Ok(self)
+    }
+
+    /// Server `id` of the map, when it is one and not this server.
+    pub fn peer(&self, id: u32) -> Option<Peer> {
+        self.peers.iter().copied().find(|p| p.id == id)
     }
 
     /// Sets the partitions this server leads under a fence (see [`Ownership::fenced`]):
@@ -394,5 +423,22 @@ mod tests {
             base().with_replicas(vec![(1..9).map(peer).collect(), vec![]], vec![false, false]),
             Err(OwnershipError::Replicas { partition: 0, .. })
         ));
+    }
+
+    #[test]
+    fn push_targets_are_the_map_s_other_servers_only() {
+        let o = Ownership::new(2, vec![true]).unwrap();
+        assert_eq!(o.peer(1), None, "no peers set: pushes go nowhere");
+        let o = o.with_peers(vec![peer(1), peer(3)]).unwrap();
+        assert_eq!(o.peer(3), Some(peer(3)));
+        assert_eq!(o.peer(2), None);
+        let twice = Ownership::new(2, vec![true])
+            .unwrap()
+            .with_peers(vec![peer(1), peer(1)]);
+        assert!(matches!(twice, Err(OwnershipError::Peers(_))));
+        let too_many = Ownership::new(2, vec![true])
+            .unwrap()
+            .with_peers((0..=PEERS_MAX as u32).map(peer).collect());
+        assert!(matches!(too_many, Err(OwnershipError::Peers(_))));
     }
 }

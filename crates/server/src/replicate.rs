@@ -68,6 +68,10 @@ const READ_CHUNK_BYTES: usize = 64 << 10;
 /// reader waiting on such a key (for at most the replication timeout) still gets it once
 /// this server has the map its backup refused it for.
 const REPAIR_INTERVAL: Duration = Duration::from_millis(25);
+/// How long a pushed page may take to be applied (under the client's 10 s request
+/// timeout, so the mover hears why): a page is about
+/// `SCAN_PAGE_BYTES_TARGET` (4 MiB) plus one value, far more than a client batch's copies.
+const PUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Keys one repair pass sends again.
 const REPAIR_KEYS_MAX: usize = LINK_ROUND_OPS_MAX;
 
@@ -232,6 +236,18 @@ impl Replicator {
         tokio::spawn(link.run(rx));
         links.insert(peer, tx.clone());
         Ok(tx)
+    }
+
+    /// A link for a connection's pushed pages to `to` (see [`PushLink`]).
+    pub fn push_link(&self, to: Peer) -> PushLink {
+        PushLink(Link {
+            peer: to,
+            state: Arc::clone(&self.state),
+            token: self.token.clone(),
+            timeout: PUSH_TIMEOUT.max(self.timeout),
+            conn: None,
+            retry_at: None,
+        })
     }
 
     /// Copies the keys `writes` names to every backup of their partitions (per `own`),
@@ -438,6 +454,32 @@ impl Replicator {
     }
 }
 
+/// One connection's link to the target of its pushed pages: apart from the backups'
+/// links, so that a page of megabytes never queues client writes' copies behind it, and
+/// owned by the connection that pushes (it connects on first use and closes with it).
+pub struct PushLink(Link);
+
+impl PushLink {
+    pub fn to(&self) -> Peer {
+        self.0.peer
+    }
+
+    /// Sends a mover's pushed page (`copies`, APPLYs) routed at `epoch`, the page's own
+    /// (0 for a move's: its target does not own the partitions yet, and an APPLY is not
+    /// placed), and waits until the target has applied them all. The error says which
+    /// node failed and why.
+    pub async fn push(&mut self, epoch: u64, copies: &[Op]) -> Result<(), String> {
+        let to = self.0.peer;
+        let failed = |reason: String| format!("node {} ({}): {reason}", to.id, to.addr);
+        let frames = frames_of(epoch, copies).map_err(|e| failed(format!("cannot encode: {e}")))?;
+        let mut results = self
+            .0
+            .exchange_round(&frames, &vec![0; copies.len()], 1)
+            .await;
+        results.pop().unwrap_or(Ok(())).map_err(failed)
+    }
+}
+
 /// One backup's connection and the task that feeds it, round by round: take what is
 /// queued, read each key's state, send, wait for every answer, tell the writers.
 struct Link {
@@ -501,16 +543,19 @@ impl Link {
                 return (vec![Err(e); round.len()], vec![Vec::new(); round.len()]);
             }
         };
-        (self.exchange_round(&frames, &job_of, round).await, covers)
+        (
+            self.exchange_round(&frames, &job_of, round.len()).await,
+            covers,
+        )
     }
 
     async fn exchange_round(
         &mut self,
         frames: &[(BytesMut, usize)],
         job_of: &[usize],
-        round: &[Job],
+        jobs: usize,
     ) -> Vec<Result<(), String>> {
-        let all = |e: String| vec![Err(e); round.len()];
+        let all = |e: String| vec![Err(e); jobs];
         let deadline = tokio::time::Instant::now() + self.timeout;
         for attempt in 0..2 {
             let reused = self.conn.is_some();
@@ -535,7 +580,7 @@ impl Link {
                     }
                 }
             }
-            match tokio::time::timeout_at(deadline, self.exchange(frames, job_of, round)).await {
+            match tokio::time::timeout_at(deadline, self.exchange(frames, job_of, jobs)).await {
                 Ok(Ok(results)) => return results,
                 Ok(Err(e)) => {
                     self.conn = None;
@@ -606,28 +651,7 @@ impl Link {
             });
             job_of.push(job);
         }
-        let mut frames = Vec::new();
-        let mut rest = &ops[..];
-        let mut id = 0u64;
-        while !rest.is_empty() {
-            let mut buf = BytesMut::new();
-            let mut enc = RequestBatchEncoder::begin(&mut buf, epoch);
-            while let Some(op) = rest.first() {
-                if enc.count() > 0
-                    && (enc.count() >= BATCH_OPS_MAX
-                        || enc.frame_len() + op.encoded_len() > FRAME_BYTES_TARGET)
-                {
-                    break;
-                }
-                enc.push(id, op)?;
-                id += 1;
-                rest = &rest[1..];
-            }
-            let n = enc.count();
-            enc.finish()?;
-            frames.push((buf, n));
-        }
-        Ok((frames, job_of, covers))
+        Ok((frames_of(epoch, &ops)?, job_of, covers))
     }
 
     async fn connect(&self) -> std::io::Result<(TcpStream, BytesMut)> {
@@ -656,7 +680,7 @@ impl Link {
         &mut self,
         frames: &[(BytesMut, usize)],
         job_of: &[usize],
-        round: &[Job],
+        jobs: usize,
     ) -> std::io::Result<Vec<Result<(), String>>> {
         let Some((stream, inbuf)) = self.conn.as_mut() else {
             return Err(invalid("not connected"));
@@ -680,7 +704,7 @@ impl Link {
                 });
             }
         }
-        let mut results = vec![Ok(()); round.len()];
+        let mut results = vec![Ok(()); jobs];
         for (job, refusal) in job_of.iter().zip(refused) {
             if let (Some(e), Some(slot)) = (refusal, results.get_mut(*job)) {
                 *slot = Err(e);
@@ -688,6 +712,33 @@ impl Link {
         }
         Ok(results)
     }
+}
+
+/// `ops` as request frames routed at `epoch`, of at most `BATCH_OPS_MAX` ops and about
+/// `FRAME_BYTES_TARGET` bytes each, with the count of ops in each.
+fn frames_of(epoch: u64, ops: &[Op]) -> Result<Vec<(BytesMut, usize)>, EncodeError> {
+    let mut frames = Vec::new();
+    let mut rest = ops;
+    let mut id = 0u64;
+    while !rest.is_empty() {
+        let mut buf = BytesMut::new();
+        let mut enc = RequestBatchEncoder::begin(&mut buf, epoch);
+        while let Some(op) = rest.first() {
+            if enc.count() > 0
+                && (enc.count() >= BATCH_OPS_MAX
+                    || enc.frame_len() + op.encoded_len() > FRAME_BYTES_TARGET)
+            {
+                break;
+            }
+            enc.push(id, op)?;
+            id += 1;
+            rest = &rest[1..];
+        }
+        let n = enc.count();
+        enc.finish()?;
+        frames.push((buf, n));
+    }
+    Ok(frames)
 }
 
 fn invalid(e: impl ToString) -> std::io::Error {

@@ -1449,3 +1449,224 @@ async fn a_fence_stops_a_sessions_queued_requests_and_its_return() {
     assert_eq!(stat(&stats, "fence_generation"), generation + 1);
     server.shutdown().await.unwrap();
 }
+
+/// A mover's SCAN_PARTITIONS of every partition, from the start, pushed to `to`.
+fn push_page(to: Option<u32>) -> Op {
+    Op::ScanPartitions {
+        after: None,
+        limit: 1000,
+        partitions: 1,
+        mask: camelot_proto::partition_mask(1, [0]),
+        since_version: 0,
+        keys_only: false,
+        push_to: to,
+    }
+}
+
+/// A page pushed with `push_to` is applied by the target before it is answered, and the
+/// answer carries the keys and versions only, with the value bytes it pushed; a push to
+/// a server outside the map, or from a server with no map, copies nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushed_page_is_on_the_target_when_it_is_answered() {
+    let target = start(config()).await;
+    let source = start(config()).await;
+    let mut client = Peer::ready(source.local_addr()).await;
+    let values: Vec<(Bytes, Bytes)> = (0..50u32)
+        .map(|i| {
+            (
+                Bytes::from(format!("key{i}")),
+                Bytes::from(vec![i as u8; 100 + i as usize]),
+            )
+        })
+        .collect();
+    let puts = values
+        .iter()
+        .map(|(key, value)| Op::Put {
+            key: key.clone(),
+            value: value.clone(),
+        })
+        .collect();
+    assert!(client
+        .call(puts)
+        .await
+        .iter()
+        .all(|r| matches!(r.result, Ok(Reply::Version(_)))));
+
+    // No map on the source: refused, nothing copied.
+    let r = client.call(vec![push_page(Some(2))]).await;
+    assert_eq!(code(&r[0]), ErrorCode::BadRequest, "{r:?}");
+    let target_peer = OwnershipPeer {
+        id: 2,
+        addr: target.local_addr(),
+    };
+    let own = Ownership::new(1, vec![true])
+        .unwrap()
+        .with_peers(vec![target_peer])
+        .unwrap();
+    assert!(source.set_ownership(own));
+    // A node the map does not have: refused.
+    let r = client.call(vec![push_page(Some(3))]).await;
+    assert_eq!(code(&r[0]), ErrorCode::BadRequest, "{r:?}");
+    let mut reader = Peer::ready(target.local_addr()).await;
+    let r = reader
+        .call(vec![Op::Get {
+            key: values[0].0.clone(),
+        }])
+        .await;
+    assert_eq!(
+        code(&r[0]),
+        ErrorCode::NoSuchKey,
+        "copied by a refused push"
+    );
+
+    let r = client.call(vec![push_page(Some(2))]).await;
+    let Ok(Reply::Page(page)) = &r[0].result else {
+        panic!("the push was not answered with a page: {r:?}");
+    };
+    assert_eq!(page.items.len(), values.len());
+    assert!(
+        page.items.iter().all(|i| i.value.is_empty()),
+        "values came back"
+    );
+    let value_bytes: u64 = values.iter().map(|(_, v)| v.len() as u64).sum();
+    assert_eq!(page.pushed_bytes, value_bytes);
+    // Applied already, at the source's versions: read at once, no waiting.
+    let gets = values
+        .iter()
+        .map(|(key, _)| Op::Get { key: key.clone() })
+        .collect();
+    let got = reader.call(gets).await;
+    for ((key, value), r) in values.iter().zip(&got) {
+        let Ok(Reply::Object { version, value: v }) = &r.result else {
+            panic!("{key:?} is not on the target: {r:?}");
+        };
+        assert_eq!(v, value);
+        let at_source = page.items.iter().find(|i| i.key == key).map(|i| i.version);
+        assert_eq!(Some(*version), at_source, "{key:?}");
+    }
+    source.shutdown().await.unwrap();
+    target.shutdown().await.unwrap();
+}
+
+/// A push whose target is gone is answered REPLICA_UNAVAILABLE, not as a page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_pushed_to_a_dead_target_is_not_answered_as_copied() {
+    let target = start(config()).await;
+    let gone = target.local_addr();
+    target.shutdown().await.unwrap();
+    let source = start(config()).await;
+    let own = Ownership::new(1, vec![true])
+        .unwrap()
+        .with_peers(vec![OwnershipPeer { id: 2, addr: gone }])
+        .unwrap();
+    assert!(source.set_ownership(own));
+    let mut client = Peer::ready(source.local_addr()).await;
+    let put = Op::Put {
+        key: Bytes::from_static(b"k"),
+        value: Bytes::from_static(b"v"),
+    };
+    client.call(vec![put]).await;
+    let r = client.call(vec![push_page(Some(2))]).await;
+    assert_eq!(code(&r[0]), ErrorCode::ReplicaUnavailable, "{r:?}");
+    source.shutdown().await.unwrap();
+}
+
+/// The order itself, with the test playing the target: the source answers the pushed
+/// page only after the target has answered every copy (and sends them unrouted, at
+/// epoch 0, since the target of a move does not own the partitions yet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushed_page_is_answered_only_after_its_target_answers_the_copies() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let source = start(config()).await;
+    let own = Ownership::new(1, vec![true])
+        .unwrap()
+        .with_peers(vec![OwnershipPeer {
+            id: 2,
+            addr: listener.local_addr().unwrap(),
+        }])
+        .unwrap();
+    assert!(source.set_ownership(own));
+    let mut client = Peer::ready(source.local_addr()).await;
+    let put = Op::Put {
+        key: Bytes::from_static(b"k"),
+        value: Bytes::from_static(b"v"),
+    };
+    client.call(vec![put]).await;
+    client.send(&requests(1, vec![push_page(Some(2))])).await;
+    let (stream, _) = timeout(WAIT, listener.accept()).await.unwrap().unwrap();
+    let mut target = Peer {
+        stream,
+        buf: BytesMut::new(),
+    };
+    assert!(matches!(target.recv().await, Some(Frame::Hello(_))));
+    target
+        .send(&Frame::HelloOk(HelloOk {
+            version: PROTOCOL_VERSION,
+            epoch: 1,
+            fence_generation: 1,
+        }))
+        .await;
+    let Some(Frame::Requests(copies)) = target.recv().await else {
+        panic!("no copies came");
+    };
+    assert_eq!(copies.epoch, 0, "copies routed at an epoch");
+    let [copy] = &copies.requests[..] else {
+        panic!("expected one copy: {copies:?}");
+    };
+    assert!(
+        matches!(&copy.op, Op::Apply { key, value: Some(v), .. } if &key[..] == b"k" && &v[..] == b"v")
+    );
+    // Not answered while the copy is unanswered (a bounded look for what must not come).
+    let early = timeout(Duration::from_millis(300), client.recv()).await;
+    assert!(
+        early.is_err(),
+        "answered before the target applied: {early:?}"
+    );
+    target
+        .send(&Frame::Responses(camelot_proto::ResponseBatch {
+            responses: vec![Response {
+                id: copy.id,
+                result: Ok(Reply::Version(1)),
+            }],
+        }))
+        .await;
+    let r = client.responses().await;
+    assert!(
+        matches!(&r[0].result, Ok(Reply::Page(p)) if p.items.len() == 1),
+        "{r:?}"
+    );
+    source.shutdown().await.unwrap();
+}
+
+/// A page routed at an epoch (a replica fill's) pushes its copies at that epoch, so a
+/// target on another map refuses them, as it would the mover's own: the push is then
+/// answered REPLICA_UNAVAILABLE. The same page unrouted is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routed_page_s_copies_carry_its_epoch() {
+    let mut cfg = config();
+    cfg.ahead_epoch_wait = Duration::from_millis(10);
+    let target = start(cfg).await;
+    assert!(target.set_ownership(Ownership::new(5, vec![false]).unwrap()));
+    let source = start(config()).await;
+    let own = Ownership::new(1, vec![true])
+        .unwrap()
+        .with_peers(vec![OwnershipPeer {
+            id: 2,
+            addr: target.local_addr(),
+        }])
+        .unwrap();
+    assert!(source.set_ownership(own));
+    let mut client = Peer::ready(source.local_addr()).await;
+    let put = Op::Put {
+        key: Bytes::from_static(b"k"),
+        value: Bytes::from_static(b"v"),
+    };
+    client.call(vec![put]).await;
+    client.send(&routed(1, vec![push_page(Some(2))])).await;
+    let r = client.responses().await;
+    assert_eq!(code(&r[0]), ErrorCode::ReplicaUnavailable, "{r:?}");
+    let r = client.call(vec![push_page(Some(2))]).await;
+    assert!(matches!(&r[0].result, Ok(Reply::Page(_))), "{r:?}");
+    source.shutdown().await.unwrap();
+    target.shutdown().await.unwrap();
+}
