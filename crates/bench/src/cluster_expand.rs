@@ -24,12 +24,15 @@ pub const MOVED_TOLERANCE: f64 = 0.1;
 pub const COPY_RATIO_TARGET: f64 = 0.3;
 pub const THREADS_MAX: usize = 64;
 /// Server counters the result sums over the nodes: copies a backup refused at another
-/// epoch, and how the writes behind them ended.
-const REPLICA_COUNTERS: [&str; 4] = [
+/// epoch, how the writes behind them ended, and the moves' pages pushed by their sources.
+const REPLICA_COUNTERS: [&str; 7] = [
     "batches_ahead_of_epoch",
     "replica_copies_failed",
     "replica_resends_acknowledged",
     "replica_writes_failed",
+    "pages_pushed",
+    "copies_pushed",
+    "pages_push_failed",
 ];
 /// Longest one `camelot cluster rebalance` may take before the run is abandoned.
 pub const REBALANCE_TIME_MAX: std::time::Duration = std::time::Duration::from_secs(600);
@@ -457,18 +460,14 @@ mod with_etcd {
         // How often a copy met a backup at another epoch, and how it ended: summed over
         // the nodes (a server without a counter adds nothing).
         let probe = nodes.raw_client()?;
-        let mut replica_counters = serde_json::Map::new();
+        let mut replica_counters: std::collections::BTreeMap<String, u64> = Default::default();
         for n in &final_map.nodes {
             let stats = probe
                 .stats(n.id)
                 .map_err(|e| BenchError::Setup(format!("stats of node {}: {e}", n.id)))?;
             for (k, v) in stats {
                 if REPLICA_COUNTERS.contains(&k.as_str()) {
-                    let sum = replica_counters
-                        .get(&k)
-                        .and_then(serde_json::Value::as_u64)
-                        .unwrap_or(0);
-                    replica_counters.insert(k, json!(sum + v));
+                    *replica_counters.entry(k).or_default() += v;
                 }
             }
         }

@@ -271,6 +271,10 @@ fn cluster_expand_quick_grows_to_four_nodes_and_loses_nothing() {
     // record is there afterwards.
     assert_eq!(config["bad_reads"], 0, "{}", config["problems"]);
     assert_eq!(config["records_missing_after"], 0);
+    // The moves' bulk went from source to target directly, every page applied.
+    let counters = &config["server_counters_summed"];
+    positive(&counters["pages_pushed"], "pages pushed");
+    assert_eq!(counters["pages_push_failed"], 0);
     let buckets = json["series"][0]["points"].as_array().expect("buckets");
     assert!(buckets.len() >= 5, "{} buckets", buckets.len());
     let cpu_series = json["series"]

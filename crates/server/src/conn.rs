@@ -765,7 +765,10 @@ impl Conn {
                 _ => self.shared.replicator.push_link(page.to),
             };
             let link = self.push_link.insert(link);
-            if let Err(e) = link.push(page.epoch, &page.copies).await {
+            let pushed = link.push(page.epoch, &page.copies).await;
+            let stats = self.shared.state.stats();
+            stats.page_pushed(page.copies.len() as u64, pushed.is_ok());
+            if let Err(e) = pushed {
                 let reply = ErrorReply::new(
                     ErrorCode::ReplicaUnavailable,
                     format!("the page's copies were not all applied by {e}"),

@@ -52,6 +52,17 @@ pub enum Role {
     None,
 }
 
+/// See [`Ownership::lead_of`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lead {
+    /// Another server leads the key (or none does, under no map of this server's).
+    Elsewhere,
+    /// This server leads it, and its writes there need no copy.
+    WithoutBackups,
+    /// This server leads it, and its writes there are copied to backups.
+    WithBackups,
+}
+
 /// The replica sets as seen from this server: the backups of the partitions it is
 /// primary for (indices into `peers`), and the partitions it is a backup of.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -285,10 +296,18 @@ impl Ownership {
         self.owned.get(p as usize).copied().unwrap_or(false)
     }
 
-    /// Whether this server leads `key`'s partition: serves it, or holds it under a fence
-    /// (its unacknowledged writes there are still to be sent to the backups).
-    pub fn leads_key(&self, key: &[u8]) -> bool {
-        self.leads(camelot_proto::partition_of(key, self.partitions) as usize)
+    /// What this server is to `key`'s writes: whether it leads the key's partition (serves
+    /// it, or holds it under a fence: its unacknowledged writes there are still to be sent
+    /// to the backups), and whether that partition has backups its writes must reach.
+    pub fn lead_of(&self, key: &[u8]) -> Lead {
+        let p = camelot_proto::partition_of(key, self.partitions);
+        if !self.leads(p as usize) {
+            Lead::Elsewhere
+        } else if self.backups(p).next().is_none() {
+            Lead::WithoutBackups
+        } else {
+            Lead::WithBackups
+        }
     }
 
     /// Whether this ownership makes the server primary of a partition `before` did not
@@ -382,9 +401,13 @@ mod tests {
                 .unwrap()
         };
         let (k0, k1, k2) = (key_of(0), key_of(1), key_of(2));
-        assert!(o.owns_key(k0.as_bytes()) && o.leads_key(k0.as_bytes()));
-        assert!(!o.owns_key(k1.as_bytes()) && o.leads_key(k1.as_bytes()));
-        assert!(!o.owns_key(k2.as_bytes()) && !o.leads_key(k2.as_bytes()));
+        assert!(o.owns_key(k0.as_bytes()) && o.lead_of(k0.as_bytes()) == Lead::WithBackups);
+        assert!(!o.owns_key(k1.as_bytes()) && o.lead_of(k1.as_bytes()) == Lead::WithBackups);
+        assert!(!o.owns_key(k2.as_bytes()) && o.lead_of(k2.as_bytes()) == Lead::Elsewhere);
+        let unreplicated = fenced()
+            .with_replicas(vec![vec![]; 3], vec![false; 3])
+            .unwrap();
+        assert_eq!(unreplicated.lead_of(k1.as_bytes()), Lead::WithoutBackups);
         assert_eq!(o.backups(1).collect::<Vec<_>>(), [peer(1)]);
         // Not fenced and not served: backups for it are refused; nor fenced and backup.
         assert!(fenced()

@@ -23,15 +23,15 @@
 //! every backup, GETs of its key wait ([`crate::unacked`]): a reader must never see a
 //! value the promoted backup would not have. A write whose copy failed is first sent again
 //! by its writer once this server has the next map ([`Replicator::resend_at_next_epoch`]);
-//! failing that, a key whose copy failed is sent again by a repair task, at whatever epoch this server is at by then, while it still leads the key
-//! with backups (as its primary, or under a move's fence); when it no longer leads it the
-//! claim is dropped (it serves the key to nobody), and when the partition has no backup
-//! left its state stands.
+//! failing that, a key whose copy failed is sent again by a repair task, at whatever
+//! epoch this server is at by then, while it still leads the key with backups (as its
+//! primary, or under a move's fence); when it no longer leads it the claim is dropped (it
+//! serves the key to nobody), and when the partition has no backup left its state stands.
 //!
 //! The grouping and the rewriting of an answer frame are pure and tested without sockets.
 
 use crate::objects::{Entry, Value};
-use crate::ownership::{Ownership, Peer};
+use crate::ownership::{Lead, Ownership, Peer};
 use crate::state::ServerState;
 use bytes::{Bytes, BytesMut};
 use camelot_proto::limits::{BATCH_OPS_MAX, FRAME_BYTES_TARGET};
@@ -332,8 +332,8 @@ impl Replicator {
     /// not past `deadline`) for this server to leave `own`'s epoch, then sends them again
     /// under the new map — if this server still leads every key there (as primary, or
     /// under a move's fence) and each has a backup. True if the copies then reached every
-    /// backup; false otherwise, and the caller falls back to the repair task. Hold the writes' claims while this runs, so
-    /// the repair task leaves these keys to it.
+    /// backup; false otherwise, and the caller falls back to the repair task. Hold the
+    /// writes' claims while this runs, so the repair task leaves these keys to it.
     ///
     /// Why the writer sends again itself: most failed copies were refused by a backup
     /// already at the next epoch, which this server installs a moment later. Left to the
@@ -356,13 +356,9 @@ impl Replicator {
         let Some(now) = self.state.ownership() else {
             return false;
         };
-        let all_led = writes.iter().all(|(_, key)| {
-            now.leads_key(key)
-                && now
-                    .backups(partition_of(key, now.partitions()))
-                    .next()
-                    .is_some()
-        });
+        let all_led = writes
+            .iter()
+            .all(|(_, key)| now.lead_of(key) == Lead::WithBackups);
         if now.epoch() == own.epoch() || !all_led {
             return false;
         }
@@ -422,17 +418,16 @@ impl Replicator {
             // Under a move's fence this server still leads the key: its copy goes on, so
             // the write settles (the backups are at the fence's epoch too) instead of
             // failing, and no backup is left without a write the new primary will have.
-            if !own.leads_key(key) {
-                unacked.give_up(key);
-                continue;
-            }
-            if own
-                .backups(partition_of(key, own.partitions()))
-                .next()
-                .is_none()
-            {
-                unacked.settle(key);
-                continue;
+            match own.lead_of(key) {
+                Lead::Elsewhere => {
+                    unacked.give_up(key);
+                    continue;
+                }
+                Lead::WithoutBackups => {
+                    unacked.settle(key);
+                    continue;
+                }
+                Lead::WithBackups => {}
             }
             // Held while the copy is out, so a write beside it is not taken as settled
             // by this copy alone, and the next pass leaves the key to this one.

@@ -52,6 +52,11 @@ pub struct Stats {
     replica_resends_acknowledged: AtomicU64,
     /// Writes answered REPLICA_UNAVAILABLE: applied here, never acknowledged.
     replica_writes_failed: AtomicU64,
+    /// Movers' pages this server pushed to their target (SCAN_PARTITIONS' `push_to`)
+    /// and the target applied, the copies in them, and the pages it did not.
+    pages_pushed: AtomicU64,
+    copies_pushed: AtomicU64,
+    pages_push_failed: AtomicU64,
     /// Connections that have not yet authenticated (native: no HELLO yet; Redis port with
     /// a token: no successful AUTH yet). Kept apart so they cannot crowd out real clients.
     connections_unauthenticated: AtomicU64,
@@ -142,6 +147,16 @@ impl Stats {
     pub fn replica_writes_failed(&self, writes: u64) {
         self.replica_writes_failed
             .fetch_add(writes, Ordering::Relaxed);
+    }
+
+    /// A pushed page of `copies` copies: applied by its target, or not.
+    pub fn page_pushed(&self, copies: u64, applied: bool) {
+        if applied {
+            self.pages_pushed.fetch_add(1, Ordering::Relaxed);
+            self.copies_pushed.fetch_add(copies, Ordering::Relaxed);
+        } else {
+            self.pages_push_failed.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub fn connection_refused(&self) {
@@ -512,6 +527,9 @@ impl ServerState {
             "replica_writes_failed".to_owned(),
             load(&s.replica_writes_failed),
         ));
+        out.push(("pages_pushed".to_owned(), load(&s.pages_pushed)));
+        out.push(("copies_pushed".to_owned(), load(&s.copies_pushed)));
+        out.push(("pages_push_failed".to_owned(), load(&s.pages_push_failed)));
         out.push(("fence_generation".to_owned(), self.fence_generation()));
         out.push((
             "connections_unauthenticated".to_owned(),

@@ -1544,6 +1544,10 @@ async fn a_pushed_page_is_on_the_target_when_it_is_answered() {
         let at_source = page.items.iter().find(|i| i.key == key).map(|i| i.version);
         assert_eq!(Some(*version), at_source, "{key:?}");
     }
+    let stats = source.stats();
+    assert_eq!(stat(&stats, "pages_pushed"), 1);
+    assert_eq!(stat(&stats, "copies_pushed"), values.len() as u64);
+    assert_eq!(stat(&stats, "pages_push_failed"), 0);
     source.shutdown().await.unwrap();
     target.shutdown().await.unwrap();
 }
@@ -1568,6 +1572,14 @@ async fn a_page_pushed_to_a_dead_target_is_not_answered_as_copied() {
     client.call(vec![put]).await;
     let r = client.call(vec![push_page(Some(2))]).await;
     assert_eq!(code(&r[0]), ErrorCode::ReplicaUnavailable, "{r:?}");
+    let stats = source.stats();
+    assert_eq!(
+        (
+            stat(&stats, "pages_pushed"),
+            stat(&stats, "pages_push_failed")
+        ),
+        (0, 1)
+    );
     source.shutdown().await.unwrap();
 }
 
