@@ -1450,6 +1450,17 @@ async fn a_fence_stops_a_sessions_queued_requests_and_its_return() {
     server.shutdown().await.unwrap();
 }
 
+/// The one partition's primary at epoch 1, whose map has node 2 at `target`.
+fn primary_with_node_2_at(target: SocketAddr) -> Ownership {
+    Ownership::new(1, vec![true])
+        .unwrap()
+        .with_peers(vec![OwnershipPeer {
+            id: 2,
+            addr: target,
+        }])
+        .unwrap()
+}
+
 /// A mover's SCAN_PARTITIONS of every partition, from the start, pushed to `to`.
 fn push_page(to: Option<u32>) -> Op {
     Op::ScanPartitions {
@@ -1495,15 +1506,7 @@ async fn a_pushed_page_is_on_the_target_when_it_is_answered() {
     // No map on the source: refused, nothing copied.
     let r = client.call(vec![push_page(Some(2))]).await;
     assert_eq!(code(&r[0]), ErrorCode::BadRequest, "{r:?}");
-    let target_peer = OwnershipPeer {
-        id: 2,
-        addr: target.local_addr(),
-    };
-    let own = Ownership::new(1, vec![true])
-        .unwrap()
-        .with_peers(vec![target_peer])
-        .unwrap();
-    assert!(source.set_ownership(own));
+    assert!(source.set_ownership(primary_with_node_2_at(target.local_addr())));
     // A node the map does not have: refused.
     let r = client.call(vec![push_page(Some(3))]).await;
     assert_eq!(code(&r[0]), ErrorCode::BadRequest, "{r:?}");
@@ -1559,11 +1562,7 @@ async fn a_page_pushed_to_a_dead_target_is_not_answered_as_copied() {
     let gone = target.local_addr();
     target.shutdown().await.unwrap();
     let source = start(config()).await;
-    let own = Ownership::new(1, vec![true])
-        .unwrap()
-        .with_peers(vec![OwnershipPeer { id: 2, addr: gone }])
-        .unwrap();
-    assert!(source.set_ownership(own));
+    assert!(source.set_ownership(primary_with_node_2_at(gone)));
     let mut client = Peer::ready(source.local_addr()).await;
     let put = Op::Put {
         key: Bytes::from_static(b"k"),
@@ -1590,13 +1589,7 @@ async fn a_page_pushed_to_a_dead_target_is_not_answered_as_copied() {
 async fn a_pushed_page_is_answered_only_after_its_target_answers_the_copies() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let source = start(config()).await;
-    let own = Ownership::new(1, vec![true])
-        .unwrap()
-        .with_peers(vec![OwnershipPeer {
-            id: 2,
-            addr: listener.local_addr().unwrap(),
-        }])
-        .unwrap();
+    let own = primary_with_node_2_at(listener.local_addr().unwrap());
     assert!(source.set_ownership(own));
     let mut client = Peer::ready(source.local_addr()).await;
     let put = Op::Put {
@@ -1660,14 +1653,7 @@ async fn a_routed_page_s_copies_carry_its_epoch() {
     let target = start(cfg).await;
     assert!(target.set_ownership(Ownership::new(5, vec![false]).unwrap()));
     let source = start(config()).await;
-    let own = Ownership::new(1, vec![true])
-        .unwrap()
-        .with_peers(vec![OwnershipPeer {
-            id: 2,
-            addr: target.local_addr(),
-        }])
-        .unwrap();
-    assert!(source.set_ownership(own));
+    assert!(source.set_ownership(primary_with_node_2_at(target.local_addr())));
     let mut client = Peer::ready(source.local_addr()).await;
     let put = Op::Put {
         key: Bytes::from_static(b"k"),
