@@ -38,7 +38,7 @@ use camelot_proto::limits::{BATCH_OPS_MAX, FRAME_BYTES_TARGET};
 use camelot_proto::{
     decode_frame, encode_frame, partition_of, DecodeError, EncodeError, ErrorCode, ErrorReply,
     Frame, FrameDecoder, Hello, Op, Reply, RequestBatchEncoder, ResponseBatchEncoder,
-    PROTOCOL_VERSION,
+    PROTOCOL_VERSION, REQUESTS_HEADER_BYTES,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -710,27 +710,30 @@ impl Link {
 }
 
 /// `ops` as request frames routed at `epoch`, of at most `BATCH_OPS_MAX` ops and about
-/// `FRAME_BYTES_TARGET` bytes each, with the count of ops in each.
+/// `FRAME_BYTES_TARGET` bytes each, with the count of ops in each. Each frame's buffer is
+/// sized before it is filled: grown while encoding, a page's 2 MiB frames were copied
+/// about once more by their reallocations.
 fn frames_of(epoch: u64, ops: &[Op]) -> Result<Vec<(BytesMut, usize)>, EncodeError> {
     let mut frames = Vec::new();
     let mut rest = ops;
     let mut id = 0u64;
     while !rest.is_empty() {
-        let mut buf = BytesMut::new();
-        let mut enc = RequestBatchEncoder::begin(&mut buf, epoch);
-        while let Some(op) = rest.first() {
-            if enc.count() > 0
-                && (enc.count() >= BATCH_OPS_MAX
-                    || enc.frame_len() + op.encoded_len() > FRAME_BYTES_TARGET)
-            {
+        let (mut n, mut len) = (0, REQUESTS_HEADER_BYTES);
+        for op in rest {
+            let op_len = op.encoded_len();
+            if n > 0 && (n >= BATCH_OPS_MAX || len + op_len > FRAME_BYTES_TARGET) {
                 break;
             }
+            (n, len) = (n + 1, len + op_len);
+        }
+        let mut buf = BytesMut::with_capacity(len);
+        let mut enc = RequestBatchEncoder::begin(&mut buf, epoch);
+        for op in &rest[..n] {
             enc.push(id, op)?;
             id += 1;
-            rest = &rest[1..];
         }
-        let n = enc.count();
         enc.finish()?;
+        rest = &rest[n..];
         frames.push((buf, n));
     }
     Ok(frames)
@@ -838,5 +841,44 @@ mod tests {
             fail_answers(b"\x01", &[(0, ErrorReply::new(ErrorCode::Internal, "x"))]),
             Err(RewriteError::Short)
         ));
+    }
+
+    /// Frames hold every op once, in order, with ids from 0; each is within the frame
+    /// target (or one op alone), and its buffer was sized exactly, so never regrown.
+    #[test]
+    fn frames_split_in_order_and_are_sized_before_they_are_filled() {
+        let ops: Vec<Op> = (0..3000u32)
+            .map(|i| Op::Apply {
+                key: Bytes::from(format!("key-{i}")),
+                version: u64::from(i) + 1,
+                value: (i % 7 != 0).then(|| Bytes::from(vec![b'v'; (i as usize * 37) % 20_000])),
+            })
+            .chain(std::iter::once(Op::Apply {
+                key: Bytes::from_static(b"big"),
+                version: 1,
+                value: Some(Bytes::from(vec![b'b'; FRAME_BYTES_TARGET + 1])),
+            }))
+            .collect();
+        let frames = frames_of(9, &ops).unwrap();
+        assert!(frames.len() > 2, "{} frames", frames.len());
+        let mut next = 0usize;
+        for (buf, n) in frames {
+            let sized: usize = REQUESTS_HEADER_BYTES
+                + ops[next..next + n]
+                    .iter()
+                    .map(Op::encoded_len)
+                    .sum::<usize>();
+            assert_eq!(buf.len(), sized, "frame of ops {next}..{}", next + n);
+            assert!(n == 1 || buf.len() <= FRAME_BYTES_TARGET);
+            let Frame::Requests(batch) = decode_frame(buf.freeze().slice(4..)).unwrap() else {
+                panic!("not a request frame");
+            };
+            assert_eq!(batch.epoch, 9);
+            for (r, op) in batch.requests.iter().zip(&ops[next..next + n]) {
+                assert_eq!((r.id as usize, &r.op), (next, op));
+                next += 1;
+            }
+        }
+        assert_eq!(next, ops.len());
     }
 }
