@@ -81,6 +81,13 @@ impl ConnBuffers {
         if self.inbuf.capacity() - self.inbuf.len() >= additional {
             return Ok(());
         }
+        // The frames read before are gone (their values were copied out): the unread
+        // bytes move to the front of the same allocation, charged already. Without this,
+        // every frame of megabytes (a pushed page's, a big PUT's) took a fresh allocation
+        // and faulted all of its pages in.
+        if self.inbuf.try_reclaim(additional) {
+            return Ok(());
+        }
         let new_cap = self.inbuf.len().saturating_add(additional);
         self.set_charge(self.charged.saturating_add(new_cap as u64))?;
         let mut fresh = BytesMut::with_capacity(new_cap);
@@ -177,6 +184,33 @@ mod tests {
         assert!(b.reserve_in(990).is_err());
         assert_eq!(budget.used(), 510);
         assert_eq!(&b.inbuf[..], &[7; 10]);
+    }
+
+    /// Once the frames split off it are dropped, the input buffer's own allocation takes
+    /// the next big frame: no new allocation, no new charge.
+    #[test]
+    fn input_room_is_reclaimed_once_earlier_frames_are_gone() {
+        let budget = MemoryBudget::new(1 << 20);
+        let mut b = ConnBuffers::new(&budget, 100, 0).unwrap();
+        b.reserve_in(10_000).unwrap();
+        let base = b.inbuf.as_ptr();
+        b.inbuf.put_bytes(1, 9_000);
+        let frame = b.inbuf.split_to(8_990).freeze();
+        // Still held (a value not copied out): the room cannot be taken back, so the
+        // unread bytes go to a fresh allocation (the old one is alive: not at `base`).
+        b.reserve_in(9_000).unwrap();
+        assert_ne!(b.inbuf.as_ptr(), base);
+        assert_eq!(&b.inbuf[..], &[1; 10]);
+        drop(frame);
+        let charged = budget.used();
+        let base2 = b.inbuf.as_ptr();
+        b.inbuf.put_bytes(2, 9_000);
+        drop(b.inbuf.split_to(9_000).freeze());
+        b.reserve_in(9_000).unwrap();
+        assert_eq!(budget.used(), charged);
+        assert_eq!(b.inbuf.as_ptr(), base2, "the allocation was not reused");
+        assert_eq!(&b.inbuf[..], &[2; 10]);
+        assert_ne!(base, base2);
     }
 
     #[test]
