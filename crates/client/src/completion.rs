@@ -14,8 +14,19 @@ enum State {
     Taken,
 }
 
+/// Told of a request's answer as it is stored, before whoever awaits the request can see
+/// it, on whichever thread stores it (the connection's reader, or whoever fails it).
+/// For a caller that must act on answers in the order they come (one connection's
+/// answers come in its requests' order) without a task awaiting each: the proxy marks
+/// its mutations applied this way. Keep it short and never block in it.
+pub trait AnswerHook: Send + Sync {
+    /// `tag` is what the request was submitted with.
+    fn answered(&self, tag: u64, answer: &Result<Reply, ClientError>);
+}
+
 pub(crate) struct Completion {
     state: Mutex<State>,
+    hook: Option<(Arc<dyn AnswerHook>, u64)>,
     /// Set once an answer is stored, so "is it in yet?" — asked for every answer a
     /// waiter sweeps up, and in the reading loop — needs no lock.
     answered: AtomicBool,
@@ -26,8 +37,18 @@ pub(crate) struct Completion {
 
 impl Completion {
     pub(crate) fn new() -> Arc<Completion> {
+        Self::build(None)
+    }
+
+    /// A slot whose answer `hook` is told of, with `tag`, as it is stored.
+    pub(crate) fn hooked(hook: Arc<dyn AnswerHook>, tag: u64) -> Arc<Completion> {
+        Self::build(Some((hook, tag)))
+    }
+
+    fn build(hook: Option<(Arc<dyn AnswerHook>, u64)>) -> Arc<Completion> {
         Arc::new(Completion {
             state: Mutex::new(State::Waiting(None)),
+            hook,
             answered: AtomicBool::new(false),
             ready: Condvar::new(),
         })
@@ -66,6 +87,10 @@ impl Completion {
     /// rest of that frame's answers already in and does not block again for each.
     pub(crate) fn fill(&self, result: Result<Reply, ClientError>) -> Option<Waker> {
         let mut st = self.state.lock();
+        if let (State::Waiting(_), Some((hook, tag))) = (&*st, &self.hook) {
+            // Under the slot's lock: nobody can take the answer before the hook saw it.
+            hook.answered(*tag, &result);
+        }
         match std::mem::replace(&mut *st, State::Done(result)) {
             State::Waiting(w) => {
                 self.answered.store(true, Ordering::Release);

@@ -13,7 +13,7 @@
 //! blocking on an answer would stop the loop that brings it) and no `set_map`; a dead
 //! connection is replaced at the next submit to its node, as there.
 
-use crate::completion::Completion;
+use crate::completion::{AnswerHook, Completion};
 use crate::conn::INFLIGHT_REQUESTS_MAX;
 use crate::frame::{
     complete_frame, decode_answer, hello_answer, hello_frame, FrameLimits, Submission,
@@ -156,14 +156,46 @@ impl LoopClient {
     /// Queues one request to `node`; the answer comes by awaiting what this returns.
     /// Waits only when the connection's queue is full (back-pressure) or to reconnect.
     pub async fn submit(&self, node: NodeId, op: Op) -> Result<LoopPending, ClientError> {
-        let conn = self.conn(node).await?;
-        let slot = Completion::new();
+        self.submit_into(node, op, Completion::new()).await
+    }
+
+    /// [`LoopClient::submit`], with `hook` told of the answer (with `tag`) as it comes,
+    /// before the returned future can yield it; also when the request fails, including
+    /// when this call does (then before it returns).
+    pub async fn submit_hooked(
+        &self,
+        node: NodeId,
+        op: Op,
+        hook: Arc<dyn AnswerHook>,
+        tag: u64,
+    ) -> Result<LoopPending, ClientError> {
+        self.submit_into(node, op, Completion::hooked(hook, tag))
+            .await
+    }
+
+    async fn submit_into(
+        &self,
+        node: NodeId,
+        op: Op,
+        slot: Arc<Completion>,
+    ) -> Result<LoopPending, ClientError> {
+        let conn = match self.conn(node).await {
+            Ok(c) => c,
+            Err(e) => {
+                slot.complete(Err(e.clone()));
+                return Err(e);
+            }
+        };
         let sub = Submission {
             id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
             op,
             slot: slot.clone(),
         };
-        conn.enqueue(sub, self.inner.config.request_timeout).await?;
+        if let Err(e) = conn.enqueue(sub, self.inner.config.request_timeout).await {
+            // Not queued: nobody else will complete it (and tell its hook).
+            slot.complete(Err(e.clone()));
+            return Err(e);
+        }
         Ok(LoopPending { slot })
     }
 

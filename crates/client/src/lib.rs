@@ -25,6 +25,7 @@ pub mod kv;
 pub mod map;
 mod pending;
 
+pub use completion::AnswerHook;
 pub use conn::INFLIGHT_REQUESTS_MAX;
 pub use event_loop::{LoopClient, LoopPending};
 pub use kv::{CasOutcome, ReplicaRead, Versioned};

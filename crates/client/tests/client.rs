@@ -807,6 +807,101 @@ fn the_event_loop_face_answers_many_tasks_correctly() {
     c.shutdown().expect("shutdown");
 }
 
+/// What a hook was told: each tag, and whether its answer was an answer from the
+/// server (a reply or the server's own refusal) rather than a lost request.
+#[derive(Default)]
+struct Told(parking_lot::Mutex<Vec<(u64, bool)>>);
+
+impl camelot_client::AnswerHook for Told {
+    fn answered(&self, tag: u64, answer: &Result<Reply, ClientError>) {
+        let from_server = matches!(answer, Ok(_) | Err(ClientError::Server(_)));
+        self.0.lock().push((tag, from_server));
+    }
+}
+
+impl Told {
+    fn tags(&self) -> Vec<u64> {
+        self.0.lock().iter().map(|(t, _)| *t).collect()
+    }
+}
+
+/// A hooked request's hook hears its answer — in the connection's order, before its
+/// waiter has it — and hears a failure too, however the request fails: refused by the
+/// server, timed out, or not sent at all.
+#[test]
+fn the_event_loop_face_tells_a_hook_of_every_answer_before_its_waiter() {
+    let c = cluster(1, 1 << 20, None);
+    let threaded = client(&c, ClientConfig::default()).expect("connect");
+    let r = threaded.alloc_on(0, 64 << 10, None).expect("alloc");
+    let rt = current_thread_runtime();
+    rt.block_on(async {
+        let lc = LoopClient::connect(ClusterMap::from_addrs(c.addrs()), ClientConfig::default())
+            .await
+            .expect("connect");
+        let told = Arc::new(Told::default());
+        let mut pending = Vec::new();
+        for tag in 1..=64u64 {
+            // Every eighth one out of the region's bounds: the server refuses it.
+            let offset = if tag % 8 == 0 { 1 << 20 } else { tag * 8 };
+            let op = r.write_op(offset, Bytes::from(tag.to_le_bytes().to_vec()));
+            let p = lc
+                .submit_hooked(r.node, op, told.clone(), tag)
+                .await
+                .expect("submit");
+            pending.push((tag, p));
+        }
+        for (tag, p) in pending {
+            let answer = p.await;
+            assert_eq!(answer.is_ok(), tag % 8 != 0, "tag {tag}: {answer:?}");
+            assert!(
+                told.tags().contains(&tag),
+                "answer {tag} was awaited before its hook heard of it"
+            );
+        }
+        assert_eq!(
+            told.tags(),
+            (1..=64).collect::<Vec<_>>(),
+            "not in the wire's order"
+        );
+        assert!(told.0.lock().iter().all(|(_, from_server)| *from_server));
+    });
+    c.shutdown().expect("shutdown");
+    let (addr, server) = silent_server();
+    rt.block_on(async {
+        let lc = LoopClient::connect(
+            ClusterMap::from_addrs(&[addr]),
+            ClientConfig {
+                request_timeout: Duration::from_millis(500),
+                ..ClientConfig::default()
+            },
+        )
+        .await
+        .expect("handshake");
+        let told = Arc::new(Told::default());
+        let t = Instant::now();
+        let p = lc
+            .submit_hooked(0, Op::Ping, told.clone(), 7)
+            .await
+            .expect("submit");
+        assert_timed_out(p.await, t);
+        assert_eq!(
+            *told.0.lock(),
+            vec![(7, false)],
+            "a timed-out request's hook"
+        );
+        // The timeout killed the connection; a submit to a node not in the map fails
+        // before anything is queued, and still tells the hook.
+        let e = lc.submit_hooked(9, Op::Ping, told.clone(), 8).await;
+        assert!(e.is_err(), "a submit to an unknown node went through");
+        assert_eq!(
+            *told.0.lock(),
+            vec![(7, false), (8, false)],
+            "an unsent request's hook"
+        );
+    });
+    server.join().expect("silent server");
+}
+
 #[test]
 fn the_event_loop_face_times_out_and_fails_on_a_dead_node() {
     let (addr, server) = silent_server();
