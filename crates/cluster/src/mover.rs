@@ -270,6 +270,17 @@ struct Pass {
     version_clock: u64,
 }
 
+impl Pass {
+    /// Counts a pass made after this one (over again, from version 0); its clock is the
+    /// one the next pass starts from.
+    fn then(&mut self, again: Pass) {
+        self.keys += again.keys;
+        self.bytes += again.bytes;
+        self.scanned += again.scanned;
+        self.version_clock = again.version_clock;
+    }
+}
+
 /// One pass: every moving key of `from` written at or after `since_version` whose version
 /// `log` has not sent is APPLYed to `to` from here; the applies of one page are in flight
 /// while the next page is scanned. The fence's final pass, which sends only what `log`
@@ -320,11 +331,7 @@ fn copy_pass(
     if walked.version_clock < since_version {
         // `from`'s clock went back: it restarted since the last pass, and its versions
         // no longer say what is new. Everything, then.
-        let again = copy_pass(client, (from, to), mask, 0, log, deadline)?;
-        pass.keys += again.keys;
-        pass.bytes += again.bytes;
-        pass.scanned += again.scanned;
-        pass.version_clock = again.version_clock;
+        pass.then(copy_pass(client, (from, to), mask, 0, log, deadline)?);
     }
     Ok(pass)
 }
@@ -399,11 +406,7 @@ fn push_pass(
     }
     if pass.version_clock < since_version {
         // `from`'s clock went back: it restarted since the last pass (see `copy_pass`).
-        let again = push_pass(clients, (from, to), mask, 0, log)?;
-        pass.keys += again.keys;
-        pass.bytes += again.bytes;
-        pass.scanned += again.scanned;
-        pass.version_clock = again.version_clock;
+        pass.then(push_pass(clients, (from, to), mask, 0, log)?);
     }
     Ok(pass)
 }

@@ -530,7 +530,7 @@ impl Exec<'_, '_, '_> {
                     now,
                 ) {
                     Ok(mut page) => {
-                        if let (Some(to), Some(pushes)) = (to, self.pushes.as_deref_mut()) {
+                        let push = to.filter(|_| self.pushes.is_some()).map(|to| {
                             let copies = page
                                 .items
                                 .iter_mut()
@@ -543,14 +543,23 @@ impl Exec<'_, '_, '_> {
                                     }
                                 })
                                 .collect();
-                            pushes.push(PushPage {
+                            PushPage {
                                 at: self.enc.count(),
                                 to,
                                 epoch: self.ownership.as_ref().map_or(0, |o| o.epoch()),
                                 copies,
-                            });
+                            }
+                        });
+                        let reply = Reply::Page(page);
+                        // An answer that does not fit is TOO_LARGE, and a page the asker
+                        // never gets must not be pushed either.
+                        if !self.fits(reply_bytes(&reply)) {
+                            return self.too_large(id);
                         }
-                        self.respond_if_fits(id, Reply::Page(page))
+                        if let (Some(push), Some(pushes)) = (push, self.pushes.as_deref_mut()) {
+                            pushes.push(push);
+                        }
+                        self.respond(id, Ok(reply))
                     }
                     Err(e) => self.enc.push_err(id, &e),
                 }
