@@ -36,6 +36,13 @@ pub struct PrefetchConfig {
     pub quick: bool,
 }
 
+/// The scan's readahead window by default: 256 pages (1 MiB, requests of 512 KiB), the
+/// prefetcher's most. On 2 vCPUs the scan ran 2.1–2.3 GB/s at 64 pages, 2.4–2.7 at 128,
+/// 2.4–3.1 at 256 and no better, only noisier, at 512 or 1,024 (BENCHMARKS.md,
+/// fifteenth session): with 256 KiB ahead, any 100 µs the server or the client's reader
+/// is off the CPU stalls the scan. `--window` sets another.
+pub const WINDOW_PAGES_DEFAULT: u64 = 256;
+
 impl Default for PrefetchConfig {
     fn default() -> Self {
         PrefetchConfig {
@@ -43,7 +50,7 @@ impl Default for PrefetchConfig {
             page_bytes: 4096,
             local_percent: 10,
             local_memory_bytes: None,
-            window_pages: 64,
+            window_pages: WINDOW_PAGES_DEFAULT,
             prefetchers: PREFETCHER_NAMES.iter().map(|s| s.to_string()).collect(),
             iperf3_seconds: 3,
             servers: Vec::new(),

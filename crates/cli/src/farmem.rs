@@ -268,8 +268,8 @@ pub struct PrefetchArgs {
     /// Local memory as a byte budget for the page cache (e.g. 256MiB), instead of --local.
     #[arg(long, value_parser = crate::parse_bytes, conflicts_with = "local")]
     local_memory: Option<u64>,
-    /// Most pages one access may prefetch.
-    #[arg(long, default_value_t = 64)]
+    /// Most pages one access may prefetch (at most 256).
+    #[arg(long, default_value_t = camelot_bench::prefetch::WINDOW_PAGES_DEFAULT)]
     window: u64,
     /// Prefetchers, comma-separated: none, sequential, trend.
     #[arg(long, value_delimiter = ',', default_value = "none,sequential,trend")]
