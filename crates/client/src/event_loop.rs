@@ -75,6 +75,26 @@ impl Drop for Inner {
     }
 }
 
+/// A submitted request's slot until it is queued; completed with
+/// [`ClientError::Cancelled`] if dropped armed. A drop during `enqueue`'s own flush,
+/// after the request was queued, completes it too: its hook then hears of a request
+/// that may yet be answered (the real answer is ignored), which errs on the safe side.
+struct Unqueued(Option<Arc<Completion>>);
+
+impl Unqueued {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Unqueued {
+    fn drop(&mut self) {
+        if let Some(slot) = self.0.take() {
+            slot.complete(Err(ClientError::Cancelled));
+        }
+    }
+}
+
 /// An answer to come; `.await` it.
 pub struct LoopPending {
     slot: Arc<Completion>,
@@ -179,6 +199,9 @@ impl LoopClient {
         op: Op,
         slot: Arc<Completion>,
     ) -> Result<LoopPending, ClientError> {
+        // Until the request is queued nobody else will complete its slot (and tell its
+        // hook): this does if the submit fails, or if its future is dropped first.
+        let unqueued = Unqueued(Some(slot.clone()));
         let conn = match self.conn(node).await {
             Ok(c) => c,
             Err(e) => {
@@ -192,10 +215,10 @@ impl LoopClient {
             slot: slot.clone(),
         };
         if let Err(e) = conn.enqueue(sub, self.inner.config.request_timeout).await {
-            // Not queued: nobody else will complete it (and tell its hook).
             slot.complete(Err(e.clone()));
             return Err(e);
         }
+        unqueued.disarm();
         Ok(LoopPending { slot })
     }
 

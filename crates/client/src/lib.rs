@@ -214,6 +214,10 @@ pub enum ClientError {
     InvalidArgument(String),
     #[error("this answer was already taken")]
     AlreadyTaken,
+    /// The submitting future was dropped before its request was queued; it may not
+    /// have been sent (told to an [`AnswerHook`], whose caller cannot otherwise know).
+    #[error("the submit was dropped before its request was queued")]
+    Cancelled,
     #[error("cannot fetch the cluster map: {0}")]
     MapSource(String),
 }

@@ -902,6 +902,55 @@ fn the_event_loop_face_tells_a_hook_of_every_answer_before_its_waiter() {
     server.join().expect("silent server");
 }
 
+/// A hooked submit whose future is dropped before its request is queued (here: the
+/// queue is full behind a connection whose in-flight bound is reached) still tells its
+/// hook, so a caller numbering its requests never waits for one that was never sent.
+#[test]
+fn a_hooked_submit_dropped_before_it_is_queued_tells_its_hook() {
+    let (addr, server) = silent_server();
+    let rt = current_thread_runtime();
+    rt.block_on(async {
+        let lc = LoopClient::connect(
+            ClusterMap::from_addrs(&[addr]),
+            ClientConfig {
+                // The watchdog must not end the connection during the test.
+                request_timeout: Duration::from_secs(60),
+                queue_requests_max: 4,
+                ..ClientConfig::default()
+            },
+        )
+        .await
+        .expect("handshake");
+        // The silent server answers nothing: once INFLIGHT_REQUESTS_MAX are in flight
+        // the writer waits, and then the queue stays full.
+        let mut sent = Vec::new();
+        let mut stuck = false;
+        for _ in 0..camelot_client::INFLIGHT_REQUESTS_MAX + 64 {
+            match tokio::time::timeout(Duration::from_secs(2), lc.submit(0, Op::Ping)).await {
+                Ok(Ok(p)) => sent.push(p),
+                Ok(Err(e)) => panic!("submit failed: {e}"),
+                Err(_) => {
+                    stuck = true;
+                    break;
+                }
+            }
+        }
+        assert!(stuck, "the queue never filled");
+        let told = Arc::new(Told::default());
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(100),
+            lc.submit_hooked(0, Op::Ping, told.clone(), 42),
+        )
+        .await;
+        assert!(dropped.is_err(), "the submit went through");
+        assert_eq!(*told.0.lock(), vec![(42, false)], "a dropped submit's hook");
+        drop(sent);
+    });
+    // The runtime's end closes the connection, which lets the silent server go.
+    drop(rt);
+    server.join().expect("silent server");
+}
+
 #[test]
 fn the_event_loop_face_times_out_and_fails_on_a_dead_node() {
     let (addr, server) = silent_server();

@@ -299,20 +299,40 @@ struct Lane {
 }
 
 /// What the server has done of a lane's mutations: all those numbered up to `through`
-/// are applied (one connection's answers come in order, so an answer to one says every
-/// earlier one was applied too); `broken` once the connection failed. Kept by the
-/// answers of the lane's numbered mutations, on the connection's reader: every answer
-/// moves it, and only a few local answers wait on it, so moving it must cost nothing
-/// when nobody waits (a `watch` channel wakes eight `Notify`s on every send: 13 % of
-/// the proxy's time with every CAS converted).
+/// are applied; `broken` once one may not have been. Kept by the answers of the lane's
+/// numbered mutations, on the connection's reader: every answer moves it, and only a
+/// few local answers wait on it, so moving it must cost next to nothing when nobody
+/// waits (a `watch` channel woke eight `Notify`s on every send: 13 % of the proxy's
+/// time with every CAS converted).
+///
+/// `through` moves only over numbers answered without a doubt, one after another. One
+/// connection answers in order, so that is the common case; but after a connection
+/// died, the next mutation goes out on a new one and may be answered before the dead
+/// one's requests are failed — and an answer to it must not vouch for them.
 #[derive(Default)]
 struct AppliedMarks {
+    /// `order.through`, for a look without the lock.
     through: AtomicU64,
     broken: AtomicBool,
+    /// Held only to move the mark, never across an await.
+    order: std::sync::Mutex<AnswerOrder>,
     /// Tasks in [`AppliedMarks::wait_for`]; nobody is woken while it is 0.
     waiters: AtomicUsize,
     changed: Notify,
 }
+
+#[derive(Default)]
+struct AnswerOrder {
+    through: u64,
+    /// Numbers answered past a gap, until the gap is filled.
+    early: std::collections::BTreeSet<u64>,
+}
+
+/// Numbers a lane holds answered past a gap before it calls itself broken: more than
+/// can be in flight on a connection, so only a number that will never be answered
+/// gets there.
+const EARLY_ANSWERS_MAX: usize =
+    camelot_client::INFLIGHT_REQUESTS_MAX + camelot_client::QUEUE_REQUESTS_MAX_DEFAULT;
 
 impl AnswerHook for AppliedMarks {
     fn answered(&self, number: u64, answer: &Result<Reply, ClientError>) {
@@ -327,11 +347,28 @@ impl AnswerHook for AppliedMarks {
 
 impl AppliedMarks {
     fn advance(&self, number: u64) {
-        // SeqCst here and in `wait_for`: either the waiter's look sees the new mark, or
-        // this load sees the waiter and wakes it.
-        if self.through.fetch_max(number, Ordering::SeqCst) < number {
-            self.wake();
+        // A panic elsewhere while it was held leaves the numbers as they were: usable.
+        let mut order = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        if number != order.through + 1 {
+            if number > order.through {
+                order.early.insert(number);
+            }
+            if order.early.len() > EARLY_ANSWERS_MAX {
+                drop(order);
+                self.broke();
+            }
+            return;
         }
+        order.through = number;
+        while order.early.first() == Some(&(order.through + 1)) {
+            order.early.pop_first();
+            order.through += 1;
+        }
+        // SeqCst here and in `wait_for`: either the waiter's look sees the new mark, or
+        // the load in `wake` sees the waiter.
+        self.through.store(order.through, Ordering::SeqCst);
+        drop(order);
+        self.wake();
     }
 
     fn broke(&self) {
@@ -350,7 +387,8 @@ impl AppliedMarks {
         self.through.load(Ordering::SeqCst) >= number
     }
 
-    /// Whether mutation `number` was applied: waits until it is, or the lane broke.
+    /// Whether mutation `number` was applied: waits until it is, or the lane broke
+    /// (then the number may never come: one before it may be lost).
     async fn wait_for(&self, number: u64) -> bool {
         struct Waiting<'a>(&'a AtomicUsize);
         impl Drop for Waiting<'_> {
@@ -361,10 +399,8 @@ impl AppliedMarks {
         self.waiters.fetch_add(1, Ordering::SeqCst);
         let _waiting = Waiting(&self.waiters);
         loop {
-            // Registered before the look, so a wake between the look and the wait counts.
+            // Made before the look, so a wake between the look and the wait counts.
             let changed = self.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
             if self.applied(number) {
                 return true;
             }
@@ -1301,4 +1337,113 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
     }
     drop(tx);
     let _ = writer.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok() -> Result<Reply, ClientError> {
+        Ok(Reply::Done)
+    }
+
+    fn lost() -> Result<Reply, ClientError> {
+        Err(ClientError::ConnectionLost {
+            addr: SocketAddr::from(([127, 0, 0, 1], 1)),
+        })
+    }
+
+    #[test]
+    fn answers_in_order_mark_each_mutation_applied() {
+        let marks = AppliedMarks::default();
+        for n in 1..=3 {
+            assert!(!marks.applied(n));
+            marks.answered(n, &ok());
+            assert!(marks.applied(n));
+        }
+        // A refusal changed nothing, and is an answer: it counts.
+        marks.answered(
+            4,
+            &Err(ClientError::Server(ErrorReply::new(
+                ErrorCode::OutOfBounds,
+                "no",
+            ))),
+        );
+        assert!(marks.applied(4));
+        assert!(!marks.broken.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn an_answer_past_a_gap_vouches_for_nothing_until_the_gap_is_answered() {
+        let marks = AppliedMarks::default();
+        marks.answered(1, &ok());
+        marks.answered(3, &ok());
+        marks.answered(4, &ok());
+        assert!(marks.applied(1));
+        assert!(!marks.applied(2), "2 is not answered yet");
+        assert!(!marks.applied(3), "3 may not vouch for 2");
+        marks.answered(2, &ok());
+        assert!(marks.applied(4), "the gap filled: 2, 3 and 4 are applied");
+    }
+
+    /// A connection died with 2 and 3 in flight; 4 went out on a new connection and was
+    /// answered before the dead one's requests were failed. Nothing from 2 on may be
+    /// called applied, and whoever waits on 2 hears the lane broke.
+    #[test]
+    fn an_answer_on_a_new_connection_does_not_vouch_for_the_dead_one_s_requests() {
+        let marks = AppliedMarks::default();
+        marks.answered(1, &ok());
+        marks.answered(4, &ok());
+        assert!(!marks.applied(2));
+        marks.answered(2, &lost());
+        marks.answered(3, &lost());
+        marks.answered(5, &ok());
+        for n in 2..=5 {
+            assert!(!marks.applied(n), "{n} called applied after the break");
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        assert!(
+            !rt.block_on(marks.wait_for(2)),
+            "a wait on a lost mutation succeeded"
+        );
+        assert!(rt.block_on(marks.wait_for(1)));
+    }
+
+    #[test]
+    fn too_many_answers_past_a_gap_break_the_lane() {
+        let marks = AppliedMarks::default();
+        for n in 2..(EARLY_ANSWERS_MAX as u64 + 3) {
+            marks.answered(n, &ok());
+        }
+        assert!(marks.broken.load(Ordering::SeqCst));
+        assert!(!marks.applied(2));
+    }
+
+    #[test]
+    fn a_waiter_is_woken_by_the_answer_it_waits_for() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let marks = Arc::new(AppliedMarks::default());
+            for round in 0..200u64 {
+                let waiting = tokio::spawn({
+                    let marks = marks.clone();
+                    async move { marks.wait_for(round + 1).await }
+                });
+                let marks = marks.clone();
+                std::thread::spawn(move || marks.answered(round + 1, &ok()));
+                let woke = tokio::time::timeout(Duration::from_secs(10), waiting).await;
+                assert!(
+                    matches!(woke, Ok(Ok(true))),
+                    "round {round}: the waiter was not woken ({woke:?})"
+                );
+            }
+        });
+    }
 }
