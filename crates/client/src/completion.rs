@@ -96,7 +96,8 @@ impl Completion {
                 self.answered.store(true, Ordering::Release);
                 w
             }
-            // Completed twice (cannot happen by construction); keep the first answer.
+            // Completed twice (a failed submit's slot, by its error and again by the
+            // submit's drop guard): keep the first answer.
             old => {
                 *st = old;
                 None

@@ -350,10 +350,17 @@ impl AppliedMarks {
         // A panic elsewhere while it was held leaves the numbers as they were: usable.
         let mut order = self.order.lock().unwrap_or_else(|p| p.into_inner());
         if number != order.through + 1 {
+            // A broken lane's gap may never fill: what is past it is not kept, or a lane
+            // left in use after its break would collect every later answer here.
+            if self.broken.load(Ordering::SeqCst) {
+                order.early.clear();
+                return;
+            }
             if number > order.through {
                 order.early.insert(number);
             }
             if order.early.len() > EARLY_ANSWERS_MAX {
+                order.early.clear();
                 drop(order);
                 self.broke();
             }
@@ -1342,6 +1349,7 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     fn ok() -> Result<Reply, ClientError> {
         Ok(Reply::Done)
@@ -1420,6 +1428,20 @@ mod tests {
         }
         assert!(marks.broken.load(Ordering::SeqCst));
         assert!(!marks.applied(2));
+        assert!(marks.order.lock().expect("lock").early.is_empty());
+    }
+
+    /// A lane left in use after it broke keeps nothing of the answers past its gap.
+    #[test]
+    fn a_broken_lane_keeps_no_answers_past_its_gap() {
+        let marks = AppliedMarks::default();
+        marks.answered(1, &ok());
+        marks.answered(2, &lost());
+        for n in 3..1000 {
+            marks.answered(n, &ok());
+        }
+        assert!(marks.order.lock().expect("lock").early.is_empty());
+        assert!(marks.applied(1) && !marks.applied(3));
     }
 
     #[test]
@@ -1436,6 +1458,15 @@ mod tests {
                     let marks = marks.clone();
                     async move { marks.wait_for(round + 1).await }
                 });
+                // Answered only once the waiter waits, so each round tests the wake.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while marks.waiters.load(Ordering::SeqCst) == 0 {
+                    assert!(
+                        Instant::now() < deadline,
+                        "round {round}: the waiter never waited"
+                    );
+                    tokio::task::yield_now().await;
+                }
                 let marks = marks.clone();
                 std::thread::spawn(move || marks.answered(round + 1, &ok()));
                 let woke = tokio::time::timeout(Duration::from_secs(10), waiting).await;
