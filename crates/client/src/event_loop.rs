@@ -40,8 +40,9 @@ use tokio::time::Instant;
 
 /// How often an idle reader looks for a request that has waited too long.
 const WATCHDOG_TICK: Duration = Duration::from_millis(100);
-/// A submitter that finds this many requests queued writes them itself instead of leaving
-/// them to the writer task. The writer runs after every task woken by an answer frame, so
+/// A submitter that finds this many requests queued has them written at once (by a task
+/// it spawns and awaits, so that dropping the submit cannot cut the flush short) instead
+/// of leaving them to the writer task. The writer runs after every task woken by an answer frame, so
 /// left alone a round of 16 tasks × 16 requests would leave as one frame, and the server
 /// would idle while the tasks build it and the tasks idle while the server answers it;
 /// frames of this size keep both busy. Measured on 2 cores (16 × 16 reads of 64 B): see
@@ -374,7 +375,11 @@ impl LoopConn {
         self.dead.load(Ordering::Acquire)
     }
 
-    async fn enqueue(&self, sub: Submission, timeout: Duration) -> Result<(), ClientError> {
+    async fn enqueue(
+        self: &Arc<Self>,
+        sub: Submission,
+        timeout: Duration,
+    ) -> Result<(), ClientError> {
         let mut sub = Some(sub);
         // Set once the queue was found full; only then is a room notification armed (made
         // before looking, so a notification between the look and the wait counts) and the
@@ -410,7 +415,13 @@ impl LoopConn {
             }
         };
         if eager {
-            self.flush().await;
+            // On a task of its own, awaited: a flush takes the whole queue (other tasks'
+            // requests too) and may wait for in-flight room or the socket, and one
+            // dropped there — a caller's timeout around its submit — would drop the
+            // requests it took unanswered and could leave half a frame on the wire.
+            // Dropping the handle leaves the task running.
+            let conn = self.clone();
+            let _ = tokio::spawn(async move { conn.flush().await }).await;
         } else if queued_before == 0 {
             // A non-empty queue already has the writer called: it takes the whole queue
             // at once, so one call per batch is enough.

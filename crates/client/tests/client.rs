@@ -951,6 +951,49 @@ fn a_hooked_submit_dropped_before_it_is_queued_tells_its_hook() {
     server.join().expect("silent server");
 }
 
+/// A submit that finds EAGER_FLUSH_OPS queued writes them itself. Dropped while that
+/// flush waits (here for in-flight room, behind a server that answers nothing), it must
+/// not strand the other tasks' requests the flush took: every one still ends — here
+/// failed, once the watchdog ends the connection.
+#[test]
+fn a_submit_dropped_during_its_own_flush_strands_no_other_request() {
+    let (addr, server) = silent_server();
+    let rt = current_thread_runtime();
+    rt.block_on(async {
+        let lc = LoopClient::connect(
+            ClusterMap::from_addrs(&[addr]),
+            ClientConfig {
+                request_timeout: Duration::from_secs(2),
+                ..ClientConfig::default()
+            },
+        )
+        .await
+        .expect("handshake");
+        let mut queued = Vec::new();
+        let mut dropped = false;
+        for _ in 0..camelot_client::INFLIGHT_REQUESTS_MAX + 4096 {
+            match tokio::time::timeout(Duration::from_millis(200), lc.submit(0, Op::Ping)).await {
+                Ok(Ok(p)) => queued.push(p),
+                Ok(Err(e)) => panic!("submit failed before the in-flight bound: {e}"),
+                Err(_) => {
+                    dropped = true;
+                    break;
+                }
+            }
+        }
+        assert!(dropped, "no submit ever waited");
+        let deadline = Duration::from_secs(20);
+        for (i, p) in queued.into_iter().enumerate() {
+            match tokio::time::timeout(deadline, p).await {
+                Ok(_) => {}
+                Err(_) => panic!("request {i} never ended: stranded by the dropped flush"),
+            }
+        }
+    });
+    drop(rt);
+    server.join().expect("silent server");
+}
+
 #[test]
 fn the_event_loop_face_times_out_and_fails_on_a_dead_node() {
     let (addr, server) = silent_server();
