@@ -902,6 +902,24 @@ fn the_event_loop_face_tells_a_hook_of_every_answer_before_its_waiter() {
     server.join().expect("silent server");
 }
 
+/// Submits PINGs to a server that answers none until a submit waits longer than `wait`
+/// (the in-flight bound reached, then the queue full), dropping that one; returns the
+/// pending answers of the others. Panics if no submit ever waits.
+async fn pings_until_a_submit_waits(
+    lc: &LoopClient,
+    wait: Duration,
+) -> Vec<camelot_client::LoopPending> {
+    let mut sent = Vec::new();
+    for _ in 0..camelot_client::INFLIGHT_REQUESTS_MAX + 4096 {
+        match tokio::time::timeout(wait, lc.submit(0, Op::Ping)).await {
+            Ok(Ok(p)) => sent.push(p),
+            Ok(Err(e)) => panic!("submit failed before the in-flight bound: {e}"),
+            Err(_) => return sent,
+        }
+    }
+    panic!("no submit ever waited");
+}
+
 /// A hooked submit whose future is dropped before its request is queued (here: the
 /// queue is full behind a connection whose in-flight bound is reached) still tells its
 /// hook, so a caller numbering its requests never waits for one that was never sent.
@@ -923,19 +941,7 @@ fn a_hooked_submit_dropped_before_it_is_queued_tells_its_hook() {
         .expect("handshake");
         // The silent server answers nothing: once INFLIGHT_REQUESTS_MAX are in flight
         // the writer waits, and then the queue stays full.
-        let mut sent = Vec::new();
-        let mut stuck = false;
-        for _ in 0..camelot_client::INFLIGHT_REQUESTS_MAX + 64 {
-            match tokio::time::timeout(Duration::from_secs(2), lc.submit(0, Op::Ping)).await {
-                Ok(Ok(p)) => sent.push(p),
-                Ok(Err(e)) => panic!("submit failed: {e}"),
-                Err(_) => {
-                    stuck = true;
-                    break;
-                }
-            }
-        }
-        assert!(stuck, "the queue never filled");
+        let sent = pings_until_a_submit_waits(&lc, Duration::from_secs(2)).await;
         let told = Arc::new(Told::default());
         let dropped = tokio::time::timeout(
             Duration::from_millis(100),
@@ -969,19 +975,7 @@ fn a_submit_dropped_during_its_own_flush_strands_no_other_request() {
         )
         .await
         .expect("handshake");
-        let mut queued = Vec::new();
-        let mut dropped = false;
-        for _ in 0..camelot_client::INFLIGHT_REQUESTS_MAX + 4096 {
-            match tokio::time::timeout(Duration::from_millis(200), lc.submit(0, Op::Ping)).await {
-                Ok(Ok(p)) => queued.push(p),
-                Ok(Err(e)) => panic!("submit failed before the in-flight bound: {e}"),
-                Err(_) => {
-                    dropped = true;
-                    break;
-                }
-            }
-        }
-        assert!(dropped, "no submit ever waited");
+        let queued = pings_until_a_submit_waits(&lc, Duration::from_millis(200)).await;
         let deadline = Duration::from_secs(20);
         for (i, p) in queued.into_iter().enumerate() {
             match tokio::time::timeout(deadline, p).await {
