@@ -84,7 +84,11 @@ const KV_REPLICATION_TIMEOUT_MS: u64 = 500;
 /// etcd) this long, then h1 killed, the partition healed and h1 restarted. h1 answers
 /// the writes it leads while it cannot reach its backups: a correct primary only with
 /// REPLICA_UNAVAILABLE, a broken one (`--unsafe-ack-before-replication`) with an
-/// acknowledgement — lost with h1.
+/// acknowledgement — lost with h1. The worker is told first (`finale 0`), and its
+/// clients then use only keys h1 leads: of random keys two in three are led by h2 or h3,
+/// whose operations wait out their timeout in the partition, so an unfocused finale
+/// made a handful of writes to h1, often all overwritten again before the final read
+/// (the broken servers passed seeds 8 and 9 that way).
 const KV_FINALE_HOLD: Duration = Duration::from_secs(2);
 /// The seeded schedule ends this long before the run does, to leave room for the finale.
 const KV_FINALE_MS: u64 = 3_000;
@@ -540,6 +544,7 @@ pub fn run(a: ChaosArgs) -> Result<()> {
             wait_whole(&mut servers, &mut late_repairs)?;
         }
         sleep_until(started, schedule_ms);
+        tell(&mut stdin, "finale 0")?;
         kv_finale(tb, &mut servers, started)?;
         tell(&mut stdin, "killed 0")?;
         tell(&mut stdin, "healed")?;
@@ -881,6 +886,10 @@ enum Msg {
     /// the cluster is not whole until it has been lost and is back).
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     Killed(usize),
+    /// kv: server N is about to be cut off from its backups (the finale): the clients
+    /// write and read what it leads until it is killed.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    Finale(usize),
     Stop,
 }
 
@@ -893,6 +902,10 @@ fn control_channel() -> mpsc::Receiver<Msg> {
                 Ok("healed") => Msg::Healed,
                 Ok(l) if l.starts_with("killed ") => match l["killed ".len()..].parse() {
                     Ok(n) => Msg::Killed(n),
+                    Err(_) => Msg::Stop,
+                },
+                Ok(l) if l.starts_with("finale ") => match l["finale ".len()..].parse() {
+                    Ok(n) => Msg::Finale(n),
                     Err(_) => Msg::Stop,
                 },
                 // `stop`, or the orchestrator went away.
@@ -1175,7 +1188,7 @@ fn poll(control: &mpsc::Receiver<Msg>) -> (bool, bool) {
     loop {
         match control.try_recv() {
             Ok(Msg::Healed) => healed = true,
-            Ok(Msg::Killed(_)) => {}
+            Ok(Msg::Killed(_) | Msg::Finale(_)) => {}
             Ok(Msg::Stop) | Err(mpsc::TryRecvError::Disconnected) => {
                 stop = true;
                 break;
@@ -1416,10 +1429,12 @@ fn worker_rvm(a: &WorkerArgs, mut rec: Recorder, control: &mpsc::Receiver<Msg>) 
 /// its own history, and a thread that keeps their maps current.
 #[cfg(feature = "etcd")]
 mod kv {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
     use std::sync::Arc;
 
-    use camelot_client::{Client, ClientConfig, ClusterMap as ClientMap, MapSource, NodeInfo};
+    use camelot_client::{
+        Client, ClientConfig, ClusterMap as ClientMap, MapSource, NodeInfo, PartitionTable,
+    };
     use camelot_cluster::etcd::{EtcdCluster, EtcdError};
     use camelot_cluster::failover::Alive;
     use camelot_cluster::follow::EtcdMapSource;
@@ -1448,6 +1463,31 @@ mod kv {
     const KV_SETUP_WAIT: Duration = Duration::from_secs(25);
     /// How often the kv worker looks at the map and the registrations after a heal.
     const KV_HEALTH_POLL: Duration = Duration::from_millis(100);
+    /// In the finale, how many random keys a client draws looking for one the cut-off
+    /// server leads (each is one with chance 1/3; then it takes the last drawn).
+    const FINALE_KEY_DRAWS_MAX: u32 = 64;
+    /// `Focus` holds this when no server is singled out.
+    const NO_FOCUS: u32 = u32::MAX;
+
+    /// The server the finale cuts off, whose keys the clients use until it is killed
+    /// ([`NO_FOCUS`] otherwise).
+    type Focus = Arc<AtomicU32>;
+
+    /// The next register to use: a random one, or with a focus (and the client's
+    /// partition table) a random one the focused server leads.
+    fn next_key(rng: &mut impl Rng, focus: Option<(u32, &PartitionTable)>) -> u64 {
+        let mut k = rng.gen_range(0..KV_KEYS);
+        let Some((node, table)) = focus else {
+            return k;
+        };
+        for _ in 1..FINALE_KEY_DRAWS_MAX {
+            if table.node_for_key(key_name(k).as_bytes()) == node {
+                break;
+            }
+            k = rng.gen_range(0..KV_KEYS);
+        }
+        k
+    }
 
     fn key_name(k: u64) -> String {
         format!("chaos-{k}")
@@ -1536,7 +1576,12 @@ mod kv {
 
     /// Until `stop`: after each `healed`, looks at etcd every [`KV_HEALTH_POLL`] and says
     /// `lost N` (once per loss) and `whole` (then waits for the next heal).
-    fn watch_health(url: &str, servers: usize, control: &mpsc::Receiver<Msg>) -> Result<()> {
+    fn watch_health(
+        url: &str,
+        servers: usize,
+        control: &mpsc::Receiver<Msg>,
+        focus: &Focus,
+    ) -> Result<()> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -1559,7 +1604,14 @@ mod kv {
                 Ok(Msg::Healed) => pending = true,
                 Ok(Msg::Killed(n)) => {
                     killed.insert(n as u32);
+                    let _ = focus.compare_exchange(
+                        n as u32,
+                        NO_FOCUS,
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    );
                 }
+                Ok(Msg::Finale(n)) => focus.store(n as u32, Ordering::Relaxed),
                 Ok(Msg::Stop) | Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
             }
@@ -1632,6 +1684,7 @@ mod kv {
             clients.push(c);
         }
         let stop = Arc::new(AtomicBool::new(false));
+        let focus: Focus = Arc::new(AtomicU32::new(NO_FOCUS));
         let refresher = {
             let (stop, clients, source) = (stop.clone(), clients.clone(), source(url)?);
             std::thread::Builder::new()
@@ -1650,7 +1703,7 @@ mod kv {
         };
         let mut threads = Vec::with_capacity(KV_CLIENTS);
         for (i, client) in clients.iter().cloned().enumerate() {
-            let stop = stop.clone();
+            let (stop, focus) = (stop.clone(), focus.clone());
             let mut rec = Recorder::new(
                 started,
                 i as u32,
@@ -1667,7 +1720,11 @@ mod kv {
                             if rec.hold_back() {
                                 continue;
                             }
-                            let k = rng.gen_range(0..KV_KEYS);
+                            let node = focus.load(Ordering::Relaxed);
+                            let table = (node != NO_FOCUS)
+                                .then(|| client.partition_table())
+                                .flatten();
+                            let k = next_key(&mut rng, table.as_deref().map(|t| (node, t)));
                             let name = key_name(k);
                             if rng.gen_ratio(1, READ_ONE_IN) {
                                 rec.read(k, || {
@@ -1692,7 +1749,7 @@ mod kv {
         }
         println!("ready");
         std::io::stdout().flush()?;
-        watch_health(url, a.servers.len(), control)?;
+        watch_health(url, a.servers.len(), control, &focus)?;
         stop.store(true, Ordering::Relaxed);
         let mut history = Vec::new();
         let (mut errors, mut first_errors) = (0, Vec::new());
@@ -1767,6 +1824,26 @@ mod kv {
             assert_eq!(decode(v("42")), Found::Value(42));
             assert_eq!(decode(v("0")), Found::Garbage);
             assert_eq!(decode(v("x1")), Found::Garbage);
+        }
+
+        #[test]
+        fn a_focus_draws_only_keys_the_focused_server_leads() {
+            let table = PartitionTable::new((0..64).map(|p| p % 3).collect()).unwrap();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+            let leaders = |focus: Option<(u32, &PartitionTable)>, rng: &mut _| {
+                let mut seen = std::collections::BTreeSet::new();
+                for _ in 0..300 {
+                    let k = next_key(rng, focus);
+                    assert!(k < KV_KEYS);
+                    seen.insert(table.node_for_key(key_name(k).as_bytes()));
+                }
+                seen
+            };
+            assert_eq!(leaders(None, &mut rng).len(), 3);
+            for node in 0..3 {
+                let seen = leaders(Some((node, &table)), &mut rng);
+                assert_eq!(seen, [node].into(), "focus on {node}");
+            }
         }
 
         fn node(id: u32, lease: i64) -> Node {
