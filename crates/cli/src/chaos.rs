@@ -80,18 +80,26 @@ const ETCD_START: Duration = Duration::from_secs(15);
 const KV_LEASE_TTL_S: u64 = 2;
 /// How long a primary waits for its backup before it answers REPLICA_UNAVAILABLE.
 const KV_REPLICATION_TIMEOUT_MS: u64 = 500;
-/// The kv face's last fault: h1 and the worker cut off from the rest (h1's backups and
-/// etcd) this long, then h1 killed, the partition healed and h1 restarted. h1 answers
-/// the writes it leads while it cannot reach its backups: a correct primary only with
-/// REPLICA_UNAVAILABLE, a broken one (`--unsafe-ack-before-replication`) with an
-/// acknowledgement — lost with h1. The worker is told first (`finale 0`), and its
-/// clients then use only keys h1 leads: of random keys two in three are led by h2 or h3,
-/// whose operations wait out their timeout in the partition, so an unfocused finale
-/// made a handful of writes to h1, often all overwritten again before the final read
-/// (the broken servers passed seeds 8 and 9 that way).
+/// The kv face's last fault: one server (the one leading most partitions in the
+/// worker's map, h1 in a run that never killed it) and the worker cut off from the rest
+/// (its backups and etcd) this long, then that server killed, the partition healed and
+/// the server restarted. It answers the writes it leads while it cannot reach its
+/// backups: a correct primary only with REPLICA_UNAVAILABLE, a broken one
+/// (`--unsafe-ack-before-replication`) with an acknowledgement — lost with it. The
+/// worker picks the server (asked with `finale`), and its clients then use only keys
+/// that server leads: of random keys two in three are led by the others, whose
+/// operations wait out their timeout in the partition, so an unfocused finale made a
+/// handful of writes to the cut-off server, often all overwritten again before the
+/// final read (the broken servers passed seeds 8 and 9 that way). A server killed
+/// earlier in the run rejoins leading nothing, hence the worker's pick.
 const KV_FINALE_HOLD: Duration = Duration::from_secs(2);
 /// The seeded schedule ends this long before the run does, to leave room for the finale.
 const KV_FINALE_MS: u64 = 3_000;
+/// The orchestrator's word to the worker before the kv finale, and the start of the
+/// worker's answer (`finale N`: the server to cut off).
+const FINALE_LINE: &str = "finale";
+/// How long the orchestrator waits for that answer (then it cuts off server 0).
+const FINALE_TARGET_WAIT: Duration = Duration::from_secs(5);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -544,9 +552,10 @@ pub fn run(a: ChaosArgs) -> Result<()> {
             wait_whole(&mut servers, &mut late_repairs)?;
         }
         sleep_until(started, schedule_ms);
-        tell(&mut stdin, "finale 0")?;
-        kv_finale(tb, &mut servers, started)?;
-        tell(&mut stdin, "killed 0")?;
+        tell(&mut stdin, FINALE_LINE)?;
+        let node = finale_target(&lines, Instant::now() + FINALE_TARGET_WAIT);
+        kv_finale(tb, &mut servers, node, started)?;
+        tell(&mut stdin, &format!("killed {node}"))?;
         tell(&mut stdin, "healed")?;
         // The final state is read from the repaired cluster.
         wait_whole(&mut servers, &mut late_repairs)?;
@@ -768,20 +777,41 @@ fn start_controller(
     Ok(())
 }
 
-/// The kv face's last fault (see [`KV_FINALE_HOLD`]): h0 (the worker) and h1 cut off
-/// from h2, h3 (every backup of h1's partitions) and the control host; h1 killed; the
-/// partition healed. h1 comes back as after any kill (`lost 0`, then a restart).
-fn kv_finale(tb: &Testbed, servers: &mut Servers, started: Instant) -> Result<()> {
+/// The server the worker names for the finale (its line `finale N`), or server 0 if it
+/// names none by `deadline`. Other lines are skipped: only a run whose cluster was not
+/// whole again before the finale (a failure already) has any to say here.
+fn finale_target(lines: &mpsc::Receiver<String>, deadline: Instant) -> usize {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok(line) = lines.recv_timeout(left) else {
+            return 0;
+        };
+        let named = line
+            .trim()
+            .strip_prefix(FINALE_LINE)
+            .and_then(|rest| rest.trim().parse::<usize>().ok());
+        if let Some(node) = named.filter(|n| *n < Face::Kv.servers()) {
+            return node;
+        }
+    }
+}
+
+/// The kv face's last fault (see [`KV_FINALE_HOLD`]): h0 (the worker) and server
+/// `node` cut off from the other servers (every backup of its partitions) and the
+/// control host; `node` killed; the partition healed. It comes back as after any kill
+/// (`lost N`, then a restart).
+fn kv_finale(tb: &Testbed, servers: &mut Servers, node: usize, started: Instant) -> Result<()> {
+    let host = node + 1;
     println!(
-        "  {:>7.2} s  final fault: partition h0 h1 for {:.2} s, then kill h1",
+        "  {:>7.2} s  final fault: partition h0 h{host} for {:.2} s, then kill h{host}",
         started.elapsed().as_secs_f64(),
         KV_FINALE_HOLD.as_secs_f64()
     );
-    tb.partition(&[0, 1])?;
+    tb.partition(&[0, host])?;
     // The fault's hold, as the schedule's own holds: not a wait for a condition.
     std::thread::sleep(KV_FINALE_HOLD);
-    tb.kill(&[1])?;
-    servers.reap(0);
+    tb.kill(&[host])?;
+    servers.reap(node);
     tb.heal()?;
     println!("  {:>7.2} s  healed", started.elapsed().as_secs_f64());
     Ok(())
@@ -886,10 +916,11 @@ enum Msg {
     /// the cluster is not whole until it has been lost and is back).
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     Killed(usize),
-    /// kv: server N is about to be cut off from its backups (the finale): the clients
-    /// write and read what it leads until it is killed.
+    /// kv: the finale is next. The worker names the server it cuts off (`finale N`,
+    /// the one leading most partitions), and the clients use what it leads until it is
+    /// killed.
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
-    Finale(usize),
+    Finale,
     Stop,
 }
 
@@ -904,10 +935,7 @@ fn control_channel() -> mpsc::Receiver<Msg> {
                     Ok(n) => Msg::Killed(n),
                     Err(_) => Msg::Stop,
                 },
-                Ok(l) if l.starts_with("finale ") => match l["finale ".len()..].parse() {
-                    Ok(n) => Msg::Finale(n),
-                    Err(_) => Msg::Stop,
-                },
+                Ok(FINALE_LINE) => Msg::Finale,
                 // `stop`, or the orchestrator went away.
                 _ => Msg::Stop,
             };
@@ -1188,7 +1216,7 @@ fn poll(control: &mpsc::Receiver<Msg>) -> (bool, bool) {
     loop {
         match control.try_recv() {
             Ok(Msg::Healed) => healed = true,
-            Ok(Msg::Killed(_) | Msg::Finale(_)) => {}
+            Ok(Msg::Killed(_) | Msg::Finale) => {}
             Ok(Msg::Stop) | Err(mpsc::TryRecvError::Disconnected) => {
                 stop = true;
                 break;
@@ -1574,12 +1602,26 @@ mod kv {
         (whole, lost)
     }
 
+    /// The server leading most partitions in `table` (the lowest id of a tie).
+    fn leading_most(table: &PartitionTable) -> Option<u32> {
+        let mut led: BTreeMap<u32, usize> = BTreeMap::new();
+        for &node in table.primaries() {
+            *led.entry(node).or_default() += 1;
+        }
+        led.into_iter()
+            .max_by_key(|&(node, n)| (n, std::cmp::Reverse(node)))
+            .map(|(node, _)| node)
+    }
+
     /// Until `stop`: after each `healed`, looks at etcd every [`KV_HEALTH_POLL`] and says
-    /// `lost N` (once per loss) and `whole` (then waits for the next heal).
+    /// `lost N` (once per loss) and `whole` (then waits for the next heal). Asked for
+    /// the finale, it names the server leading most partitions in `client`'s map and
+    /// focuses the clients on it; `killed N` of that server ends the focus.
     fn watch_health(
         url: &str,
         servers: usize,
         control: &mpsc::Receiver<Msg>,
+        client: &Client,
         focus: &Focus,
     ) -> Result<()> {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -1611,7 +1653,16 @@ mod kv {
                         Ordering::Relaxed,
                     );
                 }
-                Ok(Msg::Finale(n)) => focus.store(n as u32, Ordering::Relaxed),
+                Ok(Msg::Finale) => {
+                    let node = client
+                        .partition_table()
+                        .and_then(|t| leading_most(&t))
+                        .unwrap_or(0);
+                    focus.store(node, Ordering::Relaxed);
+                    let mut out = std::io::stdout().lock();
+                    writeln!(out, "{FINALE_LINE} {node}")?;
+                    out.flush()?;
+                }
                 Ok(Msg::Stop) | Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
             }
@@ -1749,7 +1800,7 @@ mod kv {
         }
         println!("ready");
         std::io::stdout().flush()?;
-        watch_health(url, a.servers.len(), control, &focus)?;
+        watch_health(url, a.servers.len(), control, &clients[0], &focus)?;
         stop.store(true, Ordering::Relaxed);
         let mut history = Vec::new();
         let (mut errors, mut first_errors) = (0, Vec::new());
@@ -1844,6 +1895,19 @@ mod kv {
                 let seen = leaders(Some((node, &table)), &mut rng);
                 assert_eq!(seen, [node].into(), "focus on {node}");
             }
+        }
+
+        #[test]
+        fn the_finale_cuts_off_the_server_leading_most_partitions() {
+            let table = |p: Vec<u32>| PartitionTable::new(p).unwrap();
+            assert_eq!(leading_most(&table(vec![0, 1, 2, 1, 2, 1])), Some(1));
+            // A server killed earlier leads nothing: never picked.
+            assert_eq!(leading_most(&table(vec![1, 2, 2, 1, 2])), Some(2));
+            assert_eq!(
+                leading_most(&table(vec![2, 1, 1, 2])),
+                Some(1),
+                "a tie: lowest id"
+            );
         }
 
         fn node(id: u32, lease: i64) -> Node {
