@@ -793,6 +793,107 @@ fn increments_through_cas_to_write_are_never_lost() {
     assert_eq!(wins, 2_000);
 }
 
+/// A `camelot server` on `addr`'s port again (same token, empty), as a supervisor
+/// restarts a killed one; killed when the guard drops.
+fn restart_server_on(
+    addr: SocketAddr,
+    scratch: &camelot_testkit::process::ScratchDir,
+) -> camelot_testkit::process::ChildGuard {
+    let program = Program {
+        program: CAMELOT.to_string().into(),
+        package: "camelot".into(),
+    };
+    let args: Vec<OsString> = [
+        "server",
+        "--listen",
+        &addr.to_string(),
+        "--memory",
+        "64M",
+        "--token",
+        TOKEN,
+    ]
+    .iter()
+    .map(OsString::from)
+    .collect();
+    let mut guard = camelot_testkit::process::spawn(&program, &args, scratch, "restarted")
+        .expect("restart the memory server");
+    if camelot_testkit::process::wait_ready(
+        &mut guard.child,
+        addr,
+        Readiness::Accepting,
+        Duration::from_secs(10),
+    )
+    .is_err()
+    {
+        panic!(
+            "the restarted server did not accept on {addr}: {}",
+            guard.output_excerpt()
+        );
+    }
+    guard
+}
+
+/// A memory server SIGKILLed while the proxy in front of it is idle (nothing in flight),
+/// then restarted empty on its port. A proxy that answers from what it knows — its read
+/// cache, its word table — must stop once its upstream connection ends, even though no
+/// request saw it end: left running, it would connect to the new, empty server and go on
+/// answering reads of the killed server's region from its cache.
+#[test]
+fn a_memory_server_killed_under_an_idle_caching_proxy_stops_the_proxy() {
+    for flags in [
+        &["--conn-map", "1", "--read-cache"][..],
+        &["--conn-map", "1", "--cas-to-write", "--read-cache"],
+    ] {
+        let mut s = server();
+        let addr = s.addr();
+        let mut p = proxy(addr, flags);
+        let client = Client::connect(
+            ClusterMap::from_addrs(&[p.addr()]),
+            ClientConfig {
+                request_timeout: Duration::from_secs(5),
+                ..config(TOKEN)
+            },
+        )
+        .unwrap();
+        let r = client.alloc(4096, None).unwrap();
+        let old = Bytes::from(vec![0xA5u8; 4096]);
+        client.write(&r, 0, old.clone()).unwrap();
+        for _ in 0..2 {
+            assert_eq!(client.read(&r, 0, 4096).unwrap(), old, "{flags:?}");
+        }
+        assert!(
+            stat(&client, "proxy_read_hits") >= 1,
+            "{flags:?}: the region is not in the read cache, so the test shows nothing"
+        );
+        s.process_mut().kill().expect("SIGKILL the memory server");
+        let scratch = camelot_testkit::process::ScratchDir::new("proxy-upstream-restart").unwrap();
+        let _restarted = restart_server_on(addr, &scratch);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while p.is_running() {
+            if Instant::now() >= deadline {
+                // What a client of it would be told now, for the failure message.
+                let said = match client.read(&r, 0, 4096) {
+                    Ok(b) if b == old => "the killed server's bytes, from its cache".to_owned(),
+                    Ok(_) => "other bytes".to_owned(),
+                    Err(e) => format!("an error: {e}"),
+                };
+                panic!(
+                    "{flags:?}: the proxy ran on 10 s after its upstream server was killed \
+                     and restarted; a read of the region through it answered {said}"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            p.output_excerpt().contains("fail-stop"),
+            "{flags:?}: {}",
+            p.output_excerpt()
+        );
+        // The region died with the server: nothing of it is answered any more.
+        assert!(client.read(&r, 0, 4096).is_err(), "{flags:?}");
+    }
+}
+
 /// `camelot bench middlebox cas` runs end to end (its own server and proxy processes),
 /// checks every increment it counted against the word, and writes the standard JSON.
 #[test]

@@ -66,6 +66,27 @@ struct Inner {
     /// A short list: maps have few nodes, and this is looked up on every submit.
     nodes: Mutex<Vec<(NodeId, Arc<LoopConn>)>>,
     next_id: AtomicU64,
+    losses: Arc<Losses>,
+}
+
+/// The first end of one of a client's connections that nobody asked for (the server went
+/// away, a read or write failed, a request timed out, a frame made no sense); shared by
+/// the client's connections. A connection this client closed itself is no loss.
+#[derive(Default)]
+struct Losses {
+    first: Mutex<Option<ClientError>>,
+    told: Notify,
+}
+
+impl Losses {
+    fn lost(&self, err: &ClientError) {
+        let mut first = self.first.lock();
+        if first.is_none() {
+            *first = Some(err.clone());
+            drop(first);
+            self.told.notify_waiters();
+        }
+    }
 }
 
 impl Drop for Inner {
@@ -127,6 +148,7 @@ impl LoopClient {
                 map,
                 nodes: Mutex::new(Vec::new()),
                 next_id: AtomicU64::new(1),
+                losses: Arc::default(),
             }),
         };
         for id in client.inner.map.node_ids().collect::<Vec<_>>() {
@@ -137,6 +159,23 @@ impl LoopClient {
 
     pub fn map(&self) -> &ClusterMap {
         &self.inner.map
+    }
+
+    /// The error that ended one of this client's connections other than by the client
+    /// closing it: at once if one already has, else when one does. A dead connection is
+    /// replaced at the next submit, and the server behind the new one may not be the one
+    /// that was there (a killed server restarted, empty, on its port): a caller whose
+    /// knowledge of a server's bytes must not outlive the server waits on this.
+    pub async fn connection_lost(&self) -> ClientError {
+        let losses = &self.inner.losses;
+        loop {
+            // Made before the look, so a loss between the look and the wait counts.
+            let told = losses.told.notified();
+            if let Some(e) = losses.first.lock().clone() {
+                return e;
+            }
+            told.await;
+        }
     }
 
     /// The node's live connection, connecting anew if there is none or it died.
@@ -152,7 +191,7 @@ impl LoopClient {
             .node(node)
             .ok_or(ClientError::UnknownNode(node))?
             .addr;
-        let conn = LoopConn::connect(addr, &self.inner.config).await?;
+        let conn = LoopConn::connect(addr, &self.inner.config, &self.inner.losses).await?;
         let mut nodes = self.inner.nodes.lock();
         match nodes.iter_mut().find(|(n, _)| *n == node) {
             // Another task reconnected while we did: use its connection, close ours
@@ -270,6 +309,7 @@ struct LoopConn {
     /// Wakes submitters waiting for queue room and a writer waiting for in-flight room.
     room: Notify,
     queue_requests_max: usize,
+    losses: Arc<Losses>,
 }
 
 struct WriteSide {
@@ -295,6 +335,7 @@ impl LoopConn {
     async fn connect(
         addr: SocketAddr,
         config: &ClientConfig,
+        losses: &Arc<Losses>,
     ) -> Result<Arc<LoopConn>, ClientError> {
         let io = |e: std::io::Error| ClientError::Io {
             addr,
@@ -365,6 +406,7 @@ impl LoopConn {
             work: Notify::new(),
             room: Notify::new(),
             queue_requests_max: config.queue_requests_max.max(1),
+            losses: losses.clone(),
         });
         tokio::spawn(conn.clone().write_loop());
         tokio::spawn(conn.clone().read_loop(rd, config.request_timeout));
@@ -441,6 +483,9 @@ impl LoopConn {
             let mut st = self.state.lock();
             if st.dead.is_none() {
                 st.dead = Some(err.clone());
+                if !st.closing {
+                    self.losses.lost(&err);
+                }
             }
             self.dead.store(true, Ordering::Release);
             st.inflight_requests = 0;

@@ -738,6 +738,49 @@ fn current_thread_runtime() -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
+/// `connection_lost` tells of a connection that ended with nothing in flight on it (its
+/// server gone): nothing before, the end's error after, and at once to a later caller.
+#[test]
+fn the_event_loop_face_tells_of_a_connection_lost_while_idle() {
+    let c = cluster(1, 1 << 20, None);
+    let rt = current_thread_runtime();
+    rt.block_on(async {
+        let lc = LoopClient::connect(ClusterMap::from_addrs(c.addrs()), ClientConfig::default())
+            .await
+            .expect("connect");
+        assert!(matches!(lc.call(0, Op::Ping).await, Ok(Reply::Pong)));
+        let lost = lc.connection_lost();
+        tokio::pin!(lost);
+        // A timeout polls what it wraps first: pending now, as nothing was lost.
+        assert!(
+            tokio::time::timeout(Duration::ZERO, &mut lost)
+                .await
+                .is_err(),
+            "a loss told while the server runs"
+        );
+        // Off the runtime's thread: the cluster's shutdown blocks on a runtime of its own.
+        thread::spawn(move || c.shutdown())
+            .join()
+            .expect("shutdown thread")
+            .expect("shutdown");
+        let e = tokio::time::timeout(Duration::from_secs(10), lost)
+            .await
+            .expect("the loss told within 10 s");
+        assert!(
+            matches!(
+                e,
+                ClientError::ConnectionLost { .. } | ClientError::Io { .. }
+            ),
+            "{e}"
+        );
+        let again = tokio::time::timeout(Duration::ZERO, lc.connection_lost()).await;
+        assert!(
+            again.is_ok(),
+            "a later caller waits for a loss already told"
+        );
+    });
+}
+
 /// The event-loop face on a one-thread runtime: many tasks' requests share frames, every
 /// answer is the right one, and atomics from tasks and threads add up exactly.
 #[test]

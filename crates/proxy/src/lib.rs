@@ -32,7 +32,10 @@
 //! Fail-stop: with `cas_to_write` or `read_cache`, an upstream connection that fails
 //! leaves the proxy unsure what its in-flight writes did, so it answers nothing more and
 //! `serve` returns [`ProxyError::FailStop`] (the binary then exits); clients go to the
-//! server directly.
+//! server directly. That holds for a connection that ends with nothing in flight too
+//! (`LoopClient::connection_lost`): its server may have been killed and restarted
+//! empty on its port, and the next request would reach the new one while the word
+//! table and the read cache still describe the old one's bytes.
 //!
 //! Falling back: with `cas_to_write` the upstream connections are fenceable sessions
 //! (`ClientConfig::fence_session`). A client that gives up on the proxy calls
@@ -246,6 +249,20 @@ impl ProxyServer {
     ) -> Result<(), ProxyError> {
         let proxy = self.proxy;
         tokio::pin!(shutdown);
+        // A lane's connection can end with nothing in flight on it (its server killed
+        // while idle); the next request would connect anew, perhaps to a restarted and
+        // empty server, and what the lane knows would be answered for bytes that are
+        // gone. So its end is a fail-stop as soon as it happens. Aborted when this ends.
+        let mut watchers = tokio::task::JoinSet::new();
+        if proxy.answers_from_knowledge() {
+            for lane in &proxy.lanes {
+                let (proxy, lane) = (proxy.clone(), lane.clone());
+                watchers.spawn(async move {
+                    let e = lane.client.connection_lost().await;
+                    proxy.fail_stop(&e);
+                });
+            }
+        }
         loop {
             let failed = proxy.failed_notify.notified();
             if proxy.failed.load(Ordering::SeqCst) {
@@ -614,16 +631,27 @@ impl Proxy {
                 return reply;
             }
         }
-        // Both answer from what they know, some of it sent and maybe never applied. A
-        // FENCED session ends its connection, and only `cas_to_write` lanes are fenceable.
-        if self.cas_to_write || self.read_cache {
-            // See the crate doc: nothing this proxy knows can be trusted any more.
-            tracing::error!(error = %e, "upstream connection failed; stopping (fail-stop)");
-            self.failed.store(true, Ordering::SeqCst);
-            self.failed_notify.notify_waiters();
+        // A FENCED session ends its connection, and only `cas_to_write` lanes are
+        // fenceable.
+        if self.answers_from_knowledge() {
+            self.fail_stop(&e);
             return ErrorReply::new(ErrorCode::Internal, "proxy stopped (fail-stop)");
         }
         ErrorReply::new(ErrorCode::Internal, format!("proxy upstream: {e}"))
+    }
+
+    /// CAS→WRITE and the read cache answer from what the proxy knows, some of it sent
+    /// and maybe never applied, all of it about one server process's bytes.
+    fn answers_from_knowledge(&self) -> bool {
+        self.cas_to_write || self.read_cache
+    }
+
+    /// See the crate doc: nothing this proxy knows can be trusted any more.
+    fn fail_stop(&self, e: &ClientError) {
+        if !self.failed.swap(true, Ordering::SeqCst) {
+            tracing::error!(error = %e, "upstream connection failed; stopping (fail-stop)");
+        }
+        self.failed_notify.notify_waiters();
     }
 
     async fn stats_list(&self) -> Vec<(String, u64)> {
