@@ -252,13 +252,18 @@ impl ProxyServer {
         // A lane's connection can end with nothing in flight on it (its server killed
         // while idle); the next request would connect anew, perhaps to a restarted and
         // empty server, and what the lane knows would be answered for bytes that are
-        // gone. So its end is a fail-stop as soon as it happens. Aborted when this ends.
+        // gone. A lane can also break with no request left to tell (its mutation's
+        // submit dropped). Either is a fail-stop as soon as it happens. The watchers are
+        // aborted when this returns.
         let mut watchers = tokio::task::JoinSet::new();
         if proxy.answers_from_knowledge() {
             for lane in &proxy.lanes {
                 let (proxy, lane) = (proxy.clone(), lane.clone());
                 watchers.spawn(async move {
-                    let e = lane.client.connection_lost().await;
+                    let e = tokio::select! {
+                        e = lane.client.connection_lost() => e,
+                        () = lane.applied.until_broken() => ClientError::Cancelled,
+                    };
                     proxy.fail_stop(&e);
                 });
             }
@@ -336,6 +341,8 @@ struct AppliedMarks {
     /// Tasks in [`AppliedMarks::wait_for`]; nobody is woken while it is 0.
     waiters: AtomicUsize,
     changed: Notify,
+    /// Woken once, when the lane breaks ([`AppliedMarks::until_broken`]).
+    broke: Notify,
 }
 
 #[derive(Default)]
@@ -398,6 +405,22 @@ impl AppliedMarks {
     fn broke(&self) {
         if !self.broken.swap(true, Ordering::SeqCst) {
             self.wake();
+            self.broke.notify_waiters();
+        }
+    }
+
+    /// Returns once the lane has broken. A break nobody's request saw — a mutation
+    /// whose submit was dropped before it was queued, its client gone — still leaves
+    /// the lane's knowledge wrong (its decision is in the word table and the cache, its
+    /// bytes never reached the server), so the proxy waits on this to stop.
+    async fn until_broken(&self) {
+        loop {
+            // Made before the look, so a break between the look and the wait counts.
+            let broke = self.broke.notified();
+            if self.broken.load(Ordering::SeqCst) {
+                return;
+            }
+            broke.await;
         }
     }
 
@@ -1446,6 +1469,38 @@ mod tests {
             "a wait on a lost mutation succeeded"
         );
         assert!(rt.block_on(marks.wait_for(1)));
+    }
+
+    /// A mutation whose submit was dropped before it was queued breaks the lane, and
+    /// whoever waits for a break (the proxy, to stop) hears of it — also one that
+    /// started waiting after it.
+    #[test]
+    fn a_cancelled_submit_breaks_the_lane_and_is_heard() {
+        let marks = Arc::new(AppliedMarks::default());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let early = tokio::spawn({
+                let marks = marks.clone();
+                async move { marks.until_broken().await }
+            });
+            marks.answered(1, &ok());
+            let quiet = tokio::time::timeout(Duration::ZERO, marks.until_broken()).await;
+            assert!(quiet.is_err(), "a break heard while none happened");
+            // The one thread runs the early waiter up to its wait.
+            tokio::task::yield_now().await;
+            marks.answered(2, &Err(ClientError::Cancelled));
+            tokio::time::timeout(Duration::from_secs(10), early)
+                .await
+                .expect("a waiter from before the break hears it")
+                .expect("waiter task");
+            tokio::time::timeout(Duration::ZERO, marks.until_broken())
+                .await
+                .expect("a waiter from after the break hears it at once");
+        });
+        assert!(!marks.applied(2));
     }
 
     #[test]
