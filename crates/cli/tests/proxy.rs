@@ -894,6 +894,78 @@ fn a_memory_server_killed_under_an_idle_caching_proxy_stops_the_proxy() {
     }
 }
 
+/// Sends `sig` (`-STOP`, `-CONT`) to `pid` with kill(1).
+fn signal(pid: u32, sig: &str) {
+    let status = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .expect("kill(1)");
+    assert!(status.success(), "kill {sig} {pid}");
+}
+
+/// A memory server stopped (SIGSTOP: its connections stay open, nothing is answered)
+/// while a caching proxy in front of it is idle. No request of a client notices; the
+/// lane's keep-alive PING goes unanswered, the lane's watchdog ends its connection after
+/// the upstream timeout, and the proxy stops — it would otherwise answer from its cache
+/// for a server that may never come back.
+#[test]
+fn a_silent_memory_server_stops_an_idle_caching_proxy_within_its_upstream_timeout() {
+    let mut s = server();
+    let mut p = proxy(
+        s.addr(),
+        &["--conn-map", "1", "--read-cache", "--upstream-timeout", "1"],
+    );
+    let client = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
+    let r = client.alloc(4096, None).unwrap();
+    client.write(&r, 0, Bytes::from(vec![7u8; 64])).unwrap();
+    client.read(&r, 0, 64).unwrap();
+    let pid = s.process_mut().pid();
+    // Resumed however this test ends, so the server can be killed and reaped.
+    struct Resume(u32);
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            signal(self.0, "-CONT");
+        }
+    }
+    signal(pid, "-STOP");
+    let _resume = Resume(pid);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while p.is_running() {
+        assert!(
+            Instant::now() < deadline,
+            "the proxy ran on 15 s after its server went silent (upstream timeout 1 s)"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let said = p.output_excerpt();
+    assert!(said.contains("fail-stop"), "{said}");
+}
+
+/// A server closing idle connections (`--idle-timeout 1`) does not stop a caching proxy
+/// whose lanes are quiet: their keep-alive PINGs keep them in use. The test lets the
+/// server's idle timeout pass twice over, then reads through the proxy.
+#[test]
+fn a_caching_proxy_outlives_its_server_s_idle_timeout() {
+    let s = camelot_testkit::CamelotServer::start(
+        Path::new(CAMELOT),
+        &camelot_testkit::CamelotServerOptions {
+            resp: false,
+            args: ["--memory", "64M", "--token", TOKEN, "--idle-timeout", "1"]
+                .map(String::from)
+                .to_vec(),
+        },
+    )
+    .expect("camelot server");
+    let mut p = proxy(s.addr(), &["--conn-map", "1", "--read-cache"]);
+    let client = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
+    let r = client.alloc(4096, None).unwrap();
+    client.write(&r, 0, Bytes::from(vec![9u8; 64])).unwrap();
+    // The scenario's own duration, not a wait for something to happen.
+    std::thread::sleep(Duration::from_millis(2_500));
+    assert!(p.is_running(), "{}", p.output_excerpt());
+    assert_eq!(&client.read(&r, 0, 64).unwrap()[..], &[9u8; 64][..]);
+}
+
 /// `camelot bench middlebox cas` runs end to end (its own server and proxy processes),
 /// checks every increment it counted against the word, and writes the standard JSON.
 #[test]

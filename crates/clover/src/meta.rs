@@ -38,6 +38,13 @@ pub const GRANT_NODES_MAX: usize = 1024;
 /// Most collection passes a grant waits out for a free node before it says the store is
 /// full.
 pub const PASSES_AWAITED_MAX: usize = 8;
+/// How long a grant that finds nothing free, but retired nodes waiting out operations
+/// in flight, waits for them before it says the store is full: one store descheduled in
+/// the middle of a write holds every node retired since it began (a history test on a
+/// loaded 2-vCPU machine had its grants fail so, with 751 nodes free at the end).
+pub const LIMBO_WAIT_MAX: Duration = Duration::from_secs(2);
+/// How often such a grant looks again.
+const LIMBO_POLL: Duration = Duration::from_millis(1);
 
 /// What a store needs of its metadata service: the in-process [`Meta`], or the metadata
 /// server reached over the network (`remote::RemoteMeta`).
@@ -92,6 +99,8 @@ pub struct MetaStats {
     pub gc_passes: u64,
     pub nodes_retired: u64,
     pub nodes_reclaimed: u64,
+    /// Grants (and new keys) that found nothing free and waited for retired nodes.
+    pub grants_waited: u64,
     pub epoch: u64,
 }
 
@@ -305,22 +314,45 @@ impl<M: Memory> Meta<M> {
     }
 
     /// [`Meta::take_nodes`], waiting out a running collection pass (a bounded number of
-    /// times) when nothing is free until it ends.
+    /// times) when nothing is free until it ends, and retired nodes (up to
+    /// [`LIMBO_WAIT_MAX`]) when nothing is free until the operations they wait for end.
     fn take_nodes_waiting(
         &self,
         st: &mut parking_lot::MutexGuard<'_, State>,
         n: usize,
     ) -> Result<Vec<NodeAddr>, CloverError> {
-        for _ in 0..PASSES_AWAITED_MAX {
-            if let Some(nodes) = self.take_nodes(st, n)? {
-                return Ok(nodes);
-            }
-            // The state lock is released while waiting: the pass needs it to finish.
-            parking_lot::MutexGuard::unlocked(st, || drop(self.gc_pass.lock()));
-        }
-        Err(CloverError::OutOfMemory {
+        let full = || CloverError::OutOfMemory {
             blocks_max: self.config.blocks_max,
-        })
+        };
+        let mut passes = 0;
+        let mut limbo_deadline = None;
+        loop {
+            let nothing_free = match self.take_nodes(st, n) {
+                Ok(Some(nodes)) => return Ok(nodes),
+                Ok(None) if passes < PASSES_AWAITED_MAX => {
+                    passes += 1;
+                    // The state lock is released while waiting: the pass needs it.
+                    parking_lot::MutexGuard::unlocked(st, || drop(self.gc_pass.lock()));
+                    continue;
+                }
+                Ok(None) => full(),
+                Err(e @ CloverError::OutOfMemory { .. }) => e,
+                Err(e) => return Err(e),
+            };
+            // Retired nodes come back by themselves once the stores' operations in
+            // flight end (and the reuse grace passes): the store is not full, it waits.
+            if st.limbo.is_empty() {
+                return Err(nothing_free);
+            }
+            let deadline = *limbo_deadline.get_or_insert_with(|| {
+                st.stats.grants_waited += 1;
+                Instant::now() + LIMBO_WAIT_MAX
+            });
+            if Instant::now() >= deadline {
+                return Err(nothing_free);
+            }
+            parking_lot::MutexGuard::unlocked(st, || std::thread::sleep(LIMBO_POLL));
+        }
     }
 
     /// Up to `n` free nodes (at least one), or `None` when there are none and a

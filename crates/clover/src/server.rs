@@ -291,6 +291,7 @@ impl MetaServer {
             ("meta_gc_passes".into(), m.gc_passes),
             ("meta_nodes_retired".into(), m.nodes_retired),
             ("meta_nodes_reclaimed".into(), m.nodes_reclaimed),
+            ("meta_grants_waited".into(), m.grants_waited),
             ("meta_epoch".into(), m.epoch),
             (
                 "meta_connections_current".into(),

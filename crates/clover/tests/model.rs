@@ -12,6 +12,7 @@ use camelot_clover::{
 use proptest::prelude::*;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 fn enc(v: u64) -> Option<Bytes> {
     (v != 0).then(|| Bytes::copy_from_slice(&v.to_le_bytes()))
@@ -98,6 +99,43 @@ fn a_full_store_says_so() {
         ),
         "{failed:?}"
     );
+}
+
+/// A grant that finds nothing free while retired nodes wait only for an operation in
+/// flight (here one pinned before any write) waits for that operation to end instead of
+/// calling the store full.
+#[test]
+fn a_grant_waits_for_nodes_an_operation_in_flight_holds_back() {
+    let (mem, meta) = sim(1, 1);
+    let slot = meta.register();
+    let pin = meta.pin(&slot);
+    let writer = {
+        let (meta, mem) = (meta.clone(), mem.clone());
+        std::thread::spawn(move || {
+            let cfg = StoreConfig {
+                grant_nodes: 1,
+                ..StoreConfig::default()
+            };
+            let mut s = Store::new(meta, mem, cfg);
+            (1..=40u64)
+                .map(|i| s.put(b"a", enc(i).unwrap()))
+                .collect::<Result<Vec<_>, _>>()
+        })
+    };
+    // Until the writer waits: its block used up, the rest retired behind the pin.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while meta.stats().grants_waited == 0 {
+        assert!(
+            !writer.is_finished() && Instant::now() < deadline,
+            "no grant waited: {:?}",
+            meta.stats()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(pin);
+    let written = writer.join().expect("writer");
+    assert!(written.is_ok(), "{written:?}");
+    assert!(meta.stats().nodes_reclaimed > 0, "{:?}", meta.stats());
 }
 
 // ---- interleavings ----

@@ -81,6 +81,11 @@ pub const FRAMES_IN_FLIGHT_MAX: usize = 16;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The least a lane's read cache share may be (its smallest slot table and an entry).
 pub const READ_CACHE_BYTES_MIN: u64 = cache::CACHE_BYTES_MIN;
+/// A lane of a proxy that answers from what it knows sends a PING this often: a server
+/// gone without a word (its host down, the path cut) then fails the PING within the
+/// upstream timeout, which ends the lane's connection and stops the proxy; and a server's
+/// `--idle-timeout` never closes a quiet lane (that too would stop the proxy).
+pub const LANE_KEEPALIVE: Duration = Duration::from_secs(1);
 const READ_CHUNK_BYTES: usize = 64 << 10;
 
 #[derive(Debug, thiserror::Error)]
@@ -95,9 +100,10 @@ pub enum ProxyError {
     },
     #[error("cannot listen: {0}")]
     Listen(#[source] std::io::Error),
-    /// With CAS→WRITE on, an upstream connection failed: nothing the proxy knows can be
-    /// trusted any more.
-    #[error("upstream connection failed with CAS→WRITE on; stopped (fail-stop): {0}")]
+    /// With CAS→WRITE or the read cache on, an upstream connection ended or a lane's
+    /// mutation may not have reached the server: nothing the proxy knows can be trusted
+    /// any more.
+    #[error("stopped (fail-stop): {0}")]
     FailStop(String),
 }
 
@@ -220,6 +226,7 @@ impl ProxyServer {
             counters: Counters::default(),
             connections: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
+            failed_why: std::sync::Mutex::new(None),
             failed_notify: Notify::new(),
         };
         if let (Some(n), Some((words_bytes, cache_bytes))) = (config.conn_map, config.lane_budget())
@@ -241,7 +248,8 @@ impl ProxyServer {
     }
 
     /// Serves clients from `listener` until `shutdown` completes (`Ok`) or, with
-    /// CAS→WRITE, an upstream connection fails (`FailStop`).
+    /// CAS→WRITE or the read cache, an upstream connection ends or a lane breaks
+    /// (`FailStop`).
     pub async fn serve(
         self,
         listener: TcpListener,
@@ -260,24 +268,48 @@ impl ProxyServer {
             for lane in &proxy.lanes {
                 let (proxy, lane) = (proxy.clone(), lane.clone());
                 watchers.spawn(async move {
-                    let e = tokio::select! {
-                        e = lane.client.connection_lost() => e,
-                        () = lane.applied.until_broken() => ClientError::Cancelled,
+                    let mut keepalive = tokio::time::interval(LANE_KEEPALIVE);
+                    keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+                    let why = loop {
+                        tokio::select! {
+                            biased;
+                            e = lane.client.connection_lost() => {
+                                break format!("an upstream connection ended: {e}");
+                            }
+                            () = lane.applied.until_broken() => {
+                                break "a lane's mutation may not have reached the server".into();
+                            }
+                            _ = keepalive.tick() => {
+                                // Nobody waits for the answer: one that does not come in
+                                // time ends the connection (the client's watchdog).
+                                if let Err(e) = lane.client.submit(0, Op::Ping).await {
+                                    break format!("a keep-alive PING failed: {e}");
+                                }
+                            }
+                        }
                     };
-                    proxy.fail_stop(&e);
+                    proxy.fail_stop(&why);
                 });
             }
         }
+        let stopped = |proxy: &Proxy| {
+            let why = proxy
+                .failed_why
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
+            Err(ProxyError::FailStop(
+                why.unwrap_or_else(|| "an upstream request failed".into()),
+            ))
+        };
         loop {
             let failed = proxy.failed_notify.notified();
             if proxy.failed.load(Ordering::SeqCst) {
-                return Err(ProxyError::FailStop("an upstream request failed".into()));
+                return stopped(&proxy);
             }
             tokio::select! {
                 _ = &mut shutdown => return Ok(()),
-                _ = failed => {
-                    return Err(ProxyError::FailStop("an upstream request failed".into()));
-                }
+                _ = failed => return stopped(&proxy),
                 accepted = listener.accept() => {
                     let (stream, peer) = match accepted {
                         Ok(a) => a,
@@ -574,6 +606,8 @@ struct Proxy {
     connections: AtomicUsize,
     /// Set once, on a fail-stop; from then on nothing is answered.
     failed: AtomicBool,
+    /// Why, as the first to set `failed` said.
+    failed_why: std::sync::Mutex<Option<String>>,
     failed_notify: Notify,
 }
 
@@ -657,7 +691,7 @@ impl Proxy {
         // A FENCED session ends its connection, and only `cas_to_write` lanes are
         // fenceable.
         if self.answers_from_knowledge() {
-            self.fail_stop(&e);
+            self.fail_stop(&format!("an upstream request failed: {e}"));
             return ErrorReply::new(ErrorCode::Internal, "proxy stopped (fail-stop)");
         }
         ErrorReply::new(ErrorCode::Internal, format!("proxy upstream: {e}"))
@@ -670,10 +704,18 @@ impl Proxy {
     }
 
     /// See the crate doc: nothing this proxy knows can be trusted any more.
-    fn fail_stop(&self, e: &ClientError) {
-        if !self.failed.swap(true, Ordering::SeqCst) {
-            tracing::error!(error = %e, "upstream connection failed; stopping (fail-stop)");
+    fn fail_stop(&self, why: &str) {
+        let mut first = self
+            .failed_why
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if first.is_none() {
+            tracing::error!(reason = why, "stopping (fail-stop)");
+            *first = Some(why.to_owned());
         }
+        drop(first);
+        // Set after the reason, so whoever sees the flag finds the reason too.
+        self.failed.store(true, Ordering::SeqCst);
         self.failed_notify.notify_waiters();
     }
 
