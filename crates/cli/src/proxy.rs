@@ -13,6 +13,13 @@ use crate::units::{format_bytes, parse_bytes};
 #[derive(Subcommand)]
 pub enum ProxyCommand {
     /// Run the proxy until SIGTERM or Ctrl-C.
+    ///
+    /// With --cas-to-write or --read-cache it answers from what it knows of the
+    /// server's bytes, so it stops (exit status 3, "fail-stop") the moment that
+    /// knowledge may be wrong: an upstream connection ends (the server died, was
+    /// fenced, or a request timed out), or a lane's mutation may not have reached the
+    /// server. Clients then fence the servers (`camelot proxy fence`) and go to them
+    /// directly.
     Run(ProxyArgs),
     /// Print a proxy's counters.
     Stats(ProxyStatsArgs),
@@ -63,7 +70,9 @@ pub struct ProxyArgs {
     #[arg(long, value_name = "BYTES", default_value = "64M", value_parser = parse_bytes)]
     memory: u64,
     /// Seconds an upstream request may take before its connection is given up (with
-    /// --cas-to-write, the proxy then stops: see `camelot proxy run --help`).
+    /// --cas-to-write or --read-cache the proxy then stops: see `camelot proxy run
+    /// --help`). Those proxies also PING each lane every second, so a server gone
+    /// silent stops them within this time even when no client asks anything.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     upstream_timeout: f64,
     /// Worker threads of the proxy's runtime.
