@@ -213,6 +213,18 @@ impl<M: Memory> Meta<M> {
             return Err(CloverError::TooManyKeys(self.config.keys_max));
         }
         let node = self.take_nodes_waiting(&mut st, 1)?[0];
+        // Taking a node may have let the state lock go (waiting for a pass or for
+        // retired nodes), and another caller may have made the key meanwhile: two
+        // chains for one key would give its stores two ids, and one's writes would be
+        // read by nobody.
+        if let Some(&id) = st.keys.get(key) {
+            st.free.push(node);
+            return Ok((id, head_of(&st, self.index(id)?, id)?));
+        }
+        if st.keys.len() >= self.config.keys_max {
+            st.free.push(node);
+            return Err(CloverError::TooManyKeys(self.config.keys_max));
+        }
         let id = self.salt << 32 | (st.chains.len() as u64 + 1);
         let data = encode_node(&self.mem.geometry(), node, id, 0, None, false)?;
         if let Err(e) = self.mem.write(node, data) {
@@ -314,44 +326,53 @@ impl<M: Memory> Meta<M> {
     }
 
     /// [`Meta::take_nodes`], waiting out a running collection pass (a bounded number of
-    /// times) when nothing is free until it ends, and retired nodes (up to
-    /// [`LIMBO_WAIT_MAX`]) when nothing is free until the operations they wait for end.
+    /// times) when nothing is free until it ends, then retired nodes
+    /// ([`Meta::wait_for_limbo`]). The state lock may be let go meanwhile.
     fn take_nodes_waiting(
         &self,
         st: &mut parking_lot::MutexGuard<'_, State>,
         n: usize,
     ) -> Result<Vec<NodeAddr>, CloverError> {
-        let full = || CloverError::OutOfMemory {
+        for _ in 0..PASSES_AWAITED_MAX {
+            match self.take_nodes(st, n) {
+                Ok(Some(nodes)) => return Ok(nodes),
+                // The state lock is released while waiting: the pass needs it.
+                Ok(None) => parking_lot::MutexGuard::unlocked(st, || drop(self.gc_pass.lock())),
+                Err(CloverError::OutOfMemory { .. }) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        self.wait_for_limbo(st, n)
+    }
+
+    /// Nothing is free, but retired nodes come back by themselves once the stores'
+    /// operations in flight end (and the reuse grace passes): while there are any the
+    /// store is not full, and this waits for them (up to [`LIMBO_WAIT_MAX`], or twice
+    /// the reuse grace if that is longer), looking again without another collection
+    /// pass (one a look would hold the state lock most of the time).
+    fn wait_for_limbo(
+        &self,
+        st: &mut parking_lot::MutexGuard<'_, State>,
+        n: usize,
+    ) -> Result<Vec<NodeAddr>, CloverError> {
+        let full = CloverError::OutOfMemory {
             blocks_max: self.config.blocks_max,
         };
-        let mut passes = 0;
-        let mut limbo_deadline = None;
+        if st.limbo.is_empty() {
+            return Err(full);
+        }
+        st.stats.grants_waited += 1;
+        let deadline = Instant::now() + LIMBO_WAIT_MAX.max(self.config.reuse_grace * 2);
         loop {
-            let nothing_free = match self.take_nodes(st, n) {
-                Ok(Some(nodes)) => return Ok(nodes),
-                Ok(None) if passes < PASSES_AWAITED_MAX => {
-                    passes += 1;
-                    // The state lock is released while waiting: the pass needs it.
-                    parking_lot::MutexGuard::unlocked(st, || drop(self.gc_pass.lock()));
-                    continue;
-                }
-                Ok(None) => full(),
-                Err(e @ CloverError::OutOfMemory { .. }) => e,
-                Err(e) => return Err(e),
-            };
-            // Retired nodes come back by themselves once the stores' operations in
-            // flight end (and the reuse grace passes): the store is not full, it waits.
-            if st.limbo.is_empty() {
-                return Err(nothing_free);
-            }
-            let deadline = *limbo_deadline.get_or_insert_with(|| {
-                st.stats.grants_waited += 1;
-                Instant::now() + LIMBO_WAIT_MAX
-            });
-            if Instant::now() >= deadline {
-                return Err(nothing_free);
-            }
             parking_lot::MutexGuard::unlocked(st, || std::thread::sleep(LIMBO_POLL));
+            self.reclaim(st);
+            if !st.free.is_empty() {
+                let keep = st.free.len().saturating_sub(n);
+                return Ok(st.free.split_off(keep));
+            }
+            if st.limbo.is_empty() || Instant::now() >= deadline {
+                return Err(full);
+            }
         }
     }
 

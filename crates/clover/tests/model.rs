@@ -138,6 +138,48 @@ fn a_grant_waits_for_nodes_an_operation_in_flight_holds_back() {
     assert!(meta.stats().nodes_reclaimed > 0, "{:?}", meta.stats());
 }
 
+/// Two callers making the same new key while nodes are short get one id: the one whose
+/// node came second finds the key made while it waited (two chains for one key would
+/// give its stores two ids, and one's writes would be read by nobody).
+#[test]
+fn a_key_made_while_another_caller_waited_for_a_node_has_one_id() {
+    let (mem, meta) = sim(1, 1);
+    let slot = meta.register();
+    let pin = meta.pin(&slot);
+    let mut s = Store::new(meta.clone(), mem, StoreConfig::default());
+    for i in 1..=4 {
+        s.put(b"a", enc(i).unwrap()).unwrap();
+    }
+    drop(s);
+    meta.gc().unwrap();
+    // Every free node held elsewhere; the retired ones wait behind the pin.
+    let held = meta.grant(1024).unwrap();
+    let stats = meta.stats();
+    assert!(
+        stats.free_nodes == 0 && stats.limbo_nodes >= 2,
+        "{stats:?} (held {})",
+        held.len()
+    );
+    let makers: Vec<_> = (0..2)
+        .map(|_| {
+            let meta = meta.clone();
+            std::thread::spawn(move || meta.key(b"new").map(|(id, _)| id))
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while meta.stats().grants_waited < 2 {
+        assert!(Instant::now() < deadline, "{:?}", meta.stats());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(pin);
+    let ids: Vec<u64> = makers
+        .into_iter()
+        .map(|m| m.join().expect("maker").expect("key"))
+        .collect();
+    assert_eq!(ids[0], ids[1], "one key, two ids");
+    assert_eq!(meta.stats().keys, 2);
+}
+
 // ---- interleavings ----
 
 #[derive(Debug, Clone)]
