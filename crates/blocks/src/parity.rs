@@ -222,6 +222,14 @@ impl Codec {
             return Err(BlocksError::Codec(format!("{n} slots expected")));
         }
         let present = slots.iter().filter(|s| s.is_some()).count();
+        // Slots come from servers: ones of unequal length are an error, never a slice
+        // past an end.
+        let mut lens = slots.iter().flatten().map(Vec::len);
+        if let Some(first) = lens.next() {
+            if lens.any(|l| l != first) {
+                return Err(BlocksError::Codec("slots of unequal length".into()));
+            }
+        }
         if present == n {
             return Ok(());
         }
@@ -456,6 +464,25 @@ mod tests {
         let want: Vec<u8> = a.iter().zip(&b).map(|(x, y)| x ^ y).collect();
         xor_into(&mut a, &b);
         assert_eq!(a, want);
+    }
+
+    /// Slots come from servers: a short one is an error for every code, not a panic
+    /// or a stripe rebuilt from a shorter slot.
+    #[test]
+    fn slots_of_unequal_length_are_an_error() {
+        for (code, k, m) in [(Code::Xor, 4, 1), (Code::Rs, 4, 2), (Code::Mirror, 1, 2)] {
+            let c = Codec { code, k, m };
+            let full = stripe(c, 2, 5);
+            let mut slots: Vec<Option<Vec<u8>>> = full.into_iter().map(Some).collect();
+            slots[0] = None;
+            if let Some(s) = slots[1].as_mut() {
+                s.truncate(s.len() - 1);
+            }
+            assert!(
+                matches!(c.reconstruct(&mut slots), Err(BlocksError::Codec(_))),
+                "{code:?}"
+            );
+        }
     }
 
     #[test]

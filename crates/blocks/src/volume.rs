@@ -1079,6 +1079,7 @@ impl Volume {
         // the rest of this phase failed: a retry (degraded, once a member is marked
         // missing) rebuilds lost slots from parity, which must then match the data.
         let mut outcome = Outcome::default();
+        let mut short_slot = false;
         if !ops.is_empty() {
             let replies = outcome.sort(self.exchange(ops));
             if outcome.ok() && !new_marks.is_empty() {
@@ -1095,14 +1096,25 @@ impl Volume {
                     Got::OldPiece { span, piece } => {
                         reply::data(Ok(reply)).map(|d| old_pieces[span][piece] = Some(d))
                     }
-                    Got::Slot { span, slot } => {
-                        reply::data(Ok(reply)).map(|d| slots[span][slot] = Some(d.to_vec()))
-                    }
+                    Got::Slot { span, slot } => reply::data(Ok(reply)).map(|d| {
+                        // A reply of another length is the server's error, not a slot:
+                        // the stripe is rebuilt from what every member said, sliced by
+                        // the span's bounds.
+                        let (lo, hi) = spans[span].range(RS_ALIGN, chunk);
+                        if d.len() as u64 == hi - lo {
+                            slots[span][slot] = Some(d.to_vec());
+                        } else {
+                            short_slot = true;
+                        }
+                    }),
                 };
                 if let Err(e) = res {
                     outcome.fail(e.into());
                 }
             }
+        }
+        if short_slot {
+            outcome.fail(BlocksError::Codec("short read of a stripe slot".into()));
         }
         // After a failed first phase only the deltas of SWAPs that landed go out.
         let deltas_only = !outcome.ok();
@@ -1264,7 +1276,11 @@ impl Volume {
         let replies = self.exchange_all(ops)?;
         let mut slots: Vec<Vec<Vec<u8>>> = vec![vec![Vec::new(); n]; stripes.len()];
         for (reply, (i, slot)) in replies.into_iter().zip(at) {
-            slots[i][slot] = reply::data(Ok(reply)).map_err(BlocksError::from)?.to_vec();
+            let data = reply::data(Ok(reply)).map_err(BlocksError::from)?;
+            if data.len() as u64 != u64::from(chunk) {
+                return Err(BlocksError::Codec("short read of a stripe slot".into()).into());
+            }
+            slots[i][slot] = data.to_vec();
         }
         let mut writes = Vec::new();
         for i in checkable {

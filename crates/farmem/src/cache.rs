@@ -114,6 +114,11 @@ pub struct PageCache<S: PageStore> {
     next_batch: u64,
     /// The page the last access ended in (see the fast path in `for_each_piece`).
     last_page: Option<PageId>,
+    /// Set when an eviction's write-back failed: its dirty pages had left their frames,
+    /// so their only copy is gone, and from then on every call fails with this reason
+    /// (serving on would answer older bytes from the store as if they were the latest,
+    /// and a later `flush` would say all is written).
+    lost: Option<String>,
 }
 
 impl<S: PageStore> PageCache<S> {
@@ -145,6 +150,7 @@ impl<S: PageStore> PageCache<S> {
             inflight_pages: PageMap::default(),
             next_batch: 0,
             last_page: None,
+            lost: None,
         })
     }
 
@@ -168,6 +174,25 @@ impl<S: PageStore> PageCache<S> {
         self.frames.len()
     }
 
+    /// Fails once a write-back has lost pages (see `lost`).
+    fn alive(&self) -> Result<(), Error> {
+        match &self.lost {
+            Some(why) => Err(Error::WriteBackLost(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes evicted dirty pages back; a failure loses them, and so the cache.
+    fn write_back(&mut self, dirty: &[(PageId, &[u8])]) -> Result<(), Error> {
+        if let Err(e) = self.store.write_pages(dirty) {
+            let why = format!("{} dirty pages could not be written back: {e}", dirty.len());
+            self.lost.get_or_insert(why.clone());
+            return Err(Error::WriteBackLost(why));
+        }
+        self.stats.written_back += dirty.len() as u64;
+        Ok(())
+    }
+
     /// Copies `buf.len()` bytes from `offset` into `buf`.
     pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), Error> {
         self.for_each_piece(offset, buf.len(), false, |frame, in_page, at, len| {
@@ -189,6 +214,7 @@ impl<S: PageStore> PageCache<S> {
     /// taken, nothing evicted — for sequential bulk reads such as a sort's runs. Resident
     /// pages, which may be newer than the store, are copied over them from their frames.
     pub fn read_direct(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), Error> {
+        self.alive()?;
         let Some((first, pages, head)) = self.direct_span(offset, buf.len())? else {
             return self.read(offset, buf);
         };
@@ -208,6 +234,7 @@ impl<S: PageStore> PageCache<S> {
     /// Like [`PageCache::write`], but the whole pages of a large span go straight to
     /// the store; resident copies of them are updated and are clean after.
     pub fn write_direct(&mut self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        self.alive()?;
         let Some((first, pages, head)) = self.direct_span(offset, data.len())? else {
             return self.write(offset, data);
         };
@@ -283,6 +310,7 @@ impl<S: PageStore> PageCache<S> {
 
     /// Keeps `page` resident until [`PageCache::unpin`]; pins nest.
     pub fn pin(&mut self, page: PageId) -> Result<(), Error> {
+        self.alive()?;
         if page >= self.store_pages {
             return Err(Error::Invalid(format!("page {page} is past the end")));
         }
@@ -303,6 +331,7 @@ impl<S: PageStore> PageCache<S> {
     /// time, each one batch to the store), for views that borrow their frames. Fails —
     /// pinning nothing — when the range is past the end or more than the cache holds.
     pub fn pin_range(&mut self, first: PageId, count: u64) -> Result<(), Error> {
+        self.alive()?;
         let end = first
             .checked_add(count)
             .filter(|&e| e <= self.store_pages)
@@ -354,6 +383,7 @@ impl<S: PageStore> PageCache<S> {
 
     /// Writes every dirty page back, in one batch.
     pub fn flush(&mut self) -> Result<(), Error> {
+        self.alive()?;
         let mut dirty: Vec<PageId> = self
             .frames
             .iter()
@@ -386,6 +416,7 @@ impl<S: PageStore> PageCache<S> {
         writing: bool,
         mut f: impl FnMut(&mut Frame, usize, usize, usize),
     ) -> Result<(), Error> {
+        self.alive()?;
         let end = offset
             .checked_add(len as u64)
             .filter(|&e| e <= self.len_bytes())
@@ -553,8 +584,7 @@ impl<S: PageStore> PageCache<S> {
             .map(|(p, f)| (*p, &f.data[..]))
             .collect();
         if !dirty.is_empty() {
-            self.store.write_pages(&dirty)?;
-            self.stats.written_back += dirty.len() as u64;
+            self.write_back(&dirty)?;
         }
         self.stats.evictions += victims.len() as u64;
         // The victims' buffers are reused for the incoming pages.
@@ -630,8 +660,7 @@ impl<S: PageStore> PageCache<S> {
                 .map(|(p, f)| (*p, &f.data[..]))
                 .collect();
             if !dirty.is_empty() {
-                self.store.write_pages(&dirty)?;
-                self.stats.written_back += dirty.len() as u64;
+                self.write_back(&dirty)?;
             }
             self.stats.evictions += victims.len() as u64;
             // The victims' buffers take the incoming pages: no allocation (and no fresh
@@ -677,6 +706,65 @@ mod tests {
     use proptest::prelude::*;
 
     const PAGE: usize = 4096;
+
+    /// A store whose page writes fail while `fail_writes` is set.
+    struct FlakyStore {
+        inner: LocalStore,
+        fail_writes: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl PageStore for FlakyStore {
+        fn page_bytes(&self) -> usize {
+            self.inner.page_bytes()
+        }
+        fn pages(&self) -> u64 {
+            self.inner.pages()
+        }
+        fn read_pages(&self, pages: &[PageId], out: &mut [Box<[u8]>]) -> Result<(), Error> {
+            self.inner.read_pages(pages, out)
+        }
+        fn write_pages(&self, pages: &[(PageId, &[u8])]) -> Result<(), Error> {
+            if self.fail_writes.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(Error::Remote("the test store refused a write".into()));
+            }
+            self.inner.write_pages(pages)
+        }
+        fn traffic_bytes(&self) -> (u64, u64) {
+            self.inner.traffic_bytes()
+        }
+    }
+
+    /// An eviction whose write-back fails has lost its dirty pages: the cache then fails
+    /// every call — it never answers the store's older bytes for them, and `flush` never
+    /// says all is written — even once the store works again.
+    #[test]
+    fn a_failed_write_back_fails_the_cache_for_good() {
+        let fail_writes = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let store = FlakyStore {
+            inner: LocalStore::new(PAGE, 8).expect("store"),
+            fail_writes: fail_writes.clone(),
+        };
+        let mut c = PageCache::new(store, &CacheConfig::new(2 * PAGE as u64)).expect("cache");
+        c.write(0, &[1u8; PAGE]).unwrap();
+        c.write(PAGE as u64, &[2u8; PAGE]).unwrap();
+        fail_writes.store(true, std::sync::atomic::Ordering::SeqCst);
+        let evicting = c.write(2 * PAGE as u64, &[3u8; PAGE]);
+        assert!(
+            matches!(evicting, Err(Error::WriteBackLost(_))),
+            "{evicting:?}"
+        );
+        fail_writes.store(false, std::sync::atomic::Ordering::SeqCst);
+        let mut back = vec![0u8; PAGE];
+        for page in 0..3u64 {
+            let read = c.read(page * PAGE as u64, &mut back);
+            assert!(
+                matches!(read, Err(Error::WriteBackLost(_))),
+                "page {page}: {read:?}"
+            );
+        }
+        assert!(matches!(c.flush(), Err(Error::WriteBackLost(_))));
+        assert!(matches!(c.pin(0), Err(Error::WriteBackLost(_))));
+    }
 
     fn cache(pages: u64, frames: u64, policy: &str, prefetch: &str) -> PageCache<LocalStore> {
         let store = LocalStore::new(PAGE, pages).expect("store");

@@ -26,6 +26,10 @@ pub enum Error {
     /// A far region stopped serving faults (its store failed); the message says why.
     #[error("the far region failed: {0}")]
     RegionFailed(String),
+    /// An evicted dirty page could not be written back, and was lost with its frame; the
+    /// cache serves nothing more (the message says why).
+    #[error("the page cache lost pages and serves nothing more: {0}")]
+    WriteBackLost(String),
     #[error("reading the trace: {0}")]
     Io(#[from] std::io::Error),
 }
