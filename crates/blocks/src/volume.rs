@@ -1277,7 +1277,7 @@ impl Volume {
         let mut slots: Vec<Vec<Vec<u8>>> = vec![vec![Vec::new(); n]; stripes.len()];
         for (reply, (i, slot)) in replies.into_iter().zip(at) {
             let data = reply::data(Ok(reply)).map_err(BlocksError::from)?;
-            if data.len() as u64 != u64::from(chunk) {
+            if data.len() as u64 != chunk {
                 return Err(BlocksError::Codec("short read of a stripe slot".into()).into());
             }
             slots[i][slot] = data.to_vec();

@@ -977,7 +977,8 @@ impl Inner {
         self.backend.write_home(&writes)?;
         log.pending.clear();
         log.pending_bytes = 0;
-        self.write_catalog_and_reset(log)
+        self.write_catalog_and_reset(log)?;
+        self.backend.resynced()
     }
 
     fn write_catalog_and_reset(&self, log: &mut LogState) -> Result<()> {

@@ -573,6 +573,86 @@ fn redis_kill_checker_catches_early_acks() {
     redis_kill_loop(BROKEN_KILLS, &[ACK_EARLY]).assert_lost_some();
 }
 
+/// A mirrored instance with `commits` commits on two fresh dev nodes: the nodes, their
+/// addresses, and the configuration to open it with (`recover` or not).
+fn mirrored_instance(
+    name: &str,
+    commits: u64,
+) -> (
+    [camelot_server::dev::DevCluster; 2],
+    impl Fn(bool) -> Config,
+) {
+    let nodes = [dev_node(), dev_node()];
+    let backend = BackendConfig::Pool {
+        servers: vec![nodes[0].addrs()[0], nodes[1].addrs()[0]],
+        token: None,
+        log_bytes: common::POOL_LOG_BYTES,
+    };
+    let name = name.to_owned();
+    let cfg = move |recover| Config::new(backend.clone(), &name).recover(recover);
+    let rvm = Rvm::open(cfg(false)).expect("open");
+    let s = rvm.alloc("s", 8192).expect("alloc");
+    for n in 1..=commits {
+        let mut t = rvm.begin();
+        t.set_range(&s, (n % 8) * 1000, 8).expect("declare");
+        t.write_u64(&s, (n % 8) * 1000, n).expect("write");
+        t.commit().expect("commit");
+    }
+    (nodes, cfg)
+}
+
+/// What the last 8 of `commits` commits left in segment `s` (`mirrored_instance`).
+fn assert_last_commits(rvm: &Rvm, commits: u64) {
+    let s = rvm.segment("s").expect("recovered segment");
+    for n in commits - 7..=commits {
+        assert_eq!(
+            s.read_u64((n % 8) * 1000).expect("read"),
+            n,
+            "lost commit {n}"
+        );
+    }
+}
+
+/// A mirror restarted empty (a memory server killed and brought back on its port) while
+/// the other mirror is down: recovery must not take it for the instance — it would
+/// recover nothing as if nothing had been there, and, its log growing with each such
+/// open, a later recovery would rewrite the mirror that has the data from it.
+#[test]
+fn a_mirror_restarted_empty_is_not_taken_for_the_instance() {
+    let ([a, b], cfg) = mirrored_instance("restarted-alone", 20);
+    let b_addr = b.addrs()[0];
+    b.shutdown().expect("b stops");
+    let _b = common::dev_node_on(b_addr);
+    a.shutdown().expect("a stops");
+    for attempt in 0..3 {
+        match Rvm::open(cfg(true)) {
+            Err(RvmError::Unavailable(why)) => assert!(why.contains("restarted empty"), "{why}"),
+            Err(e) => panic!("attempt {attempt}: {e}"),
+            Ok(rvm) => panic!(
+                "attempt {attempt}: recovered {} segments from a mirror restarted empty",
+                rvm.segments().len()
+            ),
+        }
+    }
+}
+
+/// A mirror restarted empty while the other answers is rewritten from the other, and
+/// after that it holds the instance: recovery from it alone finds every commit.
+#[test]
+fn a_mirror_restarted_empty_is_rewritten_from_the_other() {
+    let ([a, b], cfg) = mirrored_instance("restarted-both", 20);
+    let b_addr = b.addrs()[0];
+    b.shutdown().expect("b stops");
+    let b = common::dev_node_on(b_addr);
+    let rvm = Rvm::open(cfg(true)).expect("recovery with both mirrors");
+    assert_last_commits(&rvm, 20);
+    drop(rvm);
+    a.shutdown().expect("a stops");
+    let rvm = Rvm::open(cfg(true)).expect("recovery from the rewritten mirror alone");
+    assert_last_commits(&rvm, 20);
+    drop(b);
+}
+
 /// Mirrored pool: a server dies between commits; recovery from the survivor loses
 /// nothing, commits without the mirror fail loudly, and either server can be the one lost.
 #[test]

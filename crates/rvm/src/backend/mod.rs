@@ -79,4 +79,10 @@ pub trait Backend: Send + Sync {
     fn needs_resync(&self) -> bool {
         false
     }
+
+    /// After a resync has written the recovered state to every replica: replicas that
+    /// were rewritten from another may now be recovered from.
+    fn resynced(&self) -> Result<()> {
+        Ok(())
+    }
 }

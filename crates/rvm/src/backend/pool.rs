@@ -42,7 +42,7 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// The header region: one page, of which the first `HEADER_USED_BYTES` are used.
 const HEADER_BYTES: u64 = crate::limits::PAGE_BYTES;
-const HEADER_USED_BYTES: u32 = 40;
+const HEADER_USED_BYTES: u32 = 48;
 /// "RVMHDR01", little-endian: a header that was written (a new region reads as zeros).
 const HEADER_MAGIC: u64 = u64::from_le_bytes(*b"RVMHDR01");
 const HEADER_MAGIC_OFFSET: u64 = 0;
@@ -54,11 +54,24 @@ const HEADER_EPOCH_OFFSET: u64 = 16;
 const HEADER_OWNER_OFFSET: u64 = 24;
 /// The epoch whose log region holds the log (0: `rvm/NS/log`, from before generations).
 const HEADER_LOG_GEN_OFFSET: u64 = 32;
+/// The instance's id, random, the same on every mirror: written when the instance is
+/// created (with every mirror answering) or a mirror is rewritten from another. A memory
+/// server restarted empty comes back without it, so it is never taken for the instance
+/// (0: a header from before instance ids, which is not checked).
+const HEADER_INSTANCE_OFFSET: u64 = 40;
 
 struct Replica {
     addr: SocketAddr,
     client: Client,
     header: Region,
+    /// Whether its header held the instance before this open (a mirror restarted empty
+    /// does not, and is rewritten from one that does, never read from).
+    held: bool,
+    /// For a mirror that did not hold the instance, opened for recovery: the log size
+    /// and instance id its header is to get once the recovery has rewritten it whole
+    /// ([`Backend::resynced`]). Until then it has no header, and is never taken for
+    /// the instance.
+    header_after_resync: Option<(u64, u64)>,
     /// The epoch this open took on this replica.
     epoch: u64,
     /// The log region: `rvm/NS/log`, or `rvm/NS/log.GEN` for the generation the header
@@ -110,10 +123,24 @@ impl PoolBackend {
                 servers.len()
             )));
         }
+        // Recovery must agree with what the mirrors hold; an open without it discards
+        // the instance, which starts again under a new id.
+        let instance = match (servers.len() > 1, allow_down) {
+            (false, _) => None,
+            (true, true) => Some(agree_on_instance(servers, ns, &token, allow_down)?),
+            (true, false) => Some(new_instance_id()),
+        };
         let mut replicas = Vec::new();
         let mut last_err = None;
         for &addr in servers {
-            match Replica::open(addr, ns, token.clone(), log_capacity_bytes, allow_down) {
+            match Replica::open(
+                addr,
+                ns,
+                token.clone(),
+                log_capacity_bytes,
+                allow_down,
+                instance,
+            ) {
                 Ok(r) => replicas.push(Some(r)),
                 // A geometry mismatch is an answer, not an outage.
                 Err(e)
@@ -143,13 +170,13 @@ impl PoolBackend {
             resync: false,
             scanned: Mutex::new(None),
         };
-        backend.choose_source()?;
+        backend.choose_source(allow_down)?;
         Ok(backend)
     }
 
     /// Picks the replica whose log reaches furthest; the others need a resync when their
     /// position differs or they are down.
-    fn choose_source(&mut self) -> Result<()> {
+    fn choose_source(&mut self, recovering: bool) -> Result<()> {
         if self.replicas.len() == 1 {
             // Nothing to choose between: the scan is left to `scan_log[_placing]`, which
             // can then read big payloads straight into segment memory.
@@ -157,8 +184,16 @@ impl PoolBackend {
         }
         let mut positions = Vec::new();
         let mut scans = Vec::new();
+        // Mirrors that held the instance before this open are the only sources when any
+        // answered; one that did not (restarted empty) is only ever rewritten.
+        // (An open without recovery discards the instance: nothing to choose from.)
+        let any_held = recovering && self.replicas.iter().flatten().any(|r| r.held);
+        let fresh = recovering && self.replicas.iter().flatten().any(|r| !r.held);
         for (i, r) in self.replicas.iter().enumerate() {
             let Some(r) = r else { continue };
+            if any_held && !r.held {
+                continue;
+            }
             let slots = r.read_catalog_slots()?;
             let applied_seq = newest_catalog(&slots).map_or(0, |(_, c)| c.applied_seq);
             let (records, end_bytes) = r.scan(applied_seq + 1, self.log_capacity_bytes)?;
@@ -184,8 +219,9 @@ impl PoolBackend {
         *self.scanned.lock() = scans
             .into_iter()
             .find_map(|(i, scan)| (i == source).then_some(scan));
-        self.resync =
-            positions.len() < self.replicas.len() || positions.iter().any(|(_, p)| *p != best);
+        self.resync = fresh
+            || positions.len() < self.replicas.len()
+            || positions.iter().any(|(_, p)| *p != best);
         *self.tail_bytes.lock() = best.end_bytes;
         Ok(())
     }
@@ -370,6 +406,101 @@ fn word_at(bytes: &[u8], offset: u64) -> u64 {
         .map_or(0, u64::from_le_bytes)
 }
 
+/// The header's magic and log size (not its epoch, which fences writers).
+fn write_geometry(client: &Client, header: &Region, log_bytes: u64) -> Result<()> {
+    let mut geometry = Vec::with_capacity(16);
+    geometry.extend_from_slice(&HEADER_MAGIC.to_le_bytes());
+    geometry.extend_from_slice(&log_bytes.to_le_bytes());
+    client.write(header, HEADER_MAGIC_OFFSET, Bytes::from(geometry))?;
+    Ok(())
+}
+
+fn write_instance_id(client: &Client, header: &Region, id: u64) -> Result<()> {
+    client.write(
+        header,
+        HEADER_INSTANCE_OFFSET,
+        Bytes::copy_from_slice(&id.to_le_bytes()),
+    )?;
+    Ok(())
+}
+
+/// A new instance's id: random, never 0 (which marks a header from before ids).
+fn new_instance_id() -> u64 {
+    loop {
+        let id = rand::random::<u64>();
+        if id != 0 {
+            return id;
+        }
+    }
+}
+
+/// The instance id of `ns` a mirror's header holds, read before anything is written:
+/// `None` when it holds no instance (no header, as on a server restarted empty).
+fn peek_instance(addr: SocketAddr, ns: &str, token: Option<Vec<u8>>) -> Result<Option<u64>> {
+    let cfg = ClientConfig {
+        token,
+        connections_per_node: 1,
+        connect_timeout: CONNECT_TIMEOUT,
+        request_timeout: REQUEST_TIMEOUT,
+        ..ClientConfig::default()
+    };
+    let client = Client::connect(ClusterMap::from_addrs(&[addr]), cfg)?;
+    let header = match client.lookup(&format!("rvm/{ns}/hdr")) {
+        Ok(r) => r,
+        Err(e) if e.code() == Some(ErrorCode::NameNotFound) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let head = client.read(&header, 0, HEADER_USED_BYTES)?;
+    Ok((word_at(&head, HEADER_MAGIC_OFFSET) == HEADER_MAGIC)
+        .then(|| word_at(&head, HEADER_INSTANCE_OFFSET)))
+}
+
+/// The instance id every mirror must hold, from what their headers say before this open
+/// writes anything: the one they hold, or a new one when none holds any and every mirror
+/// answered. When none that answered holds one and a mirror is down, recovery is refused:
+/// a mirror restarted empty looks like a new instance, and taking it for one would
+/// recover nothing — and, its log growing with each such open, later rewrite the mirror
+/// that has the data.
+fn agree_on_instance(
+    servers: &[SocketAddr],
+    ns: &str,
+    token: &Option<Vec<u8>>,
+    allow_down: bool,
+) -> Result<u64> {
+    let mut held = Vec::new();
+    let mut down = None;
+    for &addr in servers {
+        match peek_instance(addr, ns, token.clone()) {
+            Ok(Some(id)) => held.push(id),
+            Ok(None) => {}
+            Err(e) if allow_down => {
+                down.get_or_insert((addr, e));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let mut ids: Vec<u64> = held.iter().copied().filter(|&id| id != 0).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    match ids[..] {
+        [] if held.is_empty() => match down {
+            Some((addr, e)) => Err(RvmError::Unavailable(format!(
+                "no mirror that answered holds rvm instance {ns:?}, and the mirror at {addr} \
+                 is down ({e}): a mirror restarted empty cannot be told from a new instance, \
+                 so recovery waits until every mirror answers"
+            ))),
+            None => Ok(new_instance_id()),
+        },
+        // Headers from before instance ids: nothing to check.
+        [] => Ok(0),
+        [id] => Ok(id),
+        _ => Err(RvmError::Corrupt(format!(
+            "the mirrors of rvm instance {ns:?} hold different instances ({ids:#x?}): \
+             each was created without the other; keep one and clear the other"
+        ))),
+    }
+}
+
 /// This process and the moment it opened, as the header's owner word.
 fn owner_word() -> u64 {
     let nanos = std::time::SystemTime::now()
@@ -403,12 +534,15 @@ impl Replica {
     /// Connects, checks the stored geometry against `log_bytes`, takes a new epoch and
     /// opens the regions. With `recover`, a different stored log size is refused; without,
     /// the instance is being discarded anyway and its log is re-created at the new size.
+    /// `instance`: the id the mirrors agreed on (`agree_on_instance`); `None` for a
+    /// single server, which keeps the id it has or gets a new one.
     fn open(
         addr: SocketAddr,
         ns: &str,
         token: Option<Vec<u8>>,
         log_bytes: u64,
         recover: bool,
+        instance: Option<u64>,
     ) -> Result<Replica> {
         let cfg = ClientConfig {
             token,
@@ -421,6 +555,19 @@ impl Replica {
         let client = Client::connect(ClusterMap::from_addrs(&[addr]), cfg)?;
         let header = lookup_or_alloc(&client, &format!("rvm/{ns}/hdr"), HEADER_BYTES)?;
         let head = client.read(&header, 0, HEADER_USED_BYTES)?;
+        let held = word_at(&head, HEADER_MAGIC_OFFSET) == HEADER_MAGIC;
+        let held_id = if held {
+            word_at(&head, HEADER_INSTANCE_OFFSET)
+        } else {
+            0
+        };
+        let other = |id: u64| recover && id != 0 && held_id != 0 && held_id != id;
+        if let Some(id) = instance.filter(|&id| other(id)) {
+            // `agree_on_instance` read this header a moment ago: changed since.
+            return Err(RvmError::Corrupt(format!(
+                "the mirror at {addr} holds rvm instance {held_id:#x}, not {id:#x}"
+            )));
+        }
         let log_gen = if word_at(&head, HEADER_MAGIC_OFFSET) == HEADER_MAGIC {
             word_at(&head, HEADER_LOG_GEN_OFFSET)
         } else {
@@ -468,11 +615,25 @@ impl Replica {
             None => lookup_or_alloc(&client, &log_name, requested)?,
         };
         free_orphan_logs(&client, ns, &log_name)?;
-        if stored != Some(requested) || word_at(&head, HEADER_MAGIC_OFFSET) != HEADER_MAGIC {
-            let mut geometry = Vec::with_capacity(16);
-            geometry.extend_from_slice(&HEADER_MAGIC.to_le_bytes());
-            geometry.extend_from_slice(&requested.to_le_bytes());
-            client.write(&header, HEADER_MAGIC_OFFSET, Bytes::from(geometry))?;
+        let id = match instance {
+            Some(id) => id,
+            None if held_id != 0 => held_id,
+            None => new_instance_id(),
+        };
+        // A mirror that did not hold the instance gets its header only once a recovery
+        // has rewritten it whole: given earlier, a rewrite cut short would leave an empty
+        // mirror that passes for the instance. Creating (no recovery) writes it at once,
+        // and so does a single server, which has no other copy to protect.
+        let mut header_after_resync = None;
+        if recover && instance.is_some() && !held {
+            header_after_resync = Some((requested, id));
+        } else {
+            if stored != Some(requested) || !held {
+                write_geometry(&client, &header, requested)?;
+            }
+            if id != held_id && id != 0 {
+                write_instance_id(&client, &header, id)?;
+            }
         }
         let cat = |i: usize| {
             get_or_alloc(
@@ -486,6 +647,8 @@ impl Replica {
             addr,
             client: client.clone(),
             header,
+            held,
+            header_after_resync,
             epoch,
             log,
             catalogs,
@@ -778,6 +941,16 @@ impl Backend for PoolBackend {
                 Ok(()) => {}
                 Err(e) if e.code() == Some(ErrorCode::NoSuchRegion) => {}
                 Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    fn resynced(&self) -> Result<()> {
+        for r in self.live_or_alive() {
+            if let Some((log_bytes, id)) = r.header_after_resync {
+                write_geometry(&r.client, &r.header, log_bytes)?;
+                write_instance_id(&r.client, &r.header, id)?;
             }
         }
         Ok(())

@@ -26,6 +26,18 @@ pub fn dev_node() -> DevCluster {
     .expect("dev cluster starts")
 }
 
+/// A dev node on `addr`'s port again, empty: a memory server restarted after a crash.
+pub fn dev_node_on(addr: SocketAddr) -> DevCluster {
+    DevCluster::start(DevClusterConfig {
+        nodes: 1,
+        memory_bytes_per_node: NODE_MEMORY_BYTES,
+        base_port: Some(addr.port()),
+        worker_threads: 1,
+        ..DevClusterConfig::default()
+    })
+    .expect("dev cluster restarts on its port")
+}
+
 /// A real redis-server on a free loopback port: the benchmarks' own peer launcher, which
 /// retries a port another process took and kills and reaps the server on drop.
 pub struct Redis {
