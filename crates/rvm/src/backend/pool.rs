@@ -434,17 +434,23 @@ fn new_instance_id() -> u64 {
     }
 }
 
-/// The instance id of `ns` a mirror's header holds, read before anything is written:
-/// `None` when it holds no instance (no header, as on a server restarted empty).
-fn peek_instance(addr: SocketAddr, ns: &str, token: Option<Vec<u8>>) -> Result<Option<u64>> {
+/// A client of one pool server.
+fn connect_replica(addr: SocketAddr, token: Option<Vec<u8>>) -> Result<Client> {
     let cfg = ClientConfig {
         token,
+        // One connection: a commit's ops stay in order on it and share frames.
         connections_per_node: 1,
         connect_timeout: CONNECT_TIMEOUT,
         request_timeout: REQUEST_TIMEOUT,
         ..ClientConfig::default()
     };
-    let client = Client::connect(ClusterMap::from_addrs(&[addr]), cfg)?;
+    Ok(Client::connect(ClusterMap::from_addrs(&[addr]), cfg)?)
+}
+
+/// The instance id of `ns` a mirror's header holds, read before anything is written:
+/// `None` when it holds no instance (no header, as on a server restarted empty).
+fn peek_instance(addr: SocketAddr, ns: &str, token: Option<Vec<u8>>) -> Result<Option<u64>> {
+    let client = connect_replica(addr, token)?;
     let header = match client.lookup(&format!("rvm/{ns}/hdr")) {
         Ok(r) => r,
         Err(e) if e.code() == Some(ErrorCode::NameNotFound) => return Ok(None),
@@ -544,15 +550,7 @@ impl Replica {
         recover: bool,
         instance: Option<u64>,
     ) -> Result<Replica> {
-        let cfg = ClientConfig {
-            token,
-            // One connection: a commit's ops stay in order on it and share frames.
-            connections_per_node: 1,
-            connect_timeout: CONNECT_TIMEOUT,
-            request_timeout: REQUEST_TIMEOUT,
-            ..ClientConfig::default()
-        };
-        let client = Client::connect(ClusterMap::from_addrs(&[addr]), cfg)?;
+        let client = connect_replica(addr, token)?;
         let header = lookup_or_alloc(&client, &format!("rvm/{ns}/hdr"), HEADER_BYTES)?;
         let head = client.read(&header, 0, HEADER_USED_BYTES)?;
         let held = word_at(&head, HEADER_MAGIC_OFFSET) == HEADER_MAGIC;
