@@ -1,6 +1,6 @@
 //! A writer paused across another opener's takeover must not land anything once it is
 //! continued: the pool server refuses every WRITE not guarded by the current epoch, and
-//! redis-server aborts the home writes' MULTI/EXEC because the takeover's INCR touched the
+//! redis-server aborts the home writes' MULTI/EXEC because the takeover's SET touched the
 //! epoch key the writer WATCHes.
 //! The paused writer is a real process (`rvm-crash-writer fence`) that stops itself with
 //! SIGSTOP between deciding to write its truncation's homes and sending them — the moment
@@ -9,8 +9,11 @@
 
 mod common;
 
+use camelot_rvm::{BackendConfig, Config};
 use camelot_rvm::{Rvm, Segment};
 use common::{Fixture, LineChild, POOL_LOG_BYTES};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 /// How long the paused writer may take to show as stopped in /proc.
@@ -126,4 +129,118 @@ fn redis_paused_writer_lands_nothing_after_a_takeover() {
 #[test]
 fn camelot_resp_paused_writer_lands_nothing_after_a_takeover() {
     paused_writer_lands_nothing("camelot-resp");
+}
+
+/// How long a test's own command to redis-server may take.
+const REDIS_COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Sends one inline command to redis-server at `addr`; returns its one-line reply.
+fn redis_command(addr: SocketAddr, command: &str) -> String {
+    let mut stream = TcpStream::connect_timeout(&addr, REDIS_COMMAND_TIMEOUT).expect("connect");
+    stream
+        .set_read_timeout(Some(REDIS_COMMAND_TIMEOUT))
+        .expect("timeout");
+    stream
+        .write_all(format!("{command}\r\n").as_bytes())
+        .expect("send");
+    let mut line = String::new();
+    BufReader::new(stream)
+        .read_line(&mut line)
+        .expect("redis answers");
+    line.trim_end().to_string()
+}
+
+fn redis_config(addr: SocketAddr, name: &str) -> Config {
+    Config::new(
+        BackendConfig::Redis {
+            addr,
+            wait_replicas: 0,
+        },
+        name,
+    )
+    .recover(true)
+}
+
+/// Redis loses every key while A holds the instance (FLUSHALL here; a failover to a replica
+/// that had not caught up does the same), and B opens the name afresh. A's next commit
+/// must fail as fenced. When each open INCRed a counter, B drew A's epoch (1) again and A
+/// went on committing into B's instance.
+#[test]
+fn redis_that_lost_its_keys_fences_the_writer_that_held_them() {
+    let redis = common::Redis::start();
+    let a = Rvm::open(redis_config(redis.addr, "lost")).expect("A opens");
+    let s = a.alloc("s", 4096).expect("A allocates");
+    commit_u64(&a, &s, 0, 111);
+    assert_eq!(redis_command(redis.addr, "FLUSHALL"), "+OK");
+
+    let b = Rvm::open(redis_config(redis.addr, "lost")).expect("B opens afresh");
+    assert!(
+        b.segment("s").is_none(),
+        "B found A's segment after FLUSHALL"
+    );
+    let sb = b.alloc("s", 4096).expect("B allocates");
+    commit_u64(&b, &sb, 0, 222);
+
+    let mut t = a.begin();
+    t.set_range(&s, 0, 8).expect("declare");
+    t.write_u64(&s, 0, 999).expect("write");
+    let late = t.commit();
+    assert!(
+        matches!(late, Err(camelot_rvm::RvmError::Fenced(_))),
+        "A committed into the instance B made after Redis lost its keys: {late:?}"
+    );
+}
+
+/// A's last batch lands after Redis lost its keys (its fencing GET then finds no epoch, so
+/// the commit fails for A, but the record stays). B makes the instance afresh and commits
+/// up to the sequence number just before that record's, then crashes (dropped without
+/// truncating); C recovers. When log keys held only the sequence number, C's scan went on
+/// into A's record and replayed 999 over B's 222.
+#[test]
+fn redis_a_fenced_writer_s_record_is_not_replayed_into_a_new_instance() {
+    let redis = common::Redis::start();
+    let a = Rvm::open(redis_config(redis.addr, "stale")).expect("A opens");
+    let s = a.alloc("s", 4096).expect("A allocates");
+    commit_u64(&a, &s, 0, 111);
+    assert_eq!(redis_command(redis.addr, "FLUSHALL"), "+OK");
+    let mut t = a.begin();
+    t.set_range(&s, 0, 8).expect("declare");
+    t.write_u64(&s, 0, 999).expect("write");
+    let late = t.commit();
+    assert!(late.is_err(), "A committed after Redis lost its keys");
+    let left = redis_command(redis.addr, "DBSIZE");
+    assert_ne!(
+        left, ":0",
+        "A's last record did not land: the test shows nothing"
+    );
+
+    let b = Rvm::open(redis_config(redis.addr, "stale")).expect("B opens afresh");
+    let sb = b.alloc("s", 4096).expect("B allocates");
+    commit_u64(&b, &sb, 0, 222);
+    drop(sb);
+    drop(b);
+
+    let c = Rvm::open(redis_config(redis.addr, "stale")).expect("C recovers");
+    let sc = c.segment("s").expect("B's segment");
+    assert_eq!(
+        sc.read_u64(0).expect("read"),
+        222,
+        "recovery replayed the record a fenced writer left before the instance was made"
+    );
+}
+
+/// A Redis that may evict keys without a TTL would drop committed records silently: the
+/// open refuses it and says what to set.
+#[test]
+fn redis_that_may_evict_any_key_is_refused() {
+    let redis = camelot_testkit::RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"])
+        .expect("redis-server starts");
+    let err = match Rvm::open(redis_config(redis.addr(), "evict")) {
+        Ok(_) => panic!("an RVM instance opened on a Redis that may evict its log"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("allkeys-lru") && err.contains("noeviction"),
+        "the refusal does not say why and what to set: {err}"
+    );
 }

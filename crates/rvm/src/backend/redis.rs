@@ -8,12 +8,15 @@
 //! (`appendonly yes` with `appendfsync always` makes each answer follow an fsync). With
 //! `wait_replicas` N > 0, every commit also waits (WAIT) until N replicas have it.
 //!
-//! Fencing, without Lua: every open takes a new epoch (INCR on `rvm:NS:epoch`).
+//! Fencing, without Lua: every open takes a new epoch, a random number it SETs into
+//! `rvm:NS:epoch` (random, not a counter: a Redis that lost its keys — FLUSHALL, a
+//! failover to a replica that had not caught up — would hand a counter's first values out
+//! again, and a writer holding one of them would take the newcomer's epoch for its own).
 //!
 //! - Writes that can overwrite what a newer owner wrote (home pages in truncation, the
 //!   catalog slots, the DELs of log records and homes) run as a guarded transaction:
 //!   `WATCH epoch`, `GET epoch` (must be ours, else [`RvmError::Fenced`] and nothing is
-//!   sent), then `MULTI`, the writes, `EXEC`. A newer open's INCR between the GET and the
+//!   sent), then `MULTI`, the writes, `EXEC`. A newer open's SET between the GET and the
 //!   EXEC touches the watched key, so Redis answers EXEC with nil and runs none of the
 //!   writes: a writer paused (SIGSTOP) anywhere in there lands nothing when continued.
 //!   Two round trips instead of one; truncation and catalog writes are rare.
@@ -21,6 +24,15 @@
 //!   writer's last batch can land, but never over a record the newer owner appended
 //!   (sequence numbers are never reused); a key the newer owner finds taken is that
 //!   fenced batch's, and is replaced (`append_log`) in a guarded transaction.
+//!
+//!
+//! Log records are keyed by the instance (`rvm:NS:log:ID:SEQ`, the id a random number kept
+//! under `rvm:NS:instance`): a fenced writer's last batch, landing after Redis lost its
+//! keys, is under the old instance's id, so the instance made afresh there never reads it
+//! back as one of its own records when its sequence numbers reach that far.
+//!
+//! An open refuses a Redis whose `maxmemory-policy` may evict keys without a TTL
+//! (`allkeys-*`): it would drop committed log records and home pages silently.
 //!
 //! A server without transactions (probed at open: MULTI then DISCARD; real Redis and
 //! Camelot's own RESP port both have them, a Redis-protocol proxy may not) gets the
@@ -49,8 +61,10 @@ pub const WAIT_REPLICAS_MAX: u32 = 16;
 pub struct RedisBackend {
     addr: SocketAddr,
     prefix: String,
-    /// The epoch this open took (INCR of the epoch key).
+    /// The epoch this open took (a random number SET into the epoch key).
     epoch: u64,
+    /// The instance's id (under the instance key), part of every log record's key.
+    instance: u64,
     wait_replicas: u32,
     conn: Mutex<Conn>,
     /// The server runs WATCH/MULTI/EXEC (real Redis and Camelot's RESP port do).
@@ -82,6 +96,7 @@ impl RedisBackend {
             addr,
             prefix: format!("rvm:{ns}"),
             epoch: 0,
+            instance: 0,
             wait_replicas,
             conn: Mutex::new(conn),
             transactions: false,
@@ -100,12 +115,66 @@ impl RedisBackend {
                  still land one batch of home or catalog writes"
             );
         }
-        let incr = vec![b"INCR".to_vec(), b.epoch_key().into_bytes()];
-        b.epoch = match b.run(&[incr])?.pop() {
-            Some(Reply::Int(n)) if n > 0 => n as u64,
-            other => return Err(b.err(format!("INCR of the epoch answered {other:?}"))),
-        };
+        b.refuse_evicting_policy()?;
+        b.instance = b.agree_on_instance()?;
+        b.epoch = random_nonzero();
+        let set = vec![
+            b"SET".to_vec(),
+            b.epoch_key().into_bytes(),
+            b.epoch.to_string().into_bytes(),
+        ];
+        match b.run(&[set])?.pop() {
+            Some(Reply::Status(s)) if s == "OK" => {}
+            other => return Err(b.err(format!("SET of the epoch answered {other:?}"))),
+        }
         Ok(b)
+    }
+
+    /// The instance's id: the one stored, or a new one stored now. `SET NX` then `GET` in
+    /// one pipeline, so two first opens racing agree on whichever landed.
+    fn agree_on_instance(&self) -> Result<u64> {
+        let key = format!("{}:instance", self.prefix).into_bytes();
+        let commands = [
+            vec![
+                b"SET".to_vec(),
+                key.clone(),
+                random_nonzero().to_string().into_bytes(),
+                b"NX".to_vec(),
+            ],
+            vec![b"GET".to_vec(), key],
+        ];
+        let reply = self.run(&commands)?.pop();
+        parse_epoch(&reply)
+            .filter(|&id| id != 0)
+            .ok_or_else(|| self.err(format!("GET of the instance id answered {reply:?}")))
+    }
+
+    /// Fails the open when Redis may evict keys without a TTL to stay under `maxmemory`.
+    /// A server that does not answer `CONFIG GET` (renamed for safety, a Redis-protocol
+    /// proxy, Camelot's own port, which never evicts) is let through.
+    fn refuse_evicting_policy(&self) -> Result<()> {
+        let command = vec![
+            b"CONFIG".to_vec(),
+            b"GET".to_vec(),
+            b"maxmemory-policy".to_vec(),
+        ];
+        let Ok(mut replies) = self.run(&[command]) else {
+            return Ok(());
+        };
+        let Some(Reply::Array(Some(pair))) = replies.pop() else {
+            return Ok(());
+        };
+        if let [_, Reply::Bulk(Some(policy))] = &pair[..] {
+            let policy = String::from_utf8_lossy(policy);
+            if policy.starts_with("allkeys-") {
+                return Err(self.err(format!(
+                    "maxmemory-policy is {policy}: Redis may evict committed log records and \
+                     home pages to stay under maxmemory; set it to noeviction (or a volatile-* \
+                     policy, which never evicts RVM's keys: they have no TTL)"
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn epoch_key(&self) -> String {
@@ -261,7 +330,7 @@ impl RedisBackend {
     }
 
     fn log_key(&self, seq: u64) -> String {
-        format!("{}:log:{seq}", self.prefix)
+        format!("{}:log:{:016x}:{seq}", self.prefix, self.instance)
     }
 
     fn page_key(&self, seg: u64, page: u64) -> String {
@@ -479,7 +548,17 @@ impl Backend for RedisBackend {
     }
 }
 
-/// The epoch a GET of the epoch key answered, if it holds one.
+/// A new epoch or instance id: random, never 0 (which no GET of ours parses as valid).
+fn random_nonzero() -> u64 {
+    loop {
+        let n = rand::random::<u64>();
+        if n != 0 {
+            return n;
+        }
+    }
+}
+
+/// The number a GET of the epoch (or the instance) key answered, if it holds one.
 fn parse_epoch(reply: &Option<Reply>) -> Option<u64> {
     match reply {
         Some(Reply::Bulk(Some(v))) => std::str::from_utf8(v).ok()?.parse().ok(),
