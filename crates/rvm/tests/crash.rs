@@ -387,7 +387,11 @@ fn serve_child_process() {
     if std::env::var("RVM_TEST_SERVE").as_deref() != Ok("1") {
         return;
     }
-    let node = dev_node();
+    // A server restarted after a kill comes back on the port it had.
+    let node = match std::env::var("RVM_TEST_SERVE_ADDR") {
+        Ok(addr) => common::dev_node_on(addr.parse().expect("RVM_TEST_SERVE_ADDR")),
+        Err(_) => dev_node(),
+    };
     println!("serving {}", node.addrs()[0]);
     let _ = std::io::stdout().flush();
     loop {
@@ -403,6 +407,16 @@ struct ServerChild {
 
 impl ServerChild {
     fn start() -> ServerChild {
+        ServerChild::start_on(None)
+    }
+
+    /// On `addr` (a killed server's, to restart it there empty), or on a free port.
+    fn start_on(addr: Option<SocketAddr>) -> ServerChild {
+        let addr_env = addr.map(|a| a.to_string());
+        let mut envs = vec![("RVM_TEST_SERVE", "1")];
+        if let Some(a) = &addr_env {
+            envs.push(("RVM_TEST_SERVE_ADDR", a));
+        }
         let exe = std::env::current_exe().expect("own test binary");
         let args = [
             "--exact",
@@ -412,7 +426,7 @@ impl ServerChild {
             "--test-threads=1",
         ]
         .map(String::from);
-        let mut child = LineChild::spawn(&exe.to_string_lossy(), &args, &[("RVM_TEST_SERVE", "1")]);
+        let mut child = LineChild::spawn(&exe.to_string_lossy(), &args, &envs);
         loop {
             let line = child.line();
             // libtest may print "test serve_child_process ... " first on the same line.
@@ -573,18 +587,12 @@ fn redis_kill_checker_catches_early_acks() {
     redis_kill_loop(BROKEN_KILLS, &[ACK_EARLY]).assert_lost_some();
 }
 
-/// A mirrored instance with `commits` commits on two fresh dev nodes: the nodes, their
-/// addresses, and the configuration to open it with (`recover` or not).
-fn mirrored_instance(
-    name: &str,
-    commits: u64,
-) -> (
-    [camelot_server::dev::DevCluster; 2],
-    impl Fn(bool) -> Config,
-) {
-    let nodes = [dev_node(), dev_node()];
+/// A mirrored instance with `commits` commits on two memory servers, each a process of
+/// its own: the servers and the configuration to open it with (`recover` or not).
+fn mirrored_instance(name: &str, commits: u64) -> ([ServerChild; 2], impl Fn(bool) -> Config) {
+    let servers = [ServerChild::start(), ServerChild::start()];
     let backend = BackendConfig::Pool {
-        servers: vec![nodes[0].addrs()[0], nodes[1].addrs()[0]],
+        servers: vec![servers[0].addr, servers[1].addr],
         token: None,
         log_bytes: common::POOL_LOG_BYTES,
     };
@@ -598,7 +606,7 @@ fn mirrored_instance(
         t.write_u64(&s, (n % 8) * 1000, n).expect("write");
         t.commit().expect("commit");
     }
-    (nodes, cfg)
+    (servers, cfg)
 }
 
 /// What the last 8 of `commits` commits left in segment `s` (`mirrored_instance`).
@@ -613,17 +621,23 @@ fn assert_last_commits(rvm: &Rvm, commits: u64) {
     }
 }
 
-/// A mirror restarted empty (a memory server killed and brought back on its port) while
-/// the other mirror is down: recovery must not take it for the instance — it would
-/// recover nothing as if nothing had been there, and, its log growing with each such
-/// open, a later recovery would rewrite the mirror that has the data from it.
+/// SIGKILLs `server` and starts an empty one on its port: a memory server that crashed
+/// and was brought back.
+fn kill_and_restart_empty(server: &mut ServerChild) {
+    let addr = server.addr;
+    server.kill();
+    *server = ServerChild::start_on(Some(addr));
+}
+
+/// A mirror SIGKILLed and restarted empty on its port while the other mirror is down
+/// (SIGKILLed too): recovery must not take it for the instance — it would recover
+/// nothing as if nothing had been there, and, its log growing with each such open, a
+/// later recovery would rewrite the mirror that has the data from it.
 #[test]
 fn a_mirror_restarted_empty_is_not_taken_for_the_instance() {
-    let ([a, b], cfg) = mirrored_instance("restarted-alone", 20);
-    let b_addr = b.addrs()[0];
-    b.shutdown().expect("b stops");
-    let _b = common::dev_node_on(b_addr);
-    a.shutdown().expect("a stops");
+    let ([mut a, mut b], cfg) = mirrored_instance("restarted-alone", 20);
+    kill_and_restart_empty(&mut b);
+    a.kill();
     for attempt in 0..3 {
         match Rvm::open(cfg(true)) {
             Err(RvmError::Unavailable(why)) => assert!(why.contains("restarted empty"), "{why}"),
@@ -636,18 +650,17 @@ fn a_mirror_restarted_empty_is_not_taken_for_the_instance() {
     }
 }
 
-/// A mirror restarted empty while the other answers is rewritten from the other, and
-/// after that it holds the instance: recovery from it alone finds every commit.
+/// A mirror SIGKILLed and restarted empty while the other answers is rewritten from the
+/// other, and after that it holds the instance: with the other SIGKILLed, recovery from
+/// it alone finds every commit.
 #[test]
 fn a_mirror_restarted_empty_is_rewritten_from_the_other() {
-    let ([a, b], cfg) = mirrored_instance("restarted-both", 20);
-    let b_addr = b.addrs()[0];
-    b.shutdown().expect("b stops");
-    let b = common::dev_node_on(b_addr);
+    let ([mut a, mut b], cfg) = mirrored_instance("restarted-both", 20);
+    kill_and_restart_empty(&mut b);
     let rvm = Rvm::open(cfg(true)).expect("recovery with both mirrors");
     assert_last_commits(&rvm, 20);
     drop(rvm);
-    a.shutdown().expect("a stops");
+    a.kill();
     let rvm = Rvm::open(cfg(true)).expect("recovery from the rewritten mirror alone");
     assert_last_commits(&rvm, 20);
     drop(b);
