@@ -1,7 +1,8 @@
 //! Far memory over `camelot server` processes: a FarRegion's plain loads and stores
 //! round-trip through a region on a real server; FarVec over a raid volume; and servers
 //! SIGKILLed mid-run — the typed error surfaces where nothing is redundant, reads go on
-//! where the volume is, and a FarRegion's blocked thread gets SIGBUS.
+//! where the volume is, a write-back lost with a member stops the cache, and a
+//! FarRegion's blocked thread gets SIGBUS.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -242,6 +243,101 @@ fn farvec_over_raid5_reads_on_through_a_sigkilled_member() {
         "raid0 lost a member and the checker saw nothing: {o:?}"
     );
     check_typed_error(&o).expect("raid0: the volume's typed error");
+}
+
+/// What a writer of a FarVec saw after a member holding some of its dirty pages was
+/// SIGKILLed, while it went on touching only pages on the surviving member.
+#[derive(Debug, Default)]
+struct WriteOutcome {
+    ops_before_error: u64,
+    first_error: Option<String>,
+    /// Calls that succeeded after the first error.
+    ok_after_error: u64,
+    flush: Option<String>,
+}
+
+/// FarVec over raid0 on two server processes; pages `0..dirty_pages` (half of them on
+/// member 1) are made dirty, member 1 is SIGKILLed (or not), and the writer reads pages
+/// on member 0 only, so the misses evict the dirty pages and their write-back meets the
+/// dead member. Then it tries `AFTER_ERROR` more calls and a flush.
+fn write_back_through_a_kill(kill: bool) -> WriteOutcome {
+    const PAGES: u64 = 512;
+    const FRAMES: u64 = 32;
+    const CHUNK_PAGES: u64 = 4; // 16 KiB chunks
+    const AFTER_ERROR: u64 = 200;
+    let u64s_per_page = (PAGE / 8) as u64;
+    let mut servers: Vec<CamelotServer> = (0..2).map(|_| server()).collect();
+    let store = VolumeStore::new(volume(Level::Raid0, &servers, "far-wb"), PAGE).expect("store");
+    let cache = PageCache::new(store, &CacheConfig::new(FRAMES * PAGE as u64)).expect("cache");
+    let v: FarVec<u64, _> = FarVec::new(cache, PAGES * u64s_per_page).expect("farvec");
+    let dirty_pages = FRAMES - 8;
+    for p in 0..dirty_pages {
+        v.set(p * u64s_per_page, p + 1).expect("dirty a page");
+    }
+    if kill {
+        servers[1].process_mut().kill().expect("SIGKILL");
+    }
+    let on_member_0 = (dirty_pages..PAGES).filter(|p| (p / CHUNK_PAGES) % 2 == 0);
+    let mut o = WriteOutcome::default();
+    let mut tried_after_error = 0;
+    let start = Instant::now();
+    for p in on_member_0.cycle() {
+        if start.elapsed() > DEADLINE {
+            break;
+        }
+        let r = v.get(p * u64s_per_page);
+        if o.first_error.is_none() {
+            match r {
+                // Without a kill, every page on member 0 read twice is enough.
+                Ok(_) if o.ops_before_error > 2 * PAGES => break,
+                Ok(_) => o.ops_before_error += 1,
+                Err(e) => o.first_error = Some(e.to_string()),
+            }
+        } else {
+            o.ok_after_error += u64::from(r.is_ok());
+            tried_after_error += 1;
+            if tried_after_error == AFTER_ERROR {
+                break;
+            }
+        }
+    }
+    o.flush = v.flush().err().map(|e| e.to_string());
+    o
+}
+
+/// The checker: the write-back's failure surfaced, nothing succeeded after it (the
+/// evicted dirty pages had no other copy, so answering on would serve the store's older
+/// bytes as the latest) and the flush failed rather than saying all was written.
+fn check_write_back_loss_stops_the_cache(o: &WriteOutcome) -> Result<(), String> {
+    match (&o.first_error, &o.flush) {
+        (None, _) => Err(format!("no error after the kill: {o:?}")),
+        (Some(_), _) if o.ok_after_error > 0 => {
+            Err(format!("calls succeeded after a lost write-back: {o:?}"))
+        }
+        (Some(_), None) => Err(format!("flush said all was written: {o:?}")),
+        (Some(_), Some(_)) => Ok(()),
+    }
+}
+
+/// A member SIGKILLed under dirty pages: the eviction that cannot write them back fails,
+/// and so does every later call, including reads of pages the live member holds and the
+/// flush. Before the cache kept a lost write-back as its own failure, the calls after
+/// the error succeeded. Without the kill the checker fails (no error at all).
+#[test]
+fn a_write_back_lost_to_a_sigkilled_member_stops_the_far_vec() {
+    let o = write_back_through_a_kill(true);
+    check_write_back_loss_stops_the_cache(&o).expect("after a SIGKILL");
+    assert!(
+        o.first_error
+            .as_deref()
+            .is_some_and(|e| e.contains("written back")),
+        "the first error was not the write-back's: {o:?}"
+    );
+    let control = write_back_through_a_kill(false);
+    assert!(
+        check_write_back_loss_stops_the_cache(&control).is_err(),
+        "the checker passed a run with no kill: {control:?}"
+    );
 }
 
 /// Environment variable that makes this test binary the FarRegion child process of
