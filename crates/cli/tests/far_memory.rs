@@ -277,7 +277,7 @@ fn write_back_through_a_kill(kill: bool) -> WriteOutcome {
     if kill {
         servers[1].process_mut().kill().expect("SIGKILL");
     }
-    let on_member_0 = (dirty_pages..PAGES).filter(|p| (p / CHUNK_PAGES) % 2 == 0);
+    let on_member_0 = (dirty_pages..PAGES).filter(|p| (p / CHUNK_PAGES).is_multiple_of(2));
     let mut o = WriteOutcome::default();
     let mut tried_after_error = 0;
     let start = Instant::now();
