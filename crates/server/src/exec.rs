@@ -232,6 +232,9 @@ pub fn exec_logged(
     }
     // Only a connection, which can wait for the copies before answering, takes pushes.
     let mut pushes = log.is_some().then(Vec::new);
+    // A SCAN_PARTITIONS push names its target in this snapshot: taking the ownership again
+    // while `held` is would deadlock behind a waiting `set_ownership` (the lock is fair).
+    let map = snapshot.clone();
     let ownership = if batch.epoch == 0 { None } else { snapshot };
     let epoch = ownership
         .as_ref()
@@ -259,6 +262,7 @@ pub fn exec_logged(
         too_large: OnceCell::new(),
         now: OnceCell::new(),
         ownership,
+        map,
         log: log.as_deref_mut().filter(|l| l.ownership.is_some()),
         pushes: pushes.as_mut(),
     };
@@ -297,6 +301,9 @@ struct Exec<'s, 'e, 'b> {
     // Set only for batches routed with a non-zero epoch equal to the server's: then a
     // key op on a partition this server does not own is answered MOVED, unexecuted.
     ownership: Option<Arc<Ownership>>,
+    // The batch's snapshot of the server's map, whatever the batch's epoch (taken on a
+    // connection, which is where pushes are allowed).
+    map: Option<Arc<Ownership>>,
     // Set when some partition this server is primary of has backups.
     log: Option<&'e mut WriteLog>,
     // Set when the batch came on a connection (see `WriteLog::pushes`).
@@ -342,7 +349,8 @@ impl Exec<'_, '_, '_> {
                 "a SCAN_PARTITIONS with push_to is taken only on a connection",
             ));
         }
-        let Some(own) = self.state.ownership() else {
+        // Never `self.state.ownership()`: a routed batch holds the ownership lock.
+        let Some(own) = self.map.as_ref() else {
             return Err(ErrorReply::new(
                 ErrorCode::BadRequest,
                 "this server follows no cluster map, so it pushes to no server",

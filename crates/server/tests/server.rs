@@ -9,6 +9,7 @@ use camelot_proto::{
 use camelot_server::ownership::{Ownership, Peer as OwnershipPeer};
 use camelot_server::{Quota, ServerConfig, ServerError, ServerHandle, STAT_EXPOSED_WITHOUT_TOKEN};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -1553,6 +1554,70 @@ async fn a_pushed_page_is_on_the_target_when_it_is_answered() {
     assert_eq!(stat(&stats, "pages_push_failed"), 0);
     source.shutdown().await.unwrap();
     target.shutdown().await.unwrap();
+}
+
+/// Routed pushes while the map is being installed over and over: a routed batch holds
+/// the ownership lock for its run, and `set_ownership` waits for it; the push's target
+/// must come from the batch's own snapshot. When it was looked up again under the held
+/// lock, a `set_ownership` waiting in between deadlocked the worker (parking_lot's lock
+/// is fair: the second read queued behind the writer, which waited for the first), and
+/// every routed batch after it hung. A deadlocked worker stops the runtime's timers
+/// too, so the rounds run on a thread of their own and this one is the watchdog.
+#[test]
+fn routed_pushes_while_the_map_is_installed_do_not_deadlock() {
+    const ROUNDS: usize = 300;
+    const ROUNDS_DEADLINE: Duration = Duration::from_secs(30);
+    let (done, verdict) = std::sync::mpsc::channel();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let installing = stop.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let target = start(config()).await;
+            assert!(target.set_ownership(backup_of_all(1)));
+            let source = start(config()).await;
+            let own = primary_with_node_2_at(target.local_addr());
+            assert!(source.set_ownership(own.clone()));
+            let mut client = Peer::ready(source.local_addr()).await;
+            let puts = (0..64u32)
+                .map(|i| Op::Put {
+                    key: Bytes::from(format!("key{i}")),
+                    value: Bytes::from(vec![1u8; 64]),
+                })
+                .collect();
+            client.call(puts).await;
+            // Installs the same map again and again: refused as not newer, but each
+            // call takes the write lock, so a writer is often waiting while a batch runs.
+            let state = source.state().clone();
+            std::thread::spawn(move || {
+                while !installing.load(std::sync::atomic::Ordering::Relaxed) {
+                    state.set_ownership(own.clone());
+                }
+            });
+            for round in 0..ROUNDS {
+                client.send(&routed(1, vec![push_page(Some(2))])).await;
+                let r = client.responses().await;
+                assert!(
+                    matches!(&r[0].result, Ok(Reply::Page(_))),
+                    "round {round}: {r:?}"
+                );
+            }
+        });
+        let _ = done.send(ROUNDS);
+        rt.shutdown_timeout(Duration::from_secs(1));
+    });
+    let finished = verdict.recv_timeout(ROUNDS_DEADLINE);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        finished,
+        Ok(ROUNDS),
+        "{ROUNDS} routed pushes did not finish within {ROUNDS_DEADLINE:?} (a deadlock, or a \
+         round's assertion failed on the rounds' thread)"
+    );
 }
 
 /// A push whose target is gone is answered REPLICA_UNAVAILABLE, not as a page.
