@@ -60,15 +60,28 @@ pub fn configure(args: &MemberArgs, cfg: &mut camelot_server::ServerConfig) {
     cfg.partition_index = args.etcd.is_some();
 }
 
-/// What node `id` serves under `map`: the partitions it is primary of, their backups
-/// (every replica after the first, with its address), and the partitions it backs up.
+/// What node `id`, this process being its `incarnation`, serves under `map`: the
+/// partitions it is primary of, their backups (every replica after the first, with its
+/// address), and the partitions it backs up. Nothing at all while the map's entry for
+/// `id` records another incarnation: that is a process which died with its memory, and
+/// this one, restarted under its id, holds none of its data — serving its partitions
+/// would answer acknowledged writes with "no such key", and taking copies as its backup
+/// would count it a full replica. It serves once the map records it (the controller's
+/// join, after failover has taken the dead one's partitions away).
 /// Only servers that follow a map in etcd need it.
 #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
 pub fn ownership_of(
     map: &ClusterMap,
     id: u32,
+    incarnation: u64,
 ) -> Result<camelot_server::ownership::Ownership, camelot_server::ownership::OwnershipError> {
     use camelot_server::ownership::{Ownership, Peer};
+    let recorded = map.node(id).map_or(0, |n| n.incarnation);
+    if recorded != 0 && recorded != incarnation {
+        let none = vec![false; map.assignment.len()];
+        return Ownership::new(map.epoch, none.clone())?
+            .with_replicas(vec![Vec::new(); none.len()], none);
+    }
     let mut backups = Vec::with_capacity(map.assignment.len());
     let mut backup_of = Vec::with_capacity(map.assignment.len());
     let mut stale_reads = Vec::with_capacity(map.assignment.len());
@@ -307,13 +320,14 @@ pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Mem
     let etcd = EtcdCluster::connect(std::slice::from_ref(endpoint), &args.etcd_prefix)
         .await
         .with_context(|| format!("cannot reach etcd at {endpoint}"))?;
+    // Never 0 (which means "not recorded").
+    let incarnation = rand::random::<u64>().max(1);
     let node = Node {
         id,
         addr: handle.local_addr(),
         weight: args.weight,
         lease: 0,
-        // Never 0 (which means "not recorded").
-        incarnation: rand::random::<u64>().max(1),
+        incarnation,
     };
     let ttl = Duration::from_secs(args.lease_ttl);
     let registration = etcd
@@ -325,7 +339,20 @@ pub async fn join(handle: &ServerHandle, args: &MemberArgs) -> Result<Option<Mem
     let follower =
         tokio::spawn(camelot_cluster::follow::follow(
             etcd.clone(),
-            move |map| match ownership_of(map, id) {
+            move |map| match ownership_of(map, id, incarnation) {
+                Ok(own)
+                    if map
+                        .node(id)
+                        .is_some_and(|n| n.incarnation != 0 && n.incarnation != incarnation) =>
+                {
+                    tracing::warn!(
+                        epoch = map.epoch,
+                        "the map's node {id} is an earlier process under this id, which died \
+                         with its data: serving none of its partitions until the controller \
+                         records this one"
+                    );
+                    state.set_ownership(own);
+                }
                 Ok(own) => {
                     let count = own.owned_count();
                     if state.set_ownership(own) {
@@ -1201,4 +1228,48 @@ fn bench_failover(a: FailoverArgs) -> Result<()> {
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ownership_of;
+    use camelot_cluster::map::Node;
+    use camelot_cluster::ClusterMap;
+    use camelot_server::ownership::Role;
+
+    fn node(id: u32, incarnation: u64) -> Node {
+        Node {
+            id,
+            addr: format!("127.0.0.1:{}", 7000 + id).parse().unwrap(),
+            weight: 1,
+            lease: 0,
+            incarnation,
+        }
+    }
+
+    fn roles(own: &camelot_server::ownership::Ownership, partitions: u32) -> Vec<Role> {
+        (0..partitions).map(|p| own.role(p)).collect()
+    }
+
+    /// A process restarted under an id the map records with another incarnation holds
+    /// none of that node's data: it is neither primary nor backup of anything until the
+    /// map records it; the recorded process, and an entry with none recorded, serve.
+    #[test]
+    fn a_restarted_incarnation_serves_nothing_of_the_map_s_node() {
+        let map = ClusterMap::initial(vec![node(0, 11), node(1, 22)], 8, 2).unwrap();
+        let as_recorded = ownership_of(&map, 0, 11).unwrap();
+        assert!(as_recorded.owned_count() > 0);
+        assert!(roles(&as_recorded, 8).contains(&Role::Backup));
+
+        let restarted = ownership_of(&map, 0, 12).unwrap();
+        assert_eq!(restarted.owned_count(), 0);
+        assert!(roles(&restarted, 8).iter().all(|r| *r == Role::None));
+        assert_eq!(restarted.epoch(), map.epoch);
+
+        let unrecorded = ClusterMap::initial(vec![node(0, 0), node(1, 0)], 8, 2).unwrap();
+        assert_eq!(
+            ownership_of(&unrecorded, 0, 12).unwrap().owned_count(),
+            as_recorded.owned_count()
+        );
+    }
 }

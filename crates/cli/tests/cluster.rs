@@ -361,6 +361,69 @@ fn a_node_restarted_while_its_old_lease_lives_is_refused_before_it_serves_anythi
     );
 }
 
+/// A server SIGKILLed, and brought back on its address under its node id once its lease
+/// has expired, is a new process with empty memory. With R = 1 and no controller the map
+/// keeps the dead process as the partitions' primary; the new one must serve none of
+/// them until the map records it. Before, it installed the map by node id and answered
+/// a read of an acknowledged write with "no such key".
+#[test]
+fn a_node_restarted_empty_under_its_id_serves_none_of_the_dead_one_s_partitions() {
+    let mut c = support::start(1, "64M", &["--lease-ttl", "1"]);
+    let map = c.publish_initial(16, 1);
+    let client = cluster_client(&c.endpoint, &c.addrs);
+    support::wait_epoch(&client, [0], map.epoch);
+    client.put(b"k", "v").unwrap();
+    assert_eq!(
+        client.get(b"k").unwrap().map(|v| v.value.to_vec()),
+        Some(b"v".to_vec())
+    );
+    let old = c.rt.block_on(c.etcd.live_nodes()).unwrap()[0].clone();
+    let pid = c.servers[0].process_mut().pid().to_string();
+    assert!(Command::new("kill")
+        .args(["-KILL", &pid])
+        .status()
+        .unwrap()
+        .success());
+    wait_for(
+        "the killed server's lease expired",
+        Duration::from_secs(10),
+        || c.rt.block_on(c.etcd.live_nodes()).unwrap().is_empty(),
+    );
+    let addr = c.addrs[0].to_string();
+    let again = Command::new(bin())
+        .args(["server", "--listen", &addr, "--memory", "64M"])
+        .args(["--etcd", &c.endpoint, "--node-id", "0", "--lease-ttl", "1"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _reap = KillOnDrop(vec![again.id()]);
+    let mut live = Vec::new();
+    wait_for(
+        "the new process registered",
+        Duration::from_secs(20),
+        || {
+            live = c.rt.block_on(c.etcd.live_nodes()).unwrap();
+            !live.is_empty()
+        },
+    );
+    assert_ne!(live[0].incarnation, old.incarnation, "{live:?}");
+    let probe = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
+    support::wait_epoch(&probe, [0], map.epoch);
+    // A fresh client (the old one's connection died with the process), and a few reads:
+    // none may be answered.
+    let fresh = cluster_client(&c.endpoint, &c.addrs);
+    for attempt in 0..3 {
+        let got = fresh.get(b"k");
+        assert!(
+            got.is_err(),
+            "read {attempt}: the restarted, empty process served the dead one's partition: {:?}",
+            got.map(|v| v.map(|v| v.value))
+        );
+    }
+}
+
 /// A server whose lease expires while it runs (etcd stalled, or it was cut off longer
 /// than the TTL; here the lease is revoked) registers again under a new lease as the same
 /// incarnation: the map's entry still names a live process, so no failover is due, and it
