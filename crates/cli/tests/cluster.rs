@@ -390,7 +390,7 @@ fn a_node_restarted_empty_under_its_id_serves_none_of_the_dead_one_s_partitions(
         || c.rt.block_on(c.etcd.live_nodes()).unwrap().is_empty(),
     );
     let addr = c.addrs[0].to_string();
-    let again = Command::new(bin())
+    let mut again = Command::new(bin())
         .args(["server", "--listen", &addr, "--memory", "64M"])
         .args(["--etcd", &c.endpoint, "--node-id", "0", "--lease-ttl", "1"])
         .stdin(Stdio::null())
@@ -422,6 +422,8 @@ fn a_node_restarted_empty_under_its_id_serves_none_of_the_dead_one_s_partitions(
             got.map(|v| v.map(|v| v.value))
         );
     }
+    let _ = again.kill();
+    let _ = again.wait();
 }
 
 /// A server whose lease expires while it runs (etcd stalled, or it was cut off longer
