@@ -107,6 +107,51 @@ pub fn parse_command_with<'a>(
     args: &mut Vec<&'a [u8]>,
     bulk_bytes_max: usize,
 ) -> Result<Parsed, RespError> {
+    parse_command_resuming(buf, args, bulk_bytes_max, &mut Resume::default())
+}
+
+/// Where a multibulk command still arriving was left: its argument count, how many of
+/// its arguments are complete, and the offset just past the last of them. A command
+/// trickled in a few bytes per read would otherwise be re-scanned header by header on
+/// every read (work quadratic in its argument count, up to [`ARGS_MAX`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Resume {
+    count: i64,
+    args_done: i64,
+    at: usize,
+}
+
+/// [`parse_command_with`] for a connection: `resume` carries the progress of the command
+/// at the front of `buf` from one call to the next (the caller passes the same `buf`
+/// start until a command completes, and a fresh `Resume` for a new connection). The
+/// arguments already checked are skipped; when the command completes it is parsed once
+/// more from its start, to hand out the slices — so every command costs linear work.
+pub fn parse_command_resuming<'a>(
+    buf: &'a [u8],
+    args: &mut Vec<&'a [u8]>,
+    bulk_bytes_max: usize,
+    resume: &mut Resume,
+) -> Result<Parsed, RespError> {
+    let from = std::mem::take(resume);
+    let parsed = parse_from(buf, args, bulk_bytes_max, from, resume);
+    match parsed {
+        // The arguments before `from` were skipped, so `args` lacks them: once more, whole.
+        Ok(Parsed::Command(_)) if from.args_done > 0 => {
+            parse_from(buf, args, bulk_bytes_max, Resume::default(), resume)
+        }
+        other => other,
+    }
+}
+
+/// The multibulk parse, starting at `from` (nothing done: from the start), leaving in
+/// `left` where an incomplete command stopped.
+fn parse_from<'a>(
+    buf: &'a [u8],
+    args: &mut Vec<&'a [u8]>,
+    bulk_bytes_max: usize,
+    from: Resume,
+    left: &mut Resume,
+) -> Result<Parsed, RespError> {
     let command_bytes_max = bulk_bytes_max.saturating_add(COMMAND_BYTES_MAX);
     args.clear();
     match buf.first() {
@@ -114,8 +159,13 @@ pub fn parse_command_with<'a>(
         Some(b'*') => {}
         Some(_) => return parse_inline(buf, args),
     }
-    let Some((count, mut at)) = header_int(buf, 1, "multibulk")? else {
-        return Ok(Parsed::Incomplete(buf.len() + 1));
+    let (count, mut at) = if from.args_done > 0 {
+        (from.count, from.at)
+    } else {
+        let Some((count, at)) = header_int(buf, 1, "multibulk")? else {
+            return Ok(Parsed::Incomplete(buf.len() + 1));
+        };
+        (count, at)
     };
     if count <= 0 {
         return Ok(Parsed::Command(at));
@@ -123,7 +173,12 @@ pub fn parse_command_with<'a>(
     if count as u64 > ARGS_MAX as u64 {
         return Err(protocol("invalid multibulk length"));
     }
-    for _ in 0..count {
+    for done in from.args_done..count {
+        *left = Resume {
+            count,
+            args_done: done,
+            at,
+        };
         let Some(&kind) = buf.get(at) else {
             return Ok(Parsed::Incomplete(at + 1));
         };
@@ -153,30 +208,35 @@ pub fn parse_command_with<'a>(
         args.push(arg);
         at = end + 2;
     }
+    *left = Resume::default();
     Ok(Parsed::Command(at))
 }
 
 fn parse_inline<'a>(buf: &'a [u8], args: &mut Vec<&'a [u8]>) -> Result<Parsed, RespError> {
-    let Some(end) = find_crlf(buf, 0).or_else(|| buf.iter().position(|&b| b == b'\n')) else {
+    // Redis's rule: the line ends at the first '\n', a '\r' before it dropped. Looking no
+    // further than a line may be long keeps a buffer of many short lines linear (a search
+    // for "\r\n" first scanned the whole rest of the buffer for every line ending in '\n').
+    let window = &buf[..buf.len().min(INLINE_BYTES_MAX + 2)];
+    let Some(newline) = window.iter().position(|&b| b == b'\n') else {
         if buf.len() > INLINE_BYTES_MAX {
             return Err(protocol("too big inline request"));
         }
         return Ok(Parsed::Incomplete(buf.len() + 1));
     };
+    let end = if newline > 0 && buf[newline - 1] == b'\r' {
+        newline - 1
+    } else {
+        newline
+    };
     if end > INLINE_BYTES_MAX {
         return Err(protocol("too big inline request"));
     }
-    let line_end = if buf.get(end) == Some(&b'\r') {
-        end + 2
-    } else {
-        end + 1
-    };
     args.extend(
         buf[..end]
             .split(u8::is_ascii_whitespace)
             .filter(|w| !w.is_empty()),
     );
-    Ok(Parsed::Command(line_end.min(buf.len())))
+    Ok(Parsed::Command(newline + 1))
 }
 
 /// Writes `n` in decimal without allocating (this runs for every reply).
@@ -320,6 +380,68 @@ mod tests {
         out.to_vec()
     }
 
+    /// [`take`] through a connection's kept [`Resume`].
+    fn take_resuming(
+        buf: &mut BytesMut,
+        resume: &mut Resume,
+    ) -> Result<Option<Vec<Vec<u8>>>, RespError> {
+        let mut args = Vec::new();
+        match parse_command_resuming(buf, &mut args, PROTO_MAX_BULK_LEN_DEFAULT, resume)? {
+            Parsed::Incomplete(needed) => {
+                assert!(needed > buf.len());
+                Ok(None)
+            }
+            Parsed::Command(len) => {
+                let owned = args.iter().map(|a| a.to_vec()).collect();
+                let _ = buf.split_to(len);
+                Ok(Some(owned))
+            }
+        }
+    }
+
+    /// A command arriving a few bytes at a time is resumed after its last complete
+    /// argument rather than re-scanned from its start, and comes out whole.
+    #[test]
+    fn a_trickled_command_resumes_where_it_stopped() {
+        let args: Vec<Vec<u8>> = (0..1000).map(|i| format!("a{i}").into_bytes()).collect();
+        let bytes = encode(&args);
+        let mut buf = BytesMut::new();
+        let mut resume = Resume::default();
+        let mut got = None;
+        for (i, b) in bytes.iter().enumerate() {
+            buf.extend_from_slice(&[*b]);
+            got = take_resuming(&mut buf, &mut resume).unwrap();
+            if i == bytes.len() / 2 {
+                assert!(
+                    resume.args_done > 400,
+                    "half-way, the parse did not keep its place: {resume:?}"
+                );
+            }
+        }
+        assert_eq!(got, Some(args));
+        assert_eq!(resume, Resume::default());
+        assert!(buf.is_empty());
+    }
+
+    /// As in Redis, an inline line ends at its first '\n' (a '\r' before it dropped), and
+    /// many short lines parse one by one.
+    #[test]
+    fn an_inline_line_ends_at_its_first_newline() {
+        let mut buf = BytesMut::from(&b"a\nb c\r\n"[..]);
+        assert_eq!(take(&mut buf).unwrap(), Some(vec![b"a".to_vec()]));
+        assert_eq!(
+            take(&mut buf).unwrap(),
+            Some(vec![b"b".to_vec(), b"c".to_vec()])
+        );
+        let mut many = BytesMut::from(&b"x\n".repeat(20_000)[..]);
+        let mut lines = 0;
+        while let Some(line) = take(&mut many).unwrap() {
+            assert_eq!(line, vec![b"x".to_vec()]);
+            lines += 1;
+        }
+        assert_eq!(lines, 20_000);
+    }
+
     #[test]
     fn inline_commands_split_on_whitespace() {
         let mut buf = BytesMut::from(&b"SET  k   v\r\nPING\n"[..]);
@@ -428,6 +550,35 @@ mod tests {
             }
             let parsed = take(&mut buf).unwrap().unwrap();
             prop_assert_eq!(parsed, args);
+            prop_assert!(buf.is_empty());
+        }
+
+        /// Two commands fed in chunks of any sizes through one kept `Resume`, as a
+        /// connection reads them: both come out whole, in order.
+        #[test]
+        fn commands_round_trip_trickled_through_a_resume(
+            first in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..20), 1..12),
+            second in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..20), 1..12),
+            chunks in proptest::collection::vec(1usize..9, 1..200),
+        ) {
+            let mut bytes = encode(&first);
+            bytes.extend_from_slice(&encode(&second));
+            let mut buf = BytesMut::new();
+            let mut resume = Resume::default();
+            let mut out = Vec::new();
+            let mut fed = 0;
+            for n in chunks.iter().cycle() {
+                if fed == bytes.len() {
+                    break;
+                }
+                let to = (fed + n).min(bytes.len());
+                buf.extend_from_slice(&bytes[fed..to]);
+                fed = to;
+                while let Some(cmd) = take_resuming(&mut buf, &mut resume).unwrap() {
+                    out.push(cmd);
+                }
+            }
+            prop_assert_eq!(out, vec![first, second]);
             prop_assert!(buf.is_empty());
         }
 

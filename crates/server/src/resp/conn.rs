@@ -9,7 +9,7 @@
 //! so and closed. While its replies are unsent a connection reads nothing more
 //! (backpressure), so what it holds is bounded by one read's commands' replies.
 
-use super::codec::{self, parse_command_with, Parsed};
+use super::codec::{self, parse_command_resuming, Parsed, Resume};
 use super::commands::{execute, Ctx, Session};
 use crate::budget::OverBudget;
 use crate::buffers::ConnBuffers;
@@ -83,6 +83,8 @@ pub(crate) async fn serve(
         debug!(%peer, error = %e, "cannot set TCP_NODELAY");
     }
     let mut session = Session::default();
+    // The parse of a command still arriving, kept from read to read.
+    let mut resume = Resume::default();
     let needs_auth = |session: &Session| shared.token.is_some() && !session.authenticated;
     let in_start = if needs_auth(&session) {
         UNAUTHENTICATED_INPUT_BYTES_MAX
@@ -147,7 +149,15 @@ pub(crate) async fn serve(
             Some(Err(e)) => break End::Io(e),
             None => {}
         }
-        let run = run_buffered(&ctx, &mut session, &mut bufs, &mut stream, &shared).await;
+        let run = run_buffered(
+            &ctx,
+            &mut session,
+            &mut resume,
+            &mut bufs,
+            &mut stream,
+            &shared,
+        )
+        .await;
         if !needs_auth(&session) && !open.authenticated() {
             bufs.out.clear();
             break End::Evicted;
@@ -211,6 +221,7 @@ fn over_budget_reply(e: &OverBudget) -> Vec<u8> {
 async fn run_buffered(
     ctx: &Ctx<'_>,
     session: &mut Session,
+    resume: &mut Resume,
     bufs: &mut ConnBuffers,
     stream: &mut TcpStream,
     shared: &RespShared,
@@ -227,7 +238,7 @@ async fn run_buffered(
     let mut now = Instant::now();
     let inbuf = std::mem::take(&mut bufs.inbuf);
     let result = loop {
-        match parse_command_with(&inbuf[done..], &mut args, shared.proto_max_bulk_len) {
+        match parse_command_resuming(&inbuf[done..], &mut args, shared.proto_max_bulk_len, resume) {
             Ok(Parsed::Command(len)) => {
                 done += len;
                 if args.is_empty() {

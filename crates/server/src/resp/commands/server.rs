@@ -90,8 +90,28 @@ pub(super) fn auth(c: &mut Call<'_>) {
 }
 
 /// Redis's rule for client names (and library names): printable ASCII, no spaces.
+/// Longest client name a connection keeps (Redis has no limit; a name is a label, and
+/// one of megabytes would be memory no budget counts, on every connection).
+pub const CLIENT_NAME_BYTES_MAX: usize = 1024;
+
 fn valid_name(name: &[u8]) -> bool {
     name.iter().all(|b| (b'!'..=b'~').contains(b))
+}
+
+/// Stores `name` as the connection's name, or answers why not; false when refused.
+fn set_name(c: &mut Call<'_>, name: &[u8]) -> bool {
+    if !valid_name(name) {
+        c.error("ERR Client names cannot contain spaces, newlines or special characters.");
+        return false;
+    }
+    if name.len() > CLIENT_NAME_BYTES_MAX {
+        c.error(&format!(
+            "ERR client names are at most {CLIENT_NAME_BYTES_MAX} bytes here"
+        ));
+        return false;
+    }
+    c.session.name = (!name.is_empty()).then(|| Bytes::copy_from_slice(name));
+    true
 }
 
 /// `HELLO [protover [AUTH user pass] [SETNAME name]]`: RESP2 or RESP3 (what redis-py 8
@@ -150,11 +170,9 @@ pub(super) fn hello(c: &mut Call<'_>) {
         return;
     }
     if let Some(name) = name {
-        if !valid_name(name) {
-            c.error("ERR Client names cannot contain spaces, newlines or special characters.");
+        if !set_name(c, name) {
             return;
         }
-        c.session.name = (!name.is_empty()).then(|| Bytes::copy_from_slice(name));
     }
     if let Some(resp3) = protocol {
         c.session.resp3 = resp3;
@@ -204,13 +222,9 @@ pub(super) fn client(c: &mut Call<'_>) {
     match name {
         "id" => c.out.integer(c.session.id as i64),
         "setname" => {
-            let new = c.args[2];
-            if !valid_name(new) {
-                c.error("ERR Client names cannot contain spaces, newlines or special characters.");
-                return;
+            if set_name(c, c.args[2]) {
+                c.out.simple("OK");
             }
-            c.session.name = (!new.is_empty()).then(|| Bytes::copy_from_slice(new));
-            c.out.simple("OK");
         }
         "getname" => match &c.session.name {
             Some(name) => c.out.bulk(name),

@@ -272,6 +272,8 @@ pub(super) fn append(c: &mut Call<'_>) {
         |_| cost,
         c.now,
         |e, clock| match e {
+            // Arguments may be longer than a value may be (`proto-max-bulk-len`).
+            None if too_big(tail.len() as u64) => Err(redis_error(TOO_BIG)),
             None => Ok((
                 tail.len(),
                 Change::Insert {

@@ -20,12 +20,16 @@ impl Harness {
 
     fn run(&mut self, line: &str) -> String {
         let args: Vec<&[u8]> = line.split_whitespace().map(str::as_bytes).collect();
+        self.run_args(&args)
+    }
+
+    fn run_args(&mut self, args: &[&[u8]]) -> String {
         let ctx = Ctx {
             state: &self.state,
             token: self.token.as_deref(),
         };
         let mut out = BytesMut::new();
-        execute(&ctx, &mut self.session, &args, Instant::now(), &mut out);
+        execute(&ctx, &mut self.session, args, Instant::now(), &mut out);
         String::from_utf8_lossy(&out).into_owned()
     }
 }
@@ -771,4 +775,49 @@ fn queued_commands_are_charged_to_the_connection_budget() {
     assert_eq!(h.run(&format!("SET k {value}")), "+QUEUED\r\n");
     assert_eq!(h.run("EXEC"), "*1\r\n+OK\r\n");
     assert_eq!(buffers.used(), 0);
+}
+
+/// Arguments may be longer than anything stored may be (`proto-max-bulk-len`, 512 MiB):
+/// an APPEND that would make a key too long is refused whether or not the key exists
+/// (before, a missing key took any length, and a native GET of it then failed to encode
+/// and closed the connection); a WATCH of a key no key can be is not kept; a client
+/// name has a limit.
+#[test]
+fn arguments_longer_than_stored_things_may_be_are_not_kept() {
+    use camelot_proto::limits::{KEY_BYTES_MAX, VALUE_BYTES_MAX};
+    let mut h = Harness::new(256 << 20, None);
+    let long = vec![b'x'; VALUE_BYTES_MAX + 1];
+    assert_eq!(
+        h.run_args(&[b"APPEND", b"fresh", &long]),
+        format!("-{TOO_BIG}\r\n")
+    );
+    assert_eq!(h.run("EXISTS fresh"), ":0\r\n");
+    assert_eq!(h.run("APPEND k ab"), ":2\r\n");
+    assert_eq!(
+        h.run_args(&[b"APPEND", b"k", &long[..VALUE_BYTES_MAX - 1]]),
+        format!("-{TOO_BIG}\r\n")
+    );
+
+    // As many over-long keys as may be watched, then as many real ones: the second WATCH
+    // is within the limit only if the first kept nothing.
+    let huge: Vec<Vec<u8>> = (0..WATCHED_KEYS_MAX)
+        .map(|i| format!("{i:0>width$}", width = KEY_BYTES_MAX + 1).into_bytes())
+        .collect();
+    let mut watch: Vec<&[u8]> = vec![b"WATCH"];
+    watch.extend(huge.iter().map(Vec::as_slice));
+    assert_eq!(h.run_args(&watch), "+OK\r\n");
+    let keys: Vec<String> = (0..WATCHED_KEYS_MAX).map(|i| format!("w{i}")).collect();
+    assert_eq!(h.run(&format!("WATCH {}", keys.join(" "))), "+OK\r\n");
+    assert_eq!(h.run("UNWATCH"), "+OK\r\n");
+
+    let name = vec![b'n'; super::server::CLIENT_NAME_BYTES_MAX + 1];
+    assert!(h
+        .run_args(&[b"CLIENT", b"SETNAME", &name])
+        .starts_with("-ERR client names are at most"));
+    assert_eq!(h.run("CLIENT GETNAME"), "$-1\r\n");
+    assert!(h
+        .run_args(&[b"HELLO", b"2", b"SETNAME", &name])
+        .starts_with("-ERR client names are at most"));
+    assert_eq!(h.run("CLIENT SETNAME ok"), "+OK\r\n");
+    assert_eq!(h.run("CLIENT GETNAME"), "$2\r\nok\r\n");
 }

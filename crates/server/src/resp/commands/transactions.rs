@@ -11,6 +11,7 @@
 use super::{Call, Reply};
 use crate::budget::{MemoryBudget, Reservation};
 use bytes::Bytes;
+use camelot_proto::limits::KEY_BYTES_MAX;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -121,8 +122,12 @@ pub(super) fn watch(c: &mut Call<'_>) {
         c.error("ERR WATCH inside MULTI is not allowed");
         return;
     }
+    // A key longer than any key can be is never written, so watching it watches nothing:
+    // it is not kept (kept, it would be memory per connection that no budget counts).
+    let watchable = |k: &&&[u8]| k.len() <= KEY_BYTES_MAX;
     let new = c.args[1..]
         .iter()
+        .filter(watchable)
         .filter(|k| !c.session.tx.watched.iter().any(|(w, _)| w == *k))
         .count();
     if c.session.tx.watched.len() + new > WATCHED_KEYS_MAX {
@@ -131,7 +136,7 @@ pub(super) fn watch(c: &mut Call<'_>) {
         ));
         return;
     }
-    for key in &c.args[1..] {
+    for key in c.args[1..].iter().filter(watchable) {
         if c.session.tx.watched.iter().any(|(w, _)| w == key) {
             continue;
         }
