@@ -1119,12 +1119,21 @@ impl Mover {
                     match raw_client(&map.map, &[node]) {
                         Ok(client) => {
                             let deadline = Instant::now() + CLEANUP_WAIT_MAX;
+                            // The deletions are routed at the epoch the mask was taken
+                            // under: a node that has installed a newer map (which may make
+                            // it a replica of one of these partitions again, and fill it)
+                            // refuses them, where unrouted they deleted the fill's copies.
+                            let epoch = after_epoch.max(map.map.epoch);
                             // A node that dies now (SIGKILLed mid-move) holds nothing
                             // anyone can read: the move is done without its cleanup.
-                            let cleaned = wait_epoch(&client, node, after_epoch, deadline)
+                            let cleaned = wait_epoch(&client, node, epoch, deadline)
                                 .and_then(|reached| {
                                     reached
-                                        .then(|| delete_all_moving(&client, node, &mask))
+                                        .then(|| {
+                                            let routed =
+                                                routed_client(&map.map, &[node], map.map.epoch)?;
+                                            delete_all_moving(&routed, node, &mask)
+                                        })
                                         .transpose()
                                 });
                             match cleaned {
@@ -1133,11 +1142,11 @@ impl Mover {
                                     self.say(format!("cleanup: {n} key(s) deleted on node {node}"));
                                 }
                                 Ok(None) => self.say(format!(
-                                    "cleanup: node {node} did not reach epoch {after_epoch}; its copies stay"
+                                    "cleanup: node {node} did not reach epoch {epoch}; its copies stay"
                                 )),
-                                Err(e @ MoverError::Client { .. }) => {
-                                    self.say(format!("cleanup: node {node} unreachable ({e})"))
-                                }
+                                Err(e @ MoverError::Client { .. }) => self.say(format!(
+                                    "cleanup: stopped on node {node} ({e}); its copies stay"
+                                )),
                                 Err(e) => return Err(e),
                             }
                         }
