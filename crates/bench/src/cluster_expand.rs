@@ -25,6 +25,7 @@ pub const COPY_RATIO_TARGET: f64 = 0.3;
 pub const THREADS_MAX: usize = 64;
 /// Server counters the result sums over the nodes: copies a backup refused at another
 /// epoch, how the writes behind them ended, and the moves' pages pushed by their sources.
+#[cfg(feature = "etcd")]
 const REPLICA_COUNTERS: [&str; 7] = [
     "batches_ahead_of_epoch",
     "replica_copies_failed",

@@ -34,8 +34,9 @@ pub struct MemberArgs {
     /// Key prefix of this cluster in etcd.
     #[arg(long, default_value = PREFIX_DEFAULT)]
     pub etcd_prefix: String,
-    /// Relative capacity the planner gives this node.
-    #[arg(long, default_value_t = 1)]
+    /// Relative capacity the planner gives this node (0 drains it; at most 1,000,000).
+    #[arg(long, default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(0..=i64::from(camelot_cluster::map::WEIGHT_MAX)))]
     pub weight: u32,
     /// Seconds the registration outlives this process (whole seconds, ≥ 1).
     #[arg(long, value_name = "SECONDS", default_value_t = LEASE_TTL_DEFAULT.as_secs())]

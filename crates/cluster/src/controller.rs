@@ -690,10 +690,31 @@ impl Controller {
         if !contested {
             return Ok(marks);
         }
-        let asked = self.rt.block_on(self.etcd.request_reports())?;
+        // Marks only rank the full backups, each of which holds every acknowledged write
+        // (a primary acknowledges once all have applied it): when the reports cannot be
+        // had (etcd refusing, or all of them past the client's message limit), failover
+        // goes on with any full backup rather than stop.
+        let unread = |e: &dyn std::fmt::Display| {
+            self.say(&format!(
+                "reports unreadable ({e}); promoting a full backup without ranking them"
+            ));
+        };
+        let asked = match self.rt.block_on(self.etcd.request_reports()) {
+            Ok(asked) => asked,
+            Err(e) => {
+                unread(&e);
+                return Ok(marks);
+            }
+        };
         let deadline = Instant::now() + REPORT_WAIT_MAX;
         loop {
-            let reports = self.rt.block_on(self.etcd.reports())?;
+            let reports = match self.rt.block_on(self.etcd.reports()) {
+                Ok(reports) => reports,
+                Err(e) => {
+                    unread(&e);
+                    return Ok(marks);
+                }
+            };
             let fresh: BTreeSet<NodeId> = reports
                 .iter()
                 .filter(|r| r.answers >= asked)

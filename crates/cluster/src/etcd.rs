@@ -347,7 +347,8 @@ impl EtcdCluster {
         ))
     }
 
-    /// The registered (live) nodes, by id.
+    /// The registered (live) nodes, by id; entries that cannot be read are left out, with
+    /// a warning.
     pub async fn live_nodes(&self) -> Result<Vec<Node>, EtcdError> {
         let mut kv = self.client.kv_client();
         let options = GetOptions::new()
@@ -361,22 +362,38 @@ impl EtcdCluster {
                 max: NODES_MAX,
             });
         }
-        resp.kvs()
+        // An entry that cannot be read is left out (with a warning), as reports are: one
+        // bad registration must not stop the controller's every tick, failover first.
+        let nodes = resp
+            .kvs()
             .iter()
-            .map(|kv| {
-                if kv.value().len() > NODE_VALUE_BYTES_MAX {
-                    return Err(EtcdError::TooLarge {
+            .filter_map(|kv| {
+                let node = if kv.value().len() > NODE_VALUE_BYTES_MAX {
+                    Err(EtcdError::TooLarge {
                         what: "node entry",
                         value: kv.value().len(),
                         max: NODE_VALUE_BYTES_MAX,
-                    });
+                    })
+                } else {
+                    serde_json::from_slice::<Node>(kv.value())
+                        .map_err(|e| EtcdError::BadNode(e.to_string()))
+                };
+                match node {
+                    Ok(mut node) => {
+                        node.lease = kv.lease();
+                        Some(node)
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "registration {} left out: {e}",
+                            String::from_utf8_lossy(kv.key())
+                        );
+                        None
+                    }
                 }
-                let mut node: Node = serde_json::from_slice(kv.value())
-                    .map_err(|e| EtcdError::BadNode(e.to_string()))?;
-                node.lease = kv.lease();
-                Ok(node)
             })
-            .collect()
+            .collect();
+        Ok(nodes)
     }
 
     fn reports_prefix(&self) -> String {

@@ -262,30 +262,43 @@ fn stalest(map: &ClusterMap, p: u32, alive: &Alive, marks: &Marks) -> Option<Nod
 /// Live registrations the map lacks join it (a new id, or an id whose entry holds no
 /// replica and is registered at a new address or under a new lease: a restarted node);
 /// entries whose lease is unrecorded get their live one; weights follow registrations.
+/// A registration that would make the node list invalid (a weight over the limit, an
+/// address another node has, a weight of 0 that leaves fewer weighted nodes than R) is
+/// left out, with a warning: one bad registration must not stop the controller from
+/// publishing anything (failover, re-replication and rebalancing all wait on a map).
 pub fn join(map: &ClusterMap, alive: &Alive) -> Option<ClusterMap> {
     let referenced = referenced(map);
     let mut next = map.clone();
     let mut changed = false;
     for m in alive.members() {
-        match next.nodes.iter_mut().find(|n| n.id == m.id) {
-            None => {
-                if next.nodes.len() >= crate::map::NODES_MAX {
-                    continue;
-                }
-                next.nodes.push(m.clone());
-                changed = true;
-            }
-            Some(n) if n == m => {}
-            Some(n) => {
-                if n.same_process(m) || !referenced.contains(&n.id) {
-                    *n = m.clone();
-                    changed = true;
-                } else if n.weight != m.weight {
-                    n.weight = m.weight;
-                    changed = true;
-                }
-            }
+        let at = next.nodes.iter().position(|n| n.id == m.id);
+        let before = at.map(|i| next.nodes[i].clone());
+        let updated = match &before {
+            None if next.nodes.len() >= crate::map::NODES_MAX => continue,
+            None => m.clone(),
+            Some(n) if n == m => continue,
+            Some(n) if n.same_process(m) || !referenced.contains(&n.id) => m.clone(),
+            Some(n) if n.weight != m.weight => Node {
+                weight: m.weight,
+                ..n.clone()
+            },
+            Some(_) => continue,
+        };
+        match at {
+            Some(i) => next.nodes[i] = updated,
+            None => next.nodes.push(updated),
         }
+        if let Err(e) = next.check_nodes() {
+            tracing::warn!("node {} ({}) left out of the map: {e}", m.id, m.addr);
+            match (at, before) {
+                (Some(i), Some(n)) => next.nodes[i] = n,
+                _ => {
+                    next.nodes.pop();
+                }
+            }
+            continue;
+        }
+        changed = true;
     }
     if !changed {
         return None;
@@ -425,6 +438,33 @@ mod tests {
             lease: 100 + i64::from(id),
             incarnation: 0,
         }
+    }
+
+    /// A registration the node list cannot take (a weight over the limit, an address
+    /// another node has) is left out, and the others still join.
+    #[test]
+    fn a_bad_registration_is_left_out_and_the_rest_join() {
+        let m = map(2, 16, 1);
+        let mut too_heavy = node(2, 1);
+        too_heavy.weight = crate::map::WEIGHT_MAX + 1;
+        let mut same_addr = node(3, 1);
+        same_addr.addr = m.nodes[0].addr;
+        let good = node(4, 1);
+        let alive = Alive::new(
+            m.nodes
+                .iter()
+                .cloned()
+                .chain([too_heavy, same_addr, good.clone()]),
+        );
+        let joined = join(&m, &alive).expect("the good node joins");
+        joined.validate().expect("a valid map");
+        let ids: Vec<NodeId> = joined.nodes.iter().map(|n| n.id).collect();
+        assert_eq!(ids, vec![0, 1, 4]);
+        // A known node re-registering with a weight over the limit keeps its old entry.
+        let mut heavier = m.nodes[1].clone();
+        heavier.weight = crate::map::WEIGHT_MAX + 1;
+        let alive = Alive::new([m.nodes[0].clone(), heavier]);
+        assert!(join(&m, &alive).is_none());
     }
 
     fn map(nodes: u32, partitions: u32, replication: u32) -> ClusterMap {

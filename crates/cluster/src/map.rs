@@ -25,6 +25,9 @@ pub const WEIGHT_MAX: u32 = 1_000_000;
 /// A serialized map (file, etcd value) larger than this is refused before it is parsed:
 /// 65,536 partitions × 8 replicas of 4-digit ids is ~3 MiB of JSON.
 pub const MAP_BYTES_MAX: usize = 8 << 20;
+/// Highest epoch a map may carry: every change publishes `epoch + 1`, which must not
+/// overflow (a map from etcd could say anything). Far beyond any cluster's lifetime.
+pub const EPOCH_MAX: u64 = 1 << 62;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Node {
@@ -173,6 +176,13 @@ impl ClusterMap {
     pub fn validate(&self) -> Result<(), MapError> {
         if self.epoch == 0 {
             return Err(MapError::ZeroEpoch);
+        }
+        if self.epoch > EPOCH_MAX {
+            return Err(MapError::TooMany {
+                what: "epoch",
+                value: self.epoch,
+                max: EPOCH_MAX,
+            });
         }
         check_partitions(self.assignment.len() as u64)?;
         self.check_nodes()?;
@@ -420,6 +430,12 @@ mod tests {
         let mut m = good.clone();
         m.epoch = 0;
         assert!(matches!(m.validate(), Err(MapError::ZeroEpoch)));
+        let mut m = good.clone();
+        m.epoch = u64::MAX;
+        assert!(matches!(
+            m.validate(),
+            Err(MapError::TooMany { what: "epoch", .. })
+        ));
         let mut m = good.clone();
         m.assignment = vec![vec![0]; PARTITIONS_MAX as usize + 1];
         assert!(matches!(m.validate(), Err(MapError::Partitions { .. })));

@@ -1126,8 +1126,8 @@ impl Mover {
                             let epoch = after_epoch.max(map.map.epoch);
                             // A node that dies now (SIGKILLed mid-move) holds nothing
                             // anyone can read: the move is done without its cleanup.
-                            let cleaned = wait_epoch(&client, node, epoch, deadline)
-                                .and_then(|reached| {
+                            let cleaned =
+                                wait_epoch(&client, node, epoch, deadline).and_then(|reached| {
                                     reached
                                         .then(|| {
                                             let routed =
