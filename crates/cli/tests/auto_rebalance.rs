@@ -173,6 +173,49 @@ fn an_auto_rebalance_whose_leader_is_sigkilled_holding_the_fence_is_finished_by_
     );
 }
 
+/// The same kill while another node is dead (R = 1: failover leaves a dead node's
+/// partitions stranded, and the node in the map): the standby must still resume the
+/// recorded move and lift its fence. Before, it planned nothing while any map node was
+/// dead, and so never looked at the record: the fenced partitions of a live node stayed
+/// unserved.
+#[test]
+fn a_fence_left_by_a_sigkilled_leader_is_lifted_while_another_node_is_dead() {
+    let (mut c, _before) = two_nodes();
+    let mut leader = ControllerProc::start(
+        &c.endpoint,
+        "leader",
+        &["--auto-rebalance", "--hold-at", "fenced"],
+    );
+    leader.wait_line("leader (election", WAIT_MAX);
+    let standby = ControllerProc::start(&c.endpoint, "standby", &["--auto-rebalance"]);
+    standby.wait_line("campaigning", WAIT_MAX);
+    c.add_node(2);
+    leader.wait_line("holding at fenced", WAIT_MAX);
+    let record =
+        c.rt.block_on(c.etcd.read_move())
+            .unwrap()
+            .expect("the held move is recorded")
+            .record;
+    let bystander = (0..2u32)
+        .find(|n| *n != record.from && *n != record.to)
+        .expect("a node outside the move");
+    c.servers[bystander as usize]
+        .process_mut()
+        .kill()
+        .expect("SIGKILL the bystander");
+    leader.sigkill();
+    standby.wait_line("leader (election", WAIT_MAX);
+    let start = Instant::now();
+    while !c.map().fenced.is_empty() {
+        assert!(
+            start.elapsed() < WAIT_MAX,
+            "the fence stayed with node {bystander} dead; the standby said:\n{}",
+            standby.output()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// The checker can fail: a controller whose moves switch without the final copy, with
 /// writes made while it holds after its catch-up passes (and none after, so nothing
 /// overwrites what it loses).

@@ -473,7 +473,11 @@ impl Controller {
         let period = crate::etcd::REPORT_PERIOD;
         if term.sampled_at.is_none_or(|t| t.elapsed() >= period) {
             term.sampled_at = Some(Instant::now());
-            let reports = self.rt.block_on(self.etcd.reports())?;
+            // Unreadable reports measure nothing this period; moves are planned on.
+            let reports = self.rt.block_on(self.etcd.reports()).unwrap_or_else(|e| {
+                self.say(&format!("auto-rebalance: reports unreadable ({e})"));
+                Vec::new()
+            });
             let samples: Vec<LoadSample> = reports
                 .iter()
                 .filter(|r| map.node(r.node).is_some_and(|n| alive.holds(n)))
@@ -486,16 +490,25 @@ impl Controller {
             term.load.observe(&samples, cfg);
         }
         let paused = term.rebalance_retry_at.is_some_and(|t| Instant::now() < t);
-        // Only live nodes take partitions: a plan onto a dead one would fail its move.
-        // (With R = 1 a dead node's partitions are stranded, not movable: failover keeps
-        // it in the map, and auto-rebalance waits for it to come back.)
-        let every_node_live = map.nodes.iter().all(|n| alive.holds(n));
-        if paused || !every_node_live {
+        if paused {
             return Ok(());
         }
         // A move recorded by a predecessor (killed mid-move: maybe holding a fence) is
         // resumed first, whatever else the map shows.
         let in_progress = self.rt.block_on(self.etcd.read_move())?.is_some();
+        // Only live nodes take partitions: a plan onto a dead one would fail its move.
+        // (With R = 1 a dead node's partitions are stranded, not movable: failover keeps
+        // it in the map, and auto-rebalance waits for it to come back.) A recorded move is
+        // still resumed — it may hold a fence over partitions of live nodes, which no one
+        // else lifts (its mover rolls back what it cannot finish).
+        let every_node_live = map.nodes.iter().all(|n| alive.holds(n));
+        if !every_node_live {
+            if in_progress {
+                self.say("auto-rebalance: a move is in progress; resuming it (a node is dead: nothing new is planned)");
+                return self.start_moves(term, BTreeMap::new());
+            }
+            return Ok(());
+        }
         let settled = map.fenced.is_empty()
             && map.syncing.is_empty()
             && term.copying.is_empty()
