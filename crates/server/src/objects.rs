@@ -1068,38 +1068,37 @@ impl ObjectStore {
         let result = match shard.get_mut(key) {
             Some(e) => {
                 let had_expiry = e.expires_at.is_some();
-                match f(Some(e), &self.clock) {
-                    Err(x) => Err(x),
-                    Ok((r, change)) => {
-                        let remove =
-                            matches!(change, Change::Remove) || e.value.is_empty_collection();
-                        if remove {
-                            freed_bytes += e.charge_bytes;
-                            if had_expiry {
-                                self.expiring_sub(1);
-                            }
-                            shard.remove(key);
-                        } else {
-                            let cost = entry_cost(key, &e.value);
-                            if cost >= e.charge_bytes {
-                                grown_bytes = cost - e.charge_bytes;
-                            } else {
-                                freed_bytes += e.charge_bytes - cost;
-                            }
-                            e.charge_bytes = cost;
-                            match (had_expiry, e.expires_at.is_some()) {
-                                (false, true) => {
-                                    self.expiring.fetch_add(1, Ordering::Relaxed);
-                                }
-                                (true, false) => {
-                                    self.expiring_sub(1);
-                                }
-                                _ => {}
-                            }
+                let outcome = f(Some(e), &self.clock);
+                // Settled whether `f` succeeded or not: an error can come after part of
+                // a change was made (HSET's second field over the item limit, its first
+                // already grown), and those bytes must be counted as any others.
+                let remove =
+                    matches!(outcome, Ok((_, Change::Remove))) || e.value.is_empty_collection();
+                if remove {
+                    freed_bytes += e.charge_bytes;
+                    if had_expiry {
+                        self.expiring_sub(1);
+                    }
+                    shard.remove(key);
+                } else {
+                    let cost = entry_cost(key, &e.value);
+                    if cost >= e.charge_bytes {
+                        grown_bytes = cost - e.charge_bytes;
+                    } else {
+                        freed_bytes += e.charge_bytes - cost;
+                    }
+                    e.charge_bytes = cost;
+                    match (had_expiry, e.expires_at.is_some()) {
+                        (false, true) => {
+                            self.expiring.fetch_add(1, Ordering::Relaxed);
                         }
-                        Ok((r, None))
+                        (true, false) => {
+                            self.expiring_sub(1);
+                        }
+                        _ => {}
                     }
                 }
+                outcome.map(|(r, _)| (r, None))
             }
             None => match f(None, &self.clock) {
                 Err(x) => Err(x),
@@ -1467,6 +1466,35 @@ mod tests {
     fn store(cap_bytes: u64) -> (ObjectStore, Arc<MemoryBudget>) {
         let budget = MemoryBudget::new(cap_bytes);
         (ObjectStore::new(Arc::clone(&budget)), budget)
+    }
+
+    /// A change that fails half made (an error after the entry was already grown) is
+    /// still counted: before, the bytes it added stayed outside the memory budget.
+    #[test]
+    fn a_change_that_fails_half_made_is_still_counted() {
+        let (s, budget) = store(1 << 20);
+        let now = Instant::now();
+        s.put(b"k", b"a", now).unwrap();
+        let before = budget.used();
+        let r = s.modify(
+            b"k",
+            |_| 2000,
+            now,
+            |e, _| -> Result<((), Change), ErrorReply> {
+                if let Some(e) = e {
+                    e.value = Value::Str(Bytes::from(vec![7u8; 1000]));
+                }
+                Err(err(ErrorCode::BadRequest, "the second half failed"))
+            },
+        );
+        assert!(r.is_err());
+        assert_eq!(
+            budget.used(),
+            before + 999,
+            "a one-byte value grown to 1,000 bytes is not counted"
+        );
+        s.delete(b"k", now).unwrap();
+        assert_eq!(budget.used(), 0);
     }
 
     /// A cluster node's store: with the partition-order index.
