@@ -18,6 +18,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::io::{self, Read};
 
+use crate::protolog::{warn_limited, NATIVE_REFUSALS};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -392,7 +393,7 @@ pub(crate) async fn refuse(
     code: ErrorCode,
     message: &str,
 ) {
-    warn!(%peer, reason = message, "refusing connection");
+    warn_limited!(NATIVE_REFUSALS, %peer, reason = message, "refusing connection");
     state.stats().connection_refused();
     let mut out = BytesMut::new();
     if encode_frame(&Frame::Fatal(ErrorReply::new(code, message)), &mut out).is_ok() {
@@ -497,16 +498,21 @@ impl Conn {
         let hello = match decode_frame(body) {
             Ok(Frame::Hello(h)) => h,
             Ok(_) => {
-                warn!(peer = %self.peer, "first frame is not a HELLO; closing");
+                warn_limited!(NATIVE_REFUSALS, peer = %self.peer, "first frame is not a HELLO; closing");
                 return Err(self.fatal(ErrorCode::BadRequest, "expected HELLO").await);
             }
             Err(e) => {
-                warn!(peer = %self.peer, error = %e, "bad HELLO; closing");
+                warn_limited!(NATIVE_REFUSALS, peer = %self.peer, error = %e, "bad HELLO; closing");
                 return Err(End::NotAClient);
             }
         };
         if hello.version != PROTOCOL_VERSION {
-            warn!(peer = %self.peer, version = hello.version, "unsupported protocol version");
+            warn_limited!(
+                NATIVE_REFUSALS,
+                peer = %self.peer,
+                version = hello.version,
+                "unsupported protocol version"
+            );
             let msg = format!(
                 "this server speaks protocol version {PROTOCOL_VERSION}, not {}",
                 hello.version
@@ -526,7 +532,12 @@ impl Conn {
         };
         if let Some(token) = expected {
             if !tokens_match(token, &hello.token) {
-                warn!(peer = %self.peer, principal = named, "wrong or missing token");
+                warn_limited!(
+                    NATIVE_REFUSALS,
+                    peer = %self.peer,
+                    principal = named,
+                    "wrong or missing token"
+                );
                 return Err(self
                     .fatal(ErrorCode::AuthFailed, "wrong or missing token")
                     .await);
@@ -572,7 +583,12 @@ impl Conn {
                 let b = &self.bufs.inbuf;
                 let len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
                 if len == 0 || len > HELLO_BODY_BYTES_MAX {
-                    warn!(peer = %self.peer, len, "first frame length is no HELLO's; closing");
+                    warn_limited!(
+                        NATIVE_REFUSALS,
+                        peer = %self.peer,
+                        len,
+                        "first frame length is no HELLO's; closing"
+                    );
                     return Err(End::NotAClient);
                 }
                 match FrameDecoder::split_frame(&mut self.bufs.inbuf) {

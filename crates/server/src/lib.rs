@@ -13,6 +13,7 @@ pub mod exec;
 pub mod objects;
 pub mod ownership;
 pub mod principals;
+mod protolog;
 pub mod replicate;
 pub mod resp;
 pub mod state;

@@ -197,7 +197,7 @@ pub(crate) async fn serve(
     }
     match end {
         End::Io(e) if !peer_went_away(&e) => warn!(%peer, error = %e, "RESP connection failed"),
-        End::Protocol(e) => super::protolog::protocol_error(peer, &e),
+        End::Protocol(e) => crate::protolog::protocol_error(peer, &e),
         End::Shutdown => debug!(%peer, "RESP connection closed for shutdown"),
         End::NoAuth => {
             warn!(%peer, "RESP connection sent too much before AUTH; closed")

@@ -4,7 +4,6 @@
 pub mod codec;
 pub mod commands;
 mod conn;
-mod protolog;
 mod spin;
 
 pub use conn::UNAUTHENTICATED_INPUT_BYTES_MAX;

@@ -1,9 +1,10 @@
-//! Protocol errors in the log, with the peer's address, but at most
-//! [`PROTOCOL_ERRORS_LOGGED_PER_WINDOW`] per [`WINDOW`]: a client that sends garbage in a
-//! loop must not be able to fill the disk. What was held back is counted and said with
-//! the next line that gets through.
+//! Lines a peer can cause — protocol errors on the Redis port, refused handshakes on the
+//! native one — go to the log with the peer's address, but at most
+//! [`PROTOCOL_ERRORS_LOGGED_PER_WINDOW`] per [`WINDOW`] for each kind: a client that sends
+//! garbage, or connects with a wrong token, in a loop must not be able to fill the disk.
+//! What was held back is counted and said with the next line that gets through.
 
-use super::codec::RespError;
+use crate::resp::codec::RespError;
 use parking_lot::Mutex;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -54,11 +55,40 @@ impl Default for RateLimit {
     }
 }
 
-static LIMIT: Mutex<RateLimit> = Mutex::new(RateLimit::new());
+/// One kind of line's limiter, shared by every connection.
+pub(crate) struct LogLimit(Mutex<RateLimit>);
+
+impl LogLimit {
+    pub(crate) const fn new() -> Self {
+        LogLimit(Mutex::new(RateLimit::new()))
+    }
+
+    /// `Some(held back since the last line)` when a line may be written now.
+    pub(crate) fn admit(&self) -> Option<u64> {
+        self.0.lock().admit(Instant::now())
+    }
+}
+
+/// Redis-port connections closed after a protocol error.
+static RESP_PROTOCOL: LogLimit = LogLimit::new();
+/// Native-port connections refused before or at their handshake (limits, bad HELLOs,
+/// wrong tokens): nothing there is authenticated.
+pub(crate) static NATIVE_REFUSALS: LogLimit = LogLimit::new();
+
+/// A `tracing::warn!` that goes through `$limit` (a [`LogLimit`]) and says how many lines
+/// it held back since the last one.
+macro_rules! warn_limited {
+    ($limit:expr, $($rest:tt)+) => {
+        if let Some(suppressed) = $limit.admit() {
+            tracing::warn!(suppressed_since_last = suppressed, $($rest)+);
+        }
+    };
+}
+pub(crate) use warn_limited;
 
 /// Logs that `peer` was disconnected for `error` (the client was told the same text).
 pub(crate) fn protocol_error(peer: SocketAddr, error: &RespError) {
-    let Some(suppressed) = LIMIT.lock().admit(Instant::now()) else {
+    let Some(suppressed) = RESP_PROTOCOL.admit() else {
         return;
     };
     warn!(
