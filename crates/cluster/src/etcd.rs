@@ -130,7 +130,8 @@ impl EtcdCluster {
         format!("{}/map", self.prefix)
     }
 
-    fn nodes_prefix(&self) -> String {
+    /// Where registrations live: one key per node id under it.
+    pub fn nodes_prefix(&self) -> String {
         format!("{}/nodes/", self.prefix)
     }
 
@@ -273,8 +274,27 @@ impl EtcdCluster {
                 max: MOVE_VALUE_BYTES_MAX,
             });
         }
-        let record =
+        let record: crate::moves::MoveRecord =
             serde_json::from_slice(kv.value()).map_err(|e| EtcdError::BadMove(e.to_string()))?;
+        // Movers binary-search the list: unsorted, a partition would be missed, and the
+        // fence over it never lifted.
+        let parts = &record.partitions;
+        if parts.is_empty()
+            || parts.len() > crate::moves::MOVE_PARTITIONS_MAX
+            || parts.windows(2).any(|w| w[0] >= w[1])
+        {
+            return Err(EtcdError::BadMove(format!(
+                "the record's partitions must be 1..={} ascending distinct numbers, not {} \
+                 of them{}",
+                crate::moves::MOVE_PARTITIONS_MAX,
+                parts.len(),
+                if parts.windows(2).any(|w| w[0] >= w[1]) {
+                    ", out of order"
+                } else {
+                    ""
+                }
+            )));
+        }
         Ok(Some(VersionedMove {
             record,
             mod_revision: kv.mod_revision(),

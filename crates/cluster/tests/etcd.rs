@@ -276,3 +276,29 @@ async fn a_sigkilled_member_disappears_after_its_lease_ttl() {
     );
     eprintln!("killed member gone after {gone:?} (TTL {LEASE_TTL_DEFAULT:?})");
 }
+
+/// What etcd holds is not trusted: a registration that cannot be read is left out of the
+/// live nodes (the others are still there, so failover goes on), and a move record whose
+/// partitions are out of order is refused (movers binary-search them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_registrations_and_move_records_are_not_taken() {
+    let etcd = EtcdServer::start().unwrap();
+    let c = cluster(&etcd, "/bad-entries").await;
+    let _reg = c.register(&node(1), LEASE_TTL_DEFAULT).await.unwrap();
+    let mut kv = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .unwrap();
+    kv.put(format!("{}7", c.nodes_prefix()), "not a node", None)
+        .await
+        .unwrap();
+    let live = c.live_nodes().await.expect("the readable registrations");
+    assert_eq!(live.iter().map(|n| n.id).collect::<Vec<_>>(), vec![1]);
+
+    let unsorted = r#"{"partitions":[5,3],"from":0,"to":1,"phase":"copying"}"#;
+    kv.put(c.move_key(), unsorted, None).await.unwrap();
+    let read = c.read_move().await;
+    assert!(
+        matches!(&read, Err(EtcdError::BadMove(why)) if why.contains("out of order")),
+        "{read:?}"
+    );
+}
