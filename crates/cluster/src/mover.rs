@@ -416,7 +416,7 @@ fn push_pass(
 fn delete_all_moving(client: &Client, node: NodeId, mask: &[bool]) -> Result<u64, MoverError> {
     let present = scan_present(client, node, mask, None)?;
     let gone = deletions(&BTreeSet::new(), &present);
-    apply_deletions(client, node, &gone)?;
+    apply_deletions(client, node, &gone, None)?;
     Ok(gone.len() as u64)
 }
 
@@ -469,7 +469,7 @@ fn reconcile(
     };
     let source_keys: BTreeSet<Vec<u8>> = source.iter().map(|kv| kv.key.clone()).collect();
     let gone = deletions(&source_keys, &target);
-    apply_deletions(client, node, &gone)?;
+    apply_deletions(client, node, &gone, Some(deadline))?;
     Ok((pass, gone.len() as u64, plan))
 }
 
@@ -482,9 +482,19 @@ fn within(keys: &[KeyVersion], mask: &[bool]) -> Vec<KeyVersion> {
         .collect()
 }
 
-/// Deletes each of `gone` on `node` by an APPLY of nothing at its version.
-fn apply_deletions(client: &Client, node: NodeId, gone: &[KeyVersion]) -> Result<(), MoverError> {
+/// Deletes each of `gone` on `node` by an APPLY of nothing at its version; under a fence
+/// (`deadline`), checked per batch like the walks, so a target holding many stale keys
+/// cannot keep the fence up past its limit.
+fn apply_deletions(
+    client: &Client,
+    node: NodeId,
+    gone: &[KeyVersion],
+    deadline: Option<Instant>,
+) -> Result<(), MoverError> {
     for chunk in gone.chunks(SCAN_ITEMS_MAX) {
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(MoverError::FenceOverrun);
+        }
         let ops = chunk.iter().map(|d| {
             (
                 node,
@@ -579,7 +589,7 @@ pub fn fill_replica(
         .map(|kv| kv.key)
         .collect();
     let gone = deletions(&source_keys, &present);
-    apply_deletions(client, to, &gone)?;
+    apply_deletions(client, to, &gone, None)?;
     Ok(FillReport {
         keys_copied: pass.keys,
         bytes_copied: pass.bytes,
