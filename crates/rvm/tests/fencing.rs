@@ -229,6 +229,62 @@ fn redis_a_fenced_writer_s_record_is_not_replayed_into_a_new_instance() {
     );
 }
 
+/// GET of `key` on redis-server at `addr` (a bulk reply), `None` when absent.
+fn redis_get(addr: SocketAddr, key: &str) -> Option<String> {
+    let mut stream = TcpStream::connect_timeout(&addr, REDIS_COMMAND_TIMEOUT).expect("connect");
+    stream
+        .set_read_timeout(Some(REDIS_COMMAND_TIMEOUT))
+        .expect("timeout");
+    stream
+        .write_all(format!("GET {key}\r\n").as_bytes())
+        .expect("send");
+    let mut reader = BufReader::new(stream);
+    let mut header = String::new();
+    reader.read_line(&mut header).expect("redis answers");
+    if header.trim_end() == "$-1" {
+        return None;
+    }
+    let mut value = String::new();
+    reader.read_line(&mut value).expect("the value");
+    Some(value.trim_end().to_string())
+}
+
+/// An instance written before log keys carried an id (records under `rvm:NS:log:SEQ`, no
+/// id key; made here from a new one by renaming its keys) recovers its untruncated
+/// commits. Given a new id, it read no records and came back without them.
+#[test]
+fn redis_an_instance_from_before_ids_keeps_its_untruncated_commits() {
+    let redis = common::Redis::start();
+    let a = Rvm::open(redis_config(redis.addr, "legacy")).expect("open");
+    let s = a.alloc("s", 4096).expect("alloc");
+    commit_u64(&a, &s, 0, 111);
+    commit_u64(&a, &s, 8, 222);
+    drop(s);
+    drop(a);
+    let id: u64 = redis_get(redis.addr, "rvm:legacy:instance")
+        .expect("an instance id")
+        .parse()
+        .expect("a number");
+    let mut renamed = 0;
+    for seq in 1..=16 {
+        let reply = redis_command(
+            redis.addr,
+            &format!("RENAME rvm:legacy:log:{id:016x}:{seq} rvm:legacy:log:{seq}"),
+        );
+        renamed += usize::from(reply == "+OK");
+    }
+    assert!(renamed >= 2, "only {renamed} records to rename");
+    assert_eq!(redis_command(redis.addr, "DEL rvm:legacy:instance"), ":1");
+
+    let b = Rvm::open(redis_config(redis.addr, "legacy")).expect("recovers");
+    let s = b.segment("s").expect("the segment");
+    assert_eq!(
+        (s.read_u64(0).expect("read"), s.read_u64(8).expect("read")),
+        (111, 222),
+        "an instance from before ids lost its untruncated commits"
+    );
+}
+
 /// A Redis that may evict keys without a TTL would drop committed records silently: the
 /// open refuses it and says what to set.
 #[test]

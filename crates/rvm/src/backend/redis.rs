@@ -57,6 +57,10 @@ const SCAN_WINDOW_KEYS: u64 = 64;
 const WAIT_REPLICAS_TIMEOUT_MS: u64 = 5_000;
 /// WAIT for more replicas than this is refused (a Redis primary rarely has more).
 pub const WAIT_REPLICAS_MAX: u32 = 16;
+/// The instance id of one created before ids: its log keys are `rvm:NS:log:SEQ`, and so
+/// it keeps the old exposure to a fenced writer's record landing after Redis lost its
+/// keys (new ids are random and never 0).
+const LEGACY_INSTANCE: u64 = 0;
 
 pub struct RedisBackend {
     addr: SocketAddr,
@@ -130,51 +134,85 @@ impl RedisBackend {
         Ok(b)
     }
 
-    /// The instance's id: the one stored, or a new one stored now. `SET NX` then `GET` in
-    /// one pipeline, so two first opens racing agree on whichever landed.
+    /// The instance's id: the one stored, or a new one stored now (`SET NX` then `GET` in
+    /// one pipeline, so two first opens racing agree on whichever landed). An instance
+    /// written before ids (a catalog or an old-form record, no id) gets
+    /// [`LEGACY_INSTANCE`], whose log keys keep
+    /// the old form: a new id would hide its untruncated records from recovery.
     fn agree_on_instance(&self) -> Result<u64> {
         let key = format!("{}:instance", self.prefix).into_bytes();
+        let look = [
+            vec![b"GET".to_vec(), key.clone()],
+            // A catalog, or (before its first truncation) the first record.
+            vec![
+                b"EXISTS".to_vec(),
+                format!("{}:cat:0", self.prefix).into_bytes(),
+                format!("{}:cat:1", self.prefix).into_bytes(),
+                format!("{}:log:1", self.prefix).into_bytes(),
+            ],
+        ];
+        let mut replies = self.run(&look)?;
+        let catalogs = replies.pop();
+        let stored = replies.pop();
+        if let Some(id) = parse_epoch(&stored) {
+            return Ok(id);
+        }
+        let id = match catalogs {
+            Some(Reply::Int(n)) if n > 0 => LEGACY_INSTANCE,
+            Some(Reply::Int(_)) => random_nonzero(),
+            other => return Err(self.err(format!("EXISTS of the catalogs answered {other:?}"))),
+        };
         let commands = [
             vec![
                 b"SET".to_vec(),
                 key.clone(),
-                random_nonzero().to_string().into_bytes(),
+                id.to_string().into_bytes(),
                 b"NX".to_vec(),
             ],
             vec![b"GET".to_vec(), key],
         ];
         let reply = self.run(&commands)?.pop();
         parse_epoch(&reply)
-            .filter(|&id| id != 0)
             .ok_or_else(|| self.err(format!("GET of the instance id answered {reply:?}")))
     }
 
     /// Fails the open when Redis may evict keys without a TTL to stay under `maxmemory`.
-    /// A server that does not answer `CONFIG GET` (renamed for safety, a Redis-protocol
-    /// proxy, Camelot's own port, which never evicts) is let through.
+    /// The policy is asked of `CONFIG GET`, or, where that is refused (renamed, an ACL,
+    /// a managed Redis), of `INFO memory`; a server that answers neither (a
+    /// Redis-protocol proxy; Camelot's own port, which never evicts) is let through.
     fn refuse_evicting_policy(&self) -> Result<()> {
-        let command = vec![
+        let config = vec![
             b"CONFIG".to_vec(),
             b"GET".to_vec(),
             b"maxmemory-policy".to_vec(),
         ];
-        let Ok(mut replies) = self.run(&[command]) else {
-            return Ok(());
+        let from_config = match self.run(&[config]).ok().and_then(|mut r| r.pop()) {
+            Some(Reply::Array(Some(pair))) => match &pair[..] {
+                [_, Reply::Bulk(Some(policy))] => {
+                    Some(String::from_utf8_lossy(policy).into_owned())
+                }
+                _ => None,
+            },
+            _ => None,
         };
-        let Some(Reply::Array(Some(pair))) = replies.pop() else {
-            return Ok(());
-        };
-        if let [_, Reply::Bulk(Some(policy))] = &pair[..] {
-            let policy = String::from_utf8_lossy(policy);
-            if policy.starts_with("allkeys-") {
-                return Err(self.err(format!(
-                    "maxmemory-policy is {policy}: Redis may evict committed log records and \
-                     home pages to stay under maxmemory; set it to noeviction (or a volatile-* \
-                     policy, which never evicts RVM's keys: they have no TTL)"
-                )));
+        let policy = from_config.or_else(|| {
+            let info = vec![b"INFO".to_vec(), b"memory".to_vec()];
+            match self.run(&[info]).ok().and_then(|mut r| r.pop()) {
+                Some(Reply::Bulk(Some(text))) => String::from_utf8_lossy(&text)
+                    .lines()
+                    .find_map(|l| l.strip_prefix("maxmemory_policy:"))
+                    .map(|p| p.trim().to_string()),
+                _ => None,
             }
+        });
+        match policy {
+            Some(policy) if policy.starts_with("allkeys-") => Err(self.err(format!(
+                "maxmemory-policy is {policy}: Redis may evict committed log records and home \
+                 pages to stay under maxmemory; set it to noeviction (or a volatile-* policy, \
+                 which never evicts RVM's keys: they have no TTL)"
+            ))),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     fn epoch_key(&self) -> String {
@@ -330,6 +368,9 @@ impl RedisBackend {
     }
 
     fn log_key(&self, seq: u64) -> String {
+        if self.instance == LEGACY_INSTANCE {
+            return format!("{}:log:{seq}", self.prefix);
+        }
         format!("{}:log:{:016x}:{seq}", self.prefix, self.instance)
     }
 
@@ -548,7 +589,7 @@ impl Backend for RedisBackend {
     }
 }
 
-/// A new epoch or instance id: random, never 0 (which no GET of ours parses as valid).
+/// A new epoch or instance id: random, never 0 (the id of an instance from before ids).
 fn random_nonzero() -> u64 {
     loop {
         let n = rand::random::<u64>();
