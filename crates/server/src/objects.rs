@@ -1082,6 +1082,12 @@ impl ObjectStore {
                     shard.remove(key);
                 } else {
                     let cost = entry_cost(key, &e.value);
+                    // A half-made change is a change: it takes a new version, or a WATCH
+                    // would not see it. (One that left the size as it was goes unseen: the
+                    // changes that can fail half made are additions, which grow it.)
+                    if outcome.is_err() && cost != e.charge_bytes {
+                        e.version = self.clock.next();
+                    }
                     if cost >= e.charge_bytes {
                         grown_bytes = cost - e.charge_bytes;
                     } else {
@@ -1493,6 +1499,20 @@ mod tests {
             before + 999,
             "a one-byte value grown to 1,000 bytes is not counted"
         );
+        let version = |s: &ObjectStore| s.read(b"k", now, |e| e.map(|e| e.version));
+        let v_before = version(&s);
+        let _ = s.modify(
+            b"k",
+            |_| 2000,
+            now,
+            |e, _| -> Result<((), Change), ErrorReply> {
+                if let Some(e) = e {
+                    e.value = Value::Str(Bytes::from(vec![7u8; 1500]));
+                }
+                Err(err(ErrorCode::BadRequest, "half made again"))
+            },
+        );
+        assert_ne!(version(&s), v_before, "a half-made change kept its version");
         s.delete(b"k", now).unwrap();
         assert_eq!(budget.used(), 0);
     }

@@ -74,6 +74,9 @@ static RESP_PROTOCOL: LogLimit = LogLimit::new();
 /// Native-port connections refused before or at their handshake (limits, bad HELLOs,
 /// wrong tokens): nothing there is authenticated.
 pub(crate) static NATIVE_REFUSALS: LogLimit = LogLimit::new();
+/// Redis-port connections refused or closed before AUTH (limits, too much unauthenticated
+/// input).
+pub(crate) static RESP_REFUSALS: LogLimit = LogLimit::new();
 
 /// A `tracing::warn!` that goes through `$limit` (a [`LogLimit`]) and says how many lines
 /// it held back since the last one.

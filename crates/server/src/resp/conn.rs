@@ -17,6 +17,7 @@ use crate::conn::{
     linger_close, peer_went_away, refusal_message, sleep_or_never, wait_shutdown, write_all_idle,
     OpenConnection, EVICTED_MESSAGE,
 };
+use crate::protolog::{warn_limited, RESP_REFUSALS};
 use crate::state::{Refusal, ServerState};
 use bytes::Buf;
 use std::io;
@@ -95,7 +96,12 @@ pub(crate) async fn serve(
     let mut bufs = match ConnBuffers::new(budget, in_start, OUT_START_BYTES) {
         Ok(b) => b,
         Err(e) => {
-            warn!(%peer, error = %e, "refusing RESP connection: connection buffer budget exhausted");
+            warn_limited!(
+                RESP_REFUSALS,
+                %peer,
+                error = %e,
+                "refusing RESP connection: connection buffer budget exhausted"
+            );
             shared.state.stats().connection_refused();
             let _ = stream.write_all(&over_budget_reply(&e)).await;
             let _ = stream.shutdown().await;
@@ -200,7 +206,7 @@ pub(crate) async fn serve(
         End::Protocol(e) => crate::protolog::protocol_error(peer, &e),
         End::Shutdown => debug!(%peer, "RESP connection closed for shutdown"),
         End::NoAuth => {
-            warn!(%peer, "RESP connection sent too much before AUTH; closed")
+            warn_limited!(RESP_REFUSALS, %peer, "RESP connection sent too much before AUTH; closed")
         }
         End::AuthTimeout => debug!(%peer, "RESP connection did not AUTH in time; closed"),
         End::Evicted => debug!(%peer, "unauthenticated RESP connection made room for a newer one"),
@@ -320,7 +326,12 @@ pub(crate) async fn refuse(
     state: Arc<ServerState>,
     refusal: Refusal,
 ) {
-    warn!(%peer, reason = refusal_message(refusal), "refusing RESP connection");
+    warn_limited!(
+        RESP_REFUSALS,
+        %peer,
+        reason = refusal_message(refusal),
+        "refusing RESP connection"
+    );
     state.stats().connection_refused();
     let reply = match refusal {
         Refusal::Full => "-ERR max number of clients reached\r\n".to_owned(),

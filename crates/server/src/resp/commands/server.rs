@@ -89,11 +89,11 @@ pub(super) fn auth(c: &mut Call<'_>) {
     }
 }
 
-/// Redis's rule for client names (and library names): printable ASCII, no spaces.
 /// Longest client name a connection keeps (Redis has no limit; a name is a label, and
 /// one of megabytes would be memory no budget counts, on every connection).
 pub const CLIENT_NAME_BYTES_MAX: usize = 1024;
 
+/// Redis's rule for client names (and library names): printable ASCII, no spaces.
 fn valid_name(name: &[u8]) -> bool {
     name.iter().all(|b| (b'!'..=b'~').contains(b))
 }
