@@ -417,7 +417,22 @@ impl Controller {
         let paused = term.retry_at.is_some_and(|t| Instant::now() < t);
         if term.copying.is_empty() && term.done.is_empty() && !paused {
             term.retry_at = None;
-            let work = sync_work(map, &alive);
+            let mut work = sync_work(map, &alive);
+            if !work.is_empty() {
+                // A replicated move's joining replica is its mover's to fill, and its to
+                // end (full at the switch, gone at a rollback). Copied here as well, a
+                // copy finishing after a rollback had emptied `to` and the move had begun
+                // again would mark `to` full without the data.
+                if let Some(m) = self.rt.block_on(self.etcd.read_move())? {
+                    let r = &m.record;
+                    for ((_, to), parts) in work.iter_mut() {
+                        if *to == r.to {
+                            parts.retain(|p| r.partitions.binary_search(p).is_err());
+                        }
+                    }
+                    work.retain(|_, parts| !parts.is_empty());
+                }
+            }
             for ((from, to), partitions) in work.into_iter().take(COPIES_MAX) {
                 self.start_copy(term, map, from, to, partitions)?;
             }
@@ -473,21 +488,23 @@ impl Controller {
         let period = crate::etcd::REPORT_PERIOD;
         if term.sampled_at.is_none_or(|t| t.elapsed() >= period) {
             term.sampled_at = Some(Instant::now());
-            // Unreadable reports measure nothing this period; moves are planned on.
-            let reports = self.rt.block_on(self.etcd.reports()).unwrap_or_else(|e| {
-                self.say(&format!("auto-rebalance: reports unreadable ({e})"));
-                Vec::new()
-            });
-            let samples: Vec<LoadSample> = reports
-                .iter()
-                .filter(|r| map.node(r.node).is_some_and(|n| alive.holds(n)))
-                .map(|r| LoadSample {
-                    node: r.node,
-                    ops_per_sec: r.ops_per_sec,
-                    throttled: r.throttled,
-                })
-                .collect();
-            term.load.observe(&samples, cfg);
+            // Unreadable reports make no sample (observing none would clear every node's
+            // sustained history); moves are planned on.
+            match self.rt.block_on(self.etcd.reports()) {
+                Ok(reports) => {
+                    let samples: Vec<LoadSample> = reports
+                        .iter()
+                        .filter(|r| map.node(r.node).is_some_and(|n| alive.holds(n)))
+                        .map(|r| LoadSample {
+                            node: r.node,
+                            ops_per_sec: r.ops_per_sec,
+                            throttled: r.throttled,
+                        })
+                        .collect();
+                    term.load.observe(&samples, cfg);
+                }
+                Err(e) => self.say(&format!("auto-rebalance: reports unreadable ({e})")),
+            }
         }
         let paused = term.rebalance_retry_at.is_some_and(|t| Instant::now() < t);
         if paused {
@@ -498,7 +515,9 @@ impl Controller {
         let in_progress = self.rt.block_on(self.etcd.read_move())?.is_some();
         // Only live nodes take partitions: a plan onto a dead one would fail its move.
         // (With R = 1 a dead node's partitions are stranded, not movable: failover keeps
-        // it in the map, and auto-rebalance waits for it to come back.) A recorded move is
+        // it in the map, and auto-rebalance plans nothing until it comes back — a restart
+        // is a new, empty process, which the map does not record while its id is
+        // referenced, so that takes an operator.) A recorded move is
         // still resumed — it may hold a fence over partitions of live nodes, which no one
         // else lifts (its mover rolls back what it cannot finish).
         let every_node_live = map.nodes.iter().all(|n| alive.holds(n));

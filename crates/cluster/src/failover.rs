@@ -270,41 +270,91 @@ pub fn join(map: &ClusterMap, alive: &Alive) -> Option<ClusterMap> {
     let referenced = referenced(map);
     let mut next = map.clone();
     let mut changed = false;
+    let mut refused = Vec::new();
     for m in alive.members() {
-        let at = next.nodes.iter().position(|n| n.id == m.id);
-        let before = at.map(|i| next.nodes[i].clone());
-        let updated = match &before {
-            None if next.nodes.len() >= crate::map::NODES_MAX => continue,
-            None => m.clone(),
-            Some(n) if n == m => continue,
-            Some(n) if n.same_process(m) || !referenced.contains(&n.id) => m.clone(),
-            Some(n) if n.weight != m.weight => Node {
-                weight: m.weight,
-                ..n.clone()
-            },
-            Some(_) => continue,
-        };
-        match at {
-            Some(i) => next.nodes[i] = updated,
-            None => next.nodes.push(updated),
+        match join_one(&mut next, &referenced, m) {
+            Ok(c) => changed |= c,
+            Err(_) => refused.push(m),
         }
-        if let Err(e) = next.check_nodes() {
-            tracing::warn!("node {} ({}) left out of the map: {e}", m.id, m.addr);
-            match (at, before) {
-                (Some(i), Some(n)) => next.nodes[i] = n,
-                _ => {
-                    next.nodes.pop();
+    }
+    // Those refused, all together: changes only valid beside each other (two entries
+    // trading addresses) are taken as one; otherwise each stays out.
+    if !refused.is_empty() {
+        let kept = next.nodes.clone();
+        let mut together = Ok(());
+        for m in &refused {
+            if let Some(updated) = joined_entry(&next, &referenced, m) {
+                match next.nodes.iter().position(|n| n.id == m.id) {
+                    Some(i) => next.nodes[i] = updated,
+                    None => next.nodes.push(updated),
                 }
             }
-            continue;
         }
-        changed = true;
+        if next.nodes.len() > crate::map::NODES_MAX {
+            together = Err("too many nodes".to_string());
+        } else if let Err(e) = next.check_nodes() {
+            together = Err(e.to_string());
+        }
+        match together {
+            Ok(()) => changed = true,
+            Err(e) => {
+                next.nodes = kept;
+                for m in refused {
+                    tracing::warn!("node {} ({}) left out of the map: {e}", m.id, m.addr);
+                }
+            }
+        }
     }
     if !changed {
         return None;
     }
     next.epoch = map.epoch + 1;
     Some(next)
+}
+
+/// The entry registration `m` makes in `next`'s node list, if it changes anything.
+fn joined_entry(next: &ClusterMap, referenced: &BTreeSet<NodeId>, m: &Node) -> Option<Node> {
+    match next.nodes.iter().find(|n| n.id == m.id) {
+        None if next.nodes.len() >= crate::map::NODES_MAX => None,
+        None => Some(m.clone()),
+        Some(n) if n == m => None,
+        Some(n) if n.same_process(m) || !referenced.contains(&n.id) => Some(m.clone()),
+        Some(n) if n.weight != m.weight => Some(Node {
+            weight: m.weight,
+            ..n.clone()
+        }),
+        Some(_) => None,
+    }
+}
+
+/// Puts registration `m` in `next`'s node list if it belongs there; whether that changed
+/// it. A change that would make the list invalid is undone and returned as the error.
+fn join_one(
+    next: &mut ClusterMap,
+    referenced: &BTreeSet<NodeId>,
+    m: &Node,
+) -> Result<bool, crate::error::MapError> {
+    let Some(updated) = joined_entry(next, referenced, m) else {
+        return Ok(false);
+    };
+    let at = next.nodes.iter().position(|n| n.id == m.id);
+    let before = match at {
+        Some(i) => Some(std::mem::replace(&mut next.nodes[i], updated)),
+        None => {
+            next.nodes.push(updated);
+            None
+        }
+    };
+    if let Err(e) = next.check_nodes() {
+        match (at, before) {
+            (Some(i), Some(n)) => next.nodes[i] = n,
+            _ => {
+                next.nodes.pop();
+            }
+        }
+        return Err(e);
+    }
+    Ok(true)
 }
 
 /// Weighted load comparison: `a_slots / a_weight` against `b_slots / b_weight`.
@@ -460,6 +510,19 @@ mod tests {
         joined.validate().expect("a valid map");
         let ids: Vec<NodeId> = joined.nodes.iter().map(|n| n.id).collect();
         assert_eq!(ids, vec![0, 1, 4]);
+        // Two entries no replica set names, registered again with each other's addresses
+        // (restarted, ports traded): each change is only valid beside the other.
+        let mut spare = map(2, 16, 1);
+        spare.nodes.push(node(5, 1));
+        spare.nodes.push(node(6, 1));
+        let (mut five, mut six) = (node(5, 1), node(6, 1));
+        std::mem::swap(&mut five.addr, &mut six.addr);
+        five.lease += 1000;
+        six.lease += 1000;
+        let alive = Alive::new(spare.nodes[..2].iter().cloned().chain([five, six]));
+        let traded = join(&spare, &alive).expect("both take their new addresses");
+        traded.validate().expect("a valid map");
+        assert_eq!(traded.node(5).unwrap().addr, spare.node(6).unwrap().addr);
         // A known node re-registering with a weight over the limit keeps its old entry.
         let mut heavier = m.nodes[1].clone();
         heavier.weight = crate::map::WEIGHT_MAX + 1;

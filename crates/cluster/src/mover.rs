@@ -526,6 +526,10 @@ pub struct FillReport {
     pub version_clock: u64,
 }
 
+/// Times a move's cleanup starts again because its node installed a newer map while it
+/// ran (its deletions are routed at the map they were chosen under).
+const CLEANUP_AGAIN_MAX: u32 = 3;
+
 /// How long [`fill_replica`] waits for the primary to show the epoch that made `to` a
 /// replica (a primary that does not install maps is dead or cut off from etcd).
 pub const FILL_EPOCH_WAIT_MAX: Duration = Duration::from_secs(10);
@@ -776,6 +780,7 @@ impl Mover {
         let mut copied_since = 0u64;
         let mut fence_started: Option<Instant> = None;
         let mut lost = 0;
+        let mut cleanups_again = 0;
         loop {
             if lost > COMMIT_ATTEMPTS_MAX {
                 return Err(MoverError::Contended(lost));
@@ -1154,9 +1159,24 @@ impl Mover {
                                 Ok(None) => self.say(format!(
                                     "cleanup: node {node} did not reach epoch {epoch}; its copies stay"
                                 )),
-                                Err(e @ MoverError::Client { .. }) => self.say(format!(
-                                    "cleanup: stopped on node {node} ({e}); its copies stay"
-                                )),
+                                Err(e @ MoverError::Client { .. }) => {
+                                    // Refused because the node has a newer map than this
+                                    // one: again, with the mask of the map it has.
+                                    let moved_on = node_epoch(&client, node)
+                                        .is_ok_and(|now| now > map.map.epoch);
+                                    if moved_on && cleanups_again < CLEANUP_AGAIN_MAX {
+                                        cleanups_again += 1;
+                                        self.say(format!(
+                                            "cleanup: node {node} installed a map newer than \
+                                             epoch {}; again under it",
+                                            map.map.epoch
+                                        ));
+                                        continue;
+                                    }
+                                    self.say(format!(
+                                        "cleanup: stopped on node {node} ({e}); its copies stay"
+                                    ))
+                                }
                                 Err(e) => return Err(e),
                             }
                         }
