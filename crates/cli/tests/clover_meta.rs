@@ -435,6 +435,44 @@ fn a_sigkilled_meta_server_stops_only_what_needs_it() {
     assert!(linearizable(&run), "not linearizable");
 }
 
+/// A store's kept connection to a metadata server that went away under it (the server
+/// closes idle ones after five minutes; here it is SIGKILLed and started again on its
+/// port) is replaced: the next call goes through on a fresh one. Before, that call
+/// failed, and with it the user's operation.
+#[test]
+fn a_kept_meta_connection_that_died_is_replaced_on_the_next_call() {
+    let s = server();
+    let mut m = meta(&[s.addr()], &[]);
+    let addr = m.addr();
+    let remote = remote(addr, TOKEN).expect("connect");
+    remote.stats().expect("stats");
+    m.kill().expect("SIGKILL the metadata server");
+    let mut again = Command::new(CAMELOT)
+        .args(["clover", "meta", "--listen", &addr.to_string()])
+        .args(["--servers", &s.addr().to_string(), "--token", TOKEN])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("camelot clover meta again");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect(addr).is_err() {
+        if Instant::now() > deadline {
+            let _ = again.kill();
+            let _ = again.wait();
+            panic!("the metadata server did not come back on {addr}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let stats = remote.stats();
+    let _ = again.kill();
+    let _ = again.wait();
+    assert!(
+        stats.is_ok(),
+        "the call after the restart failed: {stats:?}"
+    );
+}
+
 /// The checks can fail: a metadata server that grants every node twice makes two
 /// writers share a node; the checker (or Clover's own chain checks, failing operations)
 /// catches it in every round.

@@ -409,8 +409,9 @@ impl<M: Memory> Meta<M> {
         Ok(Some(st.free.split_off(keep)))
     }
 
-    /// A whole pass under the state lock (the caller holds `gc_pass` too): only when a
-    /// grant finds the pool empty.
+    /// A whole pass under the state lock (the caller holds `gc_pass` too): when a grant
+    /// finds fewer nodes free than it asks for (before any block is added), so every
+    /// other metadata call waits for it.
     fn gc_locked(&self, st: &mut State) -> Result<(), CloverError> {
         let epoch = self.epoch.load(Ordering::SeqCst);
         let now = Instant::now();

@@ -129,10 +129,29 @@ impl RemoteMeta {
     }
 
     /// One request and its answer; an error answer becomes the matching `CloverError`.
+    /// A connection that had been kept (the server closes idle ones after
+    /// `server::IDLE_TIMEOUT`) and fails is replaced and the request sent once more —
+    /// unless it gives nodes back, which done twice would hand a node out twice.
     fn call(&self, req: &Request) -> Result<Answer, CloverError> {
         let frame =
             wire::encode_request(req).map_err(|e| CloverError::InvalidArgument(e.to_string()))?;
         let mut conn = self.conn.lock();
+        let kept = conn.is_some();
+        let answer = match self.exchange(&mut conn, &frame) {
+            Err(_) if kept && !matches!(req, Request::GiveBack(_)) => {
+                self.exchange(&mut conn, &frame)
+            }
+            other => other,
+        };
+        match answer? {
+            Answer::Error { kind, arg, message } => Err(answer_error(kind, arg, message)),
+            a => Ok(a),
+        }
+    }
+
+    /// Sends `frame` on the connection (dialled first if there is none) and reads the
+    /// answer; on failure the connection is dropped (the stream may be mid-frame).
+    fn exchange(&self, conn: &mut Option<TcpStream>, frame: &[u8]) -> Result<Answer, CloverError> {
         if conn.is_none() {
             *conn = Some(Self::dial(&self.config)?);
         }
@@ -140,19 +159,14 @@ impl RemoteMeta {
             return Err(lost(self.config.addr, "no connection"));
         };
         let answer = s
-            .write_all(&frame)
+            .write_all(frame)
             .map_err(|e| lost(self.config.addr, e))
             .and_then(|_| read_frame(s, wire::ANSWER_BYTES_MAX))
             .and_then(|b| wire::decode_answer(b).map_err(|e| lost(self.config.addr, e)));
-        match answer {
-            Ok(Answer::Error { kind, arg, message }) => Err(answer_error(kind, arg, message)),
-            Ok(a) => Ok(a),
-            Err(e) => {
-                // The stream may be mid-frame: never reused.
-                *conn = None;
-                Err(e)
-            }
+        if answer.is_err() {
+            *conn = None;
         }
+        answer
     }
 
     /// The service's counters.
