@@ -18,7 +18,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Connections served at once by default.
 pub const CONNECTIONS_MAX_DEFAULT: usize = 256;
@@ -187,12 +187,45 @@ impl MetaServer {
         Ok(Bytes::from(body))
     }
 
+    /// [`Self::read_body`] that must be over by `deadline` as a whole: with a timeout
+    /// per read alone, a peer sending a byte a little faster than it could keep a
+    /// connection slot through its whole HELLO for as long as it liked.
+    fn read_body_by(
+        stream: &mut TcpStream,
+        max: usize,
+        deadline: Instant,
+    ) -> Result<Bytes, String> {
+        let mut fill = |buf: &mut [u8]| -> Result<(), String> {
+            let mut at = 0;
+            while at < buf.len() {
+                let left = deadline
+                    .checked_duration_since(Instant::now())
+                    .filter(|d| !d.is_zero())
+                    .ok_or("no HELLO within the handshake timeout")?;
+                stream
+                    .set_read_timeout(Some(left))
+                    .map_err(|e| e.to_string())?;
+                match stream.read(&mut buf[at..]) {
+                    Ok(0) => return Err("closed during the handshake".into()),
+                    Ok(n) => at += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            Ok(())
+        };
+        let mut prefix = [0u8; 4];
+        fill(&mut prefix)?;
+        let len = wire::frame_len(prefix, max).map_err(|e| e.to_string())?;
+        let mut body = vec![0u8; len];
+        fill(&mut body)?;
+        Ok(Bytes::from(body))
+    }
+
     fn connection(&self, mut stream: TcpStream) -> Result<(), String> {
         let _ = stream.set_nodelay(true);
-        stream
-            .set_read_timeout(Some(self.config.handshake_timeout))
-            .map_err(|e| e.to_string())?;
-        let hello = Self::read_body(&mut stream, wire::HELLO_BYTES_MAX)
+        let deadline = Instant::now() + self.config.handshake_timeout;
+        let hello = Self::read_body_by(&mut stream, wire::HELLO_BYTES_MAX, deadline)
             .and_then(|b| wire::decode_hello(b).map_err(|e| e.to_string()))?;
         let refuse = |stream: &mut TcpStream, why: &str| {
             let _ = Self::send(
