@@ -378,12 +378,7 @@ fn a_node_restarted_empty_under_its_id_serves_none_of_the_dead_one_s_partitions(
         Some(b"v".to_vec())
     );
     let old = c.rt.block_on(c.etcd.live_nodes()).unwrap()[0].clone();
-    let pid = c.servers[0].process_mut().pid().to_string();
-    assert!(Command::new("kill")
-        .args(["-KILL", &pid])
-        .status()
-        .unwrap()
-        .success());
+    c.servers[0].process_mut().kill().expect("SIGKILL node 0");
     wait_for(
         "the killed server's lease expired",
         Duration::from_secs(10),

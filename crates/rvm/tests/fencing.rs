@@ -33,11 +33,15 @@ fn signal(pid: u32, sig: &str) {
     assert!(status.success(), "kill {sig} {pid}: {status}");
 }
 
-fn commit_u64(rvm: &Rvm, s: &Segment, off: u64, v: u64) {
+fn try_commit_u64(rvm: &Rvm, s: &Segment, off: u64, v: u64) -> camelot_rvm::Result<()> {
     let mut t = rvm.begin();
     t.set_range(s, off, 8).expect("declare");
     t.write_u64(s, off, v).expect("write");
-    t.commit().expect("commit");
+    t.commit()
+}
+
+fn commit_u64(rvm: &Rvm, s: &Segment, off: u64, v: u64) {
+    try_commit_u64(rvm, s, off, v).expect("commit");
 }
 
 /// A (a process) commits 111 and is stopped while truncating, just before its home
@@ -134,8 +138,8 @@ fn camelot_resp_paused_writer_lands_nothing_after_a_takeover() {
 /// How long a test's own command to redis-server may take.
 const REDIS_COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Sends one inline command to redis-server at `addr`; returns its one-line reply.
-fn redis_command(addr: SocketAddr, command: &str) -> String {
+/// Sends one inline command to redis-server at `addr`; returns the reader of its reply.
+fn redis_send(addr: SocketAddr, command: &str) -> BufReader<TcpStream> {
     let mut stream = TcpStream::connect_timeout(&addr, REDIS_COMMAND_TIMEOUT).expect("connect");
     stream
         .set_read_timeout(Some(REDIS_COMMAND_TIMEOUT))
@@ -143,11 +147,18 @@ fn redis_command(addr: SocketAddr, command: &str) -> String {
     stream
         .write_all(format!("{command}\r\n").as_bytes())
         .expect("send");
-    let mut line = String::new();
     BufReader::new(stream)
-        .read_line(&mut line)
-        .expect("redis answers");
+}
+
+fn read_line(reader: &mut BufReader<TcpStream>) -> String {
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("redis answers");
     line.trim_end().to_string()
+}
+
+/// Sends one inline command to redis-server at `addr`; returns its one-line reply.
+fn redis_command(addr: SocketAddr, command: &str) -> String {
+    read_line(&mut redis_send(addr, command))
 }
 
 fn redis_config(addr: SocketAddr, name: &str) -> Config {
@@ -181,10 +192,7 @@ fn redis_that_lost_its_keys_fences_the_writer_that_held_them() {
     let sb = b.alloc("s", 4096).expect("B allocates");
     commit_u64(&b, &sb, 0, 222);
 
-    let mut t = a.begin();
-    t.set_range(&s, 0, 8).expect("declare");
-    t.write_u64(&s, 0, 999).expect("write");
-    let late = t.commit();
+    let late = try_commit_u64(&a, &s, 0, 999);
     assert!(
         matches!(late, Err(camelot_rvm::RvmError::Fenced(_))),
         "A committed into the instance B made after Redis lost its keys: {late:?}"
@@ -203,10 +211,7 @@ fn redis_a_fenced_writer_s_record_is_not_replayed_into_a_new_instance() {
     let s = a.alloc("s", 4096).expect("A allocates");
     commit_u64(&a, &s, 0, 111);
     assert_eq!(redis_command(redis.addr, "FLUSHALL"), "+OK");
-    let mut t = a.begin();
-    t.set_range(&s, 0, 8).expect("declare");
-    t.write_u64(&s, 0, 999).expect("write");
-    let late = t.commit();
+    let late = try_commit_u64(&a, &s, 0, 999);
     assert!(late.is_err(), "A committed after Redis lost its keys");
     let left = redis_command(redis.addr, "DBSIZE");
     assert_ne!(
@@ -231,22 +236,8 @@ fn redis_a_fenced_writer_s_record_is_not_replayed_into_a_new_instance() {
 
 /// GET of `key` on redis-server at `addr` (a bulk reply), `None` when absent.
 fn redis_get(addr: SocketAddr, key: &str) -> Option<String> {
-    let mut stream = TcpStream::connect_timeout(&addr, REDIS_COMMAND_TIMEOUT).expect("connect");
-    stream
-        .set_read_timeout(Some(REDIS_COMMAND_TIMEOUT))
-        .expect("timeout");
-    stream
-        .write_all(format!("GET {key}\r\n").as_bytes())
-        .expect("send");
-    let mut reader = BufReader::new(stream);
-    let mut header = String::new();
-    reader.read_line(&mut header).expect("redis answers");
-    if header.trim_end() == "$-1" {
-        return None;
-    }
-    let mut value = String::new();
-    reader.read_line(&mut value).expect("the value");
-    Some(value.trim_end().to_string())
+    let mut reader = redis_send(addr, &format!("GET {key}"));
+    (read_line(&mut reader) != "$-1").then(|| read_line(&mut reader))
 }
 
 /// An instance written before log keys carried an id (records under `rvm:NS:log:SEQ`, no

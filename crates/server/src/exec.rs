@@ -232,10 +232,7 @@ pub fn exec_logged(
     }
     // Only a connection, which can wait for the copies before answering, takes pushes.
     let mut pushes = log.is_some().then(Vec::new);
-    // A SCAN_PARTITIONS push names its target in this snapshot: taking the ownership again
-    // while `held` is would deadlock behind a waiting `set_ownership` (the lock is fair).
-    let map = snapshot.clone();
-    let ownership = if batch.epoch == 0 { None } else { snapshot };
+    let ownership = snapshot.as_ref().filter(|_| batch.epoch != 0);
     let epoch = ownership
         .as_ref()
         .map_or_else(|| state.epoch(), |o| o.epoch());
@@ -261,8 +258,11 @@ pub fn exec_logged(
         enc,
         too_large: OnceCell::new(),
         now: OnceCell::new(),
-        ownership,
-        map,
+        routed: batch.epoch != 0,
+        // A SCAN_PARTITIONS push names its target in this snapshot: taking the ownership
+        // again while `held` is would deadlock behind a waiting `set_ownership` (the
+        // lock is fair).
+        map: snapshot.clone(),
         log: log.as_deref_mut().filter(|l| l.ownership.is_some()),
         pushes: pushes.as_mut(),
     };
@@ -298,9 +298,10 @@ struct Exec<'s, 'e, 'b> {
     too_large: OnceCell<ErrorReply>,
     // Expiry is judged at one moment per batch; a clock read per object op is waste.
     now: OnceCell<Instant>,
-    // Set only for batches routed with a non-zero epoch equal to the server's: then a
-    // key op on a partition this server does not own is answered MOVED, unexecuted.
-    ownership: Option<Arc<Ownership>>,
+    // The batch was routed with a non-zero epoch (equal to the server's, or it would not
+    // run): then a key op on a partition this server does not own is answered MOVED,
+    // unexecuted (see `Exec::routed_map`).
+    routed: bool,
     // The batch's snapshot of the server's map, whatever the batch's epoch (taken on a
     // connection, which is where pushes are allowed).
     map: Option<Arc<Ownership>>,
@@ -339,7 +340,11 @@ impl Exec<'_, '_, '_> {
         }
     }
 
-    /// For replies built before their size is known; they have no side effects to undo.
+    /// The map a routed batch runs under (`None` for an unrouted one).
+    fn routed_map(&self) -> Option<&Arc<Ownership>> {
+        self.map.as_ref().filter(|_| self.routed)
+    }
+
     /// The server a SCAN_PARTITIONS may push to: another server of this one's map, and
     /// only on a connection (which waits for the copies before it answers).
     fn push_target(&self, node: u32) -> Result<Peer, ErrorReply> {
@@ -367,6 +372,7 @@ impl Exec<'_, '_, '_> {
         })
     }
 
+    /// For replies built before their size is known; they have no side effects to undo.
     fn respond_if_fits(&mut self, id: u64, reply: Reply) -> Result<(), EncodeError> {
         if !self.fits(reply_bytes(&reply)) {
             return self.too_large(id);
@@ -449,7 +455,7 @@ impl Exec<'_, '_, '_> {
     }
 
     fn one(&mut self, id: u64, op: &Op) -> Result<(), EncodeError> {
-        if let (Some(own), Some(key)) = (&self.ownership, op_key(op)) {
+        if let (Some(own), Some(key)) = (self.routed_map(), op_key(op)) {
             // A GET routed at this server's epoch to a partition it is a full backup of
             // was sent here on purpose (the client's map names this server a backup):
             // a replica read, answered from the copy, which may lag the primary.
@@ -554,7 +560,7 @@ impl Exec<'_, '_, '_> {
                             PushPage {
                                 at: self.enc.count(),
                                 to,
-                                epoch: self.ownership.as_ref().map_or(0, |o| o.epoch()),
+                                epoch: self.routed_map().map_or(0, |o| o.epoch()),
                                 copies,
                             }
                         });
