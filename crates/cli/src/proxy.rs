@@ -75,6 +75,13 @@ pub struct ProxyArgs {
     /// silent stops them within this time even when no client asks anything.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     upstream_timeout: f64,
+    /// Bytes all clients' frames in flight may hold together, with room for their
+    /// answers (a frame holds its share from when its length arrives until its answer
+    /// is written). A client whose next frame would pass it is answered OUT_OF_MEMORY
+    /// and closed, as a memory server does. At least 128M (the largest frame and its
+    /// answer).
+    #[arg(long, value_name = "BYTES", default_value = "256M", value_parser = parse_bytes)]
+    connection_memory: u64,
     /// Worker threads of the proxy's runtime.
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -293,6 +300,7 @@ fn run_proxy(a: ProxyArgs) -> Result<()> {
         write_cache_fault: a.write_cache_fault,
         memory_bytes: a.memory,
         upstream_timeout,
+        connection_memory_bytes: a.connection_memory,
     };
     config.validate()?;
     // A multi-thread runtime even for one worker: a current-thread one was measured

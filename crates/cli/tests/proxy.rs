@@ -103,6 +103,36 @@ fn the_proxy_authenticates_before_it_allocates() {
     assert_eq!(stat(&client, "proxy_refused_auth"), 1);
 }
 
+/// More sockets than the proxy takes connections, each sending nothing: a client that
+/// comes after them still gets in (it takes the oldest silent one's place), long before
+/// they would time out.
+#[test]
+fn sockets_that_never_say_hello_do_not_lock_clients_out() {
+    let s = server();
+    let p = proxy(s.addr(), &["--conn-map", "1"]);
+    let silent: Vec<TcpStream> = (0..camelot_proxy::CONNECTIONS_MAX + 16)
+        .map(|_| TcpStream::connect(p.addr()).expect("connect"))
+        .collect();
+    let started = Instant::now();
+    let client = Client::connect(
+        ClusterMap::from_addrs(&[p.addr()]),
+        ClientConfig {
+            // Well inside the proxy's 10 s handshake timeout: the silent sockets must not
+            // be what lets this client in.
+            request_timeout: Duration::from_secs(3),
+            ..config(TOKEN)
+        },
+    )
+    .and_then(|c| c.ping(0).map(|_| c))
+    .unwrap_or_else(|e| panic!("a client behind {} silent sockets: {e}", silent.len()));
+    assert!(started.elapsed() < camelot_proxy::HANDSHAKE_TIMEOUT);
+    let evicted = stat(&client, "proxy_evicted_unauthenticated");
+    assert!(
+        evicted >= (silent.len() - camelot_proxy::UNAUTHENTICATED_CONNECTIONS_MAX) as u64,
+        "{evicted} evicted"
+    );
+}
+
 #[test]
 fn region_operations_pass_through_and_cas_becomes_write() {
     let s = server();

@@ -1,16 +1,19 @@
 //! Many slow readers against a real `camelot server` process: clients that pipeline
 //! requests for 1 MB values (RESP GETs and native READs) and never read the answers.
 //! The server's resident memory must stay within its caps plus a stated constant, and
-//! it must go on serving. Set `CAMELOT_SLOW_READERS_BIN` to run the same check against
-//! another build (that is how it was shown to fail on the code before the
-//! connection-buffer budget: see ARCHITECTURE.md).
+//! it must go on serving. The same for a real `camelot proxy run` in front of a server,
+//! with READs of 32 MiB, against its `--connection-memory`. Set
+//! `CAMELOT_SLOW_READERS_BIN` to run the same checks against another build (that is how
+//! they were shown to fail on the code before each budget: see ARCHITECTURE.md).
 
 use bytes::{Bytes, BytesMut};
 use camelot_proto::{
     decode_frame, encode_frame, Frame, FrameDecoder, Hello, Op, Reply, Request, RequestBatch,
     PROTOCOL_VERSION,
 };
+use camelot_testkit::process::{Program, Readiness, ServerProcess};
 use camelot_testkit::{CamelotServer, CamelotServerOptions};
+use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
@@ -96,16 +99,9 @@ fn recv(s: &mut TcpStream, buf: &mut BytesMut) -> Frame {
     }
 }
 
-/// Stores the value both ports will be asked for; returns the native region's id.
-fn load(server: &CamelotServer) -> u64 {
-    let value = vec![b'v'; VALUE_BYTES];
-    let mut r = connect(server.resp_addr().expect("resp port"));
-    r.write_all(&resp(&[b"SET", b"big", &value])).expect("SET");
-    let mut ok = [0u8; 5];
-    r.read_exact(&mut ok).expect("SET reply");
-    assert_eq!(&ok, b"+OK\r\n");
-
-    let mut n = connect(server.addr());
+/// ALLOCs a region of `size` bytes over the native port; returns its id.
+fn alloc(addr: SocketAddr, size: u64, mode: camelot_proto::AccessMode) -> u64 {
+    let mut n = connect(addr);
     let mut buf = BytesMut::new();
     n.write_all(&hello()).expect("HELLO");
     assert!(matches!(recv(&mut n, &mut buf), Frame::HelloOk(_)));
@@ -114,9 +110,9 @@ fn load(server: &CamelotServer) -> u64 {
         requests: vec![Request {
             id: 1,
             op: Op::Alloc {
-                size: VALUE_BYTES as u64,
+                size,
                 name: None,
-                mode: camelot_proto::AccessMode::Private,
+                mode,
             },
         }],
     });
@@ -128,6 +124,22 @@ fn load(server: &CamelotServer) -> u64 {
         },
         other => panic!("ALLOC: {other:?}"),
     }
+}
+
+/// Stores the value both ports will be asked for; returns the native region's id.
+fn load(server: &CamelotServer) -> u64 {
+    let value = vec![b'v'; VALUE_BYTES];
+    let mut r = connect(server.resp_addr().expect("resp port"));
+    r.write_all(&resp(&[b"SET", b"big", &value])).expect("SET");
+    let mut ok = [0u8; 5];
+    r.read_exact(&mut ok).expect("SET reply");
+    assert_eq!(&ok, b"+OK\r\n");
+
+    alloc(
+        server.addr(),
+        VALUE_BYTES as u64,
+        camelot_proto::AccessMode::Private,
+    )
 }
 
 /// Opens the slow readers: each sends its requests and never reads. Writes that the
@@ -238,4 +250,160 @@ fn slow_readers_cannot_take_the_server_past_its_memory_caps() {
     let mut got = vec![0u8; want.len()];
     r.read_exact(&mut got).expect("STRLEN reply");
     assert_eq!(String::from_utf8_lossy(&got), want);
+}
+
+/// The proxy's region: one READ of it is the largest a request may ask for.
+const PROXY_READ_BYTES: usize = camelot_proto::limits::IO_BYTES_MAX;
+/// The proxy's `--connection-memory` (its default).
+const PROXY_CONNECTION_MEMORY_BYTES: u64 = 256 * MIB;
+/// What the proxy may hold beyond that budget: code, the runtime, the allocator's slack,
+/// and per connection the answer being encoded while its replies are still held (one
+/// frame's worth for the moment between the two) and its upstream connection's buffers.
+const PROXY_RSS_OVERHEAD_BYTES_MAX: u64 = 160 * MIB;
+const PROXY_SLOW_READERS: usize = 6;
+/// Frames of one READ each; 6 × 16 × 32 MiB asks the proxy for 3 GiB of answers.
+const PROXY_FRAMES_PER_READER: usize = 16;
+
+fn proxy(upstream: SocketAddr, bin: &std::path::Path, custom: bool) -> ServerProcess {
+    let bin = bin.to_path_buf();
+    ServerProcess::start(
+        Program {
+            program: bin.to_string_lossy().into_owned().into(),
+            package: "camelot".into(),
+        },
+        "camelot-proxy",
+        Readiness::Accepting,
+        move |port| {
+            let mut args: Vec<OsString> = vec![
+                "proxy".into(),
+                "run".into(),
+                "--listen".into(),
+                format!("127.0.0.1:{port}").into(),
+                "--upstream".into(),
+                upstream.to_string().into(),
+            ];
+            if !custom {
+                args.push("--connection-memory".into());
+                args.push(PROXY_CONNECTION_MEMORY_BYTES.to_string().into());
+            }
+            args
+        },
+    )
+    .expect("start camelot proxy")
+}
+
+#[test]
+fn slow_readers_cannot_take_a_proxy_past_its_connection_memory() {
+    let bin = binary();
+    let custom = std::env::var_os("CAMELOT_SLOW_READERS_BIN").is_some();
+    let server = CamelotServer::start(
+        &bin,
+        &CamelotServerOptions {
+            resp: false,
+            args: vec!["--memory".into(), (64 * MIB).to_string()],
+        },
+    )
+    .expect("start camelot server");
+    let region = alloc(
+        server.addr(),
+        PROXY_READ_BYTES as u64,
+        camelot_proto::AccessMode::Shared,
+    );
+    let p = proxy(server.addr(), &bin, custom);
+    let pid = p.pid();
+    let idle_rss = vm_rss_bytes(pid);
+
+    let mut burst = hello();
+    for id in 0..PROXY_FRAMES_PER_READER as u64 {
+        burst.extend_from_slice(&frame(&Frame::Requests(RequestBatch {
+            epoch: 0,
+            requests: vec![Request {
+                id,
+                op: Op::Read {
+                    region,
+                    offset: 0,
+                    len: PROXY_READ_BYTES as u32,
+                },
+            }],
+        })));
+    }
+    let conns: Vec<TcpStream> = (0..PROXY_SLOW_READERS)
+        .map(|_| {
+            let mut s = connect(p.addr());
+            s.write_all(&burst).expect("the slow reader's frames");
+            s
+        })
+        .collect();
+    let peak = watch_peak_rss(pid);
+    let bound = PROXY_CONNECTION_MEMORY_BYTES + PROXY_RSS_OVERHEAD_BYTES_MAX;
+    eprintln!(
+        "proxy slow readers: {} connections, proxy RSS {} MiB before, peak {} MiB, bound {} MiB",
+        conns.len(),
+        idle_rss / MIB,
+        peak / MIB,
+        bound / MIB
+    );
+    assert!(
+        peak <= bound,
+        "proxy RSS reached {} MiB with {} slow readers; the bound is {} MiB",
+        peak / MIB,
+        conns.len(),
+        bound / MIB
+    );
+
+    // Still serving once they leave, and it says whom it closed.
+    drop(conns);
+    let mut c = connect(p.addr());
+    let mut buf = BytesMut::new();
+    c.write_all(&hello()).expect("HELLO");
+    assert!(matches!(recv(&mut c, &mut buf), Frame::HelloOk(_)));
+    let ask = Frame::Requests(RequestBatch {
+        epoch: 0,
+        requests: vec![
+            Request {
+                id: 1,
+                op: Op::Read {
+                    region,
+                    offset: 0,
+                    len: PROXY_READ_BYTES as u32,
+                },
+            },
+            // A second 32 MiB reply does not fit the answer: refused without a trip.
+            Request {
+                id: 2,
+                op: Op::Read {
+                    region,
+                    offset: 0,
+                    len: PROXY_READ_BYTES as u32,
+                },
+            },
+            Request {
+                id: 3,
+                op: Op::Stats,
+            },
+        ],
+    });
+    c.write_all(&frame(&ask)).expect("READs and STATS");
+    let Frame::Responses(r) = recv(&mut c, &mut buf) else {
+        panic!("no answer from the proxy")
+    };
+    match &r.responses[0].result {
+        Ok(Reply::Data(d)) => assert_eq!(d.len(), PROXY_READ_BYTES),
+        other => panic!("READ through the proxy: {other:?}"),
+    }
+    match &r.responses[1].result {
+        Err(e) => assert_eq!(e.code, camelot_proto::ErrorCode::TooLarge, "{e:?}"),
+        other => panic!("second READ: {other:?}"),
+    }
+    let Ok(Reply::Stats(stats)) = &r.responses[2].result else {
+        panic!("STATS: {:?}", r.responses[2].result)
+    };
+    let stat = |name: &str| {
+        stats
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or_else(|| panic!("no stat {name}"), |(_, v)| *v)
+    };
+    assert!(stat("proxy_refused_over_memory") >= 1, "{stats:?}");
+    assert_eq!(stat("proxy_refused_too_large"), 1, "{stats:?}");
 }

@@ -10,6 +10,7 @@
 //! the bytes actually present before anything is allocated.
 #![forbid(unsafe_code)]
 
+pub mod budget;
 pub mod limits;
 mod wire;
 

@@ -54,9 +54,12 @@ use cache::ReadCache;
 use camelot_client::{
     AnswerHook, ClientConfig, ClientError, ClusterMap, FenceSession, LoopClient, LoopPending,
 };
+use camelot_proto::budget::{MemoryBudget, OverBudget, Reservation};
+use camelot_proto::limits::FRAME_BYTES_MAX;
 use camelot_proto::{
     decode_frame, encode_frame, ErrorCode, ErrorReply, Frame, FrameDecoder, HelloOk, Op, Reply,
-    ResponseBatchEncoder, HELLO_BODY_BYTES_MAX, PROTOCOL_VERSION,
+    ResponseBatchEncoder, ERROR_RESPONSE_BYTES_MAX, HELLO_BODY_BYTES_MAX, PROTOCOL_VERSION,
+    RESPONSES_HEADER_BYTES, RESPONSE_OK_BUDGET_BYTES,
 };
 use std::future::Future;
 use std::net::SocketAddr;
@@ -72,6 +75,22 @@ use words::{CasDecision, Words};
 
 /// Client connections served at once; more are closed at accept.
 pub const CONNECTIONS_MAX: usize = 1024;
+/// Of those, connections that have not passed their HELLO yet. One more takes the place
+/// of the oldest (closed at once), so sockets that never say HELLO hold at most this
+/// many slots, never lock a client out until they time out, and leave the rest to
+/// authenticated clients.
+pub const UNAUTHENTICATED_CONNECTIONS_MAX: usize = 64;
+/// What one frame's answer is charged at most, length prefix included: the frame's
+/// budget for successful replies and an error's room for every other request stay under
+/// the frame limit (see [`ReplyPlan`]; proptested).
+pub const FRAME_REPLY_BYTES_MAX: u64 = FRAME_BYTES_MAX as u64 - 4;
+/// Bytes the proxy holds for its clients' frames unless configured otherwise: each frame
+/// from when its length prefix is read until its answer is written, with room for that
+/// answer (the replies gathered from upstream).
+pub const CONNECTION_MEMORY_BYTES_DEFAULT: u64 = 256 << 20;
+/// The least such budget: one frame of the largest size and its largest answer, so any
+/// frame a client may send can be served when nothing else is held.
+pub const CONNECTION_MEMORY_BYTES_MIN: u64 = FRAME_BYTES_MAX as u64 + 4 + FRAME_REPLY_BYTES_MAX;
 /// Most upstream connections connection mapping may ask for.
 pub const CONN_MAP_MAX: usize = 256;
 /// Request frames a client may have in flight through the proxy before it stops reading
@@ -126,6 +145,10 @@ pub struct ProxyConfig {
     pub memory_bytes: u64,
     /// How long an upstream request may take before its connection is given up.
     pub upstream_timeout: Duration,
+    /// Bytes all clients' frames in flight may hold together, answers included (see
+    /// [`CONNECTION_MEMORY_BYTES_DEFAULT`]); a client whose frame would pass it is told
+    /// OUT_OF_MEMORY and closed, as the server does.
+    pub connection_memory_bytes: u64,
 }
 
 impl ProxyConfig {
@@ -149,6 +172,12 @@ impl ProxyConfig {
                     "--conn-map takes 1 to {CONN_MAP_MAX} connections"
                 )));
             }
+        }
+        if self.connection_memory_bytes < CONNECTION_MEMORY_BYTES_MIN {
+            return Err(ProxyError::InvalidConfig(format!(
+                "--connection-memory must be at least {CONNECTION_MEMORY_BYTES_MIN} bytes \
+                 (the largest frame and its answer)"
+            )));
         }
         if self.upstream_timeout.is_zero() {
             return Err(ProxyError::InvalidConfig(
@@ -223,8 +252,10 @@ impl ProxyServer {
             write_cache: config.write_cache,
             write_cache_fault: config.write_cache_fault,
             memory_bytes_max: config.memory_bytes,
+            connection_memory: MemoryBudget::new(config.connection_memory_bytes),
             counters: Counters::default(),
             connections: AtomicUsize::new(0),
+            handshakes: std::sync::Mutex::new(Handshakes::default()),
             failed: AtomicBool::new(false),
             failed_why: std::sync::Mutex::new(None),
             failed_notify: Notify::new(),
@@ -323,10 +354,17 @@ impl ProxyServer {
                         drop(stream);
                         continue;
                     }
+                    let (waiting, evicted) = proxy.handshakes().enter();
+                    if evicted {
+                        proxy
+                            .counters
+                            .evicted_unauthenticated
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
                     proxy.counters.connections_total.fetch_add(1, Ordering::Relaxed);
                     let proxy = proxy.clone();
                     tokio::spawn(async move {
-                        serve(proxy.clone(), stream, peer).await;
+                        serve(proxy.clone(), stream, peer, waiting).await;
                         proxy.connections.fetch_sub(1, Ordering::SeqCst);
                     });
                 }
@@ -586,6 +624,12 @@ struct Counters {
     bytes_from_upstream: AtomicU64,
     connections_total: AtomicU64,
     refused_auth: AtomicU64,
+    /// Connections closed in their handshake to make room for a newer one.
+    evicted_unauthenticated: AtomicU64,
+    /// Clients closed because their frame would pass the connection memory.
+    refused_over_memory: AtomicU64,
+    /// Requests answered TOO_LARGE: their frame's answer had no room left for them.
+    refused_too_large: AtomicU64,
 }
 
 struct Proxy {
@@ -602,8 +646,12 @@ struct Proxy {
     write_cache: bool,
     write_cache_fault: bool,
     memory_bytes_max: u64,
+    /// What clients' frames in flight hold (`serve`).
+    connection_memory: Arc<MemoryBudget>,
     counters: Counters,
     connections: AtomicUsize,
+    /// Connections still in their handshake (within `connections`), oldest first.
+    handshakes: std::sync::Mutex<Handshakes>,
     /// Set once, on a fail-stop; from then on nothing is answered.
     failed: AtomicBool,
     /// Why, as the first to set `failed` said.
@@ -754,6 +802,26 @@ impl Proxy {
                 "proxy_refused_auth".into(),
                 c.refused_auth.load(Ordering::Relaxed),
             ),
+            (
+                "proxy_evicted_unauthenticated".into(),
+                c.evicted_unauthenticated.load(Ordering::Relaxed),
+            ),
+            (
+                "proxy_refused_over_memory".into(),
+                c.refused_over_memory.load(Ordering::Relaxed),
+            ),
+            (
+                "proxy_refused_too_large".into(),
+                c.refused_too_large.load(Ordering::Relaxed),
+            ),
+            (
+                "proxy_connection_memory_used_bytes".into(),
+                self.connection_memory.used(),
+            ),
+            (
+                "proxy_connection_memory_cap_bytes".into(),
+                self.connection_memory.cap(),
+            ),
             ("proxy_lanes".into(), self.lanes.len() as u64),
             ("proxy_memory_bytes_max".into(), self.memory_bytes_max),
         ];
@@ -833,6 +901,12 @@ impl Proxy {
         c.bytes_from_upstream
             .fetch_add(ok_reply_bytes(&op), Ordering::Relaxed);
         op
+    }
+
+    fn handshakes(&self) -> std::sync::MutexGuard<'_, Handshakes> {
+        self.handshakes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn with_chains<T>(&self, f: impl FnOnce(&mut ChainCache) -> T) -> Option<T> {
@@ -1334,10 +1408,116 @@ async fn handshake(proxy: &Proxy, stream: &mut TcpStream) -> Result<(), String> 
     stream.write_all(&buf).await.map_err(|e| e.to_string())
 }
 
-type PendingFrame = Vec<(u64, Answer)>;
+/// The connections still in their handshake, oldest first (at most
+/// [`UNAUTHENTICATED_CONNECTIONS_MAX`]).
+#[derive(Default)]
+struct Handshakes {
+    next_id: u64,
+    waiting: std::collections::VecDeque<(u64, Arc<Notify>)>,
+}
 
-async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
-    match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&proxy, &mut stream)).await {
+/// A connection's place among those in their handshake; `evict` is notified when a
+/// newer one took it.
+struct Waiting {
+    id: u64,
+    evict: Arc<Notify>,
+}
+
+impl Handshakes {
+    /// Enters a new connection, evicting the oldest waiting one if the cap is full
+    /// (the second value says so).
+    fn enter(&mut self) -> (Waiting, bool) {
+        let mut evicted = false;
+        while self.waiting.len() >= UNAUTHENTICATED_CONNECTIONS_MAX {
+            if let Some((_, evict)) = self.waiting.pop_front() {
+                // A stored permit: the evicted task sees it even if not awaiting yet.
+                evict.notify_one();
+                evicted = true;
+            }
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let evict = Arc::new(Notify::new());
+        self.waiting.push_back((id, evict.clone()));
+        (Waiting { id, evict }, evicted)
+    }
+
+    /// The connection's handshake ended (passed, refused or timed out).
+    fn leave(&mut self, id: u64) {
+        self.waiting.retain(|(w, _)| *w != id);
+    }
+}
+
+/// What a frame's answer may need, decided before any of its requests is dispatched:
+/// requests are admitted in order while their replies fit the frame's budget for
+/// successful replies (as the client packs its frames, by `Op::reply_len_max`; the first
+/// always), the rest answered TOO_LARGE without going upstream. Without it a frame of
+/// 4,096 READs of 32 MiB would gather 128 GiB of replies here before its answer was
+/// found too large.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ReplyPlan {
+    /// Per request, in order: whether it goes ahead.
+    admitted: Vec<bool>,
+    /// Most bytes the answer can take, length prefix included (≤ [`FRAME_REPLY_BYTES_MAX`]
+    /// for a frame the decoder accepts).
+    bytes_max: u64,
+}
+
+impl ReplyPlan {
+    fn new<'a>(ops: impl IntoIterator<Item = &'a Op>) -> ReplyPlan {
+        let mut ok_bytes = RESPONSES_HEADER_BYTES;
+        let mut bytes_max = 4 + RESPONSES_HEADER_BYTES as u64;
+        let mut admitted = Vec::new();
+        for op in ops {
+            let reply = op.reply_len_max();
+            let fits = admitted.is_empty() || ok_bytes + reply <= RESPONSE_OK_BUDGET_BYTES;
+            if fits {
+                ok_bytes += reply;
+                bytes_max += reply as u64;
+            } else {
+                bytes_max += ERROR_RESPONSE_BYTES_MAX as u64;
+            }
+            admitted.push(fits);
+        }
+        ReplyPlan {
+            admitted,
+            bytes_max,
+        }
+    }
+}
+
+/// The body length a buffer's length prefix announces, prefix included, once it is
+/// there and within limits (an impossible one the frame decoder refuses).
+fn announced_frame_bytes(buf: &[u8]) -> Option<u64> {
+    let prefix: [u8; 4] = buf.get(..4)?.try_into().ok()?;
+    let len = u32::from_le_bytes(prefix) as usize;
+    FrameDecoder::check_len(len).ok()?;
+    Some(4 + len as u64)
+}
+
+/// What the reader hands the writer, in the order frames arrived.
+enum ToWriter {
+    /// A frame's answers, and what it holds of the connection memory (its bytes and
+    /// room for its answer) until the answer is written.
+    Frame(Vec<(u64, Answer)>, [Reservation; 2]),
+    /// Sent after every frame before it is answered; then the connection closes.
+    Fatal(ErrorReply),
+}
+
+/// A buffer that held a frame or an answer larger than this is let go after it, so an
+/// idle connection does not keep a big allocation outside the connection memory.
+const BUFFER_KEEP_BYTES: usize = 4 * READ_CHUNK_BYTES;
+
+async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr, waiting: Waiting) {
+    let handshake = tokio::select! {
+        h = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&proxy, &mut stream)) => h,
+        () = waiting.evict.notified() => {
+            tracing::debug!(%peer, "closed to make room: too many connections waiting to authenticate");
+            return;
+        }
+    };
+    proxy.handshakes().leave(waiting.id);
+    match handshake {
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
             tracing::debug!(%peer, error = %e, "handshake refused");
@@ -1367,12 +1547,21 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
     };
     let _ = stream.set_nodelay(true);
     let (mut rd, mut wr) = stream.into_split();
-    let (tx, mut rx) = mpsc::channel::<PendingFrame>(FRAMES_IN_FLIGHT_MAX);
+    let (tx, mut rx) = mpsc::channel::<ToWriter>(FRAMES_IN_FLIGHT_MAX);
     let writer_proxy = proxy.clone();
     let writer = tokio::spawn(async move {
         let mut buf = BytesMut::new();
-        while let Some(frame) = rx.recv().await {
+        while let Some(message) = rx.recv().await {
             buf.clear();
+            let (frame, held) = match message {
+                ToWriter::Frame(frame, held) => (frame, held),
+                ToWriter::Fatal(e) => {
+                    if encode_frame(&Frame::Fatal(e), &mut buf).is_ok() {
+                        let _ = wr.write_all(&buf).await;
+                    }
+                    return;
+                }
+            };
             let mut enc = ResponseBatchEncoder::begin(&mut buf);
             for (id, answer) in frame {
                 let pushed = match answer.await {
@@ -1396,11 +1585,46 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
             if wr.write_all(&buf).await.is_err() {
                 return;
             }
+            if buf.capacity() > BUFFER_KEEP_BYTES {
+                buf = BytesMut::new();
+            }
+            drop(held);
         }
     });
+    let memory = proxy.connection_memory.clone();
+    let over_memory = |e: OverBudget| {
+        tracing::warn!(%peer, error = %e, "proxy connection memory exhausted; closing");
+        proxy
+            .counters
+            .refused_over_memory
+            .fetch_add(1, Ordering::Relaxed);
+        ErrorReply::new(
+            ErrorCode::OutOfMemory,
+            format!("proxy connection memory exhausted: {e}"),
+        )
+    };
+    let too_large = ErrorReply::new(
+        ErrorCode::TooLarge,
+        "the replies before this one fill the answer's frame; send it in a smaller batch",
+    );
     let mut inbuf = BytesMut::with_capacity(READ_CHUNK_BYTES);
+    // What the frame being received holds, charged as soon as its length is known and
+    // before the decoder makes room for it.
+    let mut receiving: Option<Reservation> = None;
+    let mut fatal = None;
     'conn: loop {
         loop {
+            if receiving.is_none() {
+                if let Some(bytes) = announced_frame_bytes(&inbuf) {
+                    match memory.try_reserve(bytes) {
+                        Ok(r) => receiving = Some(r),
+                        Err(e) => {
+                            fatal = Some(over_memory(e));
+                            break 'conn;
+                        }
+                    }
+                }
+            }
             let body = match FrameDecoder::split_frame(&mut inbuf) {
                 Ok(Some(b)) => b,
                 Ok(None) => break,
@@ -1409,6 +1633,17 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
                     break 'conn;
                 }
             };
+            // A frame split off was announced, so it was charged above.
+            let Some(input) = receiving.take() else {
+                break 'conn;
+            };
+            if input.bytes() > BUFFER_KEEP_BYTES as u64 {
+                // The rest still shares the frame's allocation, which would outlive the
+                // frame's charge (its view's capacity shows only the tail, and once the
+                // frame is gone a reserve would take the whole allocation back): a copy
+                // lets it go with the frame.
+                inbuf = BytesMut::from(&inbuf[..]);
+            }
             let batch = match decode_frame(body) {
                 Ok(Frame::Requests(b)) => b,
                 _ => {
@@ -1416,11 +1651,32 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
                     break 'conn;
                 }
             };
+            let plan = ReplyPlan::new(batch.requests.iter().map(|r| &r.op));
+            let answer_room = match memory.try_reserve(plan.bytes_max) {
+                Ok(r) => r,
+                Err(e) => {
+                    fatal = Some(over_memory(e));
+                    break 'conn;
+                }
+            };
             let mut frame = Vec::with_capacity(batch.requests.len());
-            for req in batch.requests {
-                frame.push((req.id, proxy.dispatch(&lanes, req.op).await));
+            for (req, admitted) in batch.requests.into_iter().zip(plan.admitted) {
+                let answer = if admitted {
+                    proxy.dispatch(&lanes, req.op).await
+                } else {
+                    proxy
+                        .counters
+                        .refused_too_large
+                        .fetch_add(1, Ordering::Relaxed);
+                    ready(Err(too_large.clone()))
+                };
+                frame.push((req.id, answer));
             }
-            if tx.send(frame).await.is_err() {
+            if tx
+                .send(ToWriter::Frame(frame, [input, answer_room]))
+                .await
+                .is_err()
+            {
                 break 'conn;
             }
         }
@@ -1435,6 +1691,9 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
             }
         }
     }
+    if let Some(e) = fatal {
+        let _ = tx.send(ToWriter::Fatal(e)).await;
+    }
     drop(tx);
     let _ = writer.await;
 }
@@ -1442,7 +1701,135 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use camelot_proto::limits::{BATCH_OPS_MAX, IO_BYTES_MAX};
+    use proptest::prelude::*;
     use std::time::Instant;
+
+    fn read(len: usize) -> Op {
+        Op::Read {
+            region: 1,
+            offset: 0,
+            len: len as u32,
+        }
+    }
+
+    #[test]
+    fn a_frame_s_reads_past_its_reply_budget_are_refused_before_going_upstream() {
+        let big = read(IO_BYTES_MAX);
+        let plan = ReplyPlan::new([&big, &big, &Op::Ping, &big]);
+        // Two 32 MiB replies do not fit one answer; a PING still does after the first.
+        assert_eq!(plan.admitted, vec![true, false, true, false]);
+        assert!(plan.bytes_max <= FRAME_REPLY_BYTES_MAX);
+        assert!(plan.bytes_max >= (IO_BYTES_MAX + 2 * ERROR_RESPONSE_BYTES_MAX) as u64);
+        // The first request always goes, as the client packs it alone.
+        let scan = Op::Scan {
+            start: Bytes::new(),
+            limit: 1,
+        };
+        assert_eq!(
+            ReplyPlan::new([&scan, &Op::Ping]).admitted,
+            vec![true, false]
+        );
+    }
+
+    #[test]
+    fn a_connection_past_the_handshake_cap_evicts_the_oldest_waiting() {
+        let mut h = Handshakes::default();
+        let first: Vec<Waiting> = (0..UNAUTHENTICATED_CONNECTIONS_MAX)
+            .map(|_| {
+                let (w, evicted) = h.enter();
+                assert!(!evicted);
+                w
+            })
+            .collect();
+        // One that passed its handshake no longer counts.
+        h.leave(first[1].id);
+        let (_, evicted) = h.enter();
+        assert!(!evicted);
+        let (newest, evicted) = h.enter();
+        assert!(evicted);
+        assert_eq!(h.waiting.len(), UNAUTHENTICATED_CONNECTIONS_MAX);
+        assert_eq!(h.waiting.front().map(|(id, _)| *id), Some(first[2].id));
+        assert_eq!(h.waiting.back().map(|(id, _)| *id), Some(newest.id));
+        // The oldest was told, before it even waited (a stored permit).
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), first[0].evict.notified())
+                .await
+                .expect("the oldest connection is told to close");
+            assert!(
+                tokio::time::timeout(Duration::from_millis(50), first[2].evict.notified())
+                    .await
+                    .is_err(),
+                "only the oldest is evicted"
+            );
+        });
+    }
+
+    #[test]
+    fn a_length_prefix_is_charged_once_it_is_whole_and_possible() {
+        assert_eq!(announced_frame_bytes(&[5, 0, 0]), None);
+        assert_eq!(announced_frame_bytes(&[5, 0, 0, 0]), Some(9));
+        assert_eq!(announced_frame_bytes(&[0, 0, 0, 0, 1]), None);
+        let too_big = ((FRAME_BYTES_MAX + 1) as u32).to_le_bytes();
+        assert_eq!(announced_frame_bytes(&too_big), None);
+    }
+
+    fn any_op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0..=IO_BYTES_MAX).prop_map(read),
+            Just(Op::Ping),
+            Just(Op::Stats),
+            Just(Op::Get {
+                key: Bytes::from_static(b"k")
+            }),
+            Just(Op::Scan {
+                start: Bytes::new(),
+                limit: 10
+            }),
+            any::<u64>().prop_map(|e| Op::Cas {
+                region: 1,
+                offset: 0,
+                expected: e,
+                new: e + 1,
+            }),
+        ]
+    }
+
+    proptest! {
+        // The bound a frame is charged is its answer's worst case, never past the cap
+        // the budget's floor is built on; what it admits fits the success budget.
+        #[test]
+        fn a_reply_plan_bounds_the_answer_within_the_cap(
+            ops in prop::collection::vec(any_op(), 1..64),
+            pings in 0..BATCH_OPS_MAX,
+        ) {
+            let pings = pings.saturating_sub(ops.len());
+            let all: Vec<Op> = ops.into_iter().chain(std::iter::repeat_n(Op::Ping, pings)).collect();
+            let plan = ReplyPlan::new(&all);
+            prop_assert_eq!(plan.admitted.len(), all.len());
+            prop_assert!(plan.admitted[0]);
+            prop_assert!(plan.bytes_max <= FRAME_REPLY_BYTES_MAX);
+            let admitted: Vec<&Op> = all
+                .iter()
+                .zip(&plan.admitted)
+                .filter_map(|(op, a)| a.then_some(op))
+                .collect();
+            let ok_bytes: usize =
+                RESPONSES_HEADER_BYTES + admitted.iter().map(|op| op.reply_len_max()).sum::<usize>();
+            // Only a first request too big on its own goes past the budget, and alone.
+            prop_assert!(ok_bytes <= RESPONSE_OK_BUDGET_BYTES || admitted.len() == 1);
+            let worst: u64 = 4 + RESPONSES_HEADER_BYTES as u64 + all
+                .iter()
+                .zip(&plan.admitted)
+                .map(|(op, a)| if *a { op.reply_len_max() } else { ERROR_RESPONSE_BYTES_MAX } as u64)
+                .sum::<u64>();
+            prop_assert_eq!(plan.bytes_max, worst);
+        }
+    }
 
     fn ok() -> Result<Reply, ClientError> {
         Ok(Reply::Done)

@@ -5,7 +5,7 @@
 //! puts them behind a TCP listener on the current tokio runtime.
 #![forbid(unsafe_code)]
 
-pub mod budget;
+pub use camelot_proto::budget;
 mod buffers;
 mod conn;
 pub mod dev;

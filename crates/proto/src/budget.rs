@@ -1,6 +1,7 @@
-//! The server's one memory cap. Regions (and, later, key-value objects) reserve from the
-//! same [`MemoryBudget`] before they allocate, so going over the cap is an error a client
-//! sees rather than an OOM kill.
+//! A byte budget that owners reserve from before they allocate, so going over a cap is an
+//! error someone sees rather than an OOM kill. The server's memory (regions and objects)
+//! and its connection buffers are each one; the proxy's connection memory is another.
+//! Here, beside the wire's limits, because both ends of a hop keep one.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
