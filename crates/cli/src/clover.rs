@@ -39,6 +39,15 @@ pub struct MetaArgs {
     /// comma-separated; stores use them in this order.
     #[arg(long, value_delimiter = ',', required = true)]
     servers: Vec<String>,
+    /// Proxies in front of those servers, one each, in the same order (comma-separated):
+    /// the service then makes blocks, writes new keys' heads and reads for collection
+    /// through them. Give it whenever stores go through caching proxies — everything
+    /// that writes the regions must pass a proxy while it runs, or the proxy answers
+    /// a reused node's reads from what it held before (stores then fail on that key).
+    /// While a proxy is down, what needs it (new keys, new blocks, collection) fails
+    /// and resumes when it is back on its address.
+    #[arg(long, value_delimiter = ',')]
+    via: Option<Vec<String>>,
     /// Cluster token: stores must present it, and the service presents it to servers.
     #[arg(long, env = "CAMELOT_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -180,11 +189,24 @@ fn meta(a: MetaArgs) -> Result<()> {
     if a.gc_interval_ms == 0 {
         bail!("--gc-interval-ms must be at least 1");
     }
-    let addrs: Vec<SocketAddr> = a
+    let mut addrs: Vec<SocketAddr> = a
         .servers
         .iter()
         .map(|s| crate::resolve(s))
         .collect::<Result<_>>()?;
+    if let Some(via) = &a.via {
+        if via.len() != addrs.len() {
+            bail!(
+                "--via names {} proxies for {} servers: one in front of each, in --servers' order",
+                via.len(),
+                addrs.len()
+            );
+        }
+        addrs = via
+            .iter()
+            .map(|s| crate::resolve(s))
+            .collect::<Result<_>>()?;
+    }
     let token = a.token.map(String::into_bytes);
     let geometry = Geometry::new(a.value_bytes, a.nodes_per_block)?;
     let client = Client::connect(
@@ -195,7 +217,13 @@ fn meta(a: MetaArgs) -> Result<()> {
             ..ClientConfig::default()
         },
     )
-    .context("cannot reach the memory servers")?;
+    .with_context(|| {
+        if a.via.is_some() {
+            "cannot reach the proxies"
+        } else {
+            "cannot reach the memory servers"
+        }
+    })?;
     let mem = RegionMemory::new(client, geometry);
     let meta = Arc::new(Meta::new(
         mem,
@@ -214,9 +242,12 @@ fn meta(a: MetaArgs) -> Result<()> {
     let listener =
         TcpListener::bind(&a.listen).with_context(|| format!("cannot listen on {}", a.listen))?;
     println!(
-        "camelot clover meta listening on {} for {} ({}-byte values, {} nodes a block, at most {} blocks)",
+        "camelot clover meta listening on {} for {}{} ({}-byte values, {} nodes a block, at most {} blocks)",
         listener.local_addr()?,
         a.servers.join(","),
+        a.via
+            .as_ref()
+            .map_or(String::new(), |v| format!(" via {}", v.join(","))),
         a.value_bytes,
         a.nodes_per_block,
         a.blocks_max,
