@@ -190,6 +190,67 @@ fn region_operations_pass_through_and_cas_becomes_write() {
     }
 }
 
+/// A WRITE the server refuses (here past the region's end) changed nothing there, so it
+/// may teach the proxy nothing: a CAS from the value it carried must fail as the server
+/// would fail it, and a READ must see the bytes the server holds. On the code before,
+/// the proxy taught the WRITE's words when it decided it and forgot them only when the
+/// refusal came back, so the CAS behind it in the same frame was made a WRITE and
+/// answered as won.
+#[test]
+fn a_write_the_server_refuses_teaches_the_proxy_nothing() {
+    use camelot_client::proto::{Op, Reply};
+    let s = server();
+    let p = proxy(
+        s.addr(),
+        &["--conn-map", "1", "--cas-to-write", "--read-cache"],
+    );
+    let client = Client::connect(ClusterMap::from_addrs(&[p.addr()]), config(TOKEN)).unwrap();
+    let r = client
+        .alloc_with(64, None, camelot_client::AccessMode::Shared)
+        .unwrap();
+    // The server may round a region up: the last word is the size it answers.
+    let last = r.size - 8;
+    let carried = 0x1111_u64;
+    let mut past_the_end = carried.to_le_bytes().to_vec();
+    past_the_end.extend_from_slice(&[0xEE; 8]);
+    let answers = client
+        .submit_many([
+            (0, r.write_op(last, Bytes::from(past_the_end))),
+            (0, r.cas_op(last, carried, 0x2222)),
+            (
+                0,
+                Op::Read {
+                    region: r.id,
+                    offset: last,
+                    len: 8,
+                },
+            ),
+        ])
+        .unwrap();
+    let mut answers = answers.into_iter().map(|p| p.wait());
+    let refused = answers.next().unwrap();
+    assert!(
+        matches!(&refused, Err(e) if e.code() == Some(camelot_client::proto::ErrorCode::OutOfBounds)),
+        "{refused:?}"
+    );
+    match answers.next().unwrap() {
+        Ok(Reply::Word(w)) => assert_eq!(w, 0, "the CAS must fail on the word the server holds"),
+        other => panic!("CAS: {other:?}"),
+    }
+    match answers.next().unwrap() {
+        Ok(Reply::Data(d)) => assert_eq!(&d[..], &[0u8; 8], "READ"),
+        other => panic!("READ: {other:?}"),
+    }
+    let direct = Client::connect(ClusterMap::from_addrs(&[s.addr()]), config(TOKEN)).unwrap();
+    assert_eq!(&direct.read(&r, last, 8).unwrap()[..], &[0u8; 8]);
+    // A WRITE inside the region (its size known from the ALLOC) still teaches.
+    client
+        .write(&r, 0, Bytes::copy_from_slice(&7u64.to_le_bytes()))
+        .unwrap();
+    assert_eq!(client.cas(&r, 0, 7, 8).unwrap(), 7);
+    assert_eq!(stat(&client, "proxy_cas_converted"), 1);
+}
+
 /// A CAS made a WRITE links its node only once the server has the WRITE: a READ decided
 /// before that (here, in the same frame, behind an 8 MiB WRITE on the lane) is not sent
 /// to the new node as the linked tail. On another lane such a READ can overtake the

@@ -256,6 +256,7 @@ impl ProxyServer {
             counters: Counters::default(),
             connections: AtomicUsize::new(0),
             handshakes: std::sync::Mutex::new(Handshakes::default()),
+            extents: std::sync::Mutex::new(Extents::default()),
             failed: AtomicBool::new(false),
             failed_why: std::sync::Mutex::new(None),
             failed_notify: Notify::new(),
@@ -613,6 +614,48 @@ struct LaneState {
     cache: Option<ReadCache>,
 }
 
+/// Regions the proxy keeps extents for; past it the table starts over (which only means
+/// the next WRITE to each region teaches nothing).
+const EXTENT_REGIONS_MAX: usize = 4096;
+
+/// Per region, an end offset below which the server took a WRITE (or its size, from an
+/// ALLOC answered through the proxy): the region is at least that large, so a WRITE below it cannot be refused for its bounds or for a
+/// missing region (while everything goes through the proxy, and until a FREE). Only such
+/// a WRITE teaches what it writes when it is decided; any other could be refused, and
+/// requests decided from what it taught (a CAS made a WRITE, a cached READ) would answer
+/// for bytes the server never held. Pure; bounded by [`EXTENT_REGIONS_MAX`].
+#[derive(Default)]
+struct Extents {
+    ends: std::collections::HashMap<u64, u64>,
+    /// FREEs decided: an answer decided before one may not widen after it.
+    frees: u64,
+}
+
+impl Extents {
+    fn covers(&self, region: u64, offset: u64, len: u64) -> bool {
+        offset
+            .checked_add(len)
+            .is_some_and(|end| self.ends.get(&region).is_some_and(|&e| end <= e))
+    }
+
+    /// A WRITE decided when `frees` FREEs had been was taken up to `end`.
+    fn taken(&mut self, region: u64, end: u64, frees: u64) {
+        if frees != self.frees {
+            return;
+        }
+        if self.ends.len() >= EXTENT_REGIONS_MAX && !self.ends.contains_key(&region) {
+            self.ends.clear();
+        }
+        let e = self.ends.entry(region).or_insert(0);
+        *e = (*e).max(end);
+    }
+
+    fn freed(&mut self, region: u64) {
+        self.ends.remove(&region);
+        self.frees += 1;
+    }
+}
+
 #[derive(Default)]
 struct Counters {
     requests: AtomicU64,
@@ -650,6 +693,9 @@ struct Proxy {
     connection_memory: Arc<MemoryBudget>,
     counters: Counters,
     connections: AtomicUsize,
+    /// What the server took: WRITEs below a region's extent teach (`write`). A plain
+    /// mutex, held only for a look-up, never across an await.
+    extents: std::sync::Mutex<Extents>,
     /// Connections still in their handshake (within `connections`), oldest first.
     handshakes: std::sync::Mutex<Handshakes>,
     /// Set once, on a fail-stop; from then on nothing is answered.
@@ -903,6 +949,14 @@ impl Proxy {
         op
     }
 
+    fn with_extents<T>(&self, f: impl FnOnce(&mut Extents) -> T) -> T {
+        let mut e = self
+            .extents
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f(&mut e)
+    }
+
     fn handshakes(&self) -> std::sync::MutexGuard<'_, Handshakes> {
         self.handshakes
             .lock()
@@ -1013,6 +1067,7 @@ impl Proxy {
             }
             Op::Free { region } => {
                 let mut st = lane.state.lock().await;
+                self.with_extents(|e| e.freed(region));
                 st.words.forget_region(region);
                 if let Some(c) = st.cache.as_mut() {
                     c.forget_region(region);
@@ -1021,6 +1076,20 @@ impl Proxy {
                 let a = self.forward(&lane, op).await;
                 drop(st);
                 a
+            }
+            // Not LOOKUP: it rides lane 0, and a FREE of its region decided before it on
+            // the region's lane may still reach the server after it.
+            Op::Alloc { .. } => {
+                let frees = self.with_extents(|e| e.frees);
+                let a = self.forward(&lane, op).await;
+                let proxy = self.clone();
+                Box::pin(async move {
+                    let r = a.await;
+                    if let Ok(Reply::Region(info)) = &r {
+                        proxy.with_extents(|e| e.taken(info.id, info.size, frees));
+                    }
+                    r
+                })
             }
             other => self.forward(&lane, other).await,
         }
@@ -1138,11 +1207,18 @@ impl Proxy {
         let len = data.len() as u64;
         let mut st = lane.state.lock().await;
         st.deciding(lane.next_number());
-        st.words.write(region, offset, &data);
-        if let Some(c) = st.cache.as_mut() {
-            c.write(region, offset, &data);
+        let (within, frees) = self.with_extents(|e| (e.covers(region, offset, len), e.frees));
+        if within {
+            st.words.write(region, offset, &data);
+            if let Some(c) = st.cache.as_mut() {
+                c.write(region, offset, &data);
+            }
+            self.with_chains(|wc| wc.write(region, offset, &data));
+        } else {
+            // It may be refused: what it touches is unknown until it is answered.
+            st.forget(region, offset, len);
+            self.with_chains(|wc| wc.forget(region, offset, len));
         }
-        self.with_chains(|wc| wc.write(region, offset, &data));
         let op = Op::Write {
             region,
             offset,
@@ -1157,7 +1233,12 @@ impl Proxy {
                 Err(e) => Err(e),
             };
             match r {
-                Ok(reply) => Ok(reply),
+                Ok(reply) => {
+                    if !within {
+                        proxy.with_extents(|e| e.taken(region, offset.saturating_add(len), frees));
+                    }
+                    Ok(reply)
+                }
                 Err(e) => {
                     lane.state.lock().await.forget(region, offset, len);
                     Err(proxy.upstream_error(e))
@@ -1767,6 +1848,32 @@ mod tests {
                 "only the oldest is evicted"
             );
         });
+    }
+
+    #[test]
+    fn only_writes_below_what_the_server_took_are_covered() {
+        let mut e = Extents::default();
+        assert!(!e.covers(1, 0, 8), "nothing known of a region");
+        e.taken(1, 64, e.frees);
+        assert!(e.covers(1, 0, 64));
+        assert!(e.covers(1, 56, 8));
+        assert!(!e.covers(1, 60, 8), "past the end");
+        assert!(!e.covers(1, u64::MAX, 2), "an overflowing span");
+        assert!(!e.covers(2, 0, 8), "another region");
+        e.taken(1, 32, e.frees);
+        assert!(e.covers(1, 56, 8), "a smaller end never narrows");
+        // An answer decided before a FREE does not widen after it.
+        let before = e.frees;
+        e.freed(1);
+        assert!(!e.covers(1, 0, 8));
+        e.taken(1, 64, before);
+        assert!(!e.covers(1, 0, 8));
+        // Bounded: past the cap the table starts over.
+        for r in 0..EXTENT_REGIONS_MAX as u64 + 1 {
+            e.taken(100 + r, 8, e.frees);
+        }
+        assert!(e.ends.len() <= EXTENT_REGIONS_MAX);
+        assert!(e.covers(100 + EXTENT_REGIONS_MAX as u64, 0, 8));
     }
 
     #[test]
