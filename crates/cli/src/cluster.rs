@@ -404,6 +404,27 @@ pub enum ClusterCommand {
     /// restores the replication factor by copying partitions to live nodes. Runs until
     /// Ctrl-C or SIGTERM.
     Controller(ControllerArgs),
+    /// Give up the data of the partitions a dead node led with no copy left (replication
+    /// 1, or every backup dead too), so they serve again, empty: the controller leaves
+    /// them unserved rather than lose data by itself. If the node restarted under its id
+    /// (an empty process), it serves them; if it is gone, the live nodes leading the
+    /// fewest partitions take them. Without --confirm it only says what would be lost.
+    AcceptLoss(AcceptLossArgs),
+}
+
+#[derive(Args)]
+pub struct AcceptLossArgs {
+    /// etcd endpoint of the cluster.
+    #[arg(long, value_name = "URL")]
+    etcd: String,
+    #[arg(long, default_value = PREFIX_DEFAULT)]
+    etcd_prefix: String,
+    /// The dead node whose partitions are given up.
+    #[arg(long, value_name = "NODE")]
+    node: NodeId,
+    /// Publish the change: the data of those partitions is gone for good.
+    #[arg(long)]
+    confirm: bool,
 }
 
 #[derive(Args)]
@@ -585,7 +606,69 @@ pub fn run(cmd: ClusterCommand) -> Result<()> {
             rebalance(a)
         }
         ClusterCommand::Controller(a) => controller(rt, a),
+        ClusterCommand::AcceptLoss(a) => rt.block_on(accept_loss(a)),
     }
+}
+
+#[cfg(not(feature = "etcd"))]
+async fn accept_loss(_a: AcceptLossArgs) -> Result<()> {
+    bail!("cluster accept-loss: {NO_ETCD}")
+}
+
+/// Publishes `failover::accept_loss`'s map (re-read and decided again if another writer
+/// got in first), or prints what it would lose without `--confirm`.
+#[cfg(feature = "etcd")]
+async fn accept_loss(a: AcceptLossArgs) -> Result<()> {
+    use camelot_cluster::etcd::Publish;
+    use camelot_cluster::failover::{accept_loss, Alive};
+    const ATTEMPTS_MAX: u32 = 5;
+    let etcd = EtcdCluster::connect(std::slice::from_ref(&a.etcd), &a.etcd_prefix)
+        .await
+        .with_context(|| format!("cannot reach etcd at {}", a.etcd))?;
+    if let Some(m) = etcd.read_move().await? {
+        bail!(
+            "a move of partition(s) {:?} (node {} → {}) is recorded: finish it \
+             (`camelot cluster move`) or undo it (`camelot cluster move --rollback`) first",
+            m.record.partitions,
+            m.record.from,
+            m.record.to
+        );
+    }
+    for _ in 0..ATTEMPTS_MAX {
+        let current = etcd
+            .read_map()
+            .await?
+            .with_context(|| format!("no cluster map under {} in etcd", a.etcd_prefix))?;
+        let alive = Alive::new(etcd.live_nodes().await?);
+        let decided = accept_loss(&current.map, &alive, a.node)?;
+        decided
+            .map
+            .validate()
+            .context("the map after giving those partitions up would not be valid")?;
+        let takers: std::collections::BTreeSet<NodeId> =
+            decided.new_primaries.iter().map(|&(_, n)| n).collect();
+        println!(
+            "node {} leads {} partition(s) with no copy left: {:?}",
+            a.node,
+            decided.lost.len(),
+            decided.lost
+        );
+        if !a.confirm {
+            println!(
+                "they would serve again, empty, from node(s) {takers:?}; nothing was changed \
+                 (add --confirm to give their data up)"
+            );
+            return Ok(());
+        }
+        if let Publish::Won(_) = etcd.publish(&decided.map, Some(&current)).await? {
+            println!(
+                "given up at epoch {}: node(s) {takers:?} serve them, empty",
+                decided.map.epoch
+            );
+            return Ok(());
+        }
+    }
+    bail!("the map kept changing under {ATTEMPTS_MAX} attempts; try again")
 }
 
 #[cfg(not(feature = "etcd"))]

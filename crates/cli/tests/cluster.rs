@@ -368,6 +368,28 @@ fn a_node_restarted_while_its_old_lease_lives_is_refused_before_it_serves_anythi
 /// a read of an acknowledged write with "no such key".
 #[test]
 fn a_node_restarted_empty_under_its_id_serves_none_of_the_dead_one_s_partitions() {
+    let (c, mut again, map) = restart_node_0_empty();
+    let _reap = KillOnDrop(vec![again.id()]);
+    let probe = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
+    support::wait_epoch(&probe, [0], map.epoch);
+    // A fresh client (the old one's connection died with the process), and a few reads:
+    // none may be answered.
+    let fresh = cluster_client(&c.endpoint, &c.addrs);
+    for attempt in 0..3 {
+        let got = fresh.get(b"k");
+        assert!(
+            got.is_err(),
+            "read {attempt}: the restarted, empty process served the dead one's partition: {:?}",
+            got.map(|v| v.map(|v| v.value))
+        );
+    }
+    let _ = again.kill();
+    let _ = again.wait();
+}
+
+/// R = 1, node 0 acknowledged a write, was SIGKILLed and restarted empty under its id;
+/// returns the cluster, the new process, and the map it was published with.
+fn restart_node_0_empty() -> (support::EtcdServers, std::process::Child, ClusterMap) {
     let mut c = support::start(1, "64M", &["--lease-ttl", "1"]);
     let map = c.publish_initial(16, 1);
     let client = cluster_client(&c.endpoint, &c.addrs);
@@ -385,7 +407,7 @@ fn a_node_restarted_empty_under_its_id_serves_none_of_the_dead_one_s_partitions(
         || c.rt.block_on(c.etcd.live_nodes()).unwrap().is_empty(),
     );
     let addr = c.addrs[0].to_string();
-    let mut again = Command::new(bin())
+    let again = Command::new(bin())
         .args(["server", "--listen", &addr, "--memory", "64M"])
         .args(["--etcd", &c.endpoint, "--node-id", "0", "--lease-ttl", "1"])
         .stdin(Stdio::null())
@@ -393,7 +415,6 @@ fn a_node_restarted_empty_under_its_id_serves_none_of_the_dead_one_s_partitions(
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let _reap = KillOnDrop(vec![again.id()]);
     let mut live = Vec::new();
     wait_for(
         "the new process registered",
@@ -404,19 +425,77 @@ fn a_node_restarted_empty_under_its_id_serves_none_of_the_dead_one_s_partitions(
         },
     );
     assert_ne!(live[0].incarnation, old.incarnation, "{live:?}");
-    let probe = Client::connect(ClientMap::from_addrs(&c.addrs), ClientConfig::default()).unwrap();
-    support::wait_epoch(&probe, [0], map.epoch);
-    // A fresh client (the old one's connection died with the process), and a few reads:
-    // none may be answered.
-    let fresh = cluster_client(&c.endpoint, &c.addrs);
-    for attempt in 0..3 {
-        let got = fresh.get(b"k");
+    (c, again, map)
+}
+
+/// With R = 1 nothing holds a restarted node's partitions: the controller leaves them
+/// unserved, and before `cluster accept-loss` nothing could make them serve again.
+/// Without --confirm it changes nothing; with it the new process serves them, empty,
+/// at a new epoch, and takes writes.
+#[test]
+fn accepting_the_loss_lets_a_restarted_node_serve_its_partitions_empty() {
+    let (c, mut again, map) = restart_node_0_empty();
+    let _reap = KillOnDrop(vec![again.id()]);
+    let accept = |confirm: bool| {
+        let mut cmd = Command::new(bin());
+        cmd.args([
+            "cluster",
+            "accept-loss",
+            "--etcd",
+            &c.endpoint,
+            "--node",
+            "0",
+        ]);
+        if confirm {
+            cmd.arg("--confirm");
+        }
+        let out = cmd.output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(
-            got.is_err(),
-            "read {attempt}: the restarted, empty process served the dead one's partition: {:?}",
-            got.map(|v| v.map(|v| v.value))
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
         );
-    }
+        text
+    };
+    let said = accept(false);
+    assert!(said.contains("16 partition(s) with no copy left"), "{said}");
+    assert_eq!(c.map().epoch, map.epoch, "a dry run changed the map");
+    let said = accept(true);
+    assert!(said.contains("given up at epoch"), "{said}");
+    let after = c.map();
+    assert_eq!(after.epoch, map.epoch + 1);
+    let fresh = cluster_client(&c.endpoint, &c.addrs);
+    support::wait_epoch(&fresh, [0], after.epoch);
+    assert_eq!(
+        fresh.get(b"k").unwrap().map(|v| v.value.to_vec()),
+        None,
+        "the lost key is gone, not half there"
+    );
+    fresh.put(b"k", "again").unwrap();
+    assert_eq!(
+        fresh.get(b"k").unwrap().map(|v| v.value.to_vec()),
+        Some(b"again".to_vec())
+    );
+    // A live node has nothing to give up.
+    let out = Command::new(bin())
+        .args([
+            "cluster",
+            "accept-loss",
+            "--etcd",
+            &c.endpoint,
+            "--node",
+            "0",
+        ])
+        .arg("--confirm")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("live process"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _ = again.kill();
     let _ = again.wait();
 }

@@ -220,6 +220,146 @@ pub fn repair(map: &ClusterMap, alive: &Alive, marks: &Marks, promote: Promote) 
     })
 }
 
+/// Why [`accept_loss`] changes nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AcceptLossError {
+    #[error("node {0} is not in the map")]
+    UnknownNode(NodeId),
+    #[error("node {0} in the map is a live process: it holds its data, nothing is lost")]
+    Alive(NodeId),
+    #[error(
+        "node {node} leads partition(s) {partitions:?} that a live backup holds: a controller \
+         promotes it (run `camelot cluster controller`), after which only what no copy \
+         survives can be given up"
+    )]
+    HasBackups { node: NodeId, partitions: Vec<u32> },
+    #[error("node {node} leads partition(s) {partitions:?} under a move's fence: finish or roll back the move first")]
+    Fenced { node: NodeId, partitions: Vec<u32> },
+    #[error("no live node with a positive weight can take node {0}'s partitions")]
+    NoTaker(NodeId),
+    #[error("node {0} leads no partition: nothing of it is stranded")]
+    NothingLost(NodeId),
+}
+
+/// What [`accept_loss`] decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AcceptedLoss {
+    pub map: ClusterMap,
+    /// Partitions whose data is given up (they serve again, empty), ascending.
+    pub lost: Vec<u32>,
+    /// Each lost partition's new primary: the node restarted under the same id, or a live
+    /// node that takes it when the id has no registration.
+    pub new_primaries: Vec<(u32, NodeId)>,
+}
+
+/// Gives up the data of the partitions dead node `node` led with no copy left (R = 1, or
+/// every backup dead or still syncing), so they serve again, empty, at a new epoch —
+/// an operator's decision (`camelot cluster accept-loss`), never the controller's:
+/// [`repair`] leaves such partitions stranded rather than serve them empty.
+///
+/// If `node` registered again as a new process (restarted empty), its map entry becomes
+/// that registration and it leads them; otherwise each goes to the live weighted node
+/// leading the fewest partitions. Either way `node`'s old process leaves every other
+/// replica set (its copies died with it, and a restarted process must not look like a
+/// backup holding them). Refused while a live backup of one of its partitions could still
+/// be promoted, or one is under a move's fence.
+pub fn accept_loss(
+    map: &ClusterMap,
+    alive: &Alive,
+    node: NodeId,
+) -> Result<AcceptedLoss, AcceptLossError> {
+    let entry = map.node(node).ok_or(AcceptLossError::UnknownNode(node))?;
+    if alive.holds(entry) {
+        return Err(AcceptLossError::Alive(node));
+    }
+    let is_alive = |id: NodeId| map.node(id).is_some_and(|n| alive.holds(n));
+    let led: Vec<u32> = (0..map.partitions())
+        .filter(|&p| map.primary(p) == Some(node))
+        .collect();
+    let with_backups: Vec<u32> = led
+        .iter()
+        .copied()
+        .filter(|&p| {
+            map.replicas(p)[1..]
+                .iter()
+                .any(|&b| is_alive(b) && !map.is_syncing(p, b))
+        })
+        .collect();
+    if !with_backups.is_empty() {
+        return Err(AcceptLossError::HasBackups {
+            node,
+            partitions: with_backups,
+        });
+    }
+    if led.is_empty() {
+        return Err(AcceptLossError::NothingLost(node));
+    }
+    let fenced: Vec<u32> = led.iter().copied().filter(|&p| map.is_fenced(p)).collect();
+    if !fenced.is_empty() {
+        return Err(AcceptLossError::Fenced {
+            node,
+            partitions: fenced,
+        });
+    }
+    let restarted = alive.members().find(|m| m.id == node).cloned();
+    let mut next = map.clone();
+    next.epoch = map.epoch + 1;
+    // Primaries per live weighted node, to spread what a missing node led.
+    let mut load: BTreeMap<NodeId, usize> = map
+        .nodes
+        .iter()
+        .filter(|n| n.id != node && n.weight > 0 && alive.holds(n))
+        .map(|n| (n.id, 0))
+        .collect();
+    for set in &map.assignment {
+        if let Some(c) = set.first().and_then(|p| load.get_mut(p)) {
+            *c += 1;
+        }
+    }
+    let mut new_primaries = Vec::new();
+    for (p, set) in next.assignment.iter_mut().enumerate() {
+        let p = p as u32;
+        if set.first() == Some(&node) {
+            let to = match &restarted {
+                Some(r) => r.id,
+                None => {
+                    let (&to, c) = load
+                        .iter_mut()
+                        .min_by_key(|(id, c)| (**c, **id))
+                        .ok_or(AcceptLossError::NoTaker(node))?;
+                    *c += 1;
+                    to
+                }
+            };
+            // What else the set names holds none of it: dead, or syncing from the primary.
+            *set = vec![to];
+            new_primaries.push((p, to));
+        } else {
+            set.retain(|&n| n != node);
+        }
+    }
+    next.syncing.retain(|&(p, n)| {
+        n != node
+            && next
+                .assignment
+                .get(p as usize)
+                .is_some_and(|set| set.iter().skip(1).any(|&x| x == n))
+    });
+    match restarted {
+        Some(r) => {
+            if let Some(e) = next.nodes.iter_mut().find(|n| n.id == node) {
+                *e = r;
+            }
+        }
+        None => next.nodes.retain(|n| n.id != node),
+    }
+    Ok(AcceptedLoss {
+        map: next,
+        lost: led,
+        new_primaries,
+    })
+}
+
 /// Node ids some replica set names.
 fn referenced(map: &ClusterMap) -> BTreeSet<NodeId> {
     map.assignment.iter().flatten().copied().collect()
@@ -541,6 +681,103 @@ mod tests {
 
     fn alive_but(map: &ClusterMap, dead: &[NodeId]) -> Alive {
         Alive::new(map.nodes.iter().filter(|n| !dead.contains(&n.id)).cloned())
+    }
+
+    #[test]
+    fn a_loss_accepted_for_a_restarted_node_gives_it_its_partitions_empty() {
+        let m = map(3, 12, 1);
+        let led: Vec<u32> = (0..12).filter(|&p| m.primary(p) == Some(1)).collect();
+        assert!(!led.is_empty());
+        let mut restarted = m.node(1).unwrap().clone();
+        restarted.incarnation = 77;
+        restarted.lease += 1000;
+        let alive = Alive::new([m.nodes[0].clone(), restarted.clone(), m.nodes[2].clone()]);
+        // The controller leaves them stranded (no copy survives): it publishes nothing.
+        assert_eq!(
+            repair(&m, &alive, &Marks::default(), Promote::MostUpToDate),
+            None
+        );
+        let a = accept_loss(&m, &alive, 1).unwrap();
+        a.map.validate().unwrap();
+        assert_eq!(a.map.epoch, m.epoch + 1);
+        assert_eq!(a.lost, led);
+        assert_eq!(
+            a.map.node(1),
+            Some(&restarted),
+            "the new process is the entry"
+        );
+        assert!(a.new_primaries.iter().all(|&(_, n)| n == 1));
+        for p in 0..12 {
+            assert_eq!(a.map.replicas(p), m.replicas(p), "partition {p}");
+        }
+        // Now the map names live processes only: nothing is dead to the controller.
+        assert!(a.map.nodes.iter().all(|n| alive.holds(n)));
+        // Refusals: a live node, an unknown one, one that leads nothing.
+        assert_eq!(accept_loss(&m, &alive, 0), Err(AcceptLossError::Alive(0)));
+        assert_eq!(
+            accept_loss(&m, &alive, 9),
+            Err(AcceptLossError::UnknownNode(9))
+        );
+        let mut idle = m.clone();
+        idle.nodes.push(node(5, 1));
+        assert_eq!(
+            accept_loss(&idle, &alive, 5),
+            Err(AcceptLossError::NothingLost(5))
+        );
+        let mut fenced = m.clone();
+        fenced.fenced = vec![led[0]];
+        assert!(matches!(
+            accept_loss(&fenced, &alive, 1),
+            Err(AcceptLossError::Fenced { .. })
+        ));
+    }
+
+    #[test]
+    fn a_loss_accepted_for_a_gone_node_spreads_its_partitions_over_the_live_ones() {
+        let m = map(3, 12, 1);
+        let led: Vec<u32> = (0..12).filter(|&p| m.primary(p) == Some(2)).collect();
+        let a = accept_loss(&m, &alive_but(&m, &[2]), 2).unwrap();
+        a.map.validate().unwrap();
+        assert!(a.map.node(2).is_none(), "the gone node leaves the map");
+        assert_eq!(a.lost, led);
+        let took: BTreeSet<NodeId> = a.new_primaries.iter().map(|&(_, n)| n).collect();
+        assert_eq!(took, BTreeSet::from([0, 1]), "{:?}", a.new_primaries);
+        let per_node = |id| (0..12).filter(|&p| a.map.primary(p) == Some(id)).count();
+        assert!(per_node(0).abs_diff(per_node(1)) <= 1);
+        // Nobody to take them.
+        let lone = map(1, 4, 1);
+        assert_eq!(
+            accept_loss(&lone, &alive_but(&lone, &[0]), 0),
+            Err(AcceptLossError::NoTaker(0))
+        );
+    }
+
+    #[test]
+    fn a_loss_is_refused_while_a_backup_can_be_promoted_and_drops_the_dead_backups() {
+        let m = map(4, 16, 2);
+        let dead = 1;
+        assert!(matches!(
+            accept_loss(&m, &alive_but(&m, &[dead]), dead),
+            Err(AcceptLossError::HasBackups { node: 1, .. })
+        ));
+        // Its backup dead too: nothing is left to promote, and the loss is accepted for
+        // the partitions node 1 leads; node 1 leaves every set (those led by the other
+        // dead node too), and that one's own partitions are still its to give up.
+        let both = m.replicas((0..16).find(|&p| m.primary(p) == Some(dead)).unwrap())[1];
+        let alive = alive_but(&m, &[dead, both]);
+        let repaired = repair(&m, &alive, &Marks::default(), Promote::MostUpToDate)
+            .map_or_else(|| m.clone(), |r| r.map);
+        let led: Vec<u32> = (0..16)
+            .filter(|&p| repaired.primary(p) == Some(dead))
+            .collect();
+        let a = accept_loss(&repaired, &alive, dead).unwrap();
+        a.map.validate().unwrap();
+        assert_eq!(a.lost, led);
+        assert!(a.map.assignment.iter().all(|set| !set.contains(&dead)));
+        assert!(a.map.node(dead).is_none());
+        let b = accept_loss(&a.map, &alive, both).unwrap();
+        b.map.validate().unwrap();
+        assert!(b.map.nodes.iter().all(|n| alive.holds(n)));
     }
 
     #[test]
