@@ -24,7 +24,7 @@ use crate::layout::{encode_node, node_header_fields, Next, NodeAddr, RELINK_HEAD
 use crate::memory::Memory;
 use crate::CloverError;
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -101,6 +101,9 @@ pub struct MetaStats {
     pub nodes_reclaimed: u64,
     /// Grants (and new keys) that found nothing free and waited for retired nodes.
     pub grants_waited: u64,
+    /// Nodes given back that were not out with a writer (never granted, given back
+    /// already, or seen linked by a collection pass): kept out of the free pool.
+    pub give_backs_refused: u64,
     pub epoch: u64,
 }
 
@@ -114,6 +117,11 @@ struct State {
     /// Index key id − 1.
     chains: Vec<Chain>,
     free: Vec<NodeAddr>,
+    /// Nodes out with writers: granted, not given back, not yet seen linked. Only these
+    /// may be given back — a node freed twice would be granted to two writers, and a
+    /// linked one freed would be overwritten under its readers. At most every node of
+    /// the store (its memory bound).
+    granted: HashSet<NodeAddr>,
     /// Retired nodes, the epoch they were retired in and when, oldest first.
     limbo: VecDeque<(NodeAddr, u64, Instant)>,
     stats: MetaStats,
@@ -160,6 +168,7 @@ impl<M: Memory> Meta<M> {
                 keys: HashMap::new(),
                 chains: Vec::new(),
                 free: Vec::new(),
+                granted: HashSet::new(),
                 limbo: VecDeque::new(),
                 stats: MetaStats::default(),
             }),
@@ -261,12 +270,20 @@ impl<M: Memory> Meta<M> {
         if self.config.fault_double_grant {
             st.free.extend(nodes.iter().copied());
         }
+        st.granted.extend(nodes.iter().copied());
         Ok(nodes)
     }
 
-    /// Nodes a writer owned and never linked.
+    /// Nodes a writer owned and never linked. Any other is refused (counted), not freed.
     pub fn give_back(&self, nodes: Vec<NodeAddr>) {
-        self.state.lock().free.extend(nodes);
+        let mut st = self.state.lock();
+        for node in nodes {
+            if st.granted.remove(&node) {
+                st.free.push(node);
+            } else {
+                st.stats.give_backs_refused += 1;
+            }
+        }
     }
 
     /// One collection pass. The chains are read without the state lock: a pass reads
@@ -301,9 +318,13 @@ impl<M: Memory> Meta<M> {
             chains,
             limbo,
             stats,
+            granted,
             ..
         } = &mut *st;
         for (chain, new) in chains.iter_mut().zip(appended) {
+            for h in &new {
+                granted.remove(&h.addr);
+            }
             chain.known.extend(new);
             self.retire_excess(chain, epoch, now, limbo, stats);
         }
@@ -424,8 +445,12 @@ impl<M: Memory> Meta<M> {
                 chains,
                 limbo,
                 stats,
+                granted,
                 ..
             } = &mut *st;
+            for h in &new {
+                granted.remove(&h.addr);
+            }
             chains[i].known.extend(new);
             self.retire_excess(&mut chains[i], epoch, now, limbo, stats);
         }

@@ -325,6 +325,7 @@ impl MetaServer {
             ("meta_nodes_retired".into(), m.nodes_retired),
             ("meta_nodes_reclaimed".into(), m.nodes_reclaimed),
             ("meta_grants_waited".into(), m.grants_waited),
+            ("meta_give_backs_refused".into(), m.give_backs_refused),
             ("meta_epoch".into(), m.epoch),
             (
                 "meta_connections_current".into(),

@@ -787,3 +787,59 @@ fn stores_are_served_while_a_collection_pass_reads() {
     assert_eq!(dec(&reader.get(&[0]).unwrap()), i + 1);
     assert!(meta.stats().gc_passes >= 1);
 }
+
+/// Only nodes out with a writer may be given back: a node given back twice would be
+/// granted to two writers, and a linked one freed would be overwritten under its
+/// readers. Before, GIVE_BACK freed whatever it was told.
+#[test]
+fn give_back_frees_only_nodes_out_with_a_writer() {
+    let (mem, meta) = sim(1, 2);
+    let granted = meta.grant(2).unwrap();
+    let free_after_grant = meta.stats().free_nodes;
+    meta.give_back(vec![granted[0]]);
+    assert_eq!(meta.stats().free_nodes, free_after_grant + 1);
+    // Twice, and a node nobody was granted: neither is freed.
+    meta.give_back(vec![granted[0]]);
+    let never = camelot_clover::NodeAddr { block: 0, slot: 7 };
+    assert!(!granted.contains(&never));
+    meta.give_back(vec![never]);
+    let stats = meta.stats();
+    assert_eq!(stats.free_nodes, free_after_grant + 1, "{stats:?}");
+    assert_eq!(stats.give_backs_refused, 2, "{stats:?}");
+    // A node a writer linked (the pass saw it) can no longer be given back.
+    let mut s = Store::new(
+        meta.clone(),
+        mem,
+        StoreConfig {
+            grant_nodes: 1,
+            ..StoreConfig::default()
+        },
+    );
+    s.put(b"k", enc(5).unwrap()).unwrap();
+    meta.gc().unwrap();
+    let linked = {
+        let head = meta.key(b"k").unwrap().1;
+        let bytes = meta
+            .memory()
+            .read(
+                head.addr,
+                camelot_clover::layout::RELINK_HEADER_BYTES as u32,
+            )
+            .unwrap();
+        match camelot_clover::layout::Next::decode(
+            camelot_clover::layout::node_header_fields(&bytes).0,
+        ) {
+            camelot_clover::layout::Next::Node(a) => a,
+            other => panic!("the put's version is not linked: {other:?}"),
+        }
+    };
+    let before = meta.stats();
+    meta.give_back(vec![linked]);
+    let after = meta.stats();
+    assert_eq!(
+        after.free_nodes, before.free_nodes,
+        "a linked node was freed"
+    );
+    assert_eq!(after.give_backs_refused, before.give_backs_refused + 1);
+    assert_eq!(dec(&s.get(b"k").unwrap()), 5);
+}
