@@ -625,16 +625,17 @@ async fn accept_loss(a: AcceptLossArgs) -> Result<()> {
     let etcd = EtcdCluster::connect(std::slice::from_ref(&a.etcd), &a.etcd_prefix)
         .await
         .with_context(|| format!("cannot reach etcd at {}", a.etcd))?;
-    if let Some(m) = etcd.read_move().await? {
-        bail!(
-            "a move of partition(s) {:?} (node {} → {}) is recorded: finish it \
-             (`camelot cluster move`) or undo it (`camelot cluster move --rollback`) first",
-            m.record.partitions,
-            m.record.from,
-            m.record.to
-        );
-    }
     for _ in 0..ATTEMPTS_MAX {
+        // Checked on every attempt, so a move recorded since the last one is seen.
+        if let Some(m) = etcd.read_move().await? {
+            bail!(
+                "a move of partition(s) {:?} (node {} → {}) is recorded: finish it \
+                 (`camelot cluster move`) or undo it (`camelot cluster move --rollback`) first",
+                m.record.partitions,
+                m.record.from,
+                m.record.to
+            );
+        }
         let current = etcd
             .read_map()
             .await?

@@ -77,11 +77,16 @@ pub struct ProxyArgs {
     upstream_timeout: f64,
     /// Bytes all clients' frames in flight may hold together, with room for their
     /// answers (a frame holds its share from when its length arrives until its answer
-    /// is written). A client whose next frame would pass it is answered OUT_OF_MEMORY
-    /// and closed, as a memory server does. At least 128M (the largest frame and its
-    /// answer).
+    /// is written). A client whose next frame finds it full is not read until there is
+    /// room; after --client-timeout it is answered OUT_OF_MEMORY and closed. At least
+    /// 128M (the largest frame and its answer).
     #[arg(long, value_name = "BYTES", default_value = "256M", value_parser = parse_bytes)]
     connection_memory: u64,
+    /// Seconds a client may take to send the rest of a frame it announced, or to take an
+    /// answer, or to wait for connection memory; past it the connection is closed and
+    /// what it held is let go.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
+    client_timeout: f64,
     /// Worker threads of the proxy's runtime.
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -290,6 +295,11 @@ fn run_proxy(a: ProxyArgs) -> Result<()> {
     }
     let upstream_timeout = Duration::try_from_secs_f64(a.upstream_timeout)
         .context("--upstream-timeout is too long")?;
+    if !(a.client_timeout.is_finite() && a.client_timeout > 0.0) {
+        anyhow::bail!("--client-timeout must be a number of seconds above 0");
+    }
+    let client_timeout =
+        Duration::try_from_secs_f64(a.client_timeout).context("--client-timeout is too long")?;
     let config = ProxyConfig {
         upstream,
         token: a.token.map(String::into_bytes),
@@ -301,6 +311,7 @@ fn run_proxy(a: ProxyArgs) -> Result<()> {
         memory_bytes: a.memory,
         upstream_timeout,
         connection_memory_bytes: a.connection_memory,
+        client_timeout,
     };
     config.validate()?;
     // A multi-thread runtime even for one worker: a current-thread one was measured

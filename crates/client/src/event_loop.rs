@@ -49,6 +49,8 @@ const WATCHDOG_TICK: Duration = Duration::from_millis(100);
 /// BENCHMARKS.md.
 pub const EAGER_FLUSH_OPS: usize = 64;
 const READ_CHUNK_BYTES: usize = 256 << 10;
+/// A frame larger than this does not leave its allocation behind in the read buffer.
+const BUFFER_KEEP_BYTES: usize = 4 * READ_CHUNK_BYTES;
 
 /// A frame's requests, by id, in the order their answers will come.
 type AnswerSlots = Vec<(u64, Arc<Completion>)>;
@@ -310,6 +312,8 @@ struct LoopConn {
     room: Notify,
     queue_requests_max: usize,
     losses: Arc<Losses>,
+    /// `ClientConfig::own_replies`.
+    own_replies: bool,
 }
 
 struct WriteSide {
@@ -407,6 +411,7 @@ impl LoopConn {
             room: Notify::new(),
             queue_requests_max: config.queue_requests_max.max(1),
             losses: losses.clone(),
+            own_replies: config.own_replies,
         });
         tokio::spawn(conn.clone().write_loop());
         tokio::spawn(conn.clone().read_loop(rd, config.request_timeout));
@@ -630,6 +635,13 @@ impl LoopConn {
             loop {
                 match FrameDecoder::split_frame(&mut buf) {
                     Ok(Some(body)) => {
+                        if body.len() > BUFFER_KEEP_BYTES {
+                            // The rest still shares the big frame's allocation, and once
+                            // the frame's replies are gone a reserve would take all of it
+                            // back: an idle connection (a proxy's lane per client) kept
+                            // its largest answer's size. A copy lets it go with them.
+                            buf = BytesMut::from(&buf[..]);
+                        }
                         if let Err(e) = self.dispatch(body) {
                             return self.kill(e);
                         }
@@ -649,7 +661,14 @@ impl LoopConn {
     fn dispatch(&self, body: Bytes) -> Result<(), ClientError> {
         let addr = self.addr;
         let protocol = |reason: String| ClientError::Protocol { addr, reason };
-        let batch = decode_answer(addr, body)?;
+        let mut batch = decode_answer(addr, body)?;
+        if self.own_replies {
+            for r in &mut batch.responses {
+                if let Ok(Reply::Data(d)) = &mut r.result {
+                    *d = Bytes::copy_from_slice(d);
+                }
+            }
+        }
         let requests = {
             let mut st = self.state.lock();
             let (_, requests) = st

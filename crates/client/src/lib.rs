@@ -91,6 +91,11 @@ pub struct ClientConfig {
     /// right while all traffic passes through it (CAS→WRITE). `None` (default): ordinary
     /// connections.
     pub fence_session: Option<FenceSession>,
+    /// `LoopClient` only: copy each reply's bytes (READ, SWAP) out of its answer frame,
+    /// so a reply held for long keeps only its own bytes alive, never the whole frame it
+    /// came in (up to 64 MiB, shared with other requests' replies). Off (default): replies
+    /// are zero-copy slices. A middlebox holding replies for slow peers turns it on.
+    pub own_replies: bool,
 }
 
 /// The generations a fenceable session joined at, per server, shared by every connection
@@ -168,6 +173,7 @@ impl Default for ClientConfig {
             queue_requests_max: QUEUE_REQUESTS_MAX_DEFAULT,
             frames_ahead: 2,
             fence_session: None,
+            own_replies: false,
             cpu_local: true,
         }
     }

@@ -235,7 +235,7 @@ pub enum AcceptLossError {
     HasBackups { node: NodeId, partitions: Vec<u32> },
     #[error("node {node} leads partition(s) {partitions:?} under a move's fence: finish or roll back the move first")]
     Fenced { node: NodeId, partitions: Vec<u32> },
-    #[error("no live node with a positive weight can take node {0}'s partitions")]
+    #[error("no live node with a positive weight outside their replica sets can take node {0}'s partitions")]
     NoTaker(NodeId),
     #[error("node {0} leads no partition: nothing of it is stranded")]
     NothingLost(NodeId),
@@ -323,8 +323,11 @@ pub fn accept_loss(
             let to = match &restarted {
                 Some(r) => r.id,
                 None => {
+                    // Not a member of the set (a syncing backup holds part of the data,
+                    // and "empty" must mean empty).
                     let (&to, c) = load
                         .iter_mut()
+                        .filter(|(id, _)| !set.contains(id))
                         .min_by_key(|(id, c)| (**c, **id))
                         .ok_or(AcceptLossError::NoTaker(node))?;
                     *c += 1;
@@ -744,6 +747,18 @@ mod tests {
         assert_eq!(took, BTreeSet::from([0, 1]), "{:?}", a.new_primaries);
         let per_node = |id| (0..12).filter(|&p| a.map.primary(p) == Some(id)).count();
         assert!(per_node(0).abs_diff(per_node(1)) <= 1);
+        // A live backup still syncing holds part of a partition: it never takes it.
+        let mut m2 = map(3, 12, 2);
+        let led2: Vec<u32> = (0..12).filter(|&p| m2.primary(p) == Some(2)).collect();
+        m2.syncing = led2.iter().map(|&p| (p, m2.replicas(p)[1])).collect();
+        m2.validate().unwrap();
+        let p = led2[0];
+        let backup = m2.replicas(p)[1];
+        let a = accept_loss(&m2, &alive_but(&m2, &[2]), 2).unwrap();
+        a.map.validate().unwrap();
+        assert!(a.lost.contains(&p));
+        assert_ne!(a.map.primary(p), Some(backup), "{:?}", a.new_primaries);
+        assert!(!a.map.replicas(p).contains(&backup));
         // Nobody to take them.
         let lone = map(1, 4, 1);
         assert_eq!(

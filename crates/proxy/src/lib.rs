@@ -88,6 +88,9 @@ pub const FRAME_REPLY_BYTES_MAX: u64 = FRAME_BYTES_MAX as u64 - 4;
 /// from when its length prefix is read until its answer is written, with room for that
 /// answer (the replies gathered from upstream).
 pub const CONNECTION_MEMORY_BYTES_DEFAULT: u64 = 256 << 20;
+/// How long a client may take over a frame it announced or an answer, unless configured
+/// otherwise (`ProxyConfig::client_timeout`).
+pub const CLIENT_TIMEOUT_DEFAULT: Duration = Duration::from_secs(60);
 /// The least such budget: one frame of the largest size and its largest answer, so any
 /// frame a client may send can be served when nothing else is held.
 pub const CONNECTION_MEMORY_BYTES_MIN: u64 = FRAME_BYTES_MAX as u64 + 4 + FRAME_REPLY_BYTES_MAX;
@@ -146,9 +149,14 @@ pub struct ProxyConfig {
     /// How long an upstream request may take before its connection is given up.
     pub upstream_timeout: Duration,
     /// Bytes all clients' frames in flight may hold together, answers included (see
-    /// [`CONNECTION_MEMORY_BYTES_DEFAULT`]); a client whose frame would pass it is told
-    /// OUT_OF_MEMORY and closed, as the server does.
+    /// [`CONNECTION_MEMORY_BYTES_DEFAULT`]); a client whose frame finds it full waits
+    /// (it is not read meanwhile) up to `client_timeout`, then is told OUT_OF_MEMORY and
+    /// closed.
     pub connection_memory_bytes: u64,
+    /// How long a client may take to send a frame whose length it announced, or to take
+    /// an answer: past it the connection is closed and what it held let go, so a client
+    /// that stops reading (or sending) cannot keep the connection memory.
+    pub client_timeout: Duration,
 }
 
 impl ProxyConfig {
@@ -182,6 +190,11 @@ impl ProxyConfig {
         if self.upstream_timeout.is_zero() {
             return Err(ProxyError::InvalidConfig(
                 "the upstream timeout must be above 0".into(),
+            ));
+        }
+        if self.client_timeout.is_zero() {
+            return Err(ProxyError::InvalidConfig(
+                "the client timeout must be above 0".into(),
             ));
         }
         if let Some((_, Some(cache_bytes))) = self.lane_budget() {
@@ -235,6 +248,9 @@ impl ProxyServer {
             // here: the lanes are fenceable, so clients that go to the server directly
             // (after a FENCE) are never overtaken by one of them still queued there.
             fence_session: config.cas_to_write.then(FenceSession::new),
+            // Replies wait here for slow clients, charged by their own size: a slice
+            // would keep its whole upstream frame (other clients' replies too) alive.
+            own_replies: true,
             ..ClientConfig::default()
         };
         let mut proxy = Proxy {
@@ -253,6 +269,8 @@ impl ProxyServer {
             write_cache_fault: config.write_cache_fault,
             memory_bytes_max: config.memory_bytes,
             connection_memory: MemoryBudget::new(config.connection_memory_bytes),
+            memory_freed: Notify::new(),
+            client_timeout: config.client_timeout,
             counters: Counters::default(),
             connections: AtomicUsize::new(0),
             handshakes: std::sync::Mutex::new(Handshakes::default()),
@@ -673,6 +691,8 @@ struct Counters {
     refused_over_memory: AtomicU64,
     /// Requests answered TOO_LARGE: their frame's answer had no room left for them.
     refused_too_large: AtomicU64,
+    /// Clients closed for taking longer than the client timeout over a frame or answer.
+    closed_stalled: AtomicU64,
 }
 
 struct Proxy {
@@ -691,6 +711,9 @@ struct Proxy {
     memory_bytes_max: u64,
     /// What clients' frames in flight hold (`serve`).
     connection_memory: Arc<MemoryBudget>,
+    /// Told whenever a frame lets go of what it held: clients waiting for room retry.
+    memory_freed: Notify,
+    client_timeout: Duration,
     counters: Counters,
     connections: AtomicUsize,
     /// What the server took: WRITEs below a region's extent teach (`write`). A plain
@@ -859,6 +882,10 @@ impl Proxy {
             (
                 "proxy_refused_too_large".into(),
                 c.refused_too_large.load(Ordering::Relaxed),
+            ),
+            (
+                "proxy_closed_stalled".into(),
+                c.closed_stalled.load(Ordering::Relaxed),
             ),
             (
                 "proxy_connection_memory_used_bytes".into(),
@@ -1241,6 +1268,7 @@ impl Proxy {
                 }
                 Err(e) => {
                     lane.state.lock().await.forget(region, offset, len);
+                    proxy.with_chains(|wc| wc.forget(region, offset, len));
                     Err(proxy.upstream_error(e))
                 }
             }
@@ -1576,11 +1604,53 @@ fn announced_frame_bytes(buf: &[u8]) -> Option<u64> {
     Some(4 + len as u64)
 }
 
+/// Part of the connection memory a frame holds; those waiting for room are told when it
+/// is let go (however: written, dropped with a closing connection, a timeout).
+struct Held {
+    _reservation: Reservation,
+    proxy: Arc<Proxy>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.proxy.memory_freed.notify_waiters();
+    }
+}
+
+impl Proxy {
+    /// `bytes` of the connection memory, waiting for room until `deadline`.
+    async fn hold(
+        self: &Arc<Self>,
+        bytes: u64,
+        deadline: tokio::time::Instant,
+    ) -> Result<Held, OverBudget> {
+        loop {
+            let freed = self.memory_freed.notified();
+            tokio::pin!(freed);
+            // Registered before the try: a release between the two is not missed.
+            freed.as_mut().enable();
+            match self.connection_memory.try_reserve(bytes) {
+                Ok(r) => {
+                    return Ok(Held {
+                        _reservation: r,
+                        proxy: self.clone(),
+                    })
+                }
+                Err(e) => {
+                    if tokio::time::timeout_at(deadline, freed).await.is_err() {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// What the reader hands the writer, in the order frames arrived.
 enum ToWriter {
     /// A frame's answers, and what it holds of the connection memory (its bytes and
     /// room for its answer) until the answer is written.
-    Frame(Vec<(u64, Answer)>, [Reservation; 2]),
+    Frame(Vec<(u64, Answer)>, [Held; 2]),
     /// Sent after every frame before it is answered; then the connection closes.
     Fatal(ErrorReply),
 }
@@ -1630,6 +1700,7 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr, waiti
     let (mut rd, mut wr) = stream.into_split();
     let (tx, mut rx) = mpsc::channel::<ToWriter>(FRAMES_IN_FLIGHT_MAX);
     let writer_proxy = proxy.clone();
+    let client_timeout = proxy.client_timeout;
     let writer = tokio::spawn(async move {
         let mut buf = BytesMut::new();
         while let Some(message) = rx.recv().await {
@@ -1638,7 +1709,7 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr, waiti
                 ToWriter::Frame(frame, held) => (frame, held),
                 ToWriter::Fatal(e) => {
                     if encode_frame(&Frame::Fatal(e), &mut buf).is_ok() {
-                        let _ = wr.write_all(&buf).await;
+                        let _ = tokio::time::timeout(client_timeout, wr.write_all(&buf)).await;
                     }
                     return;
                 }
@@ -1663,8 +1734,17 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr, waiti
                 .counters
                 .bytes_to_clients
                 .fetch_add(buf.len() as u64, Ordering::Relaxed);
-            if wr.write_all(&buf).await.is_err() {
-                return;
+            match tokio::time::timeout(client_timeout, wr.write_all(&buf)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    tracing::debug!(%peer, "client took no answer in time; closing");
+                    writer_proxy
+                        .counters
+                        .closed_stalled
+                        .fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
             }
             if buf.capacity() > BUFFER_KEEP_BYTES {
                 buf = BytesMut::new();
@@ -1672,9 +1752,8 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr, waiti
             drop(held);
         }
     });
-    let memory = proxy.connection_memory.clone();
     let over_memory = |e: OverBudget| {
-        tracing::warn!(%peer, error = %e, "proxy connection memory exhausted; closing");
+        tracing::warn!(%peer, error = %e, "proxy connection memory full for too long; closing");
         proxy
             .counters
             .refused_over_memory
@@ -1690,15 +1769,16 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr, waiti
     );
     let mut inbuf = BytesMut::with_capacity(READ_CHUNK_BYTES);
     // What the frame being received holds, charged as soon as its length is known and
-    // before the decoder makes room for it.
-    let mut receiving: Option<Reservation> = None;
+    // before the decoder makes room for it, and by when the rest must have come.
+    let mut receiving: Option<(Held, tokio::time::Instant)> = None;
     let mut fatal = None;
     'conn: loop {
         loop {
             if receiving.is_none() {
                 if let Some(bytes) = announced_frame_bytes(&inbuf) {
-                    match memory.try_reserve(bytes) {
-                        Ok(r) => receiving = Some(r),
+                    let deadline = tokio::time::Instant::now() + proxy.client_timeout;
+                    match proxy.hold(bytes, deadline).await {
+                        Ok(h) => receiving = Some((h, deadline)),
                         Err(e) => {
                             fatal = Some(over_memory(e));
                             break 'conn;
@@ -1715,10 +1795,10 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr, waiti
                 }
             };
             // A frame split off was announced, so it was charged above.
-            let Some(input) = receiving.take() else {
+            let Some((input, _)) = receiving.take() else {
                 break 'conn;
             };
-            if input.bytes() > BUFFER_KEEP_BYTES as u64 {
+            if body.len() > BUFFER_KEEP_BYTES {
                 // The rest still shares the frame's allocation, which would outlive the
                 // frame's charge (its view's capacity shows only the tail, and once the
                 // frame is gone a reserve would take the whole allocation back): a copy
@@ -1733,8 +1813,9 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr, waiti
                 }
             };
             let plan = ReplyPlan::new(batch.requests.iter().map(|r| &r.op));
-            let answer_room = match memory.try_reserve(plan.bytes_max) {
-                Ok(r) => r,
+            let deadline = tokio::time::Instant::now() + proxy.client_timeout;
+            let answer_room = match proxy.hold(plan.bytes_max, deadline).await {
+                Ok(h) => h,
                 Err(e) => {
                     fatal = Some(over_memory(e));
                     break 'conn;
@@ -1761,15 +1842,37 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr, waiti
                 break 'conn;
             }
         }
-        inbuf.reserve(READ_CHUNK_BYTES);
-        match rd.read_buf(&mut inbuf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                proxy
-                    .counters
-                    .bytes_from_clients
-                    .fetch_add(n as u64, Ordering::Relaxed);
+        // While a frame is being received the decoder has made room for exactly its
+        // rest: a reserve of a read chunk on top could double the allocation.
+        if receiving.is_none() {
+            inbuf.reserve(READ_CHUNK_BYTES);
+        }
+        let deadline = receiving.as_ref().map(|(_, d)| *d);
+        let read = async {
+            match deadline {
+                Some(d) => tokio::time::timeout_at(d, rd.read_buf(&mut inbuf))
+                    .await
+                    .ok(),
+                None => Some(rd.read_buf(&mut inbuf).await),
             }
+        };
+        tokio::select! {
+            r = read => match r {
+                None => {
+                    tracing::debug!(%peer, "client sent too little of its frame in time; closing");
+                    proxy.counters.closed_stalled.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+                Some(Ok(0) | Err(_)) => break,
+                Some(Ok(n)) => {
+                    proxy
+                        .counters
+                        .bytes_from_clients
+                        .fetch_add(n as u64, Ordering::Relaxed);
+                }
+            },
+            // The writer gave up (the client took no answer in time, or is gone).
+            () = tx.closed() => break,
         }
     }
     if let Some(e) = fatal {
