@@ -270,6 +270,7 @@ impl ProxyServer {
             memory_bytes_max: config.memory_bytes,
             connection_memory: MemoryBudget::new(config.connection_memory_bytes),
             memory_freed: Notify::new(),
+            memory_waiters: AtomicUsize::new(0),
             client_timeout: config.client_timeout,
             counters: Counters::default(),
             connections: AtomicUsize::new(0),
@@ -711,8 +712,10 @@ struct Proxy {
     memory_bytes_max: u64,
     /// What clients' frames in flight hold (`serve`).
     connection_memory: Arc<MemoryBudget>,
-    /// Told whenever a frame lets go of what it held: clients waiting for room retry.
+    /// Told whenever a frame lets go of what it held while clients wait for room.
     memory_freed: Notify,
+    /// Clients waiting for room (`hold`): releases tell `memory_freed` only then.
+    memory_waiters: AtomicUsize,
     client_timeout: Duration,
     counters: Counters,
     connections: AtomicUsize,
@@ -1607,13 +1610,19 @@ fn announced_frame_bytes(buf: &[u8]) -> Option<u64> {
 /// Part of the connection memory a frame holds; those waiting for room are told when it
 /// is let go (however: written, dropped with a closing connection, a timeout).
 struct Held {
-    _reservation: Reservation,
+    reservation: Option<Reservation>,
     proxy: Arc<Proxy>,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.proxy.memory_freed.notify_waiters();
+        // Given back first: a waiter that counted itself in after the load below tries
+        // the budget after this, and so finds the room.
+        drop(self.reservation.take());
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.proxy.memory_waiters.load(Ordering::SeqCst) > 0 {
+            self.proxy.memory_freed.notify_waiters();
+        }
     }
 }
 
@@ -1624,6 +1633,22 @@ impl Proxy {
         bytes: u64,
         deadline: tokio::time::Instant,
     ) -> Result<Held, OverBudget> {
+        if let Ok(r) = self.connection_memory.try_reserve(bytes) {
+            return Ok(Held {
+                reservation: Some(r),
+                proxy: self.clone(),
+            });
+        }
+        // Counted in before each try, so a release that sees no waiter came before the
+        // try, which then finds its room.
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        self.memory_waiters.fetch_add(1, Ordering::SeqCst);
+        let _counted = Waiting(&self.memory_waiters);
         loop {
             let freed = self.memory_freed.notified();
             tokio::pin!(freed);
@@ -1632,7 +1657,7 @@ impl Proxy {
             match self.connection_memory.try_reserve(bytes) {
                 Ok(r) => {
                     return Ok(Held {
-                        _reservation: r,
+                        reservation: Some(r),
                         proxy: self.clone(),
                     })
                 }

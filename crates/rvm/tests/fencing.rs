@@ -234,6 +234,47 @@ fn redis_a_fenced_writer_s_record_is_not_replayed_into_a_new_instance() {
     );
 }
 
+/// B opens (recovering A's 111) and so fences A; A's next commit, sent after B's scan of
+/// the log, fails for A — but its record can land at the sequence number after the last
+/// one B read. B commits nothing and is dropped (a crash: no truncation); C recovers and
+/// must find what B found. Before B claimed the end of the log at its open, A's record
+/// sat where C's scan went on, and C replayed 999: a commit that failed for its writer,
+/// and that B (which may have answered reads with 111 meanwhile) never saw.
+#[test]
+fn redis_a_fenced_writer_s_late_record_is_not_replayed_by_a_later_recovery() {
+    let redis = common::Redis::start();
+    let a = Rvm::open(redis_config(redis.addr, "late")).expect("A opens");
+    let s = a.alloc("s", 4096).expect("A allocates");
+    commit_u64(&a, &s, 0, 111);
+    let keys_before = redis_command(redis.addr, "DBSIZE");
+
+    let b = Rvm::open(redis_config(redis.addr, "late")).expect("B recovers");
+    let sb = b.segment("s").expect("A's segment");
+    assert_eq!(sb.read_u64(0).expect("read"), 111);
+    let late = try_commit_u64(&a, &s, 0, 999);
+    assert!(
+        matches!(late, Err(camelot_rvm::RvmError::Fenced(_))),
+        "A committed after B's open: {late:?}"
+    );
+    drop(sb);
+    drop(b);
+
+    let c = Rvm::open(redis_config(redis.addr, "late")).expect("C recovers");
+    let sc = c.segment("s").expect("the segment");
+    assert_eq!(
+        sc.read_u64(0).expect("read"),
+        111,
+        "recovery replayed a record its fenced writer sent after B's open (keys before \
+         B's open: {keys_before})"
+    );
+    // And the log goes on from there: C commits, and D recovers that.
+    commit_u64(&c, &sc, 0, 333);
+    drop(sc);
+    drop(c);
+    let d = Rvm::open(redis_config(redis.addr, "late")).expect("D recovers");
+    assert_eq!(d.segment("s").expect("seg").read_u64(0).expect("read"), 333);
+}
+
 /// GET of `key` on redis-server at `addr` (a bulk reply), `None` when absent.
 fn redis_get(addr: SocketAddr, key: &str) -> Option<String> {
     let mut reader = redis_send(addr, &format!("GET {key}"));

@@ -76,7 +76,15 @@ pub struct RedisBackend {
     hooks: crate::Hooks,
     /// Sequence numbers of the records now in the log: first..next.
     log_seqs: Mutex<(u64, u64)>,
+    /// Where this open's end-of-log marker is, until a record of ours replaces it.
+    log_end: Mutex<Option<u64>>,
 }
+
+/// What an open writes at the sequence number after the last record it read: no record
+/// decodes from it, so a recovery's scan ends there. A fenced writer's last batch landing
+/// after the open's scan cannot take that key (its `SET NX` fails), and anything it puts
+/// past it is never read; the opener's first append replaces the marker.
+const LOG_END_MARKER: &[u8] = b"RVM-LOG-END";
 
 impl RedisBackend {
     pub fn open(
@@ -106,6 +114,7 @@ impl RedisBackend {
             transactions: false,
             hooks,
             log_seqs: Mutex::new((1, 1)),
+            log_end: Mutex::new(None),
         };
         // Fail now, not at the first commit, when something else answers on that port.
         match b.run(&[vec![b"PING".to_vec()]])?.pop() {
@@ -427,23 +436,35 @@ impl Backend for RedisBackend {
             .map(|((_, b), k)| vec![&b"SET"[..], k.as_bytes(), &b[..], &b"NX"[..]])
             .collect();
         let replies = self.run_fenced(&commands)?;
-        // A key that exists although this writer still holds the newest epoch was left by
-        // a writer fenced by this open (its one last batch, which failed for it): ours
-        // replaces it. That writer learnt of the fence from the same batch, so it sends
-        // nothing more.
-        let taken: Vec<Vec<&[u8]>> = replies
+        // A key that exists although this writer still holds the newest epoch is this
+        // open's end-of-log marker, or was left by a writer fenced by this open (its one
+        // last batch, which failed for it): ours replaces it. That writer learnt of the
+        // fence from the same batch, so it sends nothing more.
+        let log_end = *self.log_end.lock();
+        let taken: Vec<(u64, Vec<&[u8]>)> = replies
             .iter()
-            .zip(&commands)
+            .zip(records.iter().zip(&commands))
             .filter(|(r, _)| matches!(r, Reply::Bulk(None)))
-            .map(|(_, c)| c[..3].to_vec())
+            .map(|(_, ((seq, _), c))| (*seq, c[..3].to_vec()))
             .collect();
         if !taken.is_empty() {
-            tracing::warn!(
-                "rvm: {} log records of a fenced writer replaced on redis {}",
-                taken.len(),
-                self.addr
-            );
-            self.run_guarded(&taken, None)?;
+            let fenced_writers = taken
+                .iter()
+                .filter(|(seq, _)| Some(*seq) != log_end)
+                .count();
+            if fenced_writers > 0 {
+                tracing::warn!(
+                    "rvm: {fenced_writers} log records of a fenced writer replaced on redis {}",
+                    self.addr
+                );
+            }
+            let writes: Vec<Vec<&[u8]>> = taken.into_iter().map(|(_, c)| c).collect();
+            self.run_guarded(&writes, None)?;
+        }
+        if let Some(end) = log_end {
+            if records.iter().any(|(seq, _)| *seq == end) {
+                *self.log_end.lock() = None;
+            }
         }
         let mut seqs = self.log_seqs.lock();
         if let Some((last, _)) = records.last() {
@@ -470,13 +491,30 @@ impl Backend for RedisBackend {
                 seq += 1;
             }
         }
+        // Claimed before this open returns, under our epoch: see `LOG_END_MARKER`.
+        let end_key = self.log_key(seq);
+        self.run_guarded(
+            &[vec![&b"SET"[..], end_key.as_bytes(), LOG_END_MARKER]],
+            None,
+        )?;
+        *self.log_end.lock() = Some(seq);
         *self.log_seqs.lock() = (first_seq, seq);
         Ok(records)
     }
 
     fn reset_log(&self, next_seq: u64) -> Result<()> {
         let (first, next) = *self.log_seqs.lock();
-        self.del_keys((first..next).map(|s| self.log_key(s)).collect())?;
+        let mut keys: Vec<String> = (first..next).map(|s| self.log_key(s)).collect();
+        // A marker left where the log no longer ends would never be replaced.
+        let mut log_end = self.log_end.lock();
+        if let Some(end) = *log_end {
+            if end != next_seq {
+                keys.push(self.log_key(end));
+                *log_end = None;
+            }
+        }
+        drop(log_end);
+        self.del_keys(keys)?;
         *self.log_seqs.lock() = (next_seq, next_seq);
         Ok(())
     }
