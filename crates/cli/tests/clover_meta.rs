@@ -203,36 +203,14 @@ fn command_line_stores_share_one_store() {
 
 /// `camelot proxy run` in front of `server` with every technique on.
 fn caching_proxy(server: SocketAddr) -> ServerProcess {
-    ServerProcess::start(
-        Program {
-            program: CAMELOT.to_string().into(),
-            package: "camelot".into(),
-        },
-        "camelot-proxy",
-        Readiness::Accepting,
-        move |port| {
-            let mut args: Vec<OsString> = ["proxy", "run", "--listen"]
-                .iter()
-                .map(OsString::from)
-                .collect();
-            args.push(format!("127.0.0.1:{port}").into());
-            args.push("--upstream".into());
-            args.push(server.to_string().into());
-            for a in [
-                "--token",
-                TOKEN,
-                "--conn-map",
-                "2",
-                "--cas-to-write",
-                "--read-cache",
-                "--write-cache",
-            ] {
-                args.push(a.into());
-            }
-            args
-        },
-    )
-    .expect("camelot proxy")
+    let every = [
+        "--conn-map",
+        "2",
+        "--cas-to-write",
+        "--read-cache",
+        "--write-cache",
+    ];
+    workload::proxy_process(server, TOKEN, &every)
 }
 
 /// Operations on new keys that failed or answered wrongly, for a store through a

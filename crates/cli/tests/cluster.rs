@@ -449,7 +449,10 @@ fn accepting_the_loss_lets_a_restarted_node_serve_its_partitions_empty() {
         if confirm {
             cmd.arg("--confirm");
         }
-        let out = cmd.output().unwrap();
+        cmd.output().unwrap()
+    };
+    let succeeds = |confirm: bool| {
+        let out = accept(confirm);
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(
             out.status.success(),
@@ -458,10 +461,10 @@ fn accepting_the_loss_lets_a_restarted_node_serve_its_partitions_empty() {
         );
         text
     };
-    let said = accept(false);
+    let said = succeeds(false);
     assert!(said.contains("16 partition(s) with no copy left"), "{said}");
     assert_eq!(c.map().epoch, map.epoch, "a dry run changed the map");
-    let said = accept(true);
+    let said = succeeds(true);
     assert!(said.contains("given up at epoch"), "{said}");
     let after = c.map();
     assert_eq!(after.epoch, map.epoch + 1);
@@ -478,18 +481,7 @@ fn accepting_the_loss_lets_a_restarted_node_serve_its_partitions_empty() {
         Some(b"again".to_vec())
     );
     // A live node has nothing to give up.
-    let out = Command::new(bin())
-        .args([
-            "cluster",
-            "accept-loss",
-            "--etcd",
-            &c.endpoint,
-            "--node",
-            "0",
-        ])
-        .arg("--confirm")
-        .output()
-        .unwrap();
+    let out = accept(true);
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("live process"),

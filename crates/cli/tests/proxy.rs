@@ -32,29 +32,7 @@ fn server() -> CamelotServer {
 }
 
 fn proxy(upstream: SocketAddr, flags: &[&str]) -> ServerProcess {
-    let flags: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
-    ServerProcess::start(
-        Program {
-            program: CAMELOT.to_string().into(),
-            package: "camelot".into(),
-        },
-        "camelot-proxy",
-        Readiness::Accepting,
-        move |port| {
-            let mut args: Vec<OsString> = ["proxy", "run", "--listen"]
-                .iter()
-                .map(OsString::from)
-                .collect();
-            args.push(format!("127.0.0.1:{port}").into());
-            args.push("--upstream".into());
-            args.push(upstream.to_string().into());
-            args.push("--token".into());
-            args.push(TOKEN.into());
-            args.extend(flags.iter().map(OsString::from));
-            args
-        },
-    )
-    .expect("camelot proxy")
+    workload::proxy_process(upstream, TOKEN, flags)
 }
 
 fn config(token: &str) -> ClientConfig {

@@ -296,8 +296,9 @@ fn proxy(upstream: SocketAddr, bin: &std::path::Path, custom: bool) -> ServerPro
     .expect("start camelot proxy")
 }
 
-#[test]
-fn slow_readers_cannot_take_a_proxy_past_its_connection_memory() {
+/// A memory server holding one shared region of `PROXY_READ_BYTES`, and a proxy in front
+/// of it (both of the binary under test); returns the server, the region and the proxy.
+fn proxied_region() -> (CamelotServer, u64, ServerProcess) {
     let bin = binary();
     let custom = std::env::var_os("CAMELOT_SLOW_READERS_BIN").is_some();
     let server = CamelotServer::start(
@@ -314,6 +315,24 @@ fn slow_readers_cannot_take_a_proxy_past_its_connection_memory() {
         camelot_proto::AccessMode::Shared,
     );
     let p = proxy(server.addr(), &bin, custom);
+    (server, region, p)
+}
+
+/// A READ of the whole proxied region, as request `id`.
+fn read_whole(region: u64, id: u64) -> Request {
+    Request {
+        id,
+        op: Op::Read {
+            region,
+            offset: 0,
+            len: PROXY_READ_BYTES as u32,
+        },
+    }
+}
+
+#[test]
+fn slow_readers_cannot_take_a_proxy_past_its_connection_memory() {
+    let (_server, region, p) = proxied_region();
     let pid = p.pid();
     let idle_rss = vm_rss_bytes(pid);
 
@@ -321,14 +340,7 @@ fn slow_readers_cannot_take_a_proxy_past_its_connection_memory() {
     for id in 0..PROXY_FRAMES_PER_READER as u64 {
         burst.extend_from_slice(&frame(&Frame::Requests(RequestBatch {
             epoch: 0,
-            requests: vec![Request {
-                id,
-                op: Op::Read {
-                    region,
-                    offset: 0,
-                    len: PROXY_READ_BYTES as u32,
-                },
-            }],
+            requests: vec![read_whole(region, id)],
         })));
     }
     let conns: Vec<TcpStream> = (0..PROXY_SLOW_READERS)
@@ -368,23 +380,9 @@ fn slow_readers_cannot_take_a_proxy_past_its_connection_memory() {
     let ask = Frame::Requests(RequestBatch {
         epoch: 0,
         requests: vec![
-            Request {
-                id: 1,
-                op: Op::Read {
-                    region,
-                    offset: 0,
-                    len: PROXY_READ_BYTES as u32,
-                },
-            },
+            read_whole(region, 1),
             // A second 32 MiB reply does not fit the answer: refused without a trip.
-            Request {
-                id: 2,
-                op: Op::Read {
-                    region,
-                    offset: 0,
-                    len: PROXY_READ_BYTES as u32,
-                },
-            },
+            read_whole(region, 2),
             Request {
                 id: 3,
                 op: Op::Stats,
@@ -495,32 +493,10 @@ fn a_large_alloc_takes_memory_as_it_is_written() {
 #[test]
 fn idle_clients_after_big_reads_leave_the_proxy_small() {
     const CLIENTS: usize = 8;
-    let bin = binary();
-    let custom = std::env::var_os("CAMELOT_SLOW_READERS_BIN").is_some();
-    let server = CamelotServer::start(
-        &bin,
-        &CamelotServerOptions {
-            resp: false,
-            args: vec!["--memory".into(), (64 * MIB).to_string()],
-        },
-    )
-    .expect("start camelot server");
-    let region = alloc(
-        server.addr(),
-        PROXY_READ_BYTES as u64,
-        camelot_proto::AccessMode::Shared,
-    );
-    let p = proxy(server.addr(), &bin, custom);
+    let (_server, region, p) = proxied_region();
     let read = frame(&Frame::Requests(RequestBatch {
         epoch: 0,
-        requests: vec![Request {
-            id: 1,
-            op: Op::Read {
-                region,
-                offset: 0,
-                len: PROXY_READ_BYTES as u32,
-            },
-        }],
+        requests: vec![read_whole(region, 1)],
     }));
     let idle: Vec<TcpStream> = (0..CLIENTS)
         .map(|_| {

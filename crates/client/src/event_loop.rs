@@ -635,13 +635,9 @@ impl LoopConn {
             loop {
                 match FrameDecoder::split_frame(&mut buf) {
                     Ok(Some(body)) => {
-                        if body.len() > BUFFER_KEEP_BYTES {
-                            // The rest still shares the big frame's allocation, and once
-                            // the frame's replies are gone a reserve would take all of it
-                            // back: an idle connection (a proxy's lane per client) kept
-                            // its largest answer's size. A copy lets it go with them.
-                            buf = BytesMut::from(&buf[..]);
-                        }
+                        // An idle connection (a proxy's lane per client) kept its
+                        // largest answer's size.
+                        FrameDecoder::let_go_of_large(&mut buf, body.len(), BUFFER_KEEP_BYTES);
                         if let Err(e) = self.dispatch(body) {
                             return self.kill(e);
                         }

@@ -796,6 +796,17 @@ impl FrameDecoder {
         Ok(Some(frame.freeze()))
     }
 
+    /// After a frame of `frame_bytes` was split off `buf`: if it was larger than
+    /// `keep_bytes`, moves the rest to a fresh buffer. The rest still shares the frame's
+    /// allocation (its view's capacity shows only the tail), and once the frame is gone
+    /// a reserve would take the whole of it back, so a connection would keep its largest
+    /// frame's size for as long as it lives.
+    pub fn let_go_of_large(buf: &mut BytesMut, frame_bytes: usize, keep_bytes: usize) {
+        if frame_bytes > keep_bytes {
+            *buf = BytesMut::from(&buf[..]);
+        }
+    }
+
     /// Validates a body length read from a length prefix.
     pub fn check_len(len: usize) -> Result<(), DecodeError> {
         if len == 0 {

@@ -1823,13 +1823,8 @@ async fn serve(proxy: Arc<Proxy>, mut stream: TcpStream, peer: SocketAddr, waiti
             let Some((input, _)) = receiving.take() else {
                 break 'conn;
             };
-            if body.len() > BUFFER_KEEP_BYTES {
-                // The rest still shares the frame's allocation, which would outlive the
-                // frame's charge (its view's capacity shows only the tail, and once the
-                // frame is gone a reserve would take the whole allocation back): a copy
-                // lets it go with the frame.
-                inbuf = BytesMut::from(&inbuf[..]);
-            }
+            // Else the frame's allocation would outlive its charge.
+            FrameDecoder::let_go_of_large(&mut inbuf, body.len(), BUFFER_KEEP_BYTES);
             let batch = match decode_frame(body) {
                 Ok(Frame::Requests(b)) => b,
                 _ => {

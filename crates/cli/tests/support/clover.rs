@@ -7,7 +7,10 @@
 use bytes::Bytes;
 use camelot_check::{Op, Outcome};
 use camelot_clover::{CloverError, Memory, Store};
+use camelot_testkit::process::{Program, Readiness, ServerProcess};
 use camelot_testkit::{CamelotServer, CamelotServerOptions};
+use std::ffi::OsString;
+use std::net::SocketAddr;
 use std::path::Path;
 
 /// Few keys, so that 32 clients contend on every one of them — but not so few that a
@@ -27,6 +30,33 @@ pub fn memory_server(token: Option<&str>) -> CamelotServer {
         &CamelotServerOptions { resp: false, args },
     )
     .expect("camelot server")
+}
+
+/// `camelot proxy run` in front of `upstream`, presenting `token`, with `flags`.
+pub fn proxy_process(upstream: SocketAddr, token: &str, flags: &[&str]) -> ServerProcess {
+    let mut extra: Vec<OsString> = vec!["--token".into(), token.into()];
+    extra.extend(flags.iter().map(OsString::from));
+    ServerProcess::start(
+        Program {
+            program: env!("CARGO_BIN_EXE_camelot").to_string().into(),
+            package: "camelot".into(),
+        },
+        "camelot-proxy",
+        Readiness::Accepting,
+        move |port| {
+            let mut args: Vec<OsString> = vec![
+                "proxy".into(),
+                "run".into(),
+                "--listen".into(),
+                format!("127.0.0.1:{port}").into(),
+                "--upstream".into(),
+                upstream.to_string().into(),
+            ];
+            args.extend(extra.iter().cloned());
+            args
+        },
+    )
+    .expect("camelot proxy")
 }
 
 /// A register value as stored: 0 is "absent", which the checker's registers start as.
